@@ -1,0 +1,183 @@
+"""Atomic, verified checkpoints on top of PyTorch's distributed checkpoint (DCP).
+
+Layout of run.dir/checkpoints/:
+    step_00000200/          one finished checkpoint
+        .metadata, *.distcp DCP shards: model weights and optimizer state under layout-free names
+        rng_rank0.pt        per-rank RNG states (tensors only; loaded with weights_only=True)
+        state.json          step, consumed samples, model shape, anything the loop needs to resume
+        manifest.json       sha256 of every file above, written last inside the directory
+    latest                  text file naming the newest good checkpoint, replaced atomically
+    .tmp-step_00000300/     a save in progress (ignored and cleaned up on the next save)
+
+A crash at any point leaves the previous checkpoint and `latest` intact: the directory is renamed into
+place only after every byte is written and checksummed, and `latest` moves after the rename. Loading
+verifies the checksums and falls back to the previous checkpoint if a newer one is damaged.
+Nothing is unpickled from a checkpoint: DCP tensors, JSON, and `torch.load(weights_only=True)`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+MANIFEST = "manifest.json"
+STATE = "state.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: missing, partial, corrupt or incompatible."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def save_checkpoint(ckpt_root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    run_state: dict, keep: int, rank: int = 0,
+                    barrier: Callable[[], None] = lambda: None) -> Path:
+    """Write checkpoint `step_<step>` atomically; every rank calls this. Returns the final directory."""
+    name = f"step_{step:08d}"
+    final, tmp = ckpt_root / name, ckpt_root / f".tmp-{name}"
+    if rank == 0:
+        ckpt_root.mkdir(parents=True, exist_ok=True)
+        for stale in ckpt_root.glob(".tmp-*"):  # a save interrupted by a crash
+            shutil.rmtree(stale, ignore_errors=True)
+        if final.exists():  # re-saving the same step (e.g. after a rollback): replace it safely below
+            pass
+        tmp.mkdir()
+    barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+    barrier()
+    if rank == 0:
+        (tmp / STATE).write_text(json.dumps({**run_state, "step": step, "saved_at": time.time()}, indent=1))
+        files = sorted(p for p in tmp.iterdir() if p.is_file() and p.name != MANIFEST)
+        manifest = {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size} for p in files}
+        _write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
+        for p in tmp.iterdir():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(ckpt_root)
+        _write_atomic(ckpt_root / "latest", name + "\n")
+        _prune(ckpt_root, keep)
+    barrier()
+    return final
+
+
+def _prune(ckpt_root: Path, keep: int) -> None:
+    done = sorted(p for p in ckpt_root.glob("step_*") if p.is_dir())
+    for old in done[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def verify_checkpoint(path: Path) -> dict:
+    """Check that `path` is complete and every file matches its checksum; return its state.json."""
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(f"checkpoint {path} is incomplete: no {MANIFEST} (the save was interrupted).")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is corrupt ({e}).") from e
+    for fname, info in manifest.items():
+        f = path / fname
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint {path}: file {fname} listed in the manifest is missing.")
+        if f.stat().st_size != info["bytes"] or _sha256(f) != info["sha256"]:
+            raise CheckpointError(f"checkpoint {path}: file {fname} is corrupt (checksum mismatch).")
+    return json.loads((path / STATE).read_text())
+
+
+def find_checkpoints(ckpt_root: Path) -> list[Path]:
+    """Candidates to resume from, best first: the one `latest` names, then the others newest first."""
+    if not ckpt_root.is_dir():
+        return []
+    found = sorted((p for p in ckpt_root.glob("step_*") if p.is_dir()), reverse=True)
+    latest = ckpt_root / "latest"
+    if latest.is_file():
+        named = ckpt_root / latest.read_text().strip()
+        if named in found:
+            found.remove(named)
+            found.insert(0, named)
+    return found
+
+
+def check_compatible(saved: dict, current: dict) -> None:
+    """Refuse to load weights of another shape, naming every field that differs."""
+    keys = ["arch", "n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "tie_embeddings",
+            "parallel_block"]
+    diff = [f"model.{k}: checkpoint {saved.get(k)!r} vs config {current.get(k)!r}"
+            for k in keys if k in saved and saved.get(k) != current.get(k)]
+    if diff:
+        raise CheckpointError("checkpoint is incompatible with this model: " + "; ".join(diff) +
+                              ". Use the checkpoint's model settings, or checkpoint.resume=none to start fresh.")
+
+
+def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                    rank: int = 0, model_cfg: dict | None = None) -> dict:
+    """Verify and load `path` into model (and optimizer); restore this rank's RNG. Returns state.json."""
+    state = verify_checkpoint(path)
+    if model_cfg is not None and "model" in state:
+        check_compatible(state["model"], model_cfg)
+    if optimizer is not None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        sd = {"model": model_sd, "optim": optim_sd}
+        dcp.load(sd, checkpoint_id=str(path))
+        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    else:
+        sd = {"model": model.state_dict()}
+        dcp.load(sd, checkpoint_id=str(path))
+        model.load_state_dict(sd["model"])
+    rng_file = path / f"rng_rank{rank}.pt"
+    if rng_file.is_file():
+        set_rng_state(torch.load(rng_file, weights_only=True))
+    return state

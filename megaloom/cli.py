@@ -1,0 +1,145 @@
+"""Command-line entry points: `megaloom train | preprocess | tokenizer | generate | plot | config`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from megaloom.config import ConfigError, describe_keys, load_config
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)  # validated before anything heavy
+    if args.nproc and args.nproc > 1 and "LOCAL_RANK" not in os.environ:
+        from megaloom.parallel.launch import torchrun_command
+
+        argv = (["--config", args.config] if args.config else []) + list(args.overrides)
+        return subprocess.call(torchrun_command(args.nproc, argv, max_restarts=args.max_restarts))
+    from megaloom.train import train
+
+    train(cfg)
+    return 0
+
+
+def _cmd_preprocess(args: argparse.Namespace) -> int:
+    from megaloom.data.preprocess import preprocess
+
+    stats = preprocess(args.inputs, args.tokenizer, args.out, workers=args.workers, json_key=args.json_key)
+    print(f"wrote {args.out}.bin/.idx: {stats.n_docs} documents, {stats.n_tokens:,} tokens ({stats.dtype}) "
+          f"in {stats.seconds:.1f}s")
+    return 0
+
+
+def _cmd_tokenizer(args: argparse.Namespace) -> int:
+    from megaloom.data.preprocess import iter_documents  # noqa: F401  (validates inputs below)
+    from megaloom.data.tokenizer import train_bpe
+
+    files: list[Path] = []
+    for item in args.inputs:
+        p = Path(item)
+        if not p.exists():
+            raise ConfigError(f"tokenizer train: input '{p}' not found.")
+        files.extend(sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p])
+    out = train_bpe(files, args.vocab_size, Path(args.out))
+    print(f"wrote {out}")
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import torch
+
+    from megaloom.generate import generate, load_for_generation
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model, tok = load_for_generation(Path(args.run), device)
+    ids = tok.encode(args.prompt) or [tok.eod_id]
+    prompt = torch.tensor([ids], device=device)
+    out = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
+                   use_cache=not args.no_cache, seed=args.seed, eod_id=tok.eod_id)
+    print(tok.decode(out[0].tolist()))
+    return 0
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from megaloom.plot import plot_run
+
+    print(f"wrote {plot_run(args.run_dir, args.out)}")
+    return 0
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    if args.list:
+        print(describe_keys())
+    else:
+        print(load_config(args.config, args.overrides).to_yaml(), end="")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megaloom", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train a model (also under torchrun)")
+    t.add_argument("--config", help="YAML file with sections model:, parallel:, train:, data:, checkpoint:, run:")
+    t.add_argument("--nproc", type=int, default=0, help="run N processes on this node through torchrun")
+    t.add_argument("--max-restarts", type=int, default=0, help="with --nproc: restarts torchrun may make")
+    t.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.steps=50")
+    t.set_defaults(fn=_cmd_train)
+
+    pp = sub.add_parser("preprocess", help="text / JSONL files or folders -> memory-mapped token files")
+    pp.add_argument("inputs", nargs="+")
+    pp.add_argument("--tokenizer", required=True, help="tokenizer.json")
+    pp.add_argument("--out", required=True, help="output prefix (writes PREFIX.bin and PREFIX.idx)")
+    pp.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2)))
+    pp.add_argument("--json-key", default="text")
+    pp.set_defaults(fn=_cmd_preprocess)
+
+    tk = sub.add_parser("tokenizer", help="tokenizer tools")
+    tk_sub = tk.add_subparsers(dest="tokenizer_command", required=True)
+    tt = tk_sub.add_parser("train", help="fit a byte-level BPE on text files or folders")
+    tt.add_argument("inputs", nargs="+")
+    tt.add_argument("--vocab-size", type=int, default=8192)
+    tt.add_argument("--out", required=True, help="path of the tokenizer.json to write")
+    tt.set_defaults(fn=_cmd_tokenizer)
+
+    g = sub.add_parser("generate", help="sample text from a run's latest checkpoint")
+    g.add_argument("--run", required=True, help="run directory")
+    g.add_argument("--prompt", default="")
+    g.add_argument("--max-new-tokens", type=int, default=200)
+    g.add_argument("--temperature", type=float, default=0.8)
+    g.add_argument("--top-k", type=int, default=50)
+    g.add_argument("--top-p", type=float, default=0.95)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--no-cache", action="store_true", help="recompute the whole prefix each step (slow)")
+    g.set_defaults(fn=_cmd_generate)
+
+    pl = sub.add_parser("plot", help="write the loss curve of a run as a PNG")
+    pl.add_argument("run_dir")
+    pl.add_argument("--out", default=None)
+    pl.set_defaults(fn=_cmd_plot)
+
+    c = sub.add_parser("config", help="print the resolved config, or every key with --list")
+    c.add_argument("--config")
+    c.add_argument("--list", action="store_true")
+    c.add_argument("overrides", nargs="*")
+    c.set_defaults(fn=_cmd_config)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (ConfigError, ValueError, FileNotFoundError) as e:
+        # User errors (bad settings, missing or corrupt data, unusable checkpoints): one clear line, exit 2.
+        if os.environ.get("MEGALOOM_TRACEBACK"):
+            raise
+        print(f"megaloom: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

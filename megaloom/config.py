@@ -1,0 +1,349 @@
+"""The one typed configuration object that flows from the CLI to every part of megaloom.
+
+Every default lives here and nowhere else. A run is described by a YAML file and/or dotted
+``key=value`` overrides (``model.preset=tiny train.steps=50``); both are validated against these
+dataclasses before anything heavy starts, so a typo or an impossible value fails in milliseconds with
+a message that names the key and what would be valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration error: names the key, what was found and what would work."""
+
+
+def _f(default: Any, help: str, choices: tuple | None = None) -> Any:
+    """A dataclass field with a docstring (``help``) and, optionally, the values it may take."""
+    meta = {"help": help, "choices": choices}
+    if isinstance(default, list | dict):
+        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ModelConfig:
+    preset: str = _f("tiny", "Named model shape (see megaloom.models.presets); other model keys override it.")
+    arch: str = _f("llama", "gpt2: LayerNorm, GeLU, learned positions, biases. llama: RMSNorm, SwiGLU, RoPE, GQA.",
+                   ("gpt2", "llama"))
+    n_layers: int = _f(4, "Number of transformer blocks.")
+    d_model: int = _f(128, "Hidden size.")
+    n_heads: int = _f(4, "Attention (query) heads.")
+    n_kv_heads: int = _f(0, "Key/value heads for grouped-query attention; 0 = n_heads (multi-head attention).")
+    ffn_dim: int = _f(0, "MLP hidden size; 0 = 4*d_model (gpt2) or the Llama rule 8/3*d_model rounded to 256.")
+    vocab_size: int = _f(0, "Embedding rows; 0 = the tokenizer's vocabulary padded to a multiple of 64.")
+    max_seq_len: int = _f(1024, "Longest sequence the position embedding / RoPE tables cover.")
+    tie_embeddings: bool = _f(True, "Share the input embedding and the output head weights.")
+    norm_eps: float = _f(1e-5, "Epsilon of LayerNorm / RMSNorm.")
+    rope_theta: float = _f(10000.0, "RoPE base frequency (llama arch).")
+    dropout: float = _f(0.0, "Dropout on attention probabilities and residual branches.")
+    init_std: float = _f(0.02, "Std of the normal init; output projections use init_std/sqrt(2*n_layers).")
+    parallel_block: bool = _f(False, "MegaScale/GPT-J parallel block: attention and MLP read the same normed input.")
+    sliding_window: int = _f(0, "Sliding-window attention span in tokens; 0 = full causal attention.")
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = _f(1, "Tensor-parallel size (Megatron column/row layers).")
+    pp: int = _f(1, "Pipeline-parallel size.")
+    vpp: int = _f(1, "Virtual pipeline stages per pipeline rank (interleaved schedule).")
+    cp: int = _f(1, "Context-parallel size (long sequences).")
+    ep: int = _f(1, "Expert-parallel size (MoE).")
+    sp: bool = _f(False, "Sequence parallelism inside tensor-parallel groups.")
+    zero: int = _f(0, "ZeRO stage: 0 off, 1 optimizer state, 2 + gradients, 3 + parameters.", (0, 1, 2, 3))
+    schedule: str = _f("1f1b", "Pipeline schedule.", ("gpipe", "1f1b", "interleaved", "zb"))
+
+
+@dataclass
+class TrainConfig:
+    steps: int = _f(600, "Optimizer steps to train for.")
+    seed: int = _f(1234, "Seed for initialisation, data order and dropout.")
+    global_batch_size: int = _f(16, "Sequences per optimizer step, summed over data-parallel ranks.")
+    micro_batch_size: int = _f(8, "Sequences per forward/backward pass; the rest is gradient accumulation.")
+    seq_len: int = _f(128, "Tokens per training sequence.")
+    lr: float = _f(3e-3, "Peak learning rate.")
+    min_lr: float = _f(3e-4, "Learning rate at the end of the cosine decay.")
+    warmup_steps: int = _f(50, "Linear warmup steps from 0 to lr.")
+    lr_decay_steps: int = _f(0, "Steps of cosine decay after which lr stays at min_lr; 0 = train.steps.")
+    weight_decay: float = _f(0.1, "AdamW decoupled weight decay (not applied to biases and norm weights).")
+    beta1: float = _f(0.9, "AdamW beta1.")
+    beta2: float = _f(0.95, "AdamW beta2.")
+    grad_clip: float = _f(1.0, "Clip the global gradient norm to this value; 0 = off.")
+    precision: str = _f("auto", "auto = fp32 on CPU, bf16 on GPU.", ("auto", "fp32", "bf16", "fp16", "fp8"))
+    recompute: str = _f("none", "Activation recomputation.", ("none", "selective", "full"))
+    compile: bool = _f(False, "torch.compile each transformer block.")
+    log_every: int = _f(10, "Steps between metric lines (loss is averaged over the interval).")
+    eval_every: int = _f(200, "Steps between evaluations on the validation split; 0 = only at the end.")
+    eval_batches: int = _f(4, "Global batches per evaluation.")
+    device: str = _f("auto", "auto = cuda if available else cpu; or cpu / cuda.")
+
+
+@dataclass
+class DataConfig:
+    paths: list[str] = _f([], "Token-file prefixes from `megaloom preprocess`; empty = embedded default corpus.")
+    weights: list[float] = _f([], "Blending weights, one per path; empty = proportional to token counts.")
+    tokenizer: str = _f("", "Path to a tokenizer.json; empty = the default BPE trained on the embedded corpus.")
+    split: str = _f("98,2", "train,valid percentages of documents.")
+    cache_dir: str = _f("", "Cache for the default corpus and sample indices; empty = $MEGALOOM_CACHE or "
+                            "~/.cache/megaloom.")
+    num_workers: int = _f(1, "Background data-loading processes (0 = load in the training process).")
+    prefetch: int = _f(2, "Batches prefetched per loading process.")
+    default_vocab_size: int = _f(8192, "Vocabulary of the default tokenizer trained on the embedded corpus.")
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = _f(200, "Steps between checkpoints; 0 = only at the end.")
+    keep: int = _f(3, "Most recent checkpoints kept; older ones are deleted.")
+    resume: str = _f("auto", "auto = latest in run.dir if any; none = start fresh; or a checkpoint directory.")
+
+
+@dataclass
+class RunConfig:
+    dir: str = _f("runs/default", "Run directory: config.yaml, metrics.jsonl, checkpoints/, TensorBoard events.")
+    tensorboard: bool = _f(True, "Write TensorBoard event files into run.dir.")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+SECTIONS: dict[str, type] = {f.name: f.type for f in fields(Config)}  # type: ignore[misc]
+_SECTION_TYPES = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig, "data": DataConfig,
+                  "checkpoint": CheckpointConfig, "run": RunConfig}
+
+
+def all_keys() -> list[str]:
+    return [f"{s}.{f.name}" for s, cls in _SECTION_TYPES.items() for f in fields(cls)]
+
+
+def _suggest(key: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(key, options, n=1, cutoff=0.5)
+    return f" Did you mean '{close[0]}'?" if close else ""
+
+
+def _coerce(key: str, value: Any, typ: Any) -> Any:
+    """Check ``value`` against the annotated type, converting YAML scalars where it is lossless."""
+    origin = typing.get_origin(typ)
+    if origin in (list, types.GenericAlias) or origin is list:
+        (item,) = typing.get_args(typ)
+        if isinstance(value, str):  # "a,b" on the command line
+            value = [v for v in value.split(",") if v]
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{key}: expected a list, got {value!r}. Use a YAML list or comma-separated values.")
+        return [_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "on", "off", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "on", "yes", "1")
+        raise ConfigError(f"{key}: expected true or false, got {value!r}.")
+    if typ is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}.")
+        return value
+    if typ is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-4" (no dot) as a string
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{key}: expected a number, got {value!r}.")
+        return float(value)
+    if typ is str:
+        if isinstance(value, bool | list | dict) or value is None:
+            raise ConfigError(f"{key}: expected a string, got {value!r}.")
+        return str(value)
+    raise AssertionError(f"unsupported config type {typ} for {key}")
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in fields(cls)}
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    if "=" not in item:
+        raise ConfigError(f"override '{item}' is not of the form key=value (e.g. train.steps=50).")
+    key, raw = item.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    if value is None:
+        value = raw
+    return key.strip(), value
+
+
+def _flatten(d: dict, where: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for section, body in d.items():
+        if section not in _SECTION_TYPES:
+            raise ConfigError(f"{where}: unknown section '{section}'.{_suggest(section, list(_SECTION_TYPES))} "
+                              f"Valid sections: {', '.join(_SECTION_TYPES)}.")
+        if body is None:
+            continue
+        if not isinstance(body, dict):
+            raise ConfigError(f"{where}: section '{section}' must be a mapping of keys to values.")
+        for k, v in body.items():
+            out[f"{section}.{k}"] = v
+    return out
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Defaults <- model preset <- YAML file <- command-line overrides, then validation."""
+    from megaloom.models.presets import PRESETS
+
+    values: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"--config: file '{p}' not found.")
+        data = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(data, dict):
+            raise ConfigError(f"--config {p}: expected a mapping of sections (model:, train:, ...).")
+        values.update(_flatten(data, str(p)))
+    for item in overrides:
+        k, v = parse_override(item)
+        values[k] = v
+
+    valid = all_keys()
+    for k in values:
+        if k not in valid:
+            raise ConfigError(f"unknown config key '{k}'.{_suggest(k, valid)} "
+                              f"See `megaloom config --list` for every key.")
+
+    cfg = Config()
+    preset = values.get("model.preset", cfg.model.preset)
+    if not isinstance(preset, str) or preset not in PRESETS:
+        raise ConfigError(f"model.preset: unknown preset {preset!r}.{_suggest(str(preset), list(PRESETS))} "
+                          f"Valid: {', '.join(PRESETS)}.")
+    for k, v in PRESETS[preset].items():
+        setattr(cfg.model, k, v)
+    cfg.model.preset = preset
+
+    for k, v in values.items():
+        section, name = k.split(".", 1)
+        obj = getattr(cfg, section)
+        setattr(obj, name, _coerce(k, v, _field_types(type(obj))[name]))
+    validate(cfg)
+    return cfg
+
+
+def config_from_dict(d: dict) -> Config:
+    """Rebuild a Config from a resolved config.yaml (as written into a run directory)."""
+    flat = _flatten(d, "config.yaml")
+    cfg = Config()
+    for k, v in flat.items():
+        section, name = k.split(".", 1)
+        obj = getattr(cfg, section)
+        types_ = _field_types(type(obj))
+        if name not in types_:
+            raise ConfigError(f"config.yaml: unknown key '{k}'.{_suggest(k, all_keys())}")
+        setattr(obj, name, _coerce(k, v, types_[name]))
+    validate(cfg)
+    return cfg
+
+
+def _require(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ConfigError(msg)
+
+
+def validate(cfg: Config) -> None:
+    """Reject impossible values with a message naming the key and what would work."""
+    for section, cls in _SECTION_TYPES.items():
+        obj = getattr(cfg, section)
+        for f in fields(cls):
+            choices = f.metadata.get("choices")
+            if choices and getattr(obj, f.name) not in choices:
+                v = getattr(obj, f.name)
+                raise ConfigError(f"{section}.{f.name}: {v!r} is not one of {', '.join(map(str, choices))}."
+                                  f"{_suggest(str(v), [str(c) for c in choices])}")
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    for key, v in [("model.n_layers", m.n_layers), ("model.d_model", m.d_model), ("model.n_heads", m.n_heads),
+                   ("model.max_seq_len", m.max_seq_len), ("train.steps", t.steps),
+                   ("train.global_batch_size", t.global_batch_size), ("train.micro_batch_size", t.micro_batch_size),
+                   ("train.seq_len", t.seq_len), ("train.log_every", t.log_every),
+                   ("train.eval_batches", t.eval_batches), ("parallel.tp", p.tp), ("parallel.pp", p.pp),
+                   ("parallel.vpp", p.vpp), ("parallel.cp", p.cp), ("parallel.ep", p.ep),
+                   ("checkpoint.keep", cfg.checkpoint.keep)]:
+        _require(v >= 1, f"{key} must be >= 1, got {v}.")
+    for key, v in [("model.n_kv_heads", m.n_kv_heads), ("model.ffn_dim", m.ffn_dim),
+                   ("model.vocab_size", m.vocab_size), ("model.sliding_window", m.sliding_window),
+                   ("train.warmup_steps", t.warmup_steps), ("train.lr_decay_steps", t.lr_decay_steps),
+                   ("train.eval_every", t.eval_every), ("checkpoint.every", cfg.checkpoint.every),
+                   ("data.num_workers", cfg.data.num_workers), ("train.weight_decay", t.weight_decay),
+                   ("train.grad_clip", t.grad_clip), ("train.min_lr", t.min_lr)]:
+        _require(v >= 0, f"{key} must be >= 0, got {v}.")
+    _require(t.lr > 0, f"train.lr must be > 0, got {t.lr}.")
+    _require(t.min_lr <= t.lr, f"train.min_lr ({t.min_lr}) must not exceed train.lr ({t.lr}).")
+    _require(0 <= m.dropout < 1, f"model.dropout must be in [0, 1), got {m.dropout}.")
+    _require(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1 and train.beta2 must be in [0, 1).")
+    _require(m.d_model % m.n_heads == 0,
+             f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads}); "
+             f"head counts that would work: {_divisors(m.d_model, m.n_heads)}.")
+    kv = m.n_kv_heads or m.n_heads
+    _require(m.n_heads % kv == 0,
+             f"model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({kv}); "
+             f"n_kv_heads that would work: {_divisors(m.n_heads)}.")
+    if m.arch == "llama":
+        _require((m.d_model // m.n_heads) % 2 == 0, "llama arch: head dim (d_model/n_heads) must be even for RoPE.")
+    _require(t.seq_len <= m.max_seq_len,
+             f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len}); "
+             f"lower train.seq_len or raise model.max_seq_len.")
+    _require(t.global_batch_size % t.micro_batch_size == 0,
+             f"train.global_batch_size ({t.global_batch_size}) must be a multiple of train.micro_batch_size "
+             f"({t.micro_batch_size}) times the data-parallel size.")
+    _require(t.device in ("auto", "cpu", "cuda") or t.device.startswith("cuda:"),
+             f"train.device: {t.device!r} is not auto, cpu, cuda or cuda:N.")
+    if cfg.data.weights:
+        _require(len(cfg.data.weights) == len(cfg.data.paths),
+                 f"data.weights has {len(cfg.data.weights)} entries but data.paths has {len(cfg.data.paths)}; "
+                 "give one weight per path or none.")
+    r = cfg.checkpoint.resume
+    _require(r in ("auto", "none") or bool(r), "checkpoint.resume must be auto, none or a checkpoint directory.")
+
+
+def _divisors(n: int, near: int | None = None) -> str:
+    ds = [d for d in range(1, n + 1) if n % d == 0]
+    if near is not None:
+        ds = sorted(ds, key=lambda d: abs(d - near))[:4]
+        ds.sort()
+    return ", ".join(map(str, ds[:8]))
+
+
+def describe_keys() -> str:
+    """Every key with its default and docstring: the config reference (`megaloom config --list`)."""
+    lines = []
+    for section, cls in _SECTION_TYPES.items():
+        lines.append(f"[{section}]")
+        inst = cls()
+        for f in fields(cls):
+            ch = f.metadata.get("choices")
+            extra = f" (one of: {', '.join(map(str, ch))})" if ch else ""
+            lines.append(f"  {section}.{f.name} = {getattr(inst, f.name)!r}  # {f.metadata['help']}{extra}")
+    return "\n".join(lines)

@@ -1,0 +1,77 @@
+"""Sampling from a trained run: temperature, top-k and top-p (nucleus) with a KV cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from megaloom.checkpoint import CheckpointError, find_checkpoints, load_checkpoint
+from megaloom.data.tokenizer import Tokenizer
+from megaloom.models import Transformer
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                generator: torch.Generator | None) -> torch.Tensor:
+    """Pick the next token [B] from logits [B, V]. temperature 0 = greedy."""
+    if temperature <= 0:
+        return logits.argmax(-1)
+    logits = logits.float() / temperature
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if 0 < top_p < 1:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop tokens once the mass before them already exceeds top_p (the first token always stays)
+        drop = probs.cumsum(-1) - probs > top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(model: Transformer, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+             top_k: int = 0, top_p: float = 1.0, use_cache: bool = True, seed: int = 0,
+             eod_id: int | None = None) -> torch.Tensor:
+    """Continue prompt [B, T]; returns [B, T + n]. With use_cache=False every step re-runs the whole prefix
+    (the reference that the cached path must agree with)."""
+    model.eval()
+    gen = torch.Generator(device=prompt.device).manual_seed(seed)
+    limit = model.cfg.max_seq_len
+    max_new_tokens = min(max_new_tokens, limit - prompt.shape[1])
+    out = prompt
+    caches = model.new_caches(prompt.shape[0], prompt.shape[1] + max_new_tokens) if use_cache else None
+    logits = model(prompt, caches=caches, pos=0)[:, -1]
+    for _ in range(max_new_tokens):
+        nxt = sample_next(logits, temperature, top_k, top_p, gen)
+        out = torch.cat([out, nxt[:, None]], dim=1)
+        if eod_id is not None and bool((nxt == eod_id).all()):
+            break
+        if out.shape[1] >= limit:
+            break
+        if use_cache:
+            logits = model(nxt[:, None], caches=caches, pos=out.shape[1] - 1)[:, -1]
+        else:
+            logits = model(out)[:, -1]
+    return out
+
+
+def load_for_generation(run_dir: Path, device: torch.device) -> tuple[Transformer, Tokenizer]:
+    from megaloom.train import load_run_config
+
+    cfg = load_run_config(run_dir)
+    model = Transformer(cfg.model).to(device)
+    candidates = find_checkpoints(run_dir / "checkpoints")
+    if not candidates:
+        raise CheckpointError(f"--run {run_dir}: no checkpoints found in {run_dir / 'checkpoints'}.")
+    for path in candidates:
+        try:
+            load_checkpoint(path, model, None, model_cfg=cfg.model.__dict__)
+            break
+        except CheckpointError as e:
+            print(f"WARNING: {e}")
+    else:
+        raise CheckpointError(f"--run {run_dir}: no usable checkpoint.")
+    return model, Tokenizer.from_file(cfg.data.tokenizer)

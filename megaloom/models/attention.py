@@ -1,0 +1,83 @@
+"""Causal self-attention with grouped-query heads, RoPE, an optional sliding window and a KV cache.
+
+The core is `scaled_dot_product_attention`, so GPUs use the flash / cuDNN kernels. Head counts are read
+from the projection shapes at run time, so tensor parallelism only has to swap the four linear layers.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from megaloom.models.layers import apply_rope
+
+
+class KVCache:
+    """Preallocated keys and values of one layer for incremental decoding: [B, H_kv, max_len, head_dim]."""
+
+    def __init__(self, batch: int, n_kv_heads: int, max_len: int, head_dim: int, dtype, device):
+        self.k = torch.zeros(batch, n_kv_heads, max_len, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+
+    def update(self, k: torch.Tensor, v: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        t = k.shape[2]
+        self.k[:, :, pos:pos + t] = k
+        self.v[:, :, pos:pos + t] = v
+        return self.k[:, :, :pos + t], self.v[:, :, :pos + t]
+
+
+def attention_mask(q_len: int, k_len: int, pos: int, window: int, device) -> torch.Tensor:
+    """Boolean mask [q_len, k_len], True = may attend: causal, offset by pos, limited to `window` if > 0."""
+    q_idx = torch.arange(pos, pos + q_len, device=device)[:, None]
+    k_idx = torch.arange(k_len, device=device)[None, :]
+    allowed = k_idx <= q_idx
+    if window > 0:
+        allowed &= (q_idx - k_idx) < window
+    return allowed
+
+
+class Attention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, bias: bool, dropout: float, window: int):
+        super().__init__()
+        self.head_dim = d_model // n_heads
+        self.q_proj = nn.Linear(d_model, n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=bias)
+        self.attn_dropout = dropout
+        self.resid_dropout = nn.Dropout(dropout)
+        self.window = window
+        # Selective recomputation: recompute the attention core (the largest activations) in backward.
+        self.recompute_core = False
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int) -> torch.Tensor:
+        q_len, k_len = q.shape[2], k.shape[2]
+        p = self.attn_dropout if self.training else 0.0
+        gqa = q.shape[1] != k.shape[1]
+        if self.window == 0 and pos == 0 and q_len == k_len:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa)
+        if self.window == 0 and q_len == 1:  # one new token attends to everything cached
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, enable_gqa=gqa)
+        mask = attention_mask(q_len, k_len, pos, self.window, q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, enable_gqa=gqa)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                cache: KVCache | None = None, pos: int = 0) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, -1, self.head_dim)
+        k = self.k_proj(x).view(b, t, -1, self.head_dim)
+        v = self.v_proj(x).view(b, t, -1, self.head_dim)
+        if rope is not None:
+            cos, sin = rope
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D]
+        if cache is not None:
+            k, v = cache.update(k, v, pos)
+        if self.recompute_core and torch.is_grad_enabled():
+            y = checkpoint(self._core, q, k, v, pos, use_reentrant=False)
+        else:
+            y = self._core(q, k, v, pos)
+        y = y.transpose(1, 2).reshape(b, t, -1)
+        return self.resid_dropout(self.o_proj(y))

@@ -1,0 +1,59 @@
+"""Small building blocks of the transformer: norms, rotary embeddings, the MLP variants."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+def make_norm(arch: str, dim: int, eps: float) -> nn.Module:
+    """LayerNorm with bias for GPT-2, RMSNorm for Llama (both PyTorch's own fused kernels)."""
+    return nn.LayerNorm(dim, eps=eps) if arch == "gpt2" else nn.RMSNorm(dim, eps=eps)
+
+
+def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_len, head_dim] for the rotate-half convention (the Hugging Face Llama layout)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, T, H, D] by position; cos/sin are [T, D]. Computed in fp32, returned in x's dtype."""
+    d = x.shape[-1] // 2
+    xf = x.float()
+    rotated = torch.cat([-xf[..., d:], xf[..., :d]], dim=-1)
+    c, s = cos[:, None, :], sin[:, None, :]
+    return (xf * c + rotated * s).to(x.dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU (llama: down(silu(gate x) * up x)) or GeLU (gpt2: down(gelu(up x)))."""
+
+    def __init__(self, arch: str, d_model: int, ffn_dim: int, bias: bool, dropout: float):
+        super().__init__()
+        self.gated = arch == "llama"
+        if self.gated:
+            self.gate_proj = nn.Linear(d_model, ffn_dim, bias=bias)
+        self.up_proj = nn.Linear(d_model, ffn_dim, bias=bias)
+        self.down_proj = nn.Linear(ffn_dim, d_model, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+        # Selective recomputation: keep the GEMM inputs, recompute the cheap elementwise activation in backward.
+        self.recompute_activation = False
+
+    def _act(self, up: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        if gate is not None:
+            return F.silu(gate) * up
+        return F.gelu(up, approximate="tanh")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        up = self.up_proj(x)
+        gate = self.gate_proj(x) if self.gated else None
+        if self.recompute_activation and torch.is_grad_enabled():
+            h = checkpoint(self._act, up, gate, use_reentrant=False)
+        else:
+            h = self._act(up, gate)
+        return self.dropout(self.down_proj(h))

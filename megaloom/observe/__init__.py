@@ -1,0 +1,1 @@
+"""Observability: metrics sinks, FLOPs/MFU, memory."""

@@ -1,0 +1,35 @@
+"""FLOPs per token, device peaks and MFU.
+
+The count is the standard one (Kaplan et al.; PaLM appendix B; TorchTitan's `get_num_flop_per_token`):
+6 x N non-embedding parameters (forward 2N, backward 4N) plus the attention score and value matmuls,
+6 x 2 x n_layers x d_model x seq_len per token counted in full (not halved for the causal mask), so our
+MFU is directly comparable with TorchTitan's. Recomputation is not counted (MFU, not HFU).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megaloom.config import ModelConfig
+
+# Dense bf16 tensor-core peaks in FLOP/s (no sparsity), by substring of the device name.
+PEAK_BF16 = {
+    "H200": 989e12, "H100": 989e12, "H800": 989e12, "GH200": 989e12,
+    "A100": 312e12, "A800": 312e12, "L40S": 362e12, "B200": 2250e12, "B100": 1750e12,
+}
+
+
+def flops_per_token(cfg: ModelConfig, n_params_no_embedding: int, seq_len: int) -> float:
+    attention = 12 * cfg.n_layers * cfg.d_model * seq_len
+    return 6 * n_params_no_embedding + attention
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    """bf16 dense peak of a CUDA device, or None (CPU, or an unknown GPU: MFU is then reported as null)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, peak in PEAK_BF16.items():
+        if key in name:
+            return peak
+    return None

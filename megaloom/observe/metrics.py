@@ -1,0 +1,64 @@
+"""Where metrics go: metrics.jsonl (the contract), TensorBoard, and a console line for humans."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+
+class MetricsSink:
+    """Appends one JSON object per logged step to run_dir/metrics.jsonl and mirrors scalars to TensorBoard.
+
+    Only rank 0 writes (the caller constructs it with enabled=False elsewhere).
+    """
+
+    def __init__(self, run_dir: Path, tensorboard: bool, enabled: bool = True):
+        self.enabled = enabled
+        self.path = run_dir / "metrics.jsonl"
+        self.tb = None
+        if enabled and tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(log_dir=str(run_dir))
+
+    def log(self, record: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) and k in ("mfu",) else v)
+                 for k, v in record.items()}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(clean) + "\n")
+        if self.tb is not None:
+            step = record["step"]
+            for k, v in record.items():
+                if k != "step" and isinstance(v, int | float) and not isinstance(v, bool):
+                    tag = k.replace("eval_", "eval/") if k.startswith("eval_") else f"train/{k}"
+                    self.tb.add_scalar(tag, v, step)
+            self.tb.flush()
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def format_eta(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
+
+
+def console_line(r: dict[str, Any], total_steps: int, eta_s: float) -> str:
+    mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
+    return (f"step {r['step']:>6}/{total_steps} | loss {r['loss']:.4f} | lr {r['lr']:.2e} | "
+            f"gnorm {r['grad_norm']:.3f} | {r['tokens_per_s']:,.0f} tok/s | mfu {mfu} | "
+            f"mem {r['mem_gb']:.2f} GB | eta {format_eta(eta_s)}")
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

@@ -1,0 +1,44 @@
+"""Optimizer construction and the learning-rate schedule (linear warmup, cosine decay to min_lr)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from megaloom.config import TrainConfig
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Megatron's rule: no weight decay on biases and norm weights (1-D tensors); decay everything else."""
+    decay, no_decay, seen = [], [], set()
+    for _, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        (decay if p.ndim >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+    # The fused kernel on GPU (one launch for all parameters); foreach (multi-tensor) on CPU.
+    fused = device.type == "cuda"
+    return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
+                             eps=1e-8, fused=fused, foreach=None if fused else True)
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Learning rate for optimizer step `step` (0-based): warmup to lr, then cosine down to min_lr."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    decay_steps = (cfg.lr_decay_steps or cfg.steps) - cfg.warmup_steps
+    if decay_steps <= 0:
+        return cfg.lr
+    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

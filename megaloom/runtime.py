@@ -1,0 +1,73 @@
+"""Process-level set-up: device choice, torch.distributed initialisation under torchrun, seeding."""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from megaloom.config import Config, ConfigError
+
+
+@dataclass
+class Runtime:
+    device: torch.device
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+
+def pick_device(choice: str, local_rank: int) -> torch.device:
+    if choice == "cpu":
+        return torch.device("cpu")
+    if choice.startswith("cuda") or (choice == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ConfigError(f"train.device={choice} but no CUDA device is visible; use train.device=cpu.")
+        dev = torch.device(choice if ":" in choice else f"cuda:{local_rank}")
+        torch.cuda.set_device(dev)
+        return dev
+    return torch.device("cpu")
+
+
+def init_runtime(cfg: Config) -> Runtime:
+    """Read torchrun's environment; start the process group (NCCL on GPUs, gloo on CPUs) when world > 1."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = pick_device(cfg.train.device, local_rank)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                device_id=device if device.type == "cuda" else None)
+    return Runtime(device=device, rank=rank, world_size=world, local_rank=local_rank)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def resolve_precision(cfg: Config, device: torch.device) -> str:
+    p = cfg.train.precision
+    if p == "auto":
+        return "bf16" if device.type == "cuda" else "fp32"
+    if p in ("bf16", "fp16") and device.type == "cpu" and p == "fp16":
+        raise ConfigError("train.precision=fp16 needs a GPU (CPU autocast supports bf16); use fp32 or bf16.")
+    if p == "fp8":
+        if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
+            raise ConfigError("train.precision=fp8 needs an FP8-capable GPU (Hopper/Ada, compute capability "
+                              ">= 8.9); this device has none. Use bf16.")
+        raise ConfigError("train.precision=fp8 is not implemented yet (tracked by the precision issue); use bf16.")
+    return p

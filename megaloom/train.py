@@ -1,0 +1,236 @@
+"""The training loop. It should read like a page of prose: set up, then step, log, evaluate, save."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from megaloom.checkpoint import CheckpointError, find_checkpoints, load_checkpoint, save_checkpoint
+from megaloom.config import Config, ConfigError
+from megaloom.data.dataset import build_datasets
+from megaloom.data.loader import StepBatches, make_loader
+from megaloom.models import Transformer, apply_recompute, count_params
+from megaloom.models.transformer import resolved_ffn_dim
+from megaloom.observe.flops import device_peak_flops, flops_per_token
+from megaloom.observe.memory import peak_memory_gb
+from megaloom.observe.metrics import MetricsSink, console_line
+from megaloom.optim import build_optimizer, lr_at, set_lr
+from megaloom.runtime import Runtime, init_runtime, resolve_precision, seed_everything
+
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    final_step: int
+    losses: dict[int, float] = field(default_factory=dict)  # step -> logged (interval-mean) loss
+    eval_loss: float | None = None
+
+
+def resolve_model_shape(cfg: Config, tokenizer_vocab: int, pad_multiple: int = 64) -> None:
+    """Fill in the model sizes left at 0 ("auto") so that config.yaml records the real shape."""
+    m = cfg.model
+    if m.vocab_size == 0:
+        m.vocab_size = pad_multiple * math.ceil(tokenizer_vocab / pad_multiple)
+    elif tokenizer_vocab > m.vocab_size:
+        raise ConfigError(f"the tokenizer has {tokenizer_vocab} tokens but model.vocab_size={m.vocab_size}; set "
+                          f"model.vocab_size>={tokenizer_vocab} (or 0 to follow the tokenizer).")
+    m.n_kv_heads = m.n_kv_heads or m.n_heads
+    m.ffn_dim = resolved_ffn_dim(m)
+
+
+def micro_batches(batch: torch.Tensor, micro: int):
+    for i in range(0, batch.shape[0], micro):
+        chunk = batch[i:i + micro]
+        yield chunk[:, :-1], chunk[:, 1:]
+
+
+def autocast_ctx(precision: str, device: torch.device):
+    if precision in AUTOCAST:
+        return torch.autocast(device.type, dtype=AUTOCAST[precision])
+    return contextlib.nullcontext()
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches: list[torch.Tensor], micro: int, precision: str,
+             device: torch.device) -> float:
+    model.eval()
+    total, n = torch.zeros((), device=device), 0
+    for batch in batches:
+        for x, y in micro_batches(batch.to(device, non_blocking=True), micro):
+            with autocast_ctx(precision, device):
+                total += model(x, y).float()
+            n += 1
+    model.train()
+    return (total / max(n, 1)).item()
+
+
+def train(cfg: Config) -> TrainResult:
+    rt: Runtime = init_runtime(cfg)
+    if rt.world_size > 1:
+        raise ConfigError(f"multi-process training (world size {rt.world_size}) needs the parallel runtime, which "
+                          "is not in this build yet; run a single process.")
+    t, device = cfg.train, rt.device
+    precision = resolve_precision(cfg, device)
+    cfg.train.precision = precision
+    run_dir = Path(cfg.run.dir)
+
+    # Data first: a missing or corrupt corpus fails before the model is built.
+    n_micro = t.global_batch_size // t.micro_batch_size
+    train_ds, valid_ds, tokenizer = build_datasets(cfg.data, t.seq_len, t.seed, t.steps * t.global_batch_size,
+                                                   t.eval_batches * t.global_batch_size)
+    if not cfg.data.tokenizer:
+        cfg.data.tokenizer = str(Path(tokenizer.path).resolve())
+    resolve_model_shape(cfg, tokenizer.vocab_size)
+
+    if rt.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(cfg.to_yaml())
+
+    seed_everything(t.seed)
+    model = Transformer(cfg.model).to(device)
+    apply_recompute(model, t.recompute)
+    if t.compile:
+        for i, layer in enumerate(model.layers):
+            model.layers[i] = torch.compile(layer)
+    optimizer = build_optimizer(model, t, device)
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+
+    ckpt_root = run_dir / "checkpoints"
+    start_step = _maybe_resume(cfg, model, optimizer, ckpt_root, rt)
+
+    n_params = count_params(model)
+    fpt = flops_per_token(cfg.model, count_params(model, exclude_embeddings=True), t.seq_len)
+    peak = device_peak_flops(device)
+    if rt.is_main:
+        print(f"megaloom: {cfg.model.preset} ({cfg.model.arch}) {n_params / 1e6:.2f}M params on {device}, "
+              f"{precision}, {t.steps} steps x {t.global_batch_size} x {t.seq_len} tokens "
+              f"({n_micro} micro-batches of {t.micro_batch_size}); run dir {run_dir}", flush=True)
+
+    batches = StepBatches(train_ds, t.global_batch_size, start_step=start_step, n_steps=t.steps - start_step)
+    loader = make_loader(batches, cfg.data.num_workers, cfg.data.prefetch, pin_memory=device.type == "cuda")
+    eval_batches = [torch.stack([torch.as_tensor(valid_ds[i * t.global_batch_size + j])
+                                 for j in range(t.global_batch_size)]) for i in range(t.eval_batches)]
+    sink = MetricsSink(run_dir, cfg.run.tensorboard, enabled=rt.is_main)
+    result = TrainResult(run_dir=run_dir, final_step=start_step)
+
+    loss_sum = torch.zeros((), device=device)
+    steps_in_interval, interval_compute_s, skipped = 0, 0.0, 0
+    train_start = time.perf_counter()
+    step = start_step
+    for batch in loader:
+        step_t0 = time.perf_counter()
+        batch = batch.to(device, non_blocking=True)
+        lr = lr_at(step, t)
+        set_lr(optimizer, lr)
+        for x, y in micro_batches(batch, t.micro_batch_size):
+            with autocast_ctx(precision, device):
+                loss = model(x, y) / n_micro
+            scaler.scale(loss).backward()
+            loss_sum += loss.detach().float()
+        scaler.unscale_(optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip if t.grad_clip > 0 else math.inf,
+                                                   foreach=True)
+        scale_before = scaler.get_scale() if scaler.is_enabled() else None
+        scaler.step(optimizer)
+        scaler.update()
+        if scale_before is not None and scaler.get_scale() < scale_before:
+            skipped += 1  # fp16 overflow: the scaler skipped this step
+        optimizer.zero_grad(set_to_none=True)
+        step += 1
+        steps_in_interval += 1
+        if device.type == "cuda" and step % t.log_every == 0:
+            torch.cuda.synchronize(device)  # so the interval's timing covers the GPU work it queued
+        interval_compute_s += time.perf_counter() - step_t0
+
+        do_eval = (t.eval_every and step % t.eval_every == 0) or step == t.steps
+        if step % t.log_every == 0 or do_eval:
+            tokens = steps_in_interval * t.global_batch_size * t.seq_len
+            tps = tokens / max(interval_compute_s, 1e-9)
+            record = {"step": step, "loss": (loss_sum / steps_in_interval).item(), "lr": lr,
+                      "grad_norm": float(grad_norm), "tokens_per_s": tps,
+                      "mfu": (fpt * tps / peak) if peak else None, "mem_gb": peak_memory_gb(device),
+                      "tokens": step * t.global_batch_size * t.seq_len, "skipped_steps": skipped,
+                      "elapsed_s": time.perf_counter() - train_start}
+            if do_eval:
+                record["eval_loss"] = evaluate(model, eval_batches, t.micro_batch_size, precision, device)
+                record["eval_ppl"] = math.exp(min(record["eval_loss"], 50.0))
+                result.eval_loss = record["eval_loss"]
+            sink.log(record)
+            result.losses[step] = record["loss"]
+            if rt.is_main:
+                eta = (t.steps - step) * interval_compute_s / steps_in_interval
+                line = console_line(record, t.steps, eta)
+                if do_eval:
+                    line += f" | eval {record['eval_loss']:.4f} (ppl {record['eval_ppl']:.1f})"
+                print(line, flush=True)
+            loss_sum.zero_()
+            steps_in_interval, interval_compute_s = 0, 0.0
+
+        if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == t.steps:
+            _save(cfg, model, optimizer, ckpt_root, step, rt)
+    result.final_step = step
+    sink.close()
+    return result
+
+
+def _run_state(cfg: Config, step: int) -> dict:
+    return {"consumed_samples": step * cfg.train.global_batch_size, "model": cfg.model.__dict__.copy(),
+            "seq_len": cfg.train.seq_len, "seed": cfg.train.seed}
+
+
+def _save(cfg: Config, model, optimizer, ckpt_root: Path, step: int, rt: Runtime) -> None:
+    t0 = time.perf_counter()
+    path = save_checkpoint(ckpt_root, step, model, optimizer, _run_state(cfg, step), cfg.checkpoint.keep,
+                           rank=rt.rank, barrier=rt.barrier)
+    if rt.is_main:
+        print(f"saved checkpoint {path} in {time.perf_counter() - t0:.2f}s", flush=True)
+
+
+def _maybe_resume(cfg: Config, model, optimizer, ckpt_root: Path, rt: Runtime) -> int:
+    """Load the requested checkpoint; with resume=auto, the newest one that verifies. Returns the step."""
+    choice = cfg.checkpoint.resume
+    if choice == "none":
+        return 0
+    candidates = find_checkpoints(ckpt_root) if choice == "auto" else [Path(choice)]
+    if choice != "auto" and not Path(choice).is_dir():
+        raise CheckpointError(f"checkpoint.resume: directory '{choice}' not found.")
+    for path in candidates:
+        try:
+            state = load_checkpoint(path, model, optimizer, rank=rt.rank, model_cfg=cfg.model.__dict__)
+        except CheckpointError as e:
+            if choice != "auto" or "incompatible" in str(e):
+                raise
+            if rt.is_main:
+                print(f"WARNING: {e} Falling back to the previous checkpoint.", flush=True)
+            continue
+        _check_data_compatible(state, cfg)
+        if rt.is_main:
+            print(f"resumed from {path} at step {state['step']}", flush=True)
+        return int(state["step"])
+    return 0
+
+
+def _check_data_compatible(state: dict, cfg: Config) -> None:
+    if state.get("seq_len") not in (None, cfg.train.seq_len):
+        raise CheckpointError(f"checkpoint was trained with train.seq_len={state['seq_len']} but the config says "
+                              f"{cfg.train.seq_len}; exact data resume needs the same value.")
+
+
+def load_run_config(run_dir: Path) -> Config:
+    import yaml
+
+    from megaloom.config import config_from_dict
+
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        raise ConfigError(f"--run {run_dir}: no config.yaml there (is it a megaloom run directory?).")
+    return config_from_dict(yaml.safe_load(path.read_text()))
+
+
