@@ -20,10 +20,10 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     out = Path(out) if out else run_dir / "loss.png"
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
     train = [(r["step"], r["loss"]) for r in records if "loss" in r]
-    ax.plot(*zip(*train), label="train loss", lw=1.2)
+    ax.plot(*zip(*train, strict=True), label="train loss", lw=1.2)
     ev = [(r["step"], r["eval_loss"]) for r in records if r.get("eval_loss") is not None]
     if ev:
-        ax.plot(*zip(*ev), "o-", label="validation loss", lw=1.2)
+        ax.plot(*zip(*ev, strict=True), "o-", label="validation loss", lw=1.2)
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_title(f"megaloom: {run_dir.name}")

@@ -71,7 +71,8 @@ def evaluate(model: torch.nn.Module, batches: list[torch.Tensor], micro: int, pr
     return (total / max(n, 1)).item()
 
 
-def train(cfg: Config) -> TrainResult:
+def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
+    """Train per `cfg`. `stop_after` ends the process's work after that step as a preemption would (tests)."""
     rt: Runtime = init_runtime(cfg)
     if rt.world_size > 1:
         raise ConfigError(f"multi-process training (world size {rt.world_size}) needs the parallel runtime, which "
@@ -175,6 +176,8 @@ def train(cfg: Config) -> TrainResult:
 
         if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == t.steps:
             _save(cfg, model, optimizer, ckpt_root, step, rt)
+        if stop_after is not None and step >= stop_after:
+            break
     result.final_step = step
     sink.close()
     return result

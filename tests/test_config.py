@@ -11,10 +11,10 @@ def test_defaults_and_preset():
 
 
 def test_overrides_win_over_preset_and_types_are_coerced():
-    cfg = load_config(None, ["model.preset=gpt2-124m", "model.n_layers=2", "train.lr=1e-4", "parallel.sp=true",
+    cfg = load_config(None, ["model.preset=gpt2-124m", "model.n_layers=2", "train.lr=1e-3", "parallel.sp=true",
                              "data.paths=a,b", "data.weights=[1, 2]"])
     assert cfg.model.n_layers == 2 and cfg.model.d_model == 768
-    assert cfg.train.lr == 1e-4 and cfg.parallel.sp is True
+    assert cfg.train.lr == 1e-3 and cfg.parallel.sp is True
     assert cfg.data.paths == ["a", "b"] and cfg.data.weights == [1.0, 2.0]
 
 

@@ -17,11 +17,13 @@ Nothing is unpickled from a checkpoint: DCP tensors, JSON, and `torch.load(weigh
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -63,6 +65,14 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+@contextlib.contextmanager
+def _quiet_single_process():
+    """DCP warns that it assumes a single process when torch.distributed is not initialised: that is intended."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 def rng_state() -> dict[str, torch.Tensor]:
     state = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -91,7 +101,8 @@ def save_checkpoint(ckpt_root: Path, step: int, model: nn.Module, optimizer: tor
         tmp.mkdir()
     barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    with _quiet_single_process():
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
     barrier()
     if rank == 0:
@@ -171,11 +182,13 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     if optimizer is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         sd = {"model": model_sd, "optim": optim_sd}
-        dcp.load(sd, checkpoint_id=str(path))
+        with _quiet_single_process():
+            dcp.load(sd, checkpoint_id=str(path))
         set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     else:
         sd = {"model": model.state_dict()}
-        dcp.load(sd, checkpoint_id=str(path))
+        with _quiet_single_process():
+            dcp.load(sd, checkpoint_id=str(path))
         model.load_state_dict(sd["model"])
     rng_file = path / f"rng_rank{rank}.pt"
     if rng_file.is_file():

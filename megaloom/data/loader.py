@@ -1,0 +1,67 @@
+"""Per-step batches and the DataLoader that prepares them in the background."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from megaloom.data.errors import DataError
+
+
+class StepBatches(Dataset):
+    """Item ``k`` is this rank's slice of the global batch for optimizer step ``start_step + k``.
+
+    Indexing by step (not by sample) makes resuming trivial, start at ``start_step``, and lets each
+    data-parallel rank read only its ``rank_size`` samples at ``rank_offset`` of every global batch.
+    ``n_steps=None`` means as many steps as the dataset holds.
+    """
+
+    def __init__(self, dataset, global_batch_size: int, rank_offset: int = 0, rank_size: int | None = None,
+                 start_step: int = 0, n_steps: int | None = None) -> None:
+        rank_size = global_batch_size - rank_offset if rank_size is None else rank_size
+        if global_batch_size < 1:
+            raise DataError(f"global batch size must be at least 1, got {global_batch_size}")
+        if rank_offset < 0 or rank_size < 1 or rank_offset + rank_size > global_batch_size:
+            raise DataError(f"rank slice [{rank_offset}, {rank_offset + rank_size}) does not fit in the "
+                            f"global batch of {global_batch_size}")
+        available = len(dataset) // global_batch_size - start_step
+        n_steps = available if n_steps is None else n_steps
+        if start_step < 0 or n_steps < 0 or n_steps > available:
+            raise DataError(f"steps {start_step}..{start_step + n_steps - 1} need "
+                            f"{(start_step + n_steps) * global_batch_size} samples but the dataset has "
+                            f"{len(dataset)}; build it with more samples")
+        self.dataset, self.gbs = dataset, global_batch_size
+        self.rank_offset, self.rank_size = rank_offset, rank_size
+        self.start_step, self.n_steps = start_step, n_steps
+
+    def __len__(self) -> int:
+        return self.n_steps
+
+    def __getitem__(self, k: int) -> torch.Tensor:
+        if not 0 <= k < self.n_steps:
+            raise IndexError(f"step item {k} out of range ({self.n_steps} steps)")
+        first = (self.start_step + k) * self.gbs + self.rank_offset
+        rows = [self.dataset[i] for i in range(first, first + self.rank_size)]
+        return torch.from_numpy(np.stack(rows).astype(np.int64, copy=False))
+
+
+def make_loader(batches: StepBatches, num_workers: int, prefetch: int, pin_memory: bool) -> DataLoader:
+    """A DataLoader yielding ``batches`` in step order, built ahead by ``num_workers`` processes so that
+    reading and stacking overlap with the forward/backward pass."""
+    if num_workers < 0:
+        raise DataError(f"data.num_workers must be >= 0, got {num_workers}")
+    if num_workers > 0 and prefetch < 1:
+        raise DataError(f"data.prefetch must be >= 1 when data.num_workers > 0, got {prefetch}")
+    return DataLoader(
+        batches,
+        batch_size=None,  # items are already whole batches
+        shuffle=False,  # order is the step order; shuffling happened in the sample index
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        persistent_workers=num_workers > 0,
+        prefetch_factor=prefetch if num_workers > 0 else None,
+        # The loader draws a base seed when an iterator starts; a private generator keeps that draw off the
+        # global RNG, so a resumed run's dropout stream is exactly the uninterrupted run's.
+        generator=torch.Generator().manual_seed(0),
+    )

@@ -1,0 +1,30 @@
+"""Shared fixtures: a small real corpus (stdlib sources) tokenized once per test session."""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def small_corpus(tmp_path_factory) -> dict:
+    """A 512-token BPE and token files over ~40 stdlib modules: real text, built in a few seconds."""
+    from megaloom.data.preprocess import preprocess
+    from megaloom.data.tokenizer import train_bpe
+
+    root = tmp_path_factory.mktemp("corpus")
+    files = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:40]
+    tok = train_bpe(files, 512, root / "tokenizer.json", show_progress=False)
+    prefix = str(root / "stdlib")
+    preprocess([str(f) for f in files], str(tok), prefix, workers=1, show_progress=False)
+    return {"tokenizer": str(tok), "prefix": prefix, "files": files}
+
+
+def tiny_overrides(corpus: dict, run_dir: Path, *extra: str) -> list[str]:
+    return [f"data.paths={corpus['prefix']}", f"data.tokenizer={corpus['tokenizer']}", f"run.dir={run_dir}",
+            "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
+            "train.seq_len=64", "train.global_batch_size=8", "train.micro_batch_size=4", "train.log_every=1",
+            "train.warmup_steps=5", "train.lr=3e-3", "train.eval_every=0", "train.eval_batches=2",
+            "data.num_workers=0", "run.tensorboard=false", *extra]
