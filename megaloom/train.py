@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -21,8 +20,7 @@ from megaloom.observe.memory import peak_memory_gb
 from megaloom.observe.metrics import MetricsSink, console_line
 from megaloom.optim import build_optimizer, lr_at, set_lr
 from megaloom.runtime import Runtime, init_runtime, resolve_precision, seed_everything
-
-AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+from megaloom.step import TrainStep, autocast_ctx, micro_batches
 
 
 @dataclass
@@ -43,18 +41,6 @@ def resolve_model_shape(cfg: Config, tokenizer_vocab: int, pad_multiple: int = 6
                           f"model.vocab_size>={tokenizer_vocab} (or 0 to follow the tokenizer).")
     m.n_kv_heads = m.n_kv_heads or m.n_heads
     m.ffn_dim = resolved_ffn_dim(m)
-
-
-def micro_batches(batch: torch.Tensor, micro: int):
-    for i in range(0, batch.shape[0], micro):
-        chunk = batch[i:i + micro]
-        yield chunk[:, :-1], chunk[:, 1:]
-
-
-def autocast_ctx(precision: str, device: torch.device):
-    if precision in AUTOCAST:
-        return torch.autocast(device.type, dtype=AUTOCAST[precision])
-    return contextlib.nullcontext()
 
 
 @torch.no_grad()
@@ -101,7 +87,7 @@ def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
         for i, layer in enumerate(model.layers):
             model.layers[i] = torch.compile(layer)
     optimizer = build_optimizer(model, t, device)
-    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    train_step = TrainStep(model, optimizer, precision, device, t.micro_batch_size, t.grad_clip)
 
     ckpt_root = run_dir / "checkpoints"
     start_step = _maybe_resume(cfg, model, optimizer, ckpt_root, rt)
@@ -130,20 +116,10 @@ def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
         batch = batch.to(device, non_blocking=True)
         lr = lr_at(step, t)
         set_lr(optimizer, lr)
-        for x, y in micro_batches(batch, t.micro_batch_size):
-            with autocast_ctx(precision, device):
-                loss = model(x, y) / n_micro
-            scaler.scale(loss).backward()
-            loss_sum += loss.detach().float()
-        scaler.unscale_(optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip if t.grad_clip > 0 else math.inf,
-                                                   foreach=True)
-        scale_before = scaler.get_scale() if scaler.is_enabled() else None
-        scaler.step(optimizer)
-        scaler.update()
-        if scale_before is not None and scaler.get_scale() < scale_before:
-            skipped += 1  # fp16 overflow: the scaler skipped this step
-        optimizer.zero_grad(set_to_none=True)
+        out = train_step(batch)
+        loss_sum += out.loss
+        grad_norm = out.grad_norm
+        skipped += int(out.skipped)
         step += 1
         steps_in_interval += 1
         if device.type == "cuda" and step % t.log_every == 0:

@@ -1,0 +1,69 @@
+"""One optimizer step: micro-batched forward/backward with gradient accumulation, clipping, update.
+
+Shared by the training loop and the benchmarks so that what is measured is what trains. No host-device
+synchronisation happens here: the loss and gradient norm come back as device tensors and are read only
+when the loop logs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast_ctx(precision: str, device: torch.device):
+    """bf16/fp16: weights stay fp32 (the master copy), matmuls run in the low precision."""
+    if precision in AUTOCAST:
+        return torch.autocast(device.type, dtype=AUTOCAST[precision])
+    return contextlib.nullcontext()
+
+
+def micro_batches(batch: torch.Tensor, micro: int):
+    """Split [B, T+1] token rows into (inputs, labels) pairs of `micro` rows each."""
+    for i in range(0, batch.shape[0], micro):
+        chunk = batch[i:i + micro]
+        yield chunk[:, :-1], chunk[:, 1:]
+
+
+@dataclass
+class StepOutput:
+    loss: torch.Tensor  # mean loss over the global batch (device scalar)
+    grad_norm: torch.Tensor  # global gradient norm before clipping (device scalar)
+    skipped: bool  # fp16 overflow: the scaler skipped the update
+
+
+class TrainStep:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, precision: str,
+                 device: torch.device, micro_batch_size: int, grad_clip: float):
+        self.model, self.optimizer = model, optimizer
+        self.precision, self.device = precision, device
+        self.micro = micro_batch_size
+        self.grad_clip = grad_clip if grad_clip > 0 else math.inf
+        self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+
+    def __call__(self, batch: torch.Tensor) -> StepOutput:
+        n_micro = batch.shape[0] // self.micro
+        total = torch.zeros((), device=self.device)
+        for x, y in micro_batches(batch, self.micro):
+            with autocast_ctx(self.precision, self.device):
+                loss = self.model(x, y) / n_micro  # equal tokens per micro-batch: mean of means is the mean
+            self.scaler.scale(loss).backward()
+            total += loss.detach().float()
+        self.scaler.unscale_(self.optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip, foreach=True)
+        skipped = False
+        if self.scaler.is_enabled():
+            before = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            skipped = self.scaler.get_scale() < before
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepOutput(total, grad_norm, skipped)
