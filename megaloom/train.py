@@ -15,7 +15,7 @@ from megaloom.data.dataset import build_datasets
 from megaloom.data.loader import StepBatches, make_loader
 from megaloom.models import Transformer, apply_recompute, count_params
 from megaloom.models.transformer import resolved_ffn_dim
-from megaloom.observe.flops import device_peak_flops, flops_per_token
+from megaloom.observe.flops import device_peak_flops, flops_per_token, matmul_params
 from megaloom.observe.memory import peak_memory_gb
 from megaloom.observe.metrics import MetricsSink, console_line
 from megaloom.optim import build_optimizer, lr_at, set_lr
@@ -93,7 +93,7 @@ def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
     start_step = _maybe_resume(cfg, model, optimizer, ckpt_root, rt)
 
     n_params = count_params(model)
-    fpt = flops_per_token(cfg.model, count_params(model, exclude_embeddings=True), t.seq_len)
+    fpt = flops_per_token(cfg.model, matmul_params(model), t.seq_len)
     peak = device_peak_flops(device)
     if rt.is_main:
         print(f"megaloom: {cfg.model.preset} ({cfg.model.arch}) {n_params / 1e6:.2f}M params on {device}, "

@@ -33,3 +33,17 @@ def device_peak_flops(device: torch.device) -> float | None:
         if key in name:
             return peak
     return None
+
+
+def matmul_params(model: torch.nn.Module) -> int:
+    """Parameters that take part in matmuls: all but the embedding lookups, plus the output head even when
+    it shares its weight with the token embedding (the head's GEMM is real work either way)."""
+    seen, n = set(), 0
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            continue
+        if name.startswith(("tok_emb", "pos_emb")) and not name.startswith("head"):
+            continue
+        seen.add(id(p))
+        n += p.numel()
+    return n

@@ -1,0 +1,125 @@
+"""Throughput of megaloom's real training step on one GPU: tokens/s, MFU and peak memory.
+
+Synthetic tokens (their values do not change step time), the same model, optimizer and `TrainStep` that
+`megaloom train` uses. MFU counts FLOPs as TorchTitan does (6 x matmul parameters + 12 x layers x d_model x
+seq per token, attention in full), against the device's dense bf16 peak, so figures compare with its logs.
+
+    python bench/bench_train.py --preset llama3-1b --seq-len 4096 --micro-batch 4 --compile \
+        --results bench/results.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megaloom.config import load_config  # noqa: E402
+from megaloom.models import Transformer, apply_recompute  # noqa: E402
+from megaloom.observe.flops import device_peak_flops, flops_per_token, matmul_params  # noqa: E402
+from megaloom.optim import build_optimizer  # noqa: E402
+from megaloom.step import TrainStep  # noqa: E402
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
+                                       cwd=Path(__file__).parent, stderr=subprocess.DEVNULL).strip()
+    except Exception:
+        return "unknown"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="llama3-1b")
+    ap.add_argument("--seq-len", type=int, default=4096)
+    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--grad-accum", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5, help="steps excluded from the median (compilation, autotune)")
+    ap.add_argument("--precision", default="bf16")
+    ap.add_argument("--recompute", default="none")
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--results", default=None, help="append one JSON line here")
+    ap.add_argument("--run-id", default=None)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("overrides", nargs="*", help="extra model.* overrides")
+    args = ap.parse_args()
+
+    device = torch.device(args.device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    cfg = load_config(None, [f"model.preset={args.preset}", f"train.seq_len={args.seq_len}",
+                             f"model.max_seq_len={max(args.seq_len, 8192)}", *args.overrides])
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    model = model.to_empty(device=device)
+    model.reset_parameters()
+    apply_recompute(model, args.recompute)
+    if args.compile:
+        for i, layer in enumerate(model.layers):
+            model.layers[i] = torch.compile(layer)
+    optimizer = build_optimizer(model, cfg.train, device)
+    step = TrainStep(model, optimizer, args.precision, device, args.micro_batch, grad_clip=1.0)
+
+    gbs = args.micro_batch * args.grad_accum
+    tokens_per_step = gbs * args.seq_len
+    fpt = flops_per_token(cfg.model, matmul_params(model), args.seq_len)
+    peak = device_peak_flops(device) or 989e12
+    times, losses = [], []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    for i in range(args.steps):
+        batch = torch.randint(0, cfg.model.vocab_size, (gbs, args.seq_len + 1), device=device)
+        sync()
+        t0 = time.perf_counter()
+        out = step(batch)
+        sync()
+        dt = time.perf_counter() - t0
+        times.append(dt)
+        losses.append(out.loss.item())
+        print(f"step {i + 1}: {dt * 1e3:.1f} ms, {tokens_per_step / dt:,.0f} tok/s, loss {losses[-1]:.3f}",
+              flush=True)
+    use = times[args.warmup:] or times
+    tps = tokens_per_step / statistics.median(use)
+    n_params = sum(p.numel() for p in model.parameters())
+    row = {
+        "run_id": args.run_id or datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S"),
+        "date": datetime.date.today().isoformat(),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "framework": "megaloom",
+        "model": args.preset,
+        "params": n_params,
+        "seq_len": args.seq_len,
+        "micro_batch": args.micro_batch,
+        "grad_accum": args.grad_accum,
+        "precision": args.precision,
+        "compile": args.compile,
+        "recompute": args.recompute,
+        "tokens_per_s": round(tps),
+        "mfu": round(fpt * tps / peak, 4),
+        "flops_per_token": fpt,
+        "peak_mem_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
+        "peak_reserved_gb": round(torch.cuda.max_memory_reserved() / 2**30, 2) if device.type == "cuda" else None,
+        "step_ms_median": round(1e3 * statistics.median(use), 2),
+        "final_loss": losses[-1],
+        "commit": git_commit(),
+    }
+    print("RESULT " + json.dumps(row), flush=True)
+    if args.results:
+        with open(args.results, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
