@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -31,6 +32,8 @@ from megaloom.step import TrainStep  # noqa: E402
 
 
 def git_commit() -> str:
+    if os.environ.get("MEGALOOM_COMMIT"):  # the GPU machine gets a copy of the tree without .git
+        return os.environ["MEGALOOM_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
                                        cwd=Path(__file__).parent, stderr=subprocess.DEVNULL).strip()
@@ -63,6 +66,7 @@ def main() -> None:
     with torch.device("meta"):
         model = Transformer(cfg.model)
     model = model.to_empty(device=device)
+    model.tie_weights()
     model.reset_parameters()
     apply_recompute(model, args.recompute)
     if args.compile:

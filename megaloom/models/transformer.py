@@ -59,8 +59,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = make_norm(cfg.arch, cfg.d_model, cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        if cfg.tie_embeddings:
-            self.head.weight = self.tok_emb.weight
+        self.tie_weights()
         if cfg.arch == "llama":
             cos, sin = rope_tables(cfg.d_model // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
             self.register_buffer("rope_cos", cos, persistent=False)
@@ -71,6 +70,11 @@ class Transformer(nn.Module):
         self.seq_scatter = _identity
         self.seq_gather = _identity
         self.reset_parameters()
+
+    def tie_weights(self) -> None:
+        """Share the head with the token embedding. Call again after `to_empty()`, which unties them."""
+        if self.cfg.tie_embeddings:
+            self.head.weight = self.tok_emb.weight
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
