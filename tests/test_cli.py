@@ -1,0 +1,54 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from megaloom.cli import main
+from megaloom.config import ConfigError, load_config
+from megaloom.train import resolve_model_shape
+from tests.conftest import tiny_overrides
+
+
+def test_bad_key_exits_2_with_suggestion(capsys):
+    assert main(["train", "train.stpes=3"]) == 2
+    err = capsys.readouterr().err
+    assert "Did you mean 'train.steps'" in err
+
+
+def test_missing_data_path_is_clear_before_training(tmp_path, capsys):
+    assert main(["train", f"data.paths={tmp_path}/nope", f"run.dir={tmp_path}/r"]) == 2
+    err = capsys.readouterr().err
+    assert "nope" in err and "preprocess" in err
+    assert not (tmp_path / "r" / "checkpoints").exists()
+
+
+def test_tokenizer_larger_than_model_vocab_is_refused():
+    cfg = load_config(None, ["model.vocab_size=256"])
+    with pytest.raises(ConfigError, match="model.vocab_size"):
+        resolve_model_shape(cfg, tokenizer_vocab=512)
+
+
+def test_train_generate_plot_via_cli(small_corpus, tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", *tiny_overrides(small_corpus, run, "train.steps=4", "train.log_every=2")]) == 0
+    assert main(["generate", "--run", str(run), "--prompt", "import ", "--max-new-tokens", "8"]) == 0
+    assert main(["plot", str(run)]) == 0
+    assert (run / "loss.png").stat().st_size > 1000
+    out = capsys.readouterr().out
+    assert "step      4/4" in out
+
+
+def test_preprocess_and_tokenizer_cli(small_corpus, tmp_path):
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("\n".join(json.dumps({"text": f"document number {i} " * 5}) for i in range(20)))
+    assert main(["tokenizer", "train", str(docs), "--vocab-size", "300", "--out", str(tmp_path / "t.json")]) == 0
+    assert main(["preprocess", str(docs), "--tokenizer", str(tmp_path / "t.json"), "--out", str(tmp_path / "d"),
+                 "--workers", "1"]) == 0
+    assert (tmp_path / "d.bin").is_file() and (tmp_path / "d.idx").is_file()
+
+
+def test_python_dash_m_entry_point():
+    out = subprocess.run([sys.executable, "-m", "megaloom", "config", "--list"], capture_output=True, text=True,
+                         check=True).stdout
+    assert "train.global_batch_size" in out
