@@ -40,8 +40,11 @@ class StepOutput:
 
 class TrainStep:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, precision: str,
-                 device: torch.device, micro_batch_size: int, grad_clip: float):
+                 device: torch.device, micro_batch_size: int, grad_clip: float, grads=None):
+        """`grads`: a megaloom.parallel.grads.GradientSync for parallel runs (reduces and clips over all
+        groups); None on one process."""
         self.model, self.optimizer = model, optimizer
+        self.grads = grads
         self.precision, self.device = precision, device
         self.micro = micro_batch_size
         self.grad_clip = grad_clip if grad_clip > 0 else math.inf
@@ -55,8 +58,13 @@ class TrainStep:
                 loss = self.model(x, y) / n_micro  # equal tokens per micro-batch: mean of means is the mean
             self.scaler.scale(loss).backward()
             total += loss.detach().float()
+        if self.grads is not None:
+            self.grads.finish()  # reduce the (scaled) gradients first, so every replica sees the same values
         self.scaler.unscale_(self.optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip, foreach=True)
+        if self.grads is not None:
+            grad_norm = self.grads.clip(self.grad_clip)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip, foreach=True)
         skipped = False
         if self.scaler.is_enabled():
             before = self.scaler.get_scale()

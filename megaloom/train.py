@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,11 @@ from megaloom.observe.flops import device_peak_flops, flops_per_token, matmul_pa
 from megaloom.observe.memory import peak_memory_gb
 from megaloom.observe.metrics import MetricsSink, console_line
 from megaloom.optim import build_optimizer, lr_at, set_lr
+from megaloom.parallel import comm
+from megaloom.parallel.grads import GradientSync
+from megaloom.parallel.mesh import Mesh, validate_layout
+from megaloom.parallel.random import dropout_seed
+from megaloom.parallel.tensor import parallelize_tensor
 from megaloom.runtime import Runtime, init_runtime, resolve_precision, seed_everything
 from megaloom.step import TrainStep, autocast_ctx, micro_batches
 
@@ -59,40 +65,47 @@ def evaluate(model: torch.nn.Module, batches: list[torch.Tensor], micro: int, pr
 
 def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
     """Train per `cfg`. `stop_after` ends the process's work after that step as a preemption would (tests)."""
+    validate_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before any process group or data
+    _refuse_unbuilt(cfg)
     rt: Runtime = init_runtime(cfg)
-    if rt.world_size > 1:
-        raise ConfigError(f"multi-process training (world size {rt.world_size}) needs the parallel runtime, which "
-                          "is not in this build yet; run a single process.")
     t, device = cfg.train, rt.device
+    mesh = Mesh.build(cfg, rt.world_size, rt.rank, device) if rt.world_size > 1 else Mesh.single(device)
+    if rt.is_main and rt.world_size > 1:
+        print(f"megaloom: mesh of {rt.world_size} ranks (tp={mesh.tp} pp={mesh.pp} dp={mesh.dp} cp={mesh.cp}) "
+              f"built in {mesh.init_seconds:.3f}s", flush=True)
     precision = resolve_precision(cfg, device)
     cfg.train.precision = precision
     run_dir = Path(cfg.run.dir)
 
     # Data first: a missing or corrupt corpus fails before the model is built.
-    n_micro = t.global_batch_size // t.micro_batch_size
+    local_batch = t.global_batch_size // mesh.dp  # this data-parallel rank's share of every global batch
+    n_micro = local_batch // t.micro_batch_size
     train_ds, valid_ds, tokenizer = build_datasets(cfg.data, t.seq_len, t.seed, t.steps * t.global_batch_size,
                                                    t.eval_batches * t.global_batch_size)
     if not cfg.data.tokenizer:
         cfg.data.tokenizer = str(Path(tokenizer.path).resolve())
-    resolve_model_shape(cfg, tokenizer.vocab_size)
+    resolve_model_shape(cfg, tokenizer.vocab_size, pad_multiple=math.lcm(64, cfg.parallel.tp))
 
     if rt.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(cfg.to_yaml())
 
     seed_everything(t.seed)
-    model = Transformer(cfg.model).to(device)
+    model = Transformer(cfg.model).to(device)  # full model, same seed on every rank ...
+    model = parallelize_tensor(model, mesh, cfg.parallel.sp)  # ... then each rank keeps its shards
+    torch.manual_seed(dropout_seed(t.seed, mesh))  # dropout: equal across tp peers, distinct across data
     apply_recompute(model, t.recompute)
     if t.compile:
         for i, layer in enumerate(model.layers):
             model.layers[i] = torch.compile(layer)
     optimizer = build_optimizer(model, t, device)
-    train_step = TrainStep(model, optimizer, precision, device, t.micro_batch_size, t.grad_clip)
+    grads = GradientSync(model, mesh) if rt.world_size > 1 else None
+    train_step = TrainStep(model, optimizer, precision, device, t.micro_batch_size, t.grad_clip, grads)
 
     ckpt_root = run_dir / "checkpoints"
-    start_step = _maybe_resume(cfg, model, optimizer, ckpt_root, rt)
+    start_step = _maybe_resume(cfg, model, optimizer, ckpt_root, rt, mesh)
 
-    n_params = count_params(model)
+    n_params = count_params(model) * mesh.tp  # approximate: replicated norms counted tp times
     fpt = flops_per_token(cfg.model, matmul_params(model), t.seq_len)
     peak = device_peak_flops(device)
     if rt.is_main:
@@ -100,10 +113,11 @@ def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
               f"{precision}, {t.steps} steps x {t.global_batch_size} x {t.seq_len} tokens "
               f"({n_micro} micro-batches of {t.micro_batch_size}); run dir {run_dir}", flush=True)
 
-    batches = StepBatches(train_ds, t.global_batch_size, start_step=start_step, n_steps=t.steps - start_step)
+    batches = StepBatches(train_ds, t.global_batch_size, rank_offset=mesh.dp_rank * local_batch,
+                          rank_size=local_batch, start_step=start_step, n_steps=t.steps - start_step)
     loader = make_loader(batches, cfg.data.num_workers, cfg.data.prefetch, pin_memory=device.type == "cuda")
-    eval_batches = [torch.stack([torch.as_tensor(valid_ds[i * t.global_batch_size + j])
-                                 for j in range(t.global_batch_size)]) for i in range(t.eval_batches)]
+    eval_batches = [torch.stack([torch.as_tensor(valid_ds[i * t.global_batch_size + mesh.dp_rank * local_batch + j])
+                                 for j in range(local_batch)]) for i in range(t.eval_batches)]
     sink = MetricsSink(run_dir, cfg.run.tensorboard, enabled=rt.is_main)
     result = TrainResult(run_dir=run_dir, final_step=start_step)
 
@@ -130,13 +144,14 @@ def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
         if step % t.log_every == 0 or do_eval:
             tokens = steps_in_interval * t.global_batch_size * t.seq_len
             tps = tokens / max(interval_compute_s, 1e-9)
-            record = {"step": step, "loss": (loss_sum / steps_in_interval).item(), "lr": lr,
+            record = {"step": step, "loss": _dp_mean(loss_sum / steps_in_interval, mesh), "lr": lr,
                       "grad_norm": float(grad_norm), "tokens_per_s": tps,
                       "mfu": (fpt * tps / peak) if peak else None, "mem_gb": peak_memory_gb(device),
                       "tokens": step * t.global_batch_size * t.seq_len, "skipped_steps": skipped,
                       "elapsed_s": time.perf_counter() - train_start}
             if do_eval:
-                record["eval_loss"] = evaluate(model, eval_batches, t.micro_batch_size, precision, device)
+                record["eval_loss"] = _dp_mean(torch.tensor(
+                    evaluate(model, eval_batches, t.micro_batch_size, precision, device), device=device), mesh)
                 record["eval_ppl"] = math.exp(min(record["eval_loss"], 50.0))
                 result.eval_loss = record["eval_loss"]
             sink.log(record)
@@ -151,7 +166,7 @@ def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
             steps_in_interval, interval_compute_s = 0, 0.0
 
         if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == t.steps:
-            _save(cfg, model, optimizer, ckpt_root, step, rt)
+            _save(cfg, model, optimizer, ckpt_root, step, rt, mesh)
         if stop_after is not None and step >= stop_after:
             break
     result.final_step = step
@@ -159,20 +174,39 @@ def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
     return result
 
 
+def _dp_mean(x: torch.Tensor, mesh: Mesh) -> float:
+    """Mean of a per-rank scalar over the data-parallel replicas (tp/pp peers already agree)."""
+    if mesh.dp * mesh.cp > 1:
+        x = x.detach().clone().float()
+        comm.all_reduce(x, mesh.dp_cp_group, recorder=mesh.recorder)
+        x /= mesh.dp * mesh.cp
+    return float(x.item())
+
+
+def _refuse_unbuilt(cfg: Config) -> None:
+    """Say plainly which parallel features this build does not have yet, instead of ignoring the setting."""
+    p = cfg.parallel
+    for key, value, off in [("parallel.pp", p.pp, 1), ("parallel.vpp", p.vpp, 1), ("parallel.cp", p.cp, 1),
+                            ("parallel.ep", p.ep, 1), ("parallel.zero", p.zero, 0)]:
+        if value != off:
+            raise ConfigError(f"{key}={value} is not available in this build yet (tensor/sequence and plain data "
+                              f"parallelism are); set {key}={off}.")
+
+
 def _run_state(cfg: Config, step: int) -> dict:
     return {"consumed_samples": step * cfg.train.global_batch_size, "model": cfg.model.__dict__.copy(),
             "seq_len": cfg.train.seq_len, "seed": cfg.train.seed}
 
 
-def _save(cfg: Config, model, optimizer, ckpt_root: Path, step: int, rt: Runtime) -> None:
+def _save(cfg: Config, model, optimizer, ckpt_root: Path, step: int, rt: Runtime, mesh: Mesh) -> None:
     t0 = time.perf_counter()
     path = save_checkpoint(ckpt_root, step, model, optimizer, _run_state(cfg, step), cfg.checkpoint.keep,
-                           rank=rt.rank, barrier=rt.barrier)
+                           rank=rt.rank, barrier=rt.barrier, mesh=mesh)
     if rt.is_main:
         print(f"saved checkpoint {path} in {time.perf_counter() - t0:.2f}s", flush=True)
 
 
-def _maybe_resume(cfg: Config, model, optimizer, ckpt_root: Path, rt: Runtime) -> int:
+def _maybe_resume(cfg: Config, model, optimizer, ckpt_root: Path, rt: Runtime, mesh: Mesh) -> int:
     """Load the requested checkpoint; with resume=auto, the newest one that verifies. Returns the step."""
     choice = cfg.checkpoint.resume
     if choice == "none":
@@ -182,7 +216,7 @@ def _maybe_resume(cfg: Config, model, optimizer, ckpt_root: Path, rt: Runtime) -
         raise CheckpointError(f"checkpoint.resume: directory '{choice}' not found.")
     for path in candidates:
         try:
-            state = load_checkpoint(path, model, optimizer, rank=rt.rank, model_cfg=cfg.model.__dict__)
+            state = load_checkpoint(path, model, optimizer, rank=rt.rank, model_cfg=cfg.model.__dict__, mesh=mesh)
         except CheckpointError as e:
             if choice != "auto" or "incompatible" in str(e):
                 raise

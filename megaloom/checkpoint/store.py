@@ -30,7 +30,9 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from megaloom.parallel.mesh import Mesh
+from megaloom.parallel.state import full_model_state, full_optim_state, full_optim_template, load_full_state
 
 MANIFEST = "manifest.json"
 STATE = "state.json"
@@ -88,8 +90,12 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
 
 def save_checkpoint(ckpt_root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
                     run_state: dict, keep: int, rank: int = 0,
-                    barrier: Callable[[], None] = lambda: None) -> Path:
-    """Write checkpoint `step_<step>` atomically; every rank calls this. Returns the final directory."""
+                    barrier: Callable[[], None] = lambda: None, mesh: Mesh | None = None) -> Path:
+    """Write checkpoint `step_<step>` atomically; every rank calls this. Returns the final directory.
+
+    Tensors are stored full-size under parameter names (tensor-parallel shards gathered), so the files do
+    not depend on the parallel layout."""
+    mesh = mesh or Mesh.single()
     name = f"step_{step:08d}"
     final, tmp = ckpt_root / name, ckpt_root / f".tmp-{name}"
     if rank == 0:
@@ -100,9 +106,9 @@ def save_checkpoint(ckpt_root: Path, step: int, model: nn.Module, optimizer: tor
             pass
         tmp.mkdir()
     barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": full_model_state(model, mesh), "optim": full_optim_state(model, optimizer, mesh)}
     with _quiet_single_process():
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+        dcp.save(state, checkpoint_id=str(tmp))
     torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
     barrier()
     if rank == 0:
@@ -174,22 +180,18 @@ def check_compatible(saved: dict, current: dict) -> None:
 
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                    rank: int = 0, model_cfg: dict | None = None) -> dict:
+                    rank: int = 0, model_cfg: dict | None = None, mesh: Mesh | None = None) -> dict:
     """Verify and load `path` into model (and optimizer); restore this rank's RNG. Returns state.json."""
+    mesh = mesh or Mesh.single()
     state = verify_checkpoint(path)
     if model_cfg is not None and "model" in state:
         check_compatible(state["model"], model_cfg)
+    sd: dict = {"model": {k: v.clone() for k, v in full_model_state(model, mesh).items()}}
     if optimizer is not None:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
-        sd = {"model": model_sd, "optim": optim_sd}
-        with _quiet_single_process():
-            dcp.load(sd, checkpoint_id=str(path))
-        set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
-    else:
-        sd = {"model": model.state_dict()}
-        with _quiet_single_process():
-            dcp.load(sd, checkpoint_id=str(path))
-        model.load_state_dict(sd["model"])
+        sd["optim"] = full_optim_template(model, optimizer, mesh)
+    with _quiet_single_process():
+        dcp.load(sd, checkpoint_id=str(path))
+    load_full_state(model, optimizer, sd["model"], sd.get("optim"), mesh)
     rng_file = path / f"rng_rank{rank}.pt"
     if rng_file.is_file():
         set_rng_state(torch.load(rng_file, weights_only=True))

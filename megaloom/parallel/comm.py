@@ -1,0 +1,316 @@
+"""The only place megaloom calls torch.distributed collectives.
+
+Every function takes its process group explicitly (megaloom never relies on the implicit WORLD group) and
+reports the op to an optional recorder, so a watchdog can say which collective a hung rank is stuck in.
+A group of None means "no peers" (`Mesh.single()` or a size-1 dimension): every op is then the identity,
+so single-process runs go through exactly the same code.
+
+The second half holds the autograd functions that mark the borders of Megatron's tensor-parallel regions.
+All sequence-parallel ones split activations [B, T, D] along the sequence dimension 1.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Function
+
+Group = Any  # torch.distributed.ProcessGroup or None (no peers)
+
+# torch 2.13 renamed the tensor-in/tensor-out collectives; 2.11 only has the old names (same signatures).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+        "product": dist.ReduceOp.PRODUCT}
+
+
+class OpRecorder:
+    """Told about every collective before it is issued and after it returns; the base class does nothing."""
+
+    def enter(self, name: str, group: Group) -> None:
+        pass
+
+    def exit(self) -> None:
+        pass
+
+
+class NullRecorder(OpRecorder):
+    """The default: record nothing."""
+
+
+class LastOpRecorder(OpRecorder):
+    """Remembers the last collective this rank issued and whether it has returned.
+
+    A watchdog thread reads the attributes (plain assignments, so no lock is needed). Note that NCCL ops
+    return once enqueued on the stream, so "returned" means issued, not completed on the device.
+    """
+
+    def __init__(self) -> None:
+        self.name: str | None = None
+        self.group: Group = None
+        self.started = 0.0
+        self.in_flight = False
+        self.count = 0
+
+    def enter(self, name: str, group: Group) -> None:
+        self.name, self.group, self.started = name, group, time.monotonic()
+        self.count += 1
+        self.in_flight = True
+
+    def exit(self) -> None:
+        self.in_flight = False
+
+    def describe(self) -> str:
+        if self.name is None:
+            return "no collective issued yet"
+        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else []
+        state = f"in flight for {time.monotonic() - self.started:.1f}s" if self.in_flight else "returned"
+        return f"collective #{self.count} {self.name} over ranks {ranks}: {state}"
+
+
+@contextmanager
+def _recording(recorder: OpRecorder | None, name: str, group: Group) -> Iterator[None]:
+    if recorder is None:
+        yield
+        return
+    recorder.enter(name, group)
+    try:
+        yield
+    finally:
+        recorder.exit()
+
+
+def group_size(group: Group) -> int:
+    return 1 if group is None else group.size()
+
+
+def group_rank(group: Group) -> int:
+    return 0 if group is None else group.rank()
+
+
+# ----------------------------------------------------------------------------------------------- collectives
+
+
+def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum",
+               recorder: OpRecorder | None = None) -> torch.Tensor:
+    """In place; op is sum, max, min or product. Returns ``tensor``."""
+    if group_size(group) > 1:
+        with _recording(recorder, f"all_reduce_{op}", group):
+            dist.all_reduce(tensor, op=_OPS[op], group=group)
+    return tensor
+
+
+def all_gather_into(output: torch.Tensor, input: torch.Tensor, group: Group,
+                    recorder: OpRecorder | None = None) -> torch.Tensor:
+    """``output`` (size * input.shape[0], ...) receives every rank's ``input`` stacked along dim 0."""
+    if group_size(group) == 1:
+        return output.copy_(input)
+    with _recording(recorder, "all_gather", group):
+        _all_gather_single(output, input.contiguous(), group=group)
+    return output
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group,
+                   recorder: OpRecorder | None = None) -> torch.Tensor:
+    """Sum ``input`` over the group and keep this rank's chunk of it along dim 0 in ``output``."""
+    size = group_size(group)
+    if size == 1:
+        return output.copy_(input)
+    with _recording(recorder, "reduce_scatter", group):
+        if input.device.type == "cpu":
+            # CPU tensors go through gloo, which lacks reduce-scatter in the torch versions we support:
+            # all-reduce a copy (the caller's input must stay intact) and keep our chunk.
+            buf = input.clone()
+            dist.all_reduce(buf, group=group)
+            output.copy_(buf.chunk(size)[group.rank()])
+        else:
+            _reduce_scatter_single(output, input.contiguous(), group=group)
+    return output
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: Group,
+              recorder: OpRecorder | None = None) -> torch.Tensor:
+    """In place from global rank ``src``."""
+    if group_size(group) > 1:
+        with _recording(recorder, "broadcast", group):
+            dist.broadcast(tensor, src=src, group=group)
+    return tensor
+
+
+def send_recv(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[torch.Tensor, int]],
+              group: Group, recorder: OpRecorder | None = None, wait: bool = True) -> list:
+    """Post all sends and receives ((tensor, peer global rank) pairs) as one batch; NCCL fuses them, which
+    avoids the deadlock of two neighbours both sending first. Waits unless ``wait=False`` (then the caller
+    waits on the returned works)."""
+    if not sends and not recvs:
+        return []
+    if group is None:
+        raise ValueError("send_recv needs a process group with peers (the pipeline group of a pp > 1 mesh).")
+    ops = [dist.P2POp(dist.isend, t, peer, group) for t, peer in sends]
+    ops += [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs]
+    with _recording(recorder, "send_recv", group):
+        works = dist.batch_isend_irecv(ops)
+        if wait:
+            for w in works:
+                w.wait()
+    return [] if wait else works
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: Group,
+                      output_split_sizes: list[int] | None = None, input_split_sizes: list[int] | None = None,
+                      recorder: OpRecorder | None = None) -> torch.Tensor:
+    """Rank i's chunk j of ``input`` (along dim 0) lands as chunk i of rank j's ``output``."""
+    if group_size(group) == 1:
+        return output.copy_(input)
+    with _recording(recorder, "all_to_all", group):
+        dist.all_to_all_single(output, input.contiguous(), output_split_sizes, input_split_sizes, group=group)
+    return output
+
+
+def barrier(group: Group, recorder: OpRecorder | None = None) -> None:
+    if group_size(group) > 1:
+        with _recording(recorder, "barrier", group):
+            dist.barrier(group=group)
+
+
+# ------------------------------------------------------------------------ gathers/scatters along a dimension
+
+
+def split_along_dim(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
+    """This rank's contiguous 1/size slice of ``x`` along ``dim`` (no communication)."""
+    size = group_size(group)
+    if size == 1:
+        return x
+    if x.shape[dim] % size:
+        raise ValueError(f"cannot split dimension {dim} of length {x.shape[dim]} into {size} equal parts "
+                         "(with parallel.sp the sequence length must be divisible by parallel.tp)")
+    n = x.shape[dim] // size
+    return x.narrow(dim, group.rank() * n, n).contiguous()
+
+
+def gather_along_dim(x: torch.Tensor, dim: int, group: Group,
+                     recorder: OpRecorder | None = None) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` (rank order). The collective stacks along dim 0, so the
+    result is then moved into place with one copy, giving a contiguous tensor in the expected layout."""
+    size = group_size(group)
+    if size == 1:
+        return x
+    out = x.new_empty((size * x.shape[0],) + tuple(x.shape[1:]))
+    all_gather_into(out, x, group, recorder)
+    if dim == 0:
+        return out
+    out = out.view((size,) + tuple(x.shape)).movedim(0, dim)
+    shape = list(x.shape)
+    shape[dim] *= size
+    return out.reshape(shape)
+
+
+def reduce_scatter_along_dim(x: torch.Tensor, dim: int, group: Group,
+                             recorder: OpRecorder | None = None) -> torch.Tensor:
+    """Sum ``x`` over the group and keep this rank's 1/size slice along ``dim``."""
+    size = group_size(group)
+    if size == 1:
+        return x
+    if x.shape[dim] % size:
+        raise ValueError(f"cannot reduce-scatter dimension {dim} of length {x.shape[dim]} over {size} ranks "
+                         "(with parallel.sp the sequence length must be divisible by parallel.tp)")
+    # Bring the rank-chunks of `dim` to the front so each rank's part is one contiguous block.
+    chunks = x.unflatten(dim, (size, x.shape[dim] // size)).movedim(dim, 0).contiguous()
+    out = x.new_empty(chunks.shape[1:])
+    reduce_scatter(out, chunks.flatten(0, 1), group, recorder)
+    return out
+
+
+# --------------------------------------------------------------- autograd borders of tensor-parallel regions
+
+
+class _CopyToRegion(Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group, recorder: OpRecorder | None) -> torch.Tensor:
+        ctx.group, ctx.recorder = group, recorder
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        # Every rank computed a partial gradient from its own shard of the next layer; sum them. Clone first:
+        # autograd may hand the same gradient tensor to other branches (the residual path).
+        grad = grad.clone(memory_format=torch.contiguous_format)
+        return all_reduce(grad, ctx.group, recorder=ctx.recorder), None, None
+
+
+class _ReduceFromRegion(Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group, recorder: OpRecorder | None) -> torch.Tensor:
+        # In place on a fresh activation (a GEMM output nobody saved); mark_dirty keeps autograd informed.
+        ctx.mark_dirty(x)
+        return all_reduce(x, group, recorder=recorder)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None, None
+
+
+class _ScatterToSeq(Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group, recorder: OpRecorder | None) -> torch.Tensor:
+        ctx.group, ctx.recorder = group, recorder
+        return split_along_dim(x, 1, group)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return gather_along_dim(grad, 1, ctx.group, ctx.recorder), None, None
+
+
+class _GatherFromSeq(Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group, recorder: OpRecorder | None) -> torch.Tensor:
+        ctx.group, ctx.recorder = group, recorder
+        return gather_along_dim(x, 1, group, recorder)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        # The gathered sequence feeds a column-parallel layer: each rank holds a partial gradient for the
+        # whole sequence, so sum them and keep our slice (Megatron's reduce-scatter, not a plain split).
+        return reduce_scatter_along_dim(grad, 1, ctx.group, ctx.recorder), None, None
+
+
+class _ReduceScatterToSeq(Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group, recorder: OpRecorder | None) -> torch.Tensor:
+        ctx.group, ctx.recorder = group, recorder
+        return reduce_scatter_along_dim(x, 1, group, recorder)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return gather_along_dim(grad, 1, ctx.group, ctx.recorder), None, None
+
+
+def copy_to_tp(x: torch.Tensor, group: Group, recorder: OpRecorder | None = None) -> torch.Tensor:
+    """Enter a tensor-parallel region with a replicated input: identity forward, all-reduce backward."""
+    return x if group_size(group) == 1 else _CopyToRegion.apply(x, group, recorder)
+
+
+def reduce_from_tp(x: torch.Tensor, group: Group, recorder: OpRecorder | None = None) -> torch.Tensor:
+    """Leave a region with partial sums: all-reduce forward (in place on ``x``), identity backward."""
+    return x if group_size(group) == 1 else _ReduceFromRegion.apply(x, group, recorder)
+
+
+def scatter_to_seq(x: torch.Tensor, group: Group, recorder: OpRecorder | None = None) -> torch.Tensor:
+    """Keep this rank's T/tp slice of [B, T, ...] forward; all-gather the gradient backward."""
+    return x if group_size(group) == 1 else _ScatterToSeq.apply(x, group, recorder)
+
+
+def gather_from_seq(x: torch.Tensor, group: Group, recorder: OpRecorder | None = None) -> torch.Tensor:
+    """Enter a region from sequence shards: all-gather along T forward, reduce-scatter backward."""
+    return x if group_size(group) == 1 else _GatherFromSeq.apply(x, group, recorder)
+
+
+def reduce_scatter_to_seq(x: torch.Tensor, group: Group, recorder: OpRecorder | None = None) -> torch.Tensor:
+    """Leave a region into sequence shards: reduce-scatter along T forward, all-gather backward."""
+    return x if group_size(group) == 1 else _ReduceScatterToSeq.apply(x, group, recorder)

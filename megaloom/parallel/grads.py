@@ -1,0 +1,52 @@
+"""After backward: complete the gradients over every group, then measure and clip their global norm.
+
+Order per step: tensor-parallel fix-ups (sequence-parallel norms, replicated KV heads) -> data-parallel
+average -> global norm (each element of the full model counted once) -> clip. On one process all of this is
+`clip_grad_norm_`. The data-parallel reduction here is one flat all-reduce per dtype after the last
+micro-batch; overlapping it with backward in buckets and sharding it (ZeRO) is the data-parallel layer's job.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from megaloom.parallel import comm
+from megaloom.parallel.mesh import Mesh
+from megaloom.parallel.tensor import sync_tp_grads, tp_grad_norm
+
+
+class GradientSync:
+    def __init__(self, model: nn.Module, mesh: Mesh):
+        self.model, self.mesh = model, mesh
+        self.params = [p for p in model.parameters() if p.requires_grad]
+
+    def finish(self) -> None:
+        """Make each rank's gradients the full-batch gradients of the parameters it holds."""
+        if self.mesh.tp > 1:
+            sync_tp_grads(self.model, self.mesh)
+        n = self.mesh.dp * self.mesh.cp
+        if n > 1:
+            grads = [p.grad for p in self.params if p.grad is not None]
+            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+            for g in grads:
+                by_dtype.setdefault(g.dtype, []).append(g)
+            for group in by_dtype.values():
+                flat = torch.cat([g.reshape(-1) for g in group])
+                comm.all_reduce(flat, self.mesh.dp_cp_group, recorder=self.mesh.recorder)
+                flat.div_(n)
+                for g, part in zip(group, flat.split([g.numel() for g in group]), strict=True):
+                    g.copy_(part.view_as(g))
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        """Global L2 norm of the gradient before clipping; scales gradients in place if it exceeds max_norm."""
+        if self.mesh.tp == 1 and self.mesh.pp == 1:
+            return torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
+        total = tp_grad_norm(self.model, self.mesh)
+        if math.isfinite(max_norm):
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            grads = [p.grad for p in self.params if p.grad is not None]
+            torch._foreach_mul_(grads, coef)
+        return total

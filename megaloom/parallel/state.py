@@ -1,0 +1,79 @@
+"""Layout-free checkpoint state of a tensor-parallel model: full tensors under the usual names.
+
+Saving gathers every tp-sharded parameter and its optimizer state (exp_avg, ...) to full size, so the files
+do not depend on the layout and a run saved at tp=2 resumes at tp=1 or tp=4. All ranks hold the same full
+tensors and DCP deduplicates them, writing each once. Loading reads full tensors and keeps this rank's slice.
+(Gathering costs memory at very large scale; DTensor shards written in place are the checkpoint issue's
+next step.)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megaloom.parallel.mesh import Mesh
+from megaloom.parallel.tensor import _gather_full
+
+
+def shard_of(full: torch.Tensor, p: nn.Parameter, mesh: Mesh) -> torch.Tensor:
+    """This rank's slice of a full tensor shaped like parameter `p`'s full size."""
+    dim = getattr(p, "_tp_dim", None)
+    if dim is None or mesh.tp == 1:
+        return full
+    reps = getattr(p, "_tp_replicas", 1)
+    return full.chunk(mesh.tp // reps, dim)[mesh.tp_rank // reps]
+
+
+def full_model_state(model: nn.Module, mesh: Mesh) -> dict[str, torch.Tensor]:
+    sd = model.state_dict()
+    params = dict(model.named_parameters(remove_duplicate=False))
+    return {k: (_gather_full(v, params[k], mesh, sum_replicas=False) if k in params else v) for k, v in sd.items()}
+
+
+def full_optim_state(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh) -> dict:
+    """{'state': {fqn: {name: full tensor}}} keyed by parameter names."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    state: dict[str, dict] = {}
+    for p, st in optimizer.state.items():
+        state[names[id(p)]] = {k: (_gather_full(v, p, mesh, sum_replicas=False)
+                                   if torch.is_tensor(v) and v.shape == p.shape and v.ndim > 0 else v)
+                               for k, v in st.items()}
+    # Only tensors are saved: hyper-parameters come from the config, so loading unpickles nothing.
+    return {"state": state}
+
+
+def full_optim_template(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh) -> dict:
+    """Full-size placeholders for loading (optimizer state is created first if the optimizer is fresh)."""
+    for p in model.parameters():
+        if p.requires_grad and p not in optimizer.state:
+            _init_adam_state(optimizer, p)
+    return full_optim_state(model, optimizer, mesh)
+
+
+def _init_adam_state(optimizer: torch.optim.Optimizer, p: nn.Parameter) -> None:
+    on_device = optimizer.defaults.get("fused") or optimizer.defaults.get("capturable")
+    optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu"),
+                          "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                          "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+
+
+def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, model_sd: dict,
+                    optim_sd: dict | None, mesh: Mesh) -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    with torch.no_grad():
+        for k, t in model.state_dict().items():
+            src = model_sd[k]
+            t.copy_(shard_of(src, params[k], mesh) if k in params else src)
+    if optimizer is None or optim_sd is None:
+        return
+    by_name = dict(model.named_parameters())
+    for name, st in optim_sd["state"].items():
+        p = by_name[name]
+        target = optimizer.state.setdefault(p, {})
+        for k, v in st.items():
+            local = shard_of(v, p, mesh) if torch.is_tensor(v) and v.ndim > 0 else v
+            if k in target and torch.is_tensor(target[k]):
+                target[k].copy_(local)
+            else:
+                target[k] = local.clone() if torch.is_tensor(local) else local

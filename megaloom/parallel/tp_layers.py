@@ -1,0 +1,149 @@
+"""Megatron's tensor-parallel layers: each rank holds a slice of the weight, with a collective at its edge.
+
+A column-parallel linear splits the output features (weight rows) and is the entry of a parallel region;
+a row-parallel linear splits the input features and is its exit, where the partial sums are reduced.
+The pair (column then row) costs one all-reduce forward and one backward. With sequence parallelism the
+activations outside the region are split along the sequence instead of replicated, and the all-reduce
+becomes an all-gather on entry plus a reduce-scatter on exit (same bytes, 1/tp the activation memory).
+
+Every parameter carries how it is split, for gradient sync, checkpoints and `gather_full_params`:
+``p._tp_dim`` (0: rows, 1: columns, None: replicated), ``p._tp_replicas`` (>1 when groups of tp ranks hold
+copies of the same slice) and ``p._sequence_parallel`` (replicated, but its gradient is a partial sum over
+this rank's tokens and must be all-reduced over tp).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megaloom.parallel import comm
+from megaloom.parallel.mesh import Mesh
+
+INPUT_MODES = ("copy", "gather", "none")
+OUTPUT_MODES = ("reduce", "reduce_scatter")
+
+
+def mark(p: nn.Parameter, tp_dim: int | None, replicas: int = 1,
+         sequence_parallel: bool = False) -> nn.Parameter:
+    p._tp_dim = tp_dim
+    p._tp_replicas = replicas
+    p._sequence_parallel = sequence_parallel
+    return p
+
+
+def _shard(t: torch.Tensor, dim: int, start: int, length: int) -> nn.Parameter:
+    return nn.Parameter(t.detach().narrow(dim, start, length).clone())
+
+
+class ColumnParallelLinear(nn.Module):
+    """y[..., local out] = x W_local^T + b_local with W_local = rows of the full [out, in] weight.
+
+    ``input_mode``: "copy" (replicated input: identity forward, all-reduce backward), "gather" (sequence
+    shards: all-gather forward, reduce-scatter backward) or "none" (the caller already entered the region,
+    e.g. once for q, k and v together). The output stays split (no gather), as the next layer wants it.
+    """
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, mesh: Mesh, input_mode: str = "copy",
+                 replicas: int = 1) -> None:
+        super().__init__()
+        if input_mode not in INPUT_MODES:
+            raise ValueError(f"input_mode must be one of {INPUT_MODES}, got {input_mode!r}")
+        self.mesh, self.input_mode = mesh, input_mode
+        self.out_features, self.in_features = weight.shape  # local: what the attention reads head counts from
+        self.weight = mark(weight, 0, replicas)
+        self.bias = mark(bias, 0, replicas) if bias is not None else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, mesh: Mesh, input_mode: str = "copy",
+                    rows: tuple[int, int] | None = None, replicas: int = 1) -> ColumnParallelLinear:
+        """Copy this rank's rows of an initialised full layer; ``rows`` (start, length) overrides the even
+        split."""
+        start, length = rows if rows is not None else (mesh.tp_rank * linear.out_features // mesh.tp,
+                                                       linear.out_features // mesh.tp)
+        bias = _shard(linear.bias, 0, start, length) if linear.bias is not None else None
+        return cls(_shard(linear.weight, 0, start, length), bias, mesh, input_mode, replicas)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g, rec = self.mesh.tp_group, self.mesh.recorder
+        if self.input_mode == "copy":
+            x = comm.copy_to_tp(x, g, rec)
+        elif self.input_mode == "gather":
+            x = comm.gather_from_seq(x, g, rec)
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} "
+                f"(local of tp={self.mesh.tp}), bias={self.bias is not None}, input={self.input_mode}")
+
+
+class RowParallelLinear(nn.Module):
+    """y = reduce(x_local W_local^T) + b, W_local = columns of the full [out, in] weight, x already split.
+
+    ``output_mode``: "reduce" (all-reduce: replicated output) or "reduce_scatter" (sequence shards). The
+    bias is replicated and added after the reduction (adding it before would count it tp times).
+    """
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, mesh: Mesh,
+                 output_mode: str = "reduce") -> None:
+        super().__init__()
+        if output_mode not in OUTPUT_MODES:
+            raise ValueError(f"output_mode must be one of {OUTPUT_MODES}, got {output_mode!r}")
+        self.mesh, self.output_mode = mesh, output_mode
+        self.out_features, self.in_features = weight.shape
+        self.weight = mark(weight, 1)
+        sp = output_mode == "reduce_scatter"
+        self.bias = mark(bias, None, sequence_parallel=sp) if bias is not None else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, mesh: Mesh, output_mode: str = "reduce") -> RowParallelLinear:
+        n = linear.in_features // mesh.tp
+        bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
+        return cls(_shard(linear.weight, 1, mesh.tp_rank * n, n), bias, mesh, output_mode)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g, rec = self.mesh.tp_group, self.mesh.recorder
+        y = F.linear(x, self.weight)
+        if self.output_mode == "reduce":
+            y = comm.reduce_from_tp(y, g, rec)
+        else:
+            y = comm.reduce_scatter_to_seq(y, g, rec)
+        return y + self.bias if self.bias is not None else y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features} (local of tp={self.mesh.tp}), "
+                f"out_features={self.out_features}, bias={self.bias is not None}, output={self.output_mode}")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows (token ids) split across tp ranks; each rank looks up the ids it owns, zeros the rest, and the
+    partial results are summed ("reduce") or summed and split along the sequence ("reduce_scatter")."""
+
+    def __init__(self, weight: nn.Parameter, mesh: Mesh, output_mode: str = "reduce") -> None:
+        super().__init__()
+        if output_mode not in OUTPUT_MODES:
+            raise ValueError(f"output_mode must be one of {OUTPUT_MODES}, got {output_mode!r}")
+        self.mesh, self.output_mode = mesh, output_mode
+        self.num_embeddings, self.embedding_dim = weight.shape  # local rows
+        self.vocab_start = mesh.tp_rank * self.num_embeddings
+        self.weight = mark(weight, 0)
+
+    @classmethod
+    def from_embedding(cls, emb: nn.Embedding, mesh: Mesh,
+                       output_mode: str = "reduce") -> VocabParallelEmbedding:
+        n = emb.num_embeddings // mesh.tp
+        return cls(_shard(emb.weight, 0, mesh.tp_rank * n, n), mesh, output_mode)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        g, rec = self.mesh.tp_group, self.mesh.recorder
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.output_mode == "reduce":
+            return comm.reduce_from_tp(out, g, rec)
+        return comm.reduce_scatter_to_seq(out, g, rec)
+
+    def extra_repr(self) -> str:
+        return (f"rows {self.vocab_start}..{self.vocab_start + self.num_embeddings} of "
+                f"{self.num_embeddings * self.mesh.tp}, dim={self.embedding_dim}, output={self.output_mode}")

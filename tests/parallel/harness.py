@@ -1,0 +1,66 @@
+"""Run a function on every rank of a freshly spawned process group and collect what each rank returns.
+
+Spawning costs seconds (each process imports torch), so tests start a world once and run many cases in
+it. The backend follows the hardware: NCCL with one GPU per rank when there are enough GPUs, gloo on CPU
+otherwise, so the same test code exercises the production path on a GPU host.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .model_hooks import ensure_model_hooks
+
+
+def pick_backend(world_size: int) -> str:
+    return "nccl" if torch.cuda.device_count() >= world_size else "gloo"
+
+
+def _entry(rank: int, world_size: int, backend: str, tmp: str, fn: Callable, args: tuple) -> None:
+    torch.set_num_threads(1)  # several ranks share two cores: avoid oversubscription
+    ensure_model_hooks()
+    if backend == "nccl":
+        device = torch.device(f"cuda:{rank}")
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(backend, init_method=f"file://{tmp}/init", rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=120))
+    try:
+        result = fn(rank, world_size, device, *args)
+        torch.save(result, os.path.join(tmp, f"result{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_world(world_size: int, fn: Callable, *args: Any, timeout: float = 240.0) -> list[Any]:
+    """``fn(rank, world_size, device, *args)`` on ``world_size`` processes; returns the results by rank.
+
+    ``fn`` must be importable (module level). A worker's exception is re-raised here with its traceback
+    (torch.multiprocessing stops the other ranks); a world that outlives ``timeout`` is terminated.
+    """
+    tmp = tempfile.mkdtemp(prefix="megaloom-world-")
+    try:
+        ctx = mp.spawn(_entry, args=(world_size, pick_backend(world_size), tmp, fn, args), nprocs=world_size,
+                       join=False)
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.terminate()
+                raise TimeoutError(f"world of {world_size} running {fn.__name__} exceeded {timeout:.0f}s")
+        return [torch.load(Path(tmp) / f"result{r}.pt", weights_only=False) for r in range(world_size)]
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,37 @@
+"""The same world tests on GPUs through NCCL (the harness picks NCCL when there is one GPU per rank)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .checks import assert_collectives, assert_parity, assert_regions, assert_vocab_ce
+from .harness import pick_backend, run_world
+from .worlds import check_collectives, check_mesh, check_regions, check_vocab_ce, parity_case, tiny_config
+
+
+def suite_gpu(rank: int, world: int, device: torch.device) -> dict:
+    from megaloom.parallel.mesh import Mesh
+
+    res: dict = {"device": str(device), "mesh": check_mesh(world, rank, device, tp=2, pp=1, ep=1)}
+    mesh = Mesh.build(tiny_config(tp=2, world=world), world, rank, device)
+    res["regions"] = check_regions(mesh)
+    res["collectives"] = check_collectives(mesh)
+    res["vocab_ce"] = check_vocab_ce(mesh)
+    for sp in (False, True):
+        res[f"parity-sp{int(sp)}"] = parity_case(mesh, "llama", sp, steps=3)
+    return res
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL path)")
+def test_tensor_parallel_on_nccl() -> None:
+    assert pick_backend(2) == "nccl"
+    results = run_world(2, suite_gpu)
+    assert_collectives([r["collectives"] for r in results], tp=2)
+    for rank, res in enumerate(results):
+        assert res["device"] == f"cuda:{rank}" and res["mesh"]["backend"] == "nccl"
+        assert_regions(res["regions"])
+        assert_vocab_ce(res["vocab_ce"])
+        for sp in (0, 1):
+            assert_parity(res[f"parity-sp{sp}"])

@@ -1,0 +1,39 @@
+"""One world of 2 processes: single-process parity of tp=2 (KV heads split, not replicated)."""
+
+from __future__ import annotations
+
+import pytest
+
+from .checks import assert_collectives, assert_element_counts, assert_parity, assert_regions, assert_vocab_ce
+from .harness import run_world
+from .worlds import suite_world2
+
+PARITY = ["parity-llama-tp2-sp0", "parity-llama-tp2-sp1", "parity-gpt2-tp2-sp0", "parity-gpt2-tp2-sp1",
+          "parity-gpt2-tp2-sp0-untied"]
+
+
+@pytest.fixture(scope="module")
+def world() -> list[dict]:
+    return run_world(2, suite_world2)
+
+
+@pytest.mark.parametrize("case", PARITY)
+def test_parity_with_single_process(world: list[dict], case: str) -> None:
+    for res in world:
+        assert_parity(res[case], tie="untied" not in case)
+
+
+def test_each_rank_holds_its_share(world: list[dict]) -> None:
+    assert_element_counts([r["parity-gpt2-tp2-sp1"] for r in world], tp=2)
+
+
+def test_region_autograd_and_vocab_ce(world: list[dict]) -> None:
+    for res in world:
+        assert_regions(res["regions"])
+        assert_vocab_ce(res["vocab_ce"])
+    assert_collectives([r["collectives"] for r in world], tp=2)
+
+
+def test_cached_decoding_matches(world: list[dict]) -> None:
+    for res in world:
+        assert max(res["decode"].values()) < 1e-4, res["decode"]

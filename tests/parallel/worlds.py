@@ -1,0 +1,334 @@
+"""What the spawned ranks run: one suite per world, each returning a dict of measurements per rank.
+
+The tests (test_*_world.py) start each world once and assert on these measurements, so every check here
+computes numbers instead of asserting (an assertion inside a rank would only show one rank's view).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megaloom.config import Config, load_config
+from megaloom.models import Transformer, apply_recompute
+from megaloom.parallel import comm
+from megaloom.parallel.mesh import Mesh
+from megaloom.parallel.random import RNGTracker, dropout_seed
+from megaloom.parallel.tensor import (
+    gather_full_grads,
+    gather_full_params,
+    gather_vocab_logits,
+    parallelize_tensor,
+    sync_tp_grads,
+    tp_grad_norm,
+    vocab_parallel_cross_entropy,
+)
+
+VOCAB, SEQ, BATCH = 128, 16, 2
+
+
+def tiny_config(arch: str = "llama", tp: int = 1, pp: int = 1, ep: int = 1, sp: bool = False,
+                tie: bool = True, dropout: float = 0.0, world: int = 1) -> Config:
+    dp = world // (tp * pp)
+    return load_config(None, [
+        f"model.arch={arch}", f"model.vocab_size={VOCAB}", "model.d_model=64", "model.n_layers=2",
+        "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128", f"model.max_seq_len={SEQ}",
+        f"model.tie_embeddings={tie}", f"model.dropout={dropout}", f"train.seq_len={SEQ}",
+        f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.ep={ep}", f"parallel.sp={sp}",
+        "train.micro_batch_size=1", f"train.global_batch_size={max(dp, 1)}"])
+
+
+def _err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item()
+
+
+# ------------------------------------------------------------------------------------------------- mesh
+
+
+def check_mesh(world: int, rank: int, device: torch.device, tp: int, pp: int, ep: int) -> dict:
+    """Build a mesh and report the members of each of this rank's groups as torch.distributed sees them."""
+    mesh = Mesh.build(tiny_config(tp=tp, pp=pp, ep=ep, world=world), world, rank, device)
+    groups = {k: dist.get_process_group_ranks(getattr(mesh, f"{k}_group"))
+              for k in ("tp", "cp", "dp", "pp", "dp_cp", "ep", "edp")}
+    ranks = dict(tp=mesh.tp_rank, pp=mesh.pp_rank, dp=mesh.dp_rank, cp=mesh.cp_rank, ep=mesh.ep_rank)
+    group_ranks = {k: dist.get_rank(getattr(mesh, f"{k}_group")) for k in ("tp", "pp", "dp", "cp")}
+    # Point-to-point around the pipeline ring, through the mesh's neighbours.
+    out = torch.full((3,), float(rank), device=device)
+    got = torch.empty(3, device=device)
+    if mesh.pp > 1:
+        comm.send_recv([(out, mesh.pp_next)], [(got, mesh.pp_prev)], mesh.pp_group)
+    return dict(groups=groups, ranks=ranks, group_ranks=group_ranks, pp_prev=mesh.pp_prev,
+                pp_next=mesh.pp_next, received=got[0].item() if mesh.pp > 1 else None,
+                init_seconds=mesh.init_seconds, backend=dist.get_backend(), first=mesh.is_first_stage,
+                last=mesh.is_last_stage, sizes=mesh.sizes)
+
+
+def check_collectives(mesh: Mesh) -> dict:
+    """broadcast, all_to_all, reduce_scatter, barrier and the last-op recorder on the tp group."""
+    g, size, r, dev = mesh.tp_group, mesh.tp, mesh.tp_rank, mesh.device
+    rec = comm.LastOpRecorder()
+    res: dict = {}
+    b = torch.full((2,), float(r), device=dev)
+    comm.broadcast(b, src=dist.get_process_group_ranks(g)[-1], group=g, recorder=rec)
+    res["broadcast"] = b.tolist()
+    a2a_in = torch.arange(size, device=dev, dtype=torch.float32) + 10 * r  # element j goes to rank j
+    a2a_out = torch.empty_like(a2a_in)
+    comm.all_to_all_single(a2a_out, a2a_in, g, recorder=rec)
+    res["all_to_all"] = a2a_out.tolist()  # rank j receives 10*i + j from each rank i
+    rs_in = torch.arange(2 * size, device=dev, dtype=torch.float32) * (r + 1)
+    rs_out = torch.empty(2, device=dev)
+    comm.reduce_scatter(rs_out, rs_in, g, recorder=rec)
+    res["reduce_scatter"] = rs_out.tolist()
+    expected_in = torch.arange(2 * size, dtype=torch.float32) * (r + 1)
+    res["rs_input_intact"] = rs_in.tolist() == expected_in.tolist()
+    comm.barrier(g, recorder=rec)
+    res["recorder"] = (rec.name, rec.count, rec.in_flight)
+    return res
+
+
+# ---------------------------------------------------------------------------------- tensor-parallel regions
+
+
+def check_regions(mesh: Mesh) -> dict[str, float]:
+    """Forward and backward of the five region borders against the sums they stand for."""
+    g, size, r, dev = mesh.tp_group, mesh.tp, mesh.tp_rank, mesh.device
+    gen = torch.Generator().manual_seed(0)
+    errs: dict[str, float] = {}
+    for batch in (1, 2):  # batch 1 makes the reduce-scatter input contiguous without a copy: must not alias
+        t_local, d = 3, 5
+        x = torch.randn(batch, t_local * size, d, generator=gen).to(dev)  # the same on every rank
+        w = torch.randn(size, batch, t_local * size, d, generator=gen).to(dev)  # w[k]: rank k's weights
+        sl = slice(r * t_local, (r + 1) * t_local)
+        per_rank_slices = torch.cat([w[k][:, k * t_local:(k + 1) * t_local] for k in range(size)], dim=1)
+
+        xs = x[:, sl].clone().requires_grad_()
+        y = comm.gather_from_seq(xs, g)
+        (y * w[r]).sum().backward()
+        errs[f"gather_fwd{batch}"] = _err(y, x)
+        errs[f"gather_bwd{batch}"] = _err(xs.grad, w.sum(0)[:, sl])
+
+        z = x.clone().requires_grad_()
+        y = comm.reduce_scatter_to_seq(z * (r + 1), g)
+        (y * w[r][:, sl]).sum().backward()
+        errs[f"rs_fwd{batch}"] = _err(y, x[:, sl] * sum(range(1, size + 1)))
+        errs[f"rs_bwd{batch}"] = _err(z.grad, per_rank_slices * (r + 1))
+
+        z = x.clone().requires_grad_()
+        y = comm.scatter_to_seq(z, g)
+        (y * w[r][:, sl]).sum().backward()
+        errs[f"scatter_fwd{batch}"] = _err(y, x[:, sl])
+        errs[f"scatter_bwd{batch}"] = _err(z.grad, per_rank_slices)
+
+        z = x.clone().requires_grad_()
+        y = comm.copy_to_tp(z, g)
+        (y * w[r]).sum().backward()
+        errs[f"copy_fwd{batch}"] = _err(y, x)
+        errs[f"copy_bwd{batch}"] = _err(z.grad, w.sum(0))
+
+        z = x.clone().requires_grad_()
+        y = comm.reduce_from_tp(z * (r + 1), g)
+        (y * w[r]).sum().backward()
+        errs[f"reduce_fwd{batch}"] = _err(y, x * sum(range(1, size + 1)))
+        errs[f"reduce_bwd{batch}"] = _err(z.grad, w[r] * (r + 1))
+
+        # A residual next to the region: its gradient must not be disturbed by the in-place collectives.
+        z = x.clone().requires_grad_()
+        y = z + comm.copy_to_tp(z, g)
+        y.sum().backward()
+        errs[f"residual_bwd{batch}"] = _err(z.grad, torch.full_like(x, 1.0 + size))
+    return errs
+
+
+def check_vocab_ce(mesh: Mesh) -> dict[str, float]:
+    """Vocab-parallel CE against F.cross_entropy on the full logits; 8 padded rows are never targets."""
+    g, size, r, dev = mesh.tp_group, mesh.tp, mesh.tp_rank, mesh.device
+    gen = torch.Generator().manual_seed(1)
+    n, real_vocab = 24, VOCAB - 8
+    logits = (torch.randn(n, VOCAB, generator=gen) * 4).to(dev)
+    labels = torch.randint(0, real_vocab, (n,), generator=gen).to(dev)
+    labels[::5] = -100  # ignored positions
+    v = VOCAB // size
+    sl = slice(r * v, (r + 1) * v)
+    errs: dict[str, float] = {}
+
+    full = logits.clone().requires_grad_()
+    ref = F.cross_entropy(full, labels)
+    ref.backward()
+    local = logits[:, sl].clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(local, labels, g)
+    loss.backward()
+    errs["loss"] = abs(loss.item() - ref.item())
+    errs["grad"] = _err(comm.gather_along_dim(local.grad, 1, g), full.grad)
+
+    # [B, T, V/tp] logits, as the model produces them, and a second backward scale.
+    local3 = logits[:, sl].reshape(2, n // 2, v).clone().requires_grad_()
+    loss3 = vocab_parallel_cross_entropy(local3, labels.view(2, n // 2), g)
+    (loss3 * 3).backward()
+    errs["loss_3d"] = abs(loss3.item() - ref.item())
+    errs["grad_3d"] = _err(comm.gather_along_dim(local3.grad.reshape(n, v), 1, g), full.grad * 3)
+
+    # bf16 logits: the math is fp32, the loss comes back fp32 and the gradient in bf16.
+    lb = logits.bfloat16()
+    local_b = lb[:, sl].clone().requires_grad_()
+    loss_b = vocab_parallel_cross_entropy(local_b, labels, g)
+    loss_b.backward()
+    errs["loss_bf16"] = abs(loss_b.item() - F.cross_entropy(lb.float(), labels).item())
+    errs["dtypes_ok"] = float(loss_b.dtype == torch.float32 and local_b.grad.dtype == torch.bfloat16)
+    return errs
+
+
+def check_rng(mesh: Mesh) -> dict:
+    """Forked streams per rank, the default stream, and replay of a fork after restoring the RNG state."""
+    torch.manual_seed(dropout_seed(5, mesh))
+    tracker = RNGTracker.for_mesh(mesh)
+    with tracker.fork("tp"):
+        forked = torch.rand(6)
+    default = torch.rand(6)
+    state = torch.get_rng_state()
+    with tracker.fork("tp"):
+        first = torch.rand(6)
+    torch.set_rng_state(state)
+    with tracker.fork("tp"):
+        replay = torch.rand(6)
+    return dict(forked=forked, default=default, replay_err=_err(first, replay), tp_rank=mesh.tp_rank,
+                dp_rank=mesh.dp_rank)
+
+
+# ---------------------------------------------------------------------------------------------------- parity
+
+
+def parity_case(mesh: Mesh, arch: str, sp: bool, tie: bool = True, steps: int = 10) -> dict:
+    """Train the same model in this process (reference) and tensor-parallel for `steps` AdamW steps."""
+    cfg = tiny_config(arch, tp=mesh.tp, sp=sp, tie=tie, world=mesh.world_size)
+    torch.manual_seed(1234)
+    ref = Transformer(cfg.model).to(mesh.device)
+    model = parallelize_tensor(copy.deepcopy(ref), mesh, sp)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    gen = torch.Generator().manual_seed(99)
+    batches = [torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen).to(mesh.device) for _ in range(steps)]
+    out: dict = dict(loss_ref=[], loss=[])
+    for step, batch in enumerate(batches):
+        x, y = batch[:, :-1], batch[:, 1:]
+        loss_ref = ref(x, y)
+        loss_ref.backward()
+        loss = model(x, y)
+        loss.backward()
+        if step == 0:  # gradients as produced by backward, then after the tp sync (what the optimizer sees)
+            raw = gather_full_grads(model, mesh, synced=False)
+        sync_tp_grads(model, mesh)
+        if step == 0:
+            grads = gather_full_grads(model, mesh)
+            ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+            out["grad_err"] = {n: (_err(grads[n], ref_grads[n]), ref_grads[n].abs().max().item(),
+                                   torch.allclose(grads[n], ref_grads[n], rtol=1e-4, atol=1e-5),
+                                   torch.allclose(raw[n], ref_grads[n], rtol=1e-4, atol=1e-5))
+                               for n in ref_grads}
+            out["grad_names"] = (sorted(grads), sorted(ref_grads))
+            ref_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in ref_grads.values()]))
+            out["norm"] = (tp_grad_norm(model, mesh).item(), ref_norm.item())
+            full = gather_full_params(model, mesh)
+            out["numel"] = {n: (p.numel(), full[n].numel(), p._tp_dim, p._tp_replicas)
+                            for n, p in model.named_parameters()}
+            out["tied"] = model.head.weight is model.tok_emb.weight
+        opt_ref.step()
+        opt.step()
+        opt_ref.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=True)
+        out["loss_ref"].append(loss_ref.item())
+        out["loss"].append(loss.item())
+    final = gather_full_params(model, mesh)
+    out["param_err"] = max(_err(final[n], p) for n, p in ref.named_parameters())
+    # Generation path: logits without labels are the local vocabulary shard.
+    with torch.no_grad():
+        local_logits = model(batches[0][:, :SEQ])
+        out["logits_err"] = _err(gather_vocab_logits(local_logits, mesh.tp_group), ref(batches[0][:, :SEQ]))
+    return out
+
+
+def decode_case(mesh: Mesh, arch: str) -> float:
+    """Incremental decoding with KV caches (the generation path, sp off): max logit error vs reference."""
+    cfg = tiny_config(arch, tp=mesh.tp, world=mesh.world_size)
+    torch.manual_seed(1234)
+    ref = Transformer(cfg.model).to(mesh.device).eval()
+    model = parallelize_tensor(copy.deepcopy(ref), mesh, sp=False).eval()
+    gen = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, VOCAB, (BATCH, 5), generator=gen).to(mesh.device)
+    caches_ref, caches = ref.new_caches(BATCH, SEQ), model.new_caches(BATCH, SEQ)
+    err, pos = 0.0, 0
+    with torch.no_grad():
+        for _ in range(4):
+            expected = ref(tokens, caches=caches_ref, pos=pos)
+            got = gather_vocab_logits(model(tokens, caches=caches, pos=pos), mesh.tp_group)
+            err = max(err, _err(got, expected))
+            pos += tokens.shape[1]
+            tokens = expected[:, -1:].argmax(-1)
+    return err
+
+
+def dropout_case(mesh: Mesh, sp: bool) -> dict:
+    """With dropout: replicated weights get equal gradients on all tp ranks (masks agree where they must),
+    and recomputation replays the same masks (gradients equal to the run without it)."""
+    cfg = tiny_config("gpt2", tp=mesh.tp, sp=sp, dropout=0.2, world=mesh.world_size)
+    torch.manual_seed(1234)
+    model = parallelize_tensor(Transformer(cfg.model).to(mesh.device), mesh, sp)
+    model.train()
+    gen = torch.Generator().manual_seed(3)
+    batch = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen).to(mesh.device)
+
+    def grads(mode: str) -> dict[str, torch.Tensor]:
+        apply_recompute(model, mode)
+        torch.manual_seed(dropout_seed(11, mesh))
+        model(batch[:, :-1], batch[:, 1:]).backward()
+        sync_tp_grads(model, mesh)
+        out = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        return out
+
+    plain = grads("none")
+    replay = {mode: max(_err(g, plain[n]) for n, g in grads(mode).items()) for mode in ("selective", "full")}
+    params = dict(model.named_parameters())
+    replicated = {n: g for n, g in plain.items() if params[n]._tp_dim is None}
+    return dict(replicated=replicated, replay=replay)
+
+
+# ---------------------------------------------------------------------------------------------------- suites
+
+
+def suite_world4(rank: int, world: int, device: torch.device) -> dict:
+    res: dict = {}
+    res["mesh_tp2_ep2"] = check_mesh(world, rank, device, tp=2, pp=1, ep=2)
+    res["mesh_pp2_tp2"] = check_mesh(world, rank, device, tp=2, pp=2, ep=1)
+    res["mesh_dp4_ep2"] = check_mesh(world, rank, device, tp=1, pp=1, ep=2)
+    mesh22 = Mesh.build(tiny_config(tp=2, world=world), world, rank, device)
+    res["rng"] = check_rng(mesh22)
+    mesh = Mesh.build(tiny_config(tp=4, world=world), world, rank, device)
+    res["mesh_tp4"] = dict(init_seconds=mesh.init_seconds)
+    res["collectives"] = check_collectives(mesh)
+    res["regions"] = check_regions(mesh)
+    res["vocab_ce"] = check_vocab_ce(mesh)
+    for arch in ("llama", "gpt2"):
+        for sp in (False, True):
+            res[f"parity-{arch}-tp4-sp{int(sp)}"] = parity_case(mesh, arch, sp)
+    res["parity-llama-tp4-sp1-untied"] = parity_case(mesh, "llama", True, tie=False, steps=3)
+    res["decode"] = {arch: decode_case(mesh, arch) for arch in ("llama", "gpt2")}
+    for sp in (False, True):
+        res[f"dropout-sp{int(sp)}"] = dropout_case(mesh, sp)
+    return res
+
+
+def suite_world2(rank: int, world: int, device: torch.device) -> dict:
+    res: dict = {}
+    mesh = Mesh.build(tiny_config(tp=2, world=world), world, rank, device)
+    res["regions"] = check_regions(mesh)
+    res["vocab_ce"] = check_vocab_ce(mesh)
+    res["collectives"] = check_collectives(mesh)
+    for arch in ("llama", "gpt2"):
+        for sp in (False, True):
+            res[f"parity-{arch}-tp2-sp{int(sp)}"] = parity_case(mesh, arch, sp)
+    res["parity-gpt2-tp2-sp0-untied"] = parity_case(mesh, "gpt2", False, tie=False, steps=3)
+    res["decode"] = {arch: decode_case(mesh, arch) for arch in ("llama", "gpt2")}
+    return res
