@@ -92,6 +92,8 @@ def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
 
     seed_everything(t.seed)
     model = Transformer(cfg.model).to(device)  # full model, same seed on every rank ...
+    n_params = count_params(model)
+    fpt = flops_per_token(cfg.model, matmul_params(model), t.seq_len)
     model = parallelize_tensor(model, mesh, cfg.parallel.sp)  # ... then each rank keeps its shards
     torch.manual_seed(dropout_seed(t.seed, mesh))  # dropout: equal across tp peers, distinct across data
     apply_recompute(model, t.recompute)
@@ -105,8 +107,6 @@ def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
     ckpt_root = run_dir / "checkpoints"
     start_step = _maybe_resume(cfg, model, optimizer, ckpt_root, rt, mesh)
 
-    n_params = count_params(model) * mesh.tp  # approximate: replicated norms counted tp times
-    fpt = flops_per_token(cfg.model, matmul_params(model), t.seq_len)
     peak = device_peak_flops(device)
     if rt.is_main:
         print(f"megaloom: {cfg.model.preset} ({cfg.model.arch}) {n_params / 1e6:.2f}M params on {device}, "
@@ -146,7 +146,7 @@ def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
             tps = tokens / max(interval_compute_s, 1e-9)
             record = {"step": step, "loss": _dp_mean(loss_sum / steps_in_interval, mesh), "lr": lr,
                       "grad_norm": float(grad_norm), "tokens_per_s": tps,
-                      "mfu": (fpt * tps / peak) if peak else None, "mem_gb": peak_memory_gb(device),
+                      "mfu": (fpt * tps / (peak * rt.world_size)) if peak else None, "mem_gb": peak_memory_gb(device),
                       "tokens": step * t.global_batch_size * t.seq_len, "skipped_steps": skipped,
                       "elapsed_s": time.perf_counter() - train_start}
             if do_eval:
