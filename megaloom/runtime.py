@@ -63,8 +63,6 @@ def resolve_precision(cfg: Config, device: torch.device) -> str:
     p = cfg.train.precision
     if p == "auto":
         return "bf16" if device.type == "cuda" else "fp32"
-    if p in ("bf16", "fp16") and device.type == "cpu" and p == "fp16":
-        raise ConfigError("train.precision=fp16 needs a GPU (CPU autocast supports bf16); use fp32 or bf16.")
     if p == "fp8":
         if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
             raise ConfigError("train.precision=fp8 needs an FP8-capable GPU (Hopper/Ada, compute capability "

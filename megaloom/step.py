@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from megaloom.precision.loss_scaler import DynamicLossScaler
+
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -48,30 +50,31 @@ class TrainStep:
         self.precision, self.device = precision, device
         self.micro = micro_batch_size
         self.grad_clip = grad_clip if grad_clip > 0 else math.inf
-        self.scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+        self.scaler = DynamicLossScaler(mesh=getattr(grads, "mesh", None)) if precision == "fp16" else None
 
     def __call__(self, batch: torch.Tensor) -> StepOutput:
         n_micro = batch.shape[0] // self.micro
+        scale = self.scaler.scale if self.scaler is not None else 1.0
         total = torch.zeros((), device=self.device)
         for x, y in micro_batches(batch, self.micro):
             with autocast_ctx(self.precision, self.device):
                 loss = self.model(x, y) / n_micro  # equal tokens per micro-batch: mean of means is the mean
-            self.scaler.scale(loss).backward()
+            (loss * scale if scale != 1.0 else loss).backward()
             total += loss.detach().float()
         if self.grads is not None:
             self.grads.finish()  # reduce the (scaled) gradients first, so every replica sees the same values
-        self.scaler.unscale_(self.optimizer)
+        if self.scaler is not None:
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            overflow = self.scaler.found_overflow(grads)
+            self.scaler.update(overflow)
+            if overflow:  # every rank agrees: skip the update, keep the weights, halve the scale
+                self.optimizer.zero_grad(set_to_none=True)
+                return StepOutput(total, torch.full((), float("nan"), device=self.device), True)
+            torch._foreach_mul_(grads, 1.0 / scale)
         if self.grads is not None:
             grad_norm = self.grads.clip(self.grad_clip)
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip, foreach=True)
-        skipped = False
-        if self.scaler.is_enabled():
-            before = self.scaler.get_scale()
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-            skipped = self.scaler.get_scale() < before
-        else:
-            self.optimizer.step()
+        self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepOutput(total, grad_norm, skipped)
+        return StepOutput(total, grad_norm, False)

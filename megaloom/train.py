@@ -105,7 +105,9 @@ def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
     train_step = TrainStep(model, optimizer, precision, device, t.micro_batch_size, t.grad_clip, grads)
 
     ckpt_root = run_dir / "checkpoints"
-    start_step = _maybe_resume(cfg, model, optimizer, ckpt_root, rt, mesh)
+    start_step, resumed_state = _maybe_resume(cfg, model, optimizer, ckpt_root, rt, mesh)
+    if train_step.scaler is not None and "loss_scaler" in resumed_state:
+        train_step.scaler.load_state_dict(resumed_state["loss_scaler"])
 
     peak = device_peak_flops(device)
     if rt.is_main:
@@ -166,7 +168,7 @@ def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
             steps_in_interval, interval_compute_s = 0, 0.0
 
         if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == t.steps:
-            _save(cfg, model, optimizer, ckpt_root, step, rt, mesh)
+            _save(cfg, model, optimizer, ckpt_root, step, rt, mesh, train_step)
         if stop_after is not None and step >= stop_after:
             break
     result.final_step = step
@@ -198,19 +200,23 @@ def _run_state(cfg: Config, step: int) -> dict:
             "seq_len": cfg.train.seq_len, "seed": cfg.train.seed}
 
 
-def _save(cfg: Config, model, optimizer, ckpt_root: Path, step: int, rt: Runtime, mesh: Mesh) -> None:
+def _save(cfg: Config, model, optimizer, ckpt_root: Path, step: int, rt: Runtime, mesh: Mesh,
+          train_step: TrainStep) -> None:
     t0 = time.perf_counter()
-    path = save_checkpoint(ckpt_root, step, model, optimizer, _run_state(cfg, step), cfg.checkpoint.keep,
+    state = _run_state(cfg, step)
+    if train_step.scaler is not None:
+        state["loss_scaler"] = train_step.scaler.state_dict()
+    path = save_checkpoint(ckpt_root, step, model, optimizer, state, cfg.checkpoint.keep,
                            rank=rt.rank, barrier=rt.barrier, mesh=mesh)
     if rt.is_main:
         print(f"saved checkpoint {path} in {time.perf_counter() - t0:.2f}s", flush=True)
 
 
-def _maybe_resume(cfg: Config, model, optimizer, ckpt_root: Path, rt: Runtime, mesh: Mesh) -> int:
-    """Load the requested checkpoint; with resume=auto, the newest one that verifies. Returns the step."""
+def _maybe_resume(cfg: Config, model, optimizer, ckpt_root: Path, rt: Runtime, mesh: Mesh) -> tuple[int, dict]:
+    """Load the requested checkpoint; with resume=auto, the newest one that verifies. Returns (step, state)."""
     choice = cfg.checkpoint.resume
     if choice == "none":
-        return 0
+        return 0, {}
     candidates = find_checkpoints(ckpt_root) if choice == "auto" else [Path(choice)]
     if choice != "auto" and not Path(choice).is_dir():
         raise CheckpointError(f"checkpoint.resume: directory '{choice}' not found.")
@@ -226,8 +232,8 @@ def _maybe_resume(cfg: Config, model, optimizer, ckpt_root: Path, rt: Runtime, m
         _check_data_compatible(state, cfg)
         if rt.is_main:
             print(f"resumed from {path} at step {state['step']}", flush=True)
-        return int(state["step"])
-    return 0
+        return int(state["step"]), state
+    return 0, {}
 
 
 def _check_data_compatible(state: dict, cfg: Config) -> None:

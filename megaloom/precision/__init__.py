@@ -1,0 +1,1 @@
+"""Mixed precision: the dynamic loss scaler for fp16."""
