@@ -70,6 +70,13 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_status(args: argparse.Namespace) -> int:
+    from megaloom.observe.heartbeat import status_table
+
+    print(status_table(args.run_dir))
+    return 0
+
+
 def _cmd_config(args: argparse.Namespace) -> int:
     if args.list:
         print(describe_keys())
@@ -120,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("run_dir")
     pl.add_argument("--out", default=None)
     pl.set_defaults(fn=_cmd_plot)
+
+    st = sub.add_parser("status", help="per-rank heartbeat of a run (step, age, last operation)")
+    st.add_argument("run_dir")
+    st.set_defaults(fn=_cmd_status)
 
     c = sub.add_parser("config", help="print the resolved config, or every key with --list")
     c.add_argument("--config")

@@ -115,6 +115,13 @@ class RunConfig:
 
 
 @dataclass
+class ResilienceConfig:
+    nan_guard: bool = _f(True, "Skip an optimizer step whose loss or gradient norm is not finite (all ranks agree).")
+    max_bad_steps: int = _f(5, "Consecutive skipped (non-finite) steps after which the run stops with an error.")
+    heartbeat: bool = _f(True, "Each rank writes run.dir/heartbeat/rank<N>.json (step, time, last op) every step.")
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -122,6 +129,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -132,7 +140,7 @@ class Config:
 
 SECTIONS: dict[str, type] = {f.name: f.type for f in fields(Config)}  # type: ignore[misc]
 _SECTION_TYPES = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig, "data": DataConfig,
-                  "checkpoint": CheckpointConfig, "run": RunConfig}
+                  "checkpoint": CheckpointConfig, "run": RunConfig, "resilience": ResilienceConfig}
 
 
 def all_keys() -> list[str]:
@@ -290,7 +298,8 @@ def validate(cfg: Config) -> None:
                    ("train.seq_len", t.seq_len), ("train.log_every", t.log_every),
                    ("train.eval_batches", t.eval_batches), ("parallel.tp", p.tp), ("parallel.pp", p.pp),
                    ("parallel.vpp", p.vpp), ("parallel.cp", p.cp), ("parallel.ep", p.ep),
-                   ("checkpoint.keep", cfg.checkpoint.keep)]:
+                   ("checkpoint.keep", cfg.checkpoint.keep),
+                   ("resilience.max_bad_steps", cfg.resilience.max_bad_steps)]:
         _require(v >= 1, f"{key} must be >= 1, got {v}.")
     for key, v in [("model.n_kv_heads", m.n_kv_heads), ("model.ffn_dim", m.ffn_dim),
                    ("model.vocab_size", m.vocab_size), ("model.sliding_window", m.sliding_window),

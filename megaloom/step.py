@@ -42,11 +42,14 @@ class StepOutput:
 
 class TrainStep:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, precision: str,
-                 device: torch.device, micro_batch_size: int, grad_clip: float, grads=None):
+                 device: torch.device, micro_batch_size: int, grad_clip: float, grads=None,
+                 nan_guard: bool = False):
         """`grads`: a megaloom.parallel.grads.GradientSync for parallel runs (reduces and clips over all
         groups); None on one process."""
         self.model, self.optimizer = model, optimizer
         self.grads = grads
+        # The guard reads the norm on the host once per step (a sync); fp16 already pays it for the scaler.
+        self.nan_guard = nan_guard
         self.precision, self.device = precision, device
         self.micro = micro_batch_size
         self.grad_clip = grad_clip if grad_clip > 0 else math.inf
@@ -75,6 +78,10 @@ class TrainStep:
             grad_norm = self.grads.clip(self.grad_clip)
         else:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip, foreach=True)
+        if self.nan_guard and not bool(torch.isfinite(grad_norm + total).item()):
+            # The norm is global (reduced over every group), so every rank takes the same decision.
+            self.optimizer.zero_grad(set_to_none=True)
+            return StepOutput(total, grad_norm, True)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return StepOutput(total, grad_norm, False)

@@ -17,6 +17,7 @@ from megaloom.data.loader import StepBatches, make_loader
 from megaloom.models import Transformer, apply_recompute, count_params
 from megaloom.models.transformer import resolved_ffn_dim
 from megaloom.observe.flops import device_peak_flops, flops_per_token, matmul_params
+from megaloom.observe.heartbeat import Heartbeat
 from megaloom.observe.memory import peak_memory_gb
 from megaloom.observe.metrics import MetricsSink, console_line
 from megaloom.optim import build_optimizer, lr_at, set_lr
@@ -102,7 +103,8 @@ def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
             model.layers[i] = torch.compile(layer)
     optimizer = build_optimizer(model, t, device)
     grads = GradientSync(model, mesh) if rt.world_size > 1 else None
-    train_step = TrainStep(model, optimizer, precision, device, t.micro_batch_size, t.grad_clip, grads)
+    train_step = TrainStep(model, optimizer, precision, device, t.micro_batch_size, t.grad_clip, grads,
+                           nan_guard=cfg.resilience.nan_guard)
 
     ckpt_root = run_dir / "checkpoints"
     start_step, resumed_state = _maybe_resume(cfg, model, optimizer, ckpt_root, rt, mesh)
@@ -124,7 +126,8 @@ def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
     result = TrainResult(run_dir=run_dir, final_step=start_step)
 
     loss_sum = torch.zeros((), device=device)
-    steps_in_interval, interval_compute_s, skipped = 0, 0.0, 0
+    steps_in_interval, interval_compute_s, skipped, bad_in_a_row = 0, 0.0, 0, 0
+    heartbeat = Heartbeat(run_dir, rt.rank) if cfg.resilience.heartbeat else None
     train_start = time.perf_counter()
     step = start_step
     for batch in loader:
@@ -136,6 +139,13 @@ def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
         loss_sum += out.loss
         grad_norm = out.grad_norm
         skipped += int(out.skipped)
+        bad_in_a_row = bad_in_a_row + 1 if out.skipped else 0
+        if bad_in_a_row > cfg.resilience.max_bad_steps:
+            raise RuntimeError(f"{bad_in_a_row} consecutive steps had a non-finite loss or gradient (last at step "
+                               f"{step + 1}); stopping. Lower train.lr, check the data, or resume from an earlier "
+                               f"checkpoint with checkpoint.resume=<dir>.")
+        if heartbeat is not None:
+            heartbeat.beat(step + 1, mesh.recorder)
         step += 1
         steps_in_interval += 1
         if device.type == "cuda" and step % t.log_every == 0:

@@ -1,0 +1,56 @@
+"""Per-rank heartbeat files that a person or a scheduler can read while the job runs (`megaloom status`).
+
+run.dir/heartbeat/rank<N>.json holds {rank, step, time, last_op}; replaced atomically every step, so a
+reader never sees half a file. A rank whose heartbeat stops moving is stuck or dead; the last operation says
+where (filled in when the collectives' recorder is a comm.LastOpRecorder).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+
+class Heartbeat:
+    def __init__(self, run_dir: Path, rank: int, min_interval_s: float = 1.0):
+        self.dir = run_dir / "heartbeat"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / f"rank{rank}.json"
+        self.rank = rank
+        self.min_interval_s = min_interval_s
+        self._last = 0.0
+
+    def beat(self, step: int, recorder=None, force: bool = False) -> None:
+        now = time.time()
+        if not force and now - self._last < self.min_interval_s:
+            return  # at most one small write a second, however fast the steps are
+        self._last = now
+        last_op = recorder.describe() if recorder is not None and hasattr(recorder, "describe") else None
+        tmp = self.path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"rank": self.rank, "step": step, "time": now, "pid": os.getpid(),
+                                   "last_op": last_op}))
+        os.replace(tmp, self.path)
+
+
+def read_heartbeats(run_dir: str | Path) -> list[dict]:
+    d = Path(run_dir) / "heartbeat"
+    out = []
+    for f in sorted(d.glob("rank*.json"), key=lambda p: int(p.stem[4:])):
+        try:
+            out.append(json.loads(f.read_text()))
+        except (OSError, json.JSONDecodeError):
+            continue
+    return out
+
+
+def status_table(run_dir: str | Path, now: float | None = None) -> str:
+    beats = read_heartbeats(run_dir)
+    if not beats:
+        return f"{run_dir}: no heartbeat files (is it a megaloom run directory, and has it started?)"
+    now = now or time.time()
+    lines = [f"{'rank':>4}  {'step':>8}  {'age':>8}  last op"]
+    for b in beats:
+        lines.append(f"{b['rank']:>4}  {b['step']:>8}  {now - b['time']:>7.1f}s  {b.get('last_op') or '-'}")
+    return "\n".join(lines)
