@@ -70,6 +70,19 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    if args.nproc and "LOCAL_RANK" not in os.environ:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
+               "-m", "megaloom", "doctor", "--factor", str(args.factor), "--matmul-n", str(args.matmul_n)]
+        return subprocess.call(cmd)
+    if "LOCAL_RANK" not in os.environ:
+        raise ConfigError("megaloom doctor runs under torchrun (`torchrun --nproc-per-node N -m megaloom doctor`) "
+                          "or with --nproc N.")
+    from megaloom.resilience.doctor import doctor
+
+    return doctor(factor=args.factor, matmul_n=args.matmul_n)
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
     from megaloom.observe.heartbeat import status_table
 
@@ -127,6 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("run_dir")
     pl.add_argument("--out", default=None)
     pl.set_defaults(fn=_cmd_plot)
+
+    d = sub.add_parser("doctor", help="pre-flight self-check of every rank (matmul, collectives); under torchrun")
+    d.add_argument("--nproc", type=int, default=0, help="start N local processes through torchrun")
+    d.add_argument("--factor", type=float, default=2.0, help="slow = more than FACTOR x the median time")
+    d.add_argument("--matmul-n", type=int, default=512)
+    d.set_defaults(fn=_cmd_doctor)
 
     st = sub.add_parser("status", help="per-rank heartbeat of a run (step, age, last operation)")
     st.add_argument("run_dir")

@@ -117,8 +117,13 @@ class RunConfig:
 @dataclass
 class ResilienceConfig:
     nan_guard: bool = _f(True, "Skip an optimizer step whose loss or gradient norm is not finite (all ranks agree).")
-    max_bad_steps: int = _f(5, "Consecutive skipped (non-finite) steps after which the run stops with an error.")
-    heartbeat: bool = _f(True, "Each rank writes run.dir/heartbeat/rank<N>.json (step, time, last op) every step.")
+    max_bad_steps: int = _f(3, "Non-finite steps in a row after which the run rolls back to the last checkpoint "
+                               "and skips the data window that caused them.")
+    heartbeat: bool = _f(True, "Each rank writes run.dir/heartbeat/rank<N>.json (step, time, last op).")
+    hang_timeout_s: float = _f(900.0, "Seconds without a finished step after which the watchdog reports and exits "
+                                      "non-zero (torchrun restarts); 0 = off. Not armed before the first step.")
+    straggler_every: int = _f(100, "Steps between straggler checks (per-rank compute time vs the median); 0 = off.")
+    straggler_factor: float = _f(1.5, "A rank is a straggler when its compute time exceeds the median by this factor.")
 
 
 @dataclass
@@ -306,9 +311,12 @@ def validate(cfg: Config) -> None:
                    ("train.warmup_steps", t.warmup_steps), ("train.lr_decay_steps", t.lr_decay_steps),
                    ("train.eval_every", t.eval_every), ("checkpoint.every", cfg.checkpoint.every),
                    ("data.num_workers", cfg.data.num_workers), ("train.weight_decay", t.weight_decay),
-                   ("train.grad_clip", t.grad_clip), ("train.min_lr", t.min_lr)]:
+                   ("train.grad_clip", t.grad_clip), ("train.min_lr", t.min_lr),
+                   ("resilience.hang_timeout_s", cfg.resilience.hang_timeout_s),
+                   ("resilience.straggler_every", cfg.resilience.straggler_every)]:
         _require(v >= 0, f"{key} must be >= 0, got {v}.")
     _require(t.lr > 0, f"train.lr must be > 0, got {t.lr}.")
+    _require(cfg.resilience.straggler_factor > 1, "resilience.straggler_factor must be > 1 (e.g. 1.5).")
     _require(t.min_lr <= t.lr, f"train.min_lr ({t.min_lr}) must not exceed train.lr ({t.lr}).")
     _require(0 <= m.dropout < 1, f"model.dropout must be in [0, 1), got {m.dropout}.")
     _require(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1 and train.beta2 must be in [0, 1).")

@@ -48,9 +48,24 @@ def init_runtime(cfg: Config) -> Runtime:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(cfg.train.device, local_rank)
     if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                device_id=device if device.type == "cuda" else None)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=_attempt_store(rank, world),
+                                rank=rank, world_size=world, device_id=device if device.type == "cuda" else None)
     return Runtime(device=device, rank=rank, world_size=world, local_rank=local_rank)
+
+
+def _attempt_store(rank: int, world: int) -> dist.Store:
+    """The rendezvous store, with keys prefixed by torchrun's restart count.
+
+    torchrun's agent keeps one store across restarts; without a per-attempt prefix, a restarted worker can read
+    a peer's address published by the previous attempt and fail to connect (seen with gloo subgroups).
+    """
+    from datetime import timedelta
+
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                         is_master=(rank == 0 and not agent), timeout=timedelta(minutes=10),
+                         multi_tenant=not agent)
+    return dist.PrefixStore(f"megaloom/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", base)
 
 
 def seed_everything(seed: int) -> None:

@@ -17,7 +17,6 @@ from megaloom.data.loader import StepBatches, make_loader
 from megaloom.models import Transformer, apply_recompute, count_params
 from megaloom.models.transformer import resolved_ffn_dim
 from megaloom.observe.flops import device_peak_flops, flops_per_token, matmul_params
-from megaloom.observe.heartbeat import Heartbeat
 from megaloom.observe.memory import peak_memory_gb
 from megaloom.observe.metrics import MetricsSink, console_line
 from megaloom.optim import build_optimizer, lr_at, set_lr
@@ -26,6 +25,7 @@ from megaloom.parallel.grads import GradientSync
 from megaloom.parallel.mesh import Mesh, validate_layout
 from megaloom.parallel.random import dropout_seed
 from megaloom.parallel.tensor import parallelize_tensor
+from megaloom.resilience.guard import Resilience
 from megaloom.runtime import Runtime, init_runtime, resolve_precision, seed_everything
 from megaloom.step import TrainStep, autocast_ctx, micro_batches
 
@@ -117,73 +117,120 @@ def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
               f"{precision}, {t.steps} steps x {t.global_batch_size} x {t.seq_len} tokens "
               f"({n_micro} micro-batches of {t.micro_batch_size}); run dir {run_dir}", flush=True)
 
-    batches = StepBatches(train_ds, t.global_batch_size, rank_offset=mesh.dp_rank * local_batch,
-                          rank_size=local_batch, start_step=start_step, n_steps=t.steps - start_step)
-    loader = make_loader(batches, cfg.data.num_workers, cfg.data.prefetch, pin_memory=device.type == "cuda")
     eval_batches = [torch.stack([torch.as_tensor(valid_ds[i * t.global_batch_size + mesh.dp_rank * local_batch + j])
                                  for j in range(local_batch)]) for i in range(t.eval_batches)]
     sink = MetricsSink(run_dir, cfg.run.tensorboard, enabled=rt.is_main)
     result = TrainResult(run_dir=run_dir, final_step=start_step)
+    guard = Resilience(cfg, run_dir, rt.rank, rt.world_size, mesh)
+    # After a rollback the data stream skips the window that produced non-finite steps: step s then reads
+    # the batch of s + data_offset. Saved with every checkpoint, so resume stays exact.
+    data_offset = int(resumed_state.get("data_offset", 0))
 
     loss_sum = torch.zeros((), device=device)
-    steps_in_interval, interval_compute_s, skipped, bad_in_a_row = 0, 0.0, 0, 0
-    heartbeat = Heartbeat(run_dir, rt.rank) if cfg.resilience.heartbeat else None
+    steps_in_interval, interval_compute_s, skipped = 0, 0.0, 0
     train_start = time.perf_counter()
     step = start_step
-    for batch in loader:
-        step_t0 = time.perf_counter()
-        batch = batch.to(device, non_blocking=True)
-        lr = lr_at(step, t)
-        set_lr(optimizer, lr)
-        out = train_step(batch)
-        loss_sum += out.loss
-        grad_norm = out.grad_norm
-        skipped += int(out.skipped)
-        bad_in_a_row = bad_in_a_row + 1 if out.skipped else 0
-        if bad_in_a_row > cfg.resilience.max_bad_steps:
-            raise RuntimeError(f"{bad_in_a_row} consecutive steps had a non-finite loss or gradient (last at step "
-                               f"{step + 1}); stopping. Lower train.lr, check the data, or resume from an earlier "
-                               f"checkpoint with checkpoint.resume=<dir>.")
-        if heartbeat is not None:
-            heartbeat.beat(step + 1, mesh.recorder)
-        step += 1
-        steps_in_interval += 1
-        if device.type == "cuda" and step % t.log_every == 0:
-            torch.cuda.synchronize(device)  # so the interval's timing covers the GPU work it queued
-        interval_compute_s += time.perf_counter() - step_t0
+    while step < t.steps:
+        if data_offset and len(train_ds) < (t.steps + data_offset) * t.global_batch_size:
+            train_ds, _, _ = build_datasets(cfg.data, t.seq_len, t.seed, (t.steps + data_offset) * t.global_batch_size,
+                                            t.eval_batches * t.global_batch_size)
+        batches = StepBatches(train_ds, t.global_batch_size, rank_offset=mesh.dp_rank * local_batch,
+                              rank_size=local_batch, start_step=step + data_offset, n_steps=t.steps - step)
+        loader = make_loader(batches, cfg.data.num_workers, cfg.data.prefetch, pin_memory=device.type == "cuda")
+        rollback = False
+        for batch in loader:
+            step_t0 = time.perf_counter()
+            guard.before_step(step + 1, model, data_step=step + 1 + data_offset)
+            batch = batch.to(device, non_blocking=True)
+            lr = lr_at(step, t)
+            set_lr(optimizer, lr)
+            out = train_step(batch)
+            loss_sum += out.loss
+            grad_norm = out.grad_norm
+            skipped += int(out.skipped)
+            step += 1
+            steps_in_interval += 1
+            if device.type == "cuda" and step % t.log_every == 0:
+                torch.cuda.synchronize(device)  # so the interval's timing covers the GPU work it queued
+            wall = time.perf_counter() - step_t0
+            interval_compute_s += wall
+            rollback = guard.after_step(step, out.skipped, wall)
 
-        do_eval = (t.eval_every and step % t.eval_every == 0) or step == t.steps
-        if step % t.log_every == 0 or do_eval:
-            tokens = steps_in_interval * t.global_batch_size * t.seq_len
-            tps = tokens / max(interval_compute_s, 1e-9)
-            record = {"step": step, "loss": _dp_mean(loss_sum / steps_in_interval, mesh), "lr": lr,
-                      "grad_norm": float(grad_norm), "tokens_per_s": tps,
-                      "mfu": (fpt * tps / (peak * rt.world_size)) if peak else None, "mem_gb": peak_memory_gb(device),
-                      "tokens": step * t.global_batch_size * t.seq_len, "skipped_steps": skipped,
-                      "elapsed_s": time.perf_counter() - train_start}
-            if do_eval:
-                record["eval_loss"] = _dp_mean(torch.tensor(
-                    evaluate(model, eval_batches, t.micro_batch_size, precision, device), device=device), mesh)
-                record["eval_ppl"] = math.exp(min(record["eval_loss"], 50.0))
-                result.eval_loss = record["eval_loss"]
-            sink.log(record)
-            result.losses[step] = record["loss"]
-            if rt.is_main:
-                eta = (t.steps - step) * interval_compute_s / steps_in_interval
-                line = console_line(record, t.steps, eta)
+            stragglers = None
+            if guard.stragglers_due(step):
+                slow, times = guard.straggler.check()
+                stragglers = {"stragglers": slow, "compute_s_per_rank": times}
+                if slow and rt.is_main:
+                    print(f"WARNING: straggler rank(s) {slow} at step {step}: compute s/step per rank "
+                          f"{[round(x, 4) for x in times]}", flush=True)
+            do_eval = (t.eval_every and step % t.eval_every == 0) or step == t.steps
+            if step % t.log_every == 0 or do_eval or stragglers is not None:
+                tokens = steps_in_interval * t.global_batch_size * t.seq_len
+                tps = tokens / max(interval_compute_s, 1e-9)
+                record = {"step": step, "loss": _dp_mean(loss_sum / steps_in_interval, mesh), "lr": lr,
+                          "grad_norm": float(grad_norm), "tokens_per_s": tps,
+                          "mfu": (fpt * tps / (peak * rt.world_size)) if peak else None,
+                          "mem_gb": peak_memory_gb(device), "tokens": step * t.global_batch_size * t.seq_len,
+                          "skipped_steps": skipped, "elapsed_s": time.perf_counter() - train_start}
+                if stragglers is not None:
+                    record.update(stragglers)
                 if do_eval:
-                    line += f" | eval {record['eval_loss']:.4f} (ppl {record['eval_ppl']:.1f})"
-                print(line, flush=True)
-            loss_sum.zero_()
-            steps_in_interval, interval_compute_s = 0, 0.0
+                    with guard.paused():
+                        ev = evaluate(model, eval_batches, t.micro_batch_size, precision, device)
+                    record["eval_loss"] = _dp_mean(torch.tensor(ev, device=device), mesh)
+                    record["eval_ppl"] = math.exp(min(record["eval_loss"], 50.0))
+                    result.eval_loss = record["eval_loss"]
+                sink.log(record)
+                result.losses[step] = record["loss"]
+                if rt.is_main:
+                    eta = (t.steps - step) * interval_compute_s / steps_in_interval
+                    line = console_line(record, t.steps, eta)
+                    if do_eval:
+                        line += f" | eval {record['eval_loss']:.4f} (ppl {record['eval_ppl']:.1f})"
+                    print(line, flush=True)
+                loss_sum.zero_()
+                steps_in_interval, interval_compute_s = 0, 0.0
 
-        if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == t.steps:
-            _save(cfg, model, optimizer, ckpt_root, step, rt, mesh, train_step)
-        if stop_after is not None and step >= stop_after:
+            if rollback:
+                back_to = _rollback(cfg, model, optimizer, ckpt_root, rt, mesh)
+                data_offset += step - back_to  # the bad window's data is never seen again
+                if rt.is_main:
+                    print(f"ROLLBACK: {cfg.resilience.max_bad_steps} non-finite steps in a row up to step {step}; "
+                          f"restored step {back_to} and skipping the data of steps {back_to + 1}..{step} "
+                          f"(data offset now {data_offset} steps)", flush=True)
+                step, guard.bad_in_a_row = back_to, 0
+                loss_sum.zero_()
+                steps_in_interval, interval_compute_s = 0, 0.0
+                break
+            due = cfg.checkpoint.every and step % cfg.checkpoint.every == 0
+            if due and guard.bad_in_a_row and step != t.steps:
+                due = False  # never checkpoint inside a run of non-finite steps: a rollback must go before it
+            if due or step == t.steps:
+                with guard.paused():
+                    _save(cfg, model, optimizer, ckpt_root, step, rt, mesh, train_step, data_offset)
+            if stop_after is not None and step >= stop_after:
+                break
+        if not rollback:
             break
+    guard.close()
     result.final_step = step
     sink.close()
     return result
+
+
+def _rollback(cfg: Config, model, optimizer, ckpt_root: Path, rt: Runtime, mesh: Mesh) -> int:
+    """Restore the newest checkpoint that verifies (model, optimizer, RNG); returns its step."""
+    for path in find_checkpoints(ckpt_root):
+        try:
+            state = load_checkpoint(path, model, optimizer, rank=rt.rank, model_cfg=cfg.model.__dict__, mesh=mesh)
+        except CheckpointError as e:
+            if rt.is_main:
+                print(f"WARNING: {e}", flush=True)
+            continue
+        optimizer.zero_grad(set_to_none=True)
+        return int(state["step"])
+    raise RuntimeError("non-finite steps in a row and no checkpoint to roll back to; set checkpoint.every lower, "
+                       "lower train.lr, or check the data.")
 
 
 def _dp_mean(x: torch.Tensor, mesh: Mesh) -> float:
@@ -211,9 +258,10 @@ def _run_state(cfg: Config, step: int) -> dict:
 
 
 def _save(cfg: Config, model, optimizer, ckpt_root: Path, step: int, rt: Runtime, mesh: Mesh,
-          train_step: TrainStep) -> None:
+          train_step: TrainStep, data_offset: int) -> None:
     t0 = time.perf_counter()
     state = _run_state(cfg, step)
+    state["data_offset"] = data_offset
     if train_step.scaler is not None:
         state["loss_scaler"] = train_step.scaler.state_dict()
     path = save_checkpoint(ckpt_root, step, model, optimizer, state, cfg.checkpoint.keep,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -28,9 +29,10 @@ class Heartbeat:
             return  # at most one small write a second, however fast the steps are
         self._last = now
         last_op = recorder.describe() if recorder is not None and hasattr(recorder, "describe") else None
-        tmp = self.path.with_suffix(f".tmp{os.getpid()}")
+        # the training loop and the watchdog thread both write: a temp name per thread avoids a race
+        tmp = self.path.with_suffix(f".tmp{os.getpid()}-{threading.get_ident()}")
         tmp.write_text(json.dumps({"rank": self.rank, "step": step, "time": now, "pid": os.getpid(),
-                                   "last_op": last_op}))
+                                   "last_op": last_op, "op_count": getattr(recorder, "count", 0)}))
         os.replace(tmp, self.path)
 
 

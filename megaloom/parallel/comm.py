@@ -12,7 +12,7 @@ All sequence-parallel ones split activations [B, T, D] along the sequence dimens
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -57,6 +57,7 @@ class LastOpRecorder(OpRecorder):
         self.started = 0.0
         self.in_flight = False
         self.count = 0
+        self.seconds = 0.0  # host time spent inside collectives, for the straggler report
 
     def enter(self, name: str, group: Group) -> None:
         self.name, self.group, self.started = name, group, time.monotonic()
@@ -65,6 +66,7 @@ class LastOpRecorder(OpRecorder):
 
     def exit(self) -> None:
         self.in_flight = False
+        self.seconds += time.monotonic() - self.started
 
     def describe(self) -> str:
         if self.name is None:
@@ -132,6 +134,60 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group,
         else:
             _reduce_scatter_single(output, input.contiguous(), group=group)
     return output
+
+
+class Pending:
+    """A collective issued with ``async_op=True``. ``wait()`` blocks until it has completed, then runs the
+    copy-out that some backends need (gloo's reduce-scatter below); calling it again does nothing.
+
+    Keep the object until ``wait()``: it holds the tensors the backend is still reading or writing."""
+
+    def __init__(self, work: Any = None, then: Callable[[], None] | None = None) -> None:
+        self._work, self._then = work, then
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        if self._then is not None:
+            then, self._then = self._then, None
+            then()
+
+
+def all_reduce_async(tensor: torch.Tensor, group: Group, op: str = "sum",
+                     recorder: OpRecorder | None = None) -> Pending:
+    """`all_reduce` issued without waiting (data-parallel buckets overlap it with backward)."""
+    if group_size(group) == 1:
+        return Pending()
+    with _recording(recorder, f"all_reduce_{op}_async", group):
+        return Pending(dist.all_reduce(tensor, op=_OPS[op], group=group, async_op=True))
+
+
+def reduce_scatter_async(output: torch.Tensor, input: torch.Tensor, group: Group,
+                         recorder: OpRecorder | None = None) -> Pending:
+    """`reduce_scatter` issued without waiting; ``output`` is valid after ``wait()``."""
+    size = group_size(group)
+    if size == 1:
+        output.copy_(input)
+        return Pending()
+    with _recording(recorder, "reduce_scatter_async", group):
+        if input.device.type == "cpu":  # gloo: all-reduce a copy, keep our chunk once it has arrived
+            buf = input.clone()
+            work = dist.all_reduce(buf, group=group, async_op=True)
+            return Pending(work, lambda: output.copy_(buf.chunk(size)[group.rank()]))
+        return Pending(_reduce_scatter_single(output, input.contiguous(), group=group, async_op=True))
+
+
+def all_gather_into_async(output: torch.Tensor, input: torch.Tensor, group: Group,
+                          recorder: OpRecorder | None = None) -> Pending:
+    """`all_gather_into` issued without waiting. ``input`` may be this rank's chunk of ``output`` (in place:
+    NCCL documents it; gloo copies the chunk onto itself)."""
+    if group_size(group) == 1:
+        if input.data_ptr() != output.data_ptr():
+            output.copy_(input)
+        return Pending()
+    with _recording(recorder, "all_gather_async", group):
+        return Pending(_all_gather_single(output, input.contiguous(), group=group, async_op=True))
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: Group,

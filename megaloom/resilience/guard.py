@@ -1,0 +1,62 @@
+"""The training loop's single handle on resilience: faults, heartbeat, hang watchdog, stragglers, bad steps."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import torch
+
+from megaloom.config import Config
+from megaloom.observe.heartbeat import Heartbeat
+from megaloom.parallel.comm import LastOpRecorder
+from megaloom.resilience.faults import FaultPlan
+from megaloom.resilience.straggler import StragglerDetector
+from megaloom.resilience.watchdog import Watchdog
+
+
+class Resilience:
+    def __init__(self, cfg: Config, run_dir: Path, rank: int, world_size: int, mesh):
+        r = cfg.resilience
+        self.cfg, self.rank = r, rank
+        mesh.recorder = LastOpRecorder()  # every collective now says what it is while in flight
+        self.recorder = mesh.recorder
+        self.faults = FaultPlan.from_env(rank)
+        self.heartbeat = Heartbeat(run_dir, rank) if r.heartbeat else None
+        self.watchdog = (Watchdog(run_dir, rank, r.hang_timeout_s, self.recorder, self.heartbeat).start()
+                         if r.hang_timeout_s > 0 else None)
+        self.straggler = StragglerDetector(world_size, r.straggler_factor, self.recorder)
+        self.bad_in_a_row = 0
+        self._poison = None
+
+    def before_step(self, step: int, model: torch.nn.Module, data_step: int | None = None) -> None:
+        """`step` is the 1-based step about to run; `data_step` the step whose data it reads (they differ after
+        a rollback skipped a data window)."""
+        self.faults.before_step(step, self.recorder)
+        if self.faults.nan_now(data_step or step):  # injected bad data: one weight's gradients become NaN
+            p = next(model.parameters())
+            self._poison = p.register_hook(lambda g: torch.full_like(g, float("nan")))
+        self.straggler.start_step()
+
+    def after_step(self, step: int, skipped: bool, wall_s: float) -> bool:
+        """Returns True when the run must roll back (resilience.max_bad_steps non-finite steps in a row)."""
+        if self._poison is not None:
+            self._poison.remove()
+            self._poison = None
+        self.straggler.end_step(wall_s)
+        if self.watchdog is not None:
+            self.watchdog.progress(step)
+        if self.heartbeat is not None:
+            self.heartbeat.beat(step, self.recorder)
+        self.bad_in_a_row = self.bad_in_a_row + 1 if skipped else 0
+        return self.bad_in_a_row >= self.cfg.max_bad_steps
+
+    def stragglers_due(self, step: int) -> bool:
+        return self.cfg.straggler_every > 0 and step % self.cfg.straggler_every == 0
+
+    def paused(self):
+        return self.watchdog.paused() if self.watchdog is not None else contextlib.nullcontext()
+
+    def close(self) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
