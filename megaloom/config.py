@@ -62,6 +62,7 @@ class ParallelConfig:
     sp: bool = _f(False, "Sequence parallelism inside tensor-parallel groups.")
     zero: int = _f(0, "ZeRO stage: 0 off, 1 optimizer state, 2 + gradients, 3 + parameters.", (0, 1, 2, 3))
     schedule: str = _f("1f1b", "Pipeline schedule.", ("gpipe", "1f1b", "interleaved", "zb"))
+    bucket_mb: float = _f(25.0, "Size of the gradient buckets reduced (overlapped with backward) over data parallel.")
 
 
 @dataclass
@@ -75,7 +76,9 @@ class TrainConfig:
     min_lr: float = _f(3e-4, "Learning rate at the end of the cosine decay.")
     warmup_steps: int = _f(50, "Linear warmup steps from 0 to lr.")
     lr_decay_steps: int = _f(0, "Steps of cosine decay after which lr stays at min_lr; 0 = train.steps.")
-    weight_decay: float = _f(0.1, "AdamW decoupled weight decay (not applied to biases and norm weights).")
+    optimizer: str = _f("adamw", "adamw, or lamb (layer-wise trust ratio: MegaScale's choice for large batches).",
+                        ("adamw", "lamb"))
+    weight_decay: float = _f(0.1, "Decoupled weight decay (not applied to biases and norm weights).")
     beta1: float = _f(0.9, "AdamW beta1.")
     beta2: float = _f(0.95, "AdamW beta2.")
     grad_clip: float = _f(1.0, "Clip the global gradient norm to this value; 0 = off.")
@@ -316,6 +319,7 @@ def validate(cfg: Config) -> None:
                    ("resilience.straggler_every", cfg.resilience.straggler_every)]:
         _require(v >= 0, f"{key} must be >= 0, got {v}.")
     _require(t.lr > 0, f"train.lr must be > 0, got {t.lr}.")
+    _require(p.bucket_mb > 0, f"parallel.bucket_mb must be > 0, got {p.bucket_mb}.")
     _require(cfg.resilience.straggler_factor > 1, "resilience.straggler_factor must be > 1 (e.g. 1.5).")
     _require(t.min_lr <= t.lr, f"train.min_lr ({t.min_lr}) must not exceed train.lr ({t.lr}).")
     _require(0 <= m.dropout < 1, f"model.dropout must be in [0, 1), got {m.dropout}.")

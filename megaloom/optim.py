@@ -21,7 +21,12 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device, mesh=None) -> torch.optim.Optimizer:
+    """AdamW or LAMB over whole (possibly tensor-parallel) parameters; ZeRO uses parallel.zero's optimizer."""
+    if cfg.optimizer == "lamb":
+        from megaloom.lamb import build_lamb
+
+        return build_lamb(model, cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), eps=1e-6, mesh=mesh)
     # The fused kernel on GPU (one launch for all parameters); foreach (multi-tensor) on CPU.
     fused = device.type == "cuda"
     return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),

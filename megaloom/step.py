@@ -59,7 +59,10 @@ class TrainStep:
         n_micro = batch.shape[0] // self.micro
         scale = self.scaler.scale if self.scaler is not None else 1.0
         total = torch.zeros((), device=self.device)
-        for x, y in micro_batches(batch, self.micro):
+        start_last = getattr(self.grads, "start_last_microbatch", None)
+        for i, (x, y) in enumerate(micro_batches(batch, self.micro)):
+            if start_last is not None and i == n_micro - 1:
+                start_last()  # gradient buckets are reduced while this last backward is still running
             with autocast_ctx(self.precision, self.device):
                 loss = self.model(x, y) / n_micro  # equal tokens per micro-batch: mean of means is the mean
             (loss * scale if scale != 1.0 else loss).backward()
@@ -67,7 +70,8 @@ class TrainStep:
         if self.grads is not None:
             self.grads.finish()  # reduce the (scaled) gradients first, so every replica sees the same values
         if self.scaler is not None:
-            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            local = getattr(self.grads, "local_grads", None)
+            grads = local() if local is not None else [p.grad for p in self.model.parameters() if p.grad is not None]
             overflow = self.scaler.found_overflow(grads)
             self.scaler.update(overflow)
             if overflow:  # every rank agrees: skip the update, keep the weights, halve the scale

@@ -21,10 +21,10 @@ from megaloom.observe.memory import peak_memory_gb
 from megaloom.observe.metrics import MetricsSink, console_line
 from megaloom.optim import build_optimizer, lr_at, set_lr
 from megaloom.parallel import comm
-from megaloom.parallel.grads import GradientSync
 from megaloom.parallel.mesh import Mesh, validate_layout
 from megaloom.parallel.random import dropout_seed
 from megaloom.parallel.tensor import parallelize_tensor
+from megaloom.parallel.zero import ShardedOptimizer, build_data_parallel
 from megaloom.resilience.guard import Resilience
 from megaloom.runtime import Runtime, init_runtime, resolve_precision, seed_everything
 from megaloom.step import TrainStep, autocast_ctx, micro_batches
@@ -66,8 +66,11 @@ def evaluate(model: torch.nn.Module, batches: list[torch.Tensor], micro: int, pr
 
 def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
     """Train per `cfg`. `stop_after` ends the process's work after that step as a preemption would (tests)."""
-    validate_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before any process group or data
     _refuse_unbuilt(cfg)
+    sizes = validate_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before any process group or data
+    if cfg.parallel.zero and sizes["dp"] == 1:
+        raise ConfigError(f"parallel.zero={cfg.parallel.zero} shards over data-parallel ranks, but dp=1 (world "
+                          f"{sizes['world']} = tp*pp*cp); set parallel.zero=0 or run more processes.")
     rt: Runtime = init_runtime(cfg)
     t, device = cfg.train, rt.device
     mesh = Mesh.build(cfg, rt.world_size, rt.rank, device) if rt.world_size > 1 else Mesh.single(device)
@@ -98,11 +101,18 @@ def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
     model = parallelize_tensor(model, mesh, cfg.parallel.sp)  # ... then each rank keeps its shards
     torch.manual_seed(dropout_seed(t.seed, mesh))  # dropout: equal across tp peers, distinct across data
     apply_recompute(model, t.recompute)
+    # Data parallelism: gradient buckets reduced during the last backward (zero 0), reduce-scattered into a
+    # sharded optimizer (zero 1/2), or FSDP2-sharded parameters (zero 3). Built before compile: FSDP2 wraps blocks.
+    grads = build_data_parallel(model, mesh, cfg.parallel.zero, cfg.parallel.bucket_mb) if rt.world_size > 1 else None
     if t.compile:
         for i, layer in enumerate(model.layers):
             model.layers[i] = torch.compile(layer)
-    optimizer = build_optimizer(model, t, device)
-    grads = GradientSync(model, mesh) if rt.world_size > 1 else None
+    if cfg.parallel.zero >= 1:
+        optimizer = ShardedOptimizer(grads, t.optimizer, lr=t.lr, betas=(t.beta1, t.beta2),
+                                     eps=1e-8 if t.optimizer == "adamw" else 1e-6, weight_decay=t.weight_decay,
+                                     overlap_param_gather=not t.compile)
+    else:
+        optimizer = build_optimizer(model, t, device, mesh)
     train_step = TrainStep(model, optimizer, precision, device, t.micro_batch_size, t.grad_clip, grads,
                            nan_guard=cfg.resilience.nan_guard)
 
@@ -246,10 +256,10 @@ def _refuse_unbuilt(cfg: Config) -> None:
     """Say plainly which parallel features this build does not have yet, instead of ignoring the setting."""
     p = cfg.parallel
     for key, value, off in [("parallel.pp", p.pp, 1), ("parallel.vpp", p.vpp, 1), ("parallel.cp", p.cp, 1),
-                            ("parallel.ep", p.ep, 1), ("parallel.zero", p.zero, 0)]:
+                            ("parallel.ep", p.ep, 1)]:
         if value != off:
-            raise ConfigError(f"{key}={value} is not available in this build yet (tensor/sequence and plain data "
-                              f"parallelism are); set {key}={off}.")
+            raise ConfigError(f"{key}={value} is not available in this build yet (tensor/sequence and data "
+                              f"parallelism with ZeRO are); set {key}={off}.")
 
 
 def _run_state(cfg: Config, step: int) -> dict:

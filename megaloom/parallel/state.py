@@ -26,13 +26,21 @@ def shard_of(full: torch.Tensor, p: nn.Parameter, mesh: Mesh) -> torch.Tensor:
 
 
 def full_model_state(model: nn.Module, mesh: Mesh) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer full-size under its name: FSDP2 (ZeRO-3) shards are gathered over dp
+    (`full_tensor`), tensor-parallel shards over tp. Collective when either is sharded."""
     sd = model.state_dict()
     params = dict(model.named_parameters(remove_duplicate=False))
-    return {k: (_gather_full(v, params[k], mesh, sum_replicas=False) if k in params else v) for k, v in sd.items()}
+    out = {}
+    for k, v in sd.items():
+        full = v.full_tensor() if hasattr(v, "full_tensor") else v
+        out[k] = _gather_full(full, params[k], mesh, sum_replicas=False) if k in params else full
+    return out
 
 
 def full_optim_state(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh) -> dict:
-    """{'state': {fqn: {name: full tensor}}} keyed by parameter names."""
+    """{'state': {fqn: {name: full tensor}}} keyed by parameter names. A ZeRO optimizer gathers its shards."""
+    if hasattr(optimizer, "full_state"):
+        return optimizer.full_state()
     names = {id(p): n for n, p in model.named_parameters()}
     state: dict[str, dict] = {}
     for p, st in optimizer.state.items():
@@ -45,6 +53,8 @@ def full_optim_state(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: M
 
 def full_optim_template(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh) -> dict:
     """Full-size placeholders for loading (optimizer state is created first if the optimizer is fresh)."""
+    if hasattr(optimizer, "full_state"):
+        return optimizer.full_state()
     for p in model.parameters():
         if p.requires_grad and p not in optimizer.state:
             _init_adam_state(optimizer, p)
@@ -60,6 +70,11 @@ def _init_adam_state(optimizer: torch.optim.Optimizer, p: nn.Parameter) -> None:
 
 def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, model_sd: dict,
                     optim_sd: dict | None, mesh: Mesh) -> None:
+    if optimizer is not None and hasattr(optimizer, "load_full_state"):  # ZeRO: keep this rank's pieces
+        optimizer.load_full_model_state(model_sd)
+        if optim_sd is not None:
+            optimizer.load_full_state(optim_sd)
+        return
     params = dict(model.named_parameters(remove_duplicate=False))
     with torch.no_grad():
         for k, t in model.state_dict().items():

@@ -38,20 +38,22 @@ def test_tp_sp_and_tp_dp_match_single_process_then_reshard(small_corpus, tmp_pat
     # tp=2 with sequence parallelism, and tp=2 x dp=2, against the single process (clipping active: gnorm ~1)
     torchrun(2, tiny_overrides(small_corpus, tmp_path / "tp2", *base, "parallel.tp=2", "parallel.sp=true"))
     torchrun(4, tiny_overrides(small_corpus, tmp_path / "tp2dp2", *base, "parallel.tp=2"))
-    for run in ("tp2", "tp2dp2"):
+    torchrun(2, tiny_overrides(small_corpus, tmp_path / "dp2z1", *base, "parallel.zero=1"))
+    for run in ("tp2", "tp2dp2", "dp2z1"):
         got = losses(tmp_path / run)
         assert sorted(got) == list(range(1, 11))
         for step, ref in reference.items():
             assert abs(got[step] - ref) <= 1e-5 * abs(ref), (run, step, got[step], ref)
 
-    # The tp=2 run's checkpoint (step 5) resumes in one process: steps 6..10 match the uninterrupted run.
-    resumed = tmp_path / "resumed"
-    resumed.mkdir()
-    ckpt = tmp_path / "tp2" / "checkpoints" / "step_00000005"
-    cfg = load_config(None, tiny_overrides(small_corpus, resumed, *base, f"checkpoint.resume={ckpt}"))
-    res = train(cfg)
-    for step in range(6, 11):
-        assert abs(res.losses[step] - reference[step]) <= 1e-5 * reference[step], step
+    # The tp=2 and the ZeRO-1 runs' checkpoints (step 5) resume in one process: steps 6..10 match.
+    for run in ("tp2", "dp2z1"):
+        resumed = tmp_path / f"resumed-{run}"
+        resumed.mkdir()
+        ckpt = tmp_path / run / "checkpoints" / "step_00000005"
+        cfg = load_config(None, tiny_overrides(small_corpus, resumed, *base, f"checkpoint.resume={ckpt}"))
+        res = train(cfg)
+        for step in range(6, 11):
+            assert abs(res.losses[step] - reference[step]) <= 1e-5 * reference[step], (run, step)
 
     # Generation from the tp=2 run's final checkpoint, in a single process.
     from megaloom.generate import generate, load_for_generation
@@ -67,4 +69,6 @@ def test_layout_errors_before_start(small_corpus, tmp_path):
     with pytest.raises(ConfigError, match="parallel.tp"):
         train(load_config(None, tiny_overrides(small_corpus, tmp_path, "parallel.tp=2")))  # world size 1
     with pytest.raises(ConfigError, match="not available in this build"):
+        train(load_config(None, tiny_overrides(small_corpus, tmp_path, "parallel.cp=2")))
+    with pytest.raises(ConfigError, match="parallel.zero=1 shards over data-parallel ranks"):
         train(load_config(None, tiny_overrides(small_corpus, tmp_path, "parallel.zero=1")))

@@ -1,0 +1,424 @@
+"""Data parallelism: gradients accumulate in contiguous fp32 buckets and are reduced while backward still runs.
+
+Every trainable parameter gets ``p.main_grad``, a view into one of a few flat fp32 buffers ("buckets"). A
+``register_post_accumulate_grad_hook`` adds each fresh ``p.grad`` into ``p.main_grad`` and frees it, so
+gradients of all micro-batches accumulate in the buckets. Buckets are filled in reverse parameter order,
+the order in which backward produces gradients.
+
+Nothing is communicated during the first micro-batches of a step. The caller arms the last one with
+`start_last_microbatch()`; from then on a bucket's reduction is issued asynchronously as soon as every one
+of its parameters has its gradient, strictly in bucket order (so all ranks issue the same collectives in
+the same order, as DDP does), and `finish()` issues any bucket still missing (a parameter that got no
+gradient) and waits for all. Each bucket is reduced exactly once per step; `stats` counts it.
+
+- zero=0: each bucket is all-reduced (averaged); afterwards ``p.grad`` is ``p.main_grad`` so the usual
+  optimizer, `sync_tp_grads` and clipping see full gradients.
+- zero>=1: each bucket (padded to a multiple of the data-parallel size) is reduce-scattered: this rank keeps
+  its 1/dp chunk of every bucket in ``grad_shard``, one contiguous tensor. Parameters are moved into
+  buffers of the same layout, so after the sharded optimizer (megaloom.parallel.zero) has updated this
+  rank's chunk, one in-place all-gather per bucket refreshes every replica's weights.
+- zero=2 also releases the full-size buckets as soon as they are reduced and allocates them again at the
+  first gradient of the next step. Honest memory: with gradient accumulation the full buckets must live
+  from the first backward of a step to the end of the last (the reduction waits for the last micro-batch),
+  so the peak is that of zero=1; what zero=2 saves is the full gradient between the reduction and the next
+  step's first backward (optimizer step, all-gather, next forward): then only ``grad_shard`` (1/dp) exists.
+
+Tensor parallelism: a tp-sharded parameter's gradient is its local shard; the buckets of tp peers have the
+same layout (same local shapes in the same order), so the tp fix-ups of `sync_tp_grads` (sequence-parallel
+norms, replicated KV heads) can run after the data-parallel reduction on the reduced elements: zero=0
+calls it on ``p.grad`` (the main grads), zero>=1 on views of ``grad_shard``. Both operations are sums over
+disjoint groups, so their order does not matter.
+
+Pipeline parallelism: call `start_last_microbatch()` before a stage's last backward and `finish()` after it.
+The data-parallel group is ``mesh.dp_cp_group`` (context parallelism also splits the batch).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from megaloom.config import ConfigError
+from megaloom.parallel import comm
+from megaloom.parallel.mesh import Mesh
+from megaloom.parallel.tensor import sync_tp_grads, tp_grad_norm
+
+DEFAULT_BUCKET_MB = 25.0
+
+
+def plan_buckets(numels: list[int], bucket_numel: int, world: int) -> list[tuple[list[int], list[int], int]]:
+    """Group parameters (given by element count, in model order) into buckets, last parameter first.
+
+    A bucket is closed once it holds at least ``bucket_numel`` elements; a parameter is never split. Returns
+    (parameter indices, element offsets inside the bucket, padded size) per bucket; the padded size is a
+    multiple of ``world`` so that every rank's chunk has the same length.
+    """
+    buckets: list[tuple[list[int], list[int], int]] = []
+    idx: list[int] = []
+    offs: list[int] = []
+    used = 0
+    for i in reversed(range(len(numels))):
+        idx.append(i)
+        offs.append(used)
+        used += numels[i]
+        if used >= bucket_numel:
+            buckets.append((idx, offs, math.ceil(used / world) * world))
+            idx, offs, used = [], [], 0
+    if idx:
+        buckets.append((idx, offs, math.ceil(used / world) * world))
+    return buckets
+
+
+@dataclass(eq=False)
+class Bucket:
+    index: int
+    params: list[nn.Parameter]
+    offsets: list[int]  # element offset of each parameter in the bucket
+    padded: int  # elements, a multiple of the data-parallel size
+    shard_offset: int  # where this rank's chunk of the bucket lives in `grad_shard` (zero >= 1)
+    data: torch.Tensor | None = None  # main grads [padded]; None while released (zero 2)
+    param_data: torch.Tensor | None = None  # zero >= 1: the parameters' storage [padded]
+    pending: int = 0  # parameters still without a gradient in the armed backward
+    work: comm.Pending | None = None  # the reduction in flight
+    gather: comm.Pending | None = None  # zero >= 1: the parameter all-gather in flight
+    reductions: int = 0  # reductions issued this step (must end at exactly 1)
+
+
+HISTORY = 64  # steps of per-step counters kept (bounded: a long run must not grow them)
+
+
+def _history() -> deque:
+    return deque(maxlen=HISTORY)
+
+
+@dataclass
+class ReductionStats:
+    """What the buckets did, for tests and for the curious: each step appends one entry to the histories."""
+
+    steps: int = 0
+    per_step: deque = field(default_factory=_history)  # reductions of each bucket per finished step (all 1)
+    in_backward: deque = field(default_factory=_history)  # buckets issued while backward still ran
+    in_finish: deque = field(default_factory=_history)  # buckets issued by finish() (no overlap)
+    unarmed_hooks: int = 0  # gradients that arrived outside the armed (last) micro-batch
+    issued_unarmed: int = 0  # reductions issued before the last micro-batch: 0 by construction
+
+    def as_dict(self) -> dict:
+        return {k: list(v) if isinstance(v, deque) else v for k, v in self.__dict__.items()}
+
+
+@dataclass(eq=False)
+class Segment:
+    """The elements [start, start + length) of one parameter (flattened, tp-local) that this rank owns."""
+
+    owner: int  # index into `named_params`
+    start: int
+    data: torch.Tensor  # view of the parameter's storage (fp32: these are the master weights)
+    grad: torch.Tensor | None  # view of the reduced gradient
+
+
+class GradView:
+    """Stands in for a parameter where `sync_tp_grads` / `tp_grad_norm` read one: a gradient view plus the
+    parameter's tensor-parallel marks."""
+
+    def __init__(self, grad: torch.Tensor, p: nn.Parameter) -> None:
+        self.grad = grad
+        self._tp_dim = getattr(p, "_tp_dim", None)
+        self._tp_replicas = getattr(p, "_tp_replicas", 1)
+        self._sequence_parallel = getattr(p, "_sequence_parallel", False)
+
+
+class GradViews:
+    """A duck-typed module whose `parameters()` are gradient views, so that the tensor-parallel gradient code
+    (which reads ``p.grad`` and the marks) runs unchanged on shards of gradients."""
+
+    def __init__(self, views: list[GradView]) -> None:
+        self.views = views
+
+    def parameters(self) -> Iterator[GradView]:
+        return iter(self.views)
+
+
+def tp_weight(p: object, mesh: Mesh) -> float:
+    """How much of this rank's copy of ``p`` counts towards a sum over the full model (tp_grad_norm's rule):
+    a tp-sharded tensor fully, one replicated on all tp ranks 1/tp, a replicated KV head 1/replicas."""
+    if getattr(p, "_tp_dim", None) is None:
+        return 1.0 / mesh.tp
+    return 1.0 / getattr(p, "_tp_replicas", 1)
+
+
+def sharded_grad_norm(views: list[GradView], mesh: Mesh) -> torch.Tensor:
+    """L2 norm of the full gradient when each data-parallel rank holds disjoint pieces of it: local squares
+    weighted as in `tp_grad_norm`, summed over tp, pp and the data-parallel group."""
+    total = torch.zeros((), dtype=torch.float32, device=mesh.device)
+    if views:
+        norms = torch.stack(torch._foreach_norm([v.grad.float() for v in views]))
+        weights = torch.tensor([tp_weight(v, mesh) for v in views], dtype=torch.float32, device=norms.device)
+        total += (norms.float().pow(2) * weights).sum().to(total.device)
+    for group in (mesh.tp_group, mesh.pp_group, mesh.dp_cp_group):
+        comm.all_reduce(total, group, recorder=mesh.recorder)
+    return total.sqrt()
+
+
+class DataParallelGrads:
+    """Bucketed, overlapped gradient reduction over ``mesh.dp_cp_group``; the ``grads`` object of TrainStep.
+
+    Per step: backward of every micro-batch (call `start_last_microbatch()` before the last one), then
+    `finish()`, then `clip(max_norm)`, then the optimizer. zero=0 works with any optimizer over
+    ``model.parameters()``; zero=1/2 with megaloom.parallel.zero.ShardedOptimizer.
+    """
+
+    def __init__(self, model: nn.Module, mesh: Mesh, zero: int = 0, bucket_mb: float = DEFAULT_BUCKET_MB) -> None:
+        if zero not in (0, 1, 2):
+            raise ConfigError(f"parallel.zero={zero}: DataParallelGrads handles 0, 1 and 2; stage 3 is "
+                              "megaloom.parallel.zero.FullyShardedGrads (use zero.build_data_parallel).")
+        if not bucket_mb > 0:
+            raise ConfigError(f"parallel.bucket_mb={bucket_mb} must be > 0 (MB of fp32 gradients per bucket); "
+                              f"e.g. parallel.bucket_mb={DEFAULT_BUCKET_MB:g}.")
+        self.model, self.mesh, self.zero = model, mesh, zero
+        self.group = mesh.dp_cp_group
+        self.size, self.rank = comm.group_size(self.group), comm.group_rank(self.group)
+        names = {p: n for n, p in model.named_parameters()}
+        self.params = [p for p in model.parameters() if p.requires_grad]  # a tied weight once
+        self.named_params = [(names[p], p) for p in self.params]
+        for name, p in self.named_params:
+            if p.dtype != torch.float32:  # megaloom keeps fp32 parameters and computes under autocast
+                raise ValueError(f"data parallelism keeps fp32 main gradients; parameter {name} is {p.dtype}")
+        device = self.params[0].device if self.params else mesh.device
+        self.bucket_numel = max(1, int(bucket_mb * 2**20) // 4)
+        plan = plan_buckets([p.numel() for p in self.params], self.bucket_numel, self.size)
+        self.buckets: list[Bucket] = []
+        shard_offset = 0
+        for i, (idx, offs, padded) in enumerate(plan):
+            self.buckets.append(Bucket(i, [self.params[j] for j in idx], offs, padded, shard_offset))
+            shard_offset += padded // self.size
+        self._where = {p: (b, off) for b in self.buckets for p, off in zip(b.params, b.offsets, strict=True)}
+        self.grad_shard = torch.zeros(shard_offset, dtype=torch.float32, device=device) if zero else None
+        for b in self.buckets:
+            if zero < 2:
+                self._allocate(b)
+            if zero:
+                self._move_params(b)
+        self.stats = ReductionStats()
+        self._armed = False
+        self._next = 0  # the next bucket to issue, in order
+        self._ready: set[int] = set()  # ids of parameters whose gradient arrived in the armed backward
+        self._needs_zero = False
+        self._shard_views = GradViews([GradView(s.grad, self.params[s.owner]) for s in self.shard_segments()]) \
+            if zero else None
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+
+    # ------------------------------------------------------------------------------------------- layout
+
+    def _allocate(self, b: Bucket) -> None:
+        b.data = torch.zeros(b.padded, dtype=torch.float32, device=self.grad_device)
+        for p, off in zip(b.params, b.offsets, strict=True):
+            p.main_grad = b.data[off:off + p.numel()].view_as(p)
+
+    @property
+    def grad_device(self) -> torch.device:
+        return self.params[0].device if self.params else self.mesh.device
+
+    def _move_params(self, b: Bucket) -> None:
+        """Parameters become views of one flat buffer per bucket: the target of the in-place all-gather."""
+        b.param_data = torch.zeros(b.padded, dtype=torch.float32, device=self.grad_device)
+        with torch.no_grad():
+            for p, off in zip(b.params, b.offsets, strict=True):
+                view = b.param_data[off:off + p.numel()].view_as(p)
+                view.copy_(p)
+                p.data = view
+
+    def _chunk(self, b: Bucket) -> tuple[int, int]:
+        n = b.padded // self.size
+        return self.rank * n, (self.rank + 1) * n
+
+    def _grad_chunk(self, b: Bucket) -> torch.Tensor:
+        return self.grad_shard[b.shard_offset:b.shard_offset + b.padded // self.size]
+
+    def shard_segments(self) -> list[Segment]:
+        """zero>=1: the pieces of parameters whose optimizer state this rank owns (its chunk of each bucket)."""
+        if not self.zero:
+            raise RuntimeError("shard_segments: only ZeRO (zero >= 1) shards the parameters")
+        owner = {p: i for i, p in enumerate(self.params)}
+        segs: list[Segment] = []
+        for b in self.buckets:
+            lo, hi = self._chunk(b)
+            for p, off in zip(b.params, b.offsets, strict=True):
+                a, e = max(lo, off), min(hi, off + p.numel())
+                if e > a:
+                    g0 = b.shard_offset + a - lo
+                    segs.append(Segment(owner[p], a - off, b.param_data[a:e], self.grad_shard[g0:g0 + e - a]))
+        return segs
+
+    def shard_numel(self) -> int:
+        return 0 if self.grad_shard is None else self.grad_shard.numel()
+
+    # --------------------------------------------------------------------------------------------- backward
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        b, _ = self._where[p]
+        if self._needs_zero:  # the first gradient of a new step: clear what the last step accumulated
+            self.zero_grad()
+        if b.data is None:
+            self._allocate(b)
+        if p.grad is None:
+            return
+        if p.grad.data_ptr() == p.main_grad.data_ptr():
+            raise RuntimeError("a new backward started while p.grad still aliases p.main_grad: call "
+                               "optimizer.zero_grad(set_to_none=True) after every step")
+        p.main_grad.add_(p.grad)
+        p.grad = None
+        if not self._armed:
+            self.stats.unarmed_hooks += 1
+            return
+        if b.work is not None:
+            raise RuntimeError(f"the gradient of {self._name(p)} arrived after its bucket's reduction was issued "
+                               "(a parameter used again after backward passed it, e.g. reentrant recompute?)")
+        if id(p) in self._ready:  # a second accumulation in the same backward, still before the launch
+            return
+        self._ready.add(id(p))
+        b.pending -= 1
+        while self._next < len(self.buckets) and self.buckets[self._next].pending == 0:
+            self._issue(self.buckets[self._next], in_backward=True)
+            self._next += 1
+
+    def _name(self, p: nn.Parameter) -> str:
+        return next(n for n, q in self.named_params if q is p)
+
+    def _issue(self, b: Bucket, in_backward: bool) -> None:
+        if not self._armed:
+            self.stats.issued_unarmed += 1
+        b.data.div_(self.size)  # average over replicas (pre-divided, as Megatron does: no overflow in sums)
+        if self.zero == 0:
+            b.work = comm.all_reduce_async(b.data, self.group, recorder=self.mesh.recorder)
+        else:
+            b.work = comm.reduce_scatter_async(self._grad_chunk(b), b.data, self.group, recorder=self.mesh.recorder)
+        b.reductions += 1
+        (self.stats.in_backward if in_backward else self.stats.in_finish)[-1] += 1
+
+    def zero_grad(self) -> None:
+        """Clear the main gradients (done automatically by the first gradient of the next step)."""
+        for b in self.buckets:
+            if b.data is not None:
+                b.data.zero_()
+        self._needs_zero = False
+
+    def start_last_microbatch(self) -> None:
+        """Call before the backward of the step's last micro-batch: its buckets are reduced as they fill."""
+        self._armed = True
+        self._next = 0
+        self._ready.clear()
+        for b in self.buckets:
+            b.pending, b.work, b.reductions = len(b.params), None, 0
+        self.stats.in_backward.append(0)
+        self.stats.in_finish.append(0)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """For symmetry with DDP: backward inside only accumulates (which is what happens unless armed)."""
+        armed, self._armed = self._armed, False
+        try:
+            yield
+        finally:
+            self._armed = armed
+
+    def finish(self) -> None:
+        """Issue the buckets not yet issued (in order), wait for all, and complete the tensor-parallel part."""
+        if not self._armed:
+            self.start_last_microbatch()
+        if self._needs_zero:  # a step without any backward: reduce zeros rather than last step's gradients
+            self.zero_grad()
+        for b in self.buckets[self._next:]:
+            if b.data is None:
+                self._allocate(b)
+            self._issue(b, in_backward=False)
+        self._next = len(self.buckets)
+        for b in self.buckets:
+            b.work.wait()
+            b.work = None
+        self.stats.per_step.append([b.reductions for b in self.buckets])
+        self.stats.steps += 1
+        self._armed, self._needs_zero = False, True
+        if self.zero == 0:
+            for p in self.params:
+                p.grad = p.main_grad
+            if self.mesh.tp > 1:
+                sync_tp_grads(self.model, self.mesh)
+        else:
+            if self.mesh.tp > 1:
+                sync_tp_grads(self._shard_views, self.mesh)
+            if self.zero == 2:  # keep only the shard: the full buckets come back at the next step's backward
+                for b in self.buckets:
+                    b.data = None
+                for p in self.params:
+                    p.main_grad = None
+
+    # ------------------------------------------------------------------------------------ after reduction
+
+    def local_grads(self) -> list[torch.Tensor]:
+        """The reduced gradients this rank holds (for the fp16 overflow check and unscaling)."""
+        if self.zero:
+            return [self.grad_shard]
+        return [p.grad for p in self.params if p.grad is not None]
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        """Global L2 norm of the full gradient (each element counted once); scales gradients in place when it
+        exceeds ``max_norm``. Returns the norm before clipping."""
+        if self.zero == 0:
+            if self.mesh.tp == 1 and self.mesh.pp == 1:
+                return torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
+            total = tp_grad_norm(self.model, self.mesh)
+        else:
+            total = sharded_grad_norm(self._shard_views.views, self.mesh)
+        if math.isfinite(max_norm):
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            torch._foreach_mul_(self.local_grads(), coef)
+        return total
+
+    # ------------------------------------------------------------------------------ parameters (zero >= 1)
+
+    def segment_grads(self, segs: list[Segment]) -> list[torch.Tensor]:
+        """The reduced gradient of each segment: fixed views of ``grad_shard``."""
+        return [s.grad for s in segs]
+
+    def publish_params(self, overlap: bool) -> None:
+        """After the optimizer updated this rank's chunk: share it with every replica (``overlap``: return at
+        once; each module's forward pre-hook waits for its buckets)."""
+        self.gather_params()
+        if not overlap:
+            self.wait_params()
+
+    def gather_params(self) -> None:
+        """Issue the in-place all-gather of every bucket's parameters (after the optimizer updated this rank's
+        chunk), last bucket first: it holds the first layers, which the next forward needs first."""
+        for b in reversed(self.buckets):
+            lo, hi = self._chunk(b)
+            b.gather = comm.all_gather_into_async(b.param_data, b.param_data[lo:hi], self.group,
+                                                  recorder=self.mesh.recorder)
+
+    def wait_params(self, params: list[nn.Parameter] | None = None) -> None:
+        """Block until the all-gathers holding ``params`` (default: all) have landed."""
+        buckets = self.buckets if params is None else {self._where[p][0] for p in params if p in self._where}
+        for b in buckets:
+            if b.gather is not None:
+                b.gather.wait()
+                b.gather = None
+
+    def params_in_flight(self) -> bool:
+        return any(b.gather is not None for b in self.buckets)
+
+    def memory(self) -> dict[str, int]:
+        """Bytes this rank holds now: full main-grad buckets, the gradient shard."""
+        return {"main_grads": sum(b.data.numel() * 4 for b in self.buckets if b.data is not None),
+                "grad_shard": 0 if self.grad_shard is None else self.grad_shard.numel() * 4}
+
+    def remove(self) -> None:
+        """Detach the hooks (the buffers stay where they are)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []

@@ -1,0 +1,383 @@
+"""ZeRO: the optimizer state (1), the gradients (2) and the parameters (3) split over data-parallel ranks.
+
+Stages 1 and 2 (Rajbhandari et al. 2020; Megatron's distributed optimizer) build on DataParallelGrads'
+bucket layout: each rank owns a 1/dp chunk of every bucket (buckets are padded so the chunks are equal),
+which together form its shard. `ShardedOptimizer` keeps AdamW or LAMB state for those elements only, steps
+them from the reduce-scattered ``grad_shard`` and then all-gathers every bucket's parameters in place
+(asynchronously; a forward pre-hook on each module waits for the buckets holding its parameters, so the
+gather overlaps the start of the next forward). megaloom keeps fp32 parameters and computes under
+autocast, so the parameters are the fp32 master weights: the shard's master weights are views of them
+and no second copy exists.
+
+The shard is cut into per-parameter segments so that weight decay skips 1-D parameters (one parameter
+group each) and LAMB can compute one trust ratio per parameter: each segment's partial squared norms are
+summed over the data-parallel group (the pieces of a parameter) and over tp (its tensor-parallel pieces).
+
+Stage 3 is PyTorch's FSDP2 (`fully_shard`) on each transformer block and on the root: parameters sharded on
+dim 0 over the data-parallel group, gathered just in time for forward and backward, freed after. Chosen
+because it is the maintained implementation of exactly this (prefetching, reduce-scatter in post-backward,
+memory reuse) and it composes with our tensor-parallel layers: those hold plain local tensors, which FSDP2
+treats as the parameters to shard over dp only, and their tp marks are copied to the sharded parameters.
+The optimizer is the same `ShardedOptimizer`, over the local DTensor shards.
+
+Checkpoints stay layout-free: `full_optimizer_state` returns full tensors under parameter names
+(gathered over dp and tp), exactly what megaloom.parallel.state.full_optim_state gives for AdamW, and
+`load_full_optimizer_state` takes this rank's pieces back.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from megaloom.config import ConfigError
+from megaloom.lamb import Lamb
+from megaloom.parallel import comm
+from megaloom.parallel.data_parallel import (
+    DEFAULT_BUCKET_MB,
+    DataParallelGrads,
+    GradView,
+    GradViews,
+    ReductionStats,
+    Segment,
+    sharded_grad_norm,
+    tp_weight,
+)
+from megaloom.parallel.mesh import Mesh
+from megaloom.parallel.state import full_model_state, load_full_state, shard_of
+from megaloom.parallel.tensor import gather_full_tensor, sync_tp_grads
+
+OPTIMIZERS = ("adamw", "lamb")
+_TP_MARKS = ("_tp_dim", "_tp_replicas", "_sequence_parallel")
+
+
+class ShardLayout(Protocol):
+    """What ShardedOptimizer needs from the gradient side (DataParallelGrads with zero 1/2, or
+    FullyShardedGrads)."""
+
+    mesh: Mesh
+    named_params: list[tuple[str, nn.Parameter]]
+
+    group: comm.Group
+
+    def shard_segments(self) -> list[Segment]: ...
+
+    def segment_grads(self, segs: list[Segment]) -> list[torch.Tensor]: ...
+
+    def publish_params(self, overlap: bool) -> None: ...
+
+    def wait_params(self, params: list[nn.Parameter] | None = None) -> None: ...
+
+
+# ------------------------------------------------------------------------------------------ ZeRO-3: FSDP2
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (a view of its storage), or ``t`` itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _dim0_start(rows: int, world: int, rank: int) -> int:
+    """First row of ``rank``'s shard under FSDP2's dim-0 split (torch.chunk: ceil(rows / world) each)."""
+    return min(rank * math.ceil(rows / world), rows)
+
+
+class FullyShardedGrads:
+    """ZeRO-3 by FSDP2: the ``grads`` object of TrainStep when parallel.zero=3 (same methods as
+    DataParallelGrads). FSDP2 reduce-scatters in its own post-backward hooks; gradient sync is switched off
+    for all micro-batches but the last, so nothing is reduced earlier."""
+
+    def __init__(self, model: nn.Module, mesh: Mesh) -> None:
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import fully_shard
+
+        self.group = mesh.dp_cp_group
+        self.size, self.rank = comm.group_size(self.group), comm.group_rank(self.group)
+        if self.size == 1:
+            raise ConfigError("parallel.zero=3 shards parameters over data-parallel ranks, but there is only one "
+                              "(world size / (tp*pp*cp) = 1); set parallel.zero=0 or add ranks.")
+        self.model, self.mesh, self.zero = model, mesh, 3
+        marks = {n: {k: getattr(p, k) for k in _TP_MARKS if hasattr(p, k)} for n, p in model.named_parameters()}
+        self.device_mesh = DeviceMesh.from_group(self.group, mesh.device.type)
+        for block in getattr(model, "layers", []):
+            fully_shard(block, mesh=self.device_mesh)
+        fully_shard(model, mesh=self.device_mesh)
+        self.named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        for n, p in self.named_params:  # the sharded parameters are new objects: carry the tp marks over
+            for k, v in marks[n].items():
+                setattr(p, k, v)
+        self.params = [p for _, p in self.named_params]
+        model.set_requires_gradient_sync(False)
+        self.stats = ReductionStats()
+        self._armed = False
+
+    def shard_segments(self) -> list[Segment]:
+        segs = []
+        for i, p in enumerate(self.params):
+            local = _local(p.detach())
+            row = math.prod(p.shape[1:])
+            start = _dim0_start(p.shape[0], self.size, self.rank) * row
+            if local.numel():
+                segs.append(Segment(i, start, local, None))
+        return segs
+
+    def segment_grads(self, segs: list[Segment]) -> list[torch.Tensor]:
+        """The current local gradient of each segment (FSDP2 assigns new gradient tensors every step)."""
+        out = []
+        for s in segs:
+            g = self.params[s.owner].grad
+            out.append(torch.zeros_like(s.data) if g is None else _local(g))
+        return out
+
+    def _views(self) -> GradViews:
+        return GradViews([GradView(_local(p.grad), p) for p in self.params
+                          if p.grad is not None and _local(p.grad).numel()])
+
+    def start_last_microbatch(self) -> None:
+        self._armed = True
+        self.model.set_requires_gradient_sync(True)
+
+    def finish(self) -> None:
+        """FSDP2 has reduce-scattered the last backward (it waits for that before backward returns); complete
+        the tensor-parallel part on the local shards."""
+        if not self._armed:
+            raise RuntimeError("zero=3: call start_last_microbatch() before the last backward (FSDP2 reduces "
+                               "gradients during it); without that nothing was reduced this step")
+        self._armed = False
+        self.model.set_requires_gradient_sync(False)
+        self.stats.steps += 1
+        if self.mesh.tp > 1:
+            sync_tp_grads(self._views(), self.mesh)
+
+    def local_grads(self) -> list[torch.Tensor]:
+        return [v.grad for v in self._views().views]
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        views = self._views()
+        total = sharded_grad_norm(views.views, self.mesh)
+        if math.isfinite(max_norm):
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            torch._foreach_mul_([v.grad for v in views.views], coef)
+        return total
+
+    def wait_params(self, params: list[nn.Parameter] | None = None) -> None:
+        """FSDP2 gathers parameters itself, just in time."""
+
+    def publish_params(self, overlap: bool) -> None:
+        """Nothing to do: the next forward all-gathers the updated shards."""
+
+    def memory(self) -> dict[str, int]:
+        return {"params": sum(_local(p.detach()).numel() * p.element_size() for p in self.params)}
+
+    def full_model_state(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer at full size under its usual name (collective over dp and tp)."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        out = {}
+        for k, v in self.model.state_dict().items():
+            full = v.full_tensor() if hasattr(v, "full_tensor") else v
+            out[k] = gather_full_tensor(full, params[k], self.mesh) if k in params else full.detach().clone()
+        return out
+
+    def load_full_model_state(self, sd: dict[str, torch.Tensor]) -> None:
+        """Copy this rank's piece (its tp slice, then its dim-0 dp shard) of full tensors into the model."""
+        params = dict(self.model.named_parameters(remove_duplicate=False))
+        with torch.no_grad():
+            for k, t in self.model.state_dict().items():
+                src = shard_of(sd[k], params[k], self.mesh) if k in params else sd[k]
+                local = _local(t)
+                if hasattr(t, "to_local") and local.numel():
+                    start = _dim0_start(src.shape[0], self.size, self.rank)
+                    src = src[start:start + local.shape[0]]
+                if local.numel():
+                    local.copy_(src)
+
+
+# ------------------------------------------------------------------------------------------- the optimizer
+
+
+class _WaitForParams:
+    """Forward pre-hook: block until the all-gathers holding this module's own parameters have landed."""
+
+    def __init__(self, layout: ShardLayout, params: list[nn.Parameter]) -> None:
+        self.layout, self.params = layout, params
+
+    def __call__(self, module: nn.Module, args: tuple) -> None:
+        self.layout.wait_params(self.params)
+
+
+def shard_norm_sync(owners: list[int], params: list[nn.Parameter], mesh: Mesh, group: comm.Group):
+    """LAMB's ``norm_sync`` for ZeRO shards: segment partial squares summed per parameter, over the data-
+    parallel group (the other pieces of each parameter), then weighted and summed over tp."""
+    index = torch.tensor(owners, dtype=torch.long)
+    weights = torch.tensor([tp_weight(p, mesh) for p in params], dtype=torch.float32).unsqueeze(1)
+
+    def sync(partial: torch.Tensor) -> torch.Tensor:
+        per = partial.new_zeros(len(params), 2)
+        per.index_add_(0, index.to(partial.device), partial)
+        comm.all_reduce(per, group, recorder=mesh.recorder)
+        per *= weights.to(per.device)
+        comm.all_reduce(per, mesh.tp_group, recorder=mesh.recorder)
+        return per[index.to(partial.device)]
+
+    return sync
+
+
+class ShardedOptimizer:
+    """AdamW or LAMB over this rank's shard (ZeRO 1, 2 and 3). Behaves like a torch optimizer where the
+    training loop touches one: ``param_groups`` (learning rate), ``step()``, ``zero_grad()``."""
+
+    def __init__(self, layout: ShardLayout, optimizer: str = "adamw", lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 overlap_param_gather: bool = True) -> None:
+        if optimizer not in OPTIMIZERS:
+            raise ConfigError(f"train.optimizer={optimizer!r} is not one of {', '.join(OPTIMIZERS)}; "
+                              "set train.optimizer=adamw or train.optimizer=lamb.")
+        self.layout, self.mesh, self.kind = layout, layout.mesh, optimizer
+        self.overlap_param_gather = overlap_param_gather
+        self.named_params = layout.named_params
+        self.segments = layout.shard_segments()
+        device = self.named_params[0][1].device if self.named_params else self.mesh.device
+        self.tensors = [nn.Parameter(s.data) for s in self.segments]  # views: updates land in the parameters
+        for t, s in zip(self.tensors, self.segments, strict=True):
+            t.grad = s.grad
+        decay = [i for i, s in enumerate(self.segments) if self.named_params[s.owner][1].ndim >= 2]
+        no_decay = [i for i, s in enumerate(self.segments) if self.named_params[s.owner][1].ndim < 2]
+        order = [idx for idx in (decay, no_decay) if idx]  # an empty group would be refused on some ranks
+        groups = [{"params": [self.tensors[i] for i in idx], "weight_decay": weight_decay if idx is decay else 0.0}
+                  for idx in order]
+        fused = device.type == "cuda"
+        if optimizer == "adamw":
+            self.inner: torch.optim.Optimizer = torch.optim.AdamW(
+                groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused,
+                foreach=None if fused else True)
+        else:
+            owners = [self.segments[i].owner for idx in order for i in idx]
+            params = [p for _, p in self.named_params]
+            self.inner = Lamb(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                              norm_sync=shard_norm_sync(owners, params, self.mesh, layout.group))
+        # Step counters: on the device for the fused AdamW kernel, on the host otherwise (LAMB reads them).
+        step_device = device if fused and optimizer == "adamw" else torch.device("cpu")
+        for t in self.tensors:  # eagerly, so memory is what it will be and checkpoints have a template
+            self.inner.state[t] = {"step": torch.zeros((), dtype=torch.float32, device=step_device),
+                                   "exp_avg": torch.zeros_like(t), "exp_avg_sq": torch.zeros_like(t)}
+        self._hooks = []
+        if isinstance(layout, DataParallelGrads):
+            model = layout.model
+            for m in model.modules():
+                own = [p for p in m.parameters(recurse=False) if p.requires_grad]
+                if own:
+                    self._hooks.append(m.register_forward_pre_hook(_WaitForParams(layout, own)))
+            # Reading or loading the weights (checkpoints) must not race with a gather still in flight.
+            self._hooks.append(model.register_state_dict_pre_hook(lambda *_: layout.wait_params()))
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.layout.wait_params()  # the previous gather reads this rank's chunk: let it land first
+        for t, g in zip(self.tensors, self.layout.segment_grads(self.segments), strict=True):
+            t.grad = g
+        self.inner.step()
+        self.layout.publish_params(self.overlap_param_gather)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Model gradients are dropped (FSDP2 would accumulate into them); the shard's gradient views stay:
+        the next reduction overwrites them."""
+        for _, p in self.named_params:
+            p.grad = None
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state tensors on this rank (exp_avg, exp_avg_sq; step counters excluded)."""
+        return sum(v.numel() * v.element_size() for st in self.inner.state.values() for v in st.values()
+                   if torch.is_tensor(v) and v.ndim > 0)
+
+    # ------------------------------------------------------------------------------------------ checkpoints
+
+    def _gather(self, key: str) -> list[torch.Tensor]:
+        """State ``key`` of every parameter at its tp-local full size: each rank writes its segments into a
+        zero buffer of the whole (tp-local) model and one all-reduce over dp assembles it (checkpoint time
+        only; any layout works because the pieces are disjoint)."""
+        numels = [math.prod(p.shape) for _, p in self.named_params]
+        offsets = [0]
+        for n in numels:
+            offsets.append(offsets[-1] + n)
+        flat = torch.zeros(offsets[-1], dtype=torch.float32, device=self.mesh.device)
+        for t, s in zip(self.tensors, self.segments, strict=True):
+            v = self.inner.state[t][key].reshape(-1)
+            a = offsets[s.owner] + s.start
+            flat[a:a + v.numel()] = v
+        comm.all_reduce(flat, self.layout.group, recorder=self.mesh.recorder)
+        return [flat[offsets[i]:offsets[i + 1]].view(tuple(p.shape)) for i, (_, p) in enumerate(self.named_params)]
+
+    def _step_count(self) -> torch.Tensor:
+        count = torch.zeros((), dtype=torch.float32)
+        for st in self.inner.state.values():
+            count = st["step"].detach().float().cpu().clone()
+            break
+        count = count.to(self.mesh.device)
+        return comm.all_reduce(count, self.layout.group, op="max", recorder=self.mesh.recorder).cpu()
+
+    def full_state(self) -> dict:
+        """{'state': {fqn: {'step', 'exp_avg', 'exp_avg_sq'}}}: full tensors under parameter names, as
+        megaloom.parallel.state.full_optim_state gives for a plain AdamW. Collective over dp and tp."""
+        step = self._step_count()
+        gathered = {k: self._gather(k) for k in ("exp_avg", "exp_avg_sq")}
+        state = {}
+        for i, (name, p) in enumerate(self.named_params):
+            state[name] = {"step": step.clone(),
+                           **{k: gather_full_tensor(v[i], p, self.mesh) for k, v in gathered.items()}}
+        return {"state": state}
+
+    def full_model_state(self) -> dict[str, torch.Tensor]:
+        """The model's layout-free state (full tensors under their names), whatever the ZeRO stage: a checkpoint
+        writer that holds this optimizer needs nothing else. Collective over dp and tp."""
+        if isinstance(self.layout, FullyShardedGrads):
+            return self.layout.full_model_state()
+        return full_model_state(self.layout.model, self.mesh)  # its state_dict pre-hook waits for the gathers
+
+    def load_full_model_state(self, model_sd: dict[str, torch.Tensor]) -> None:
+        if isinstance(self.layout, FullyShardedGrads):
+            self.layout.load_full_model_state(model_sd)
+        else:  # parameters are views of the bucket buffers, so the copy lands there (master weights included)
+            load_full_state(self.layout.model, None, model_sd, None, self.mesh)
+
+    def load_full_state(self, optim_sd: dict) -> None:
+        """Keep this rank's pieces of full tensors (its tp slice, then its segments of the flat shard)."""
+        entries = optim_sd["state"]
+        for t, s in zip(self.tensors, self.segments, strict=True):
+            name, p = self.named_params[s.owner]
+            st = self.inner.state[t]
+            for k, v in entries[name].items():
+                if k == "step":
+                    st["step"].copy_(torch.as_tensor(v, dtype=torch.float32))
+                    continue
+                local = shard_of(v, p, self.mesh).reshape(-1)
+                st[k].copy_(local[s.start:s.start + t.numel()].view_as(st[k]))
+
+
+# ------------------------------------------------------------------------------------------------ building
+
+
+def build_data_parallel(model: nn.Module, mesh: Mesh, zero: int = 0,
+                        bucket_mb: float = DEFAULT_BUCKET_MB) -> DataParallelGrads | FullyShardedGrads:
+    """The gradient side for ``parallel.zero``: buckets (0, 1, 2) or FSDP2 (3)."""
+    if zero not in (0, 1, 2, 3):
+        raise ConfigError(f"parallel.zero={zero} is not a ZeRO stage; use 0 (off), 1 (optimizer state), "
+                          "2 (+ gradients) or 3 (+ parameters).")
+    if zero == 3:
+        return FullyShardedGrads(model, mesh)
+    return DataParallelGrads(model, mesh, zero, bucket_mb)
+
+
+def full_optimizer_state(optimizer: ShardedOptimizer) -> dict:
+    """Layout-free optimizer state (see ShardedOptimizer.full_state)."""
+    return optimizer.full_state()
+
+
+def load_full_optimizer_state(optimizer: ShardedOptimizer, optim_sd: dict) -> None:
+    optimizer.load_full_state(optim_sd)

@@ -1,0 +1,265 @@
+"""What the spawned ranks run for the data-parallel / ZeRO tests: one suite per world, each returning a dict
+of measurements per rank (assertions happen in the test process, which sees every rank).
+
+Every case trains the tiny model for 10 steps on the same global batches as a single-process reference
+(computed in the same rank, cached per optimizer/clip setting) and reports both loss curves, the bucket
+counters, a log of the collectives issued on the data-parallel group per phase, and memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megaloom.lamb import build_lamb
+from megaloom.models import Transformer
+from megaloom.optim import param_groups
+from megaloom.parallel import comm
+from megaloom.parallel.mesh import Mesh
+from megaloom.parallel.state import full_optim_state
+from megaloom.parallel.tensor import gather_full_params, parallelize_tensor
+from megaloom.parallel.zero import (
+    ShardedOptimizer,
+    build_data_parallel,
+    full_optimizer_state,
+    load_full_optimizer_state,
+)
+
+from ..worlds import SEQ, VOCAB, tiny_config
+
+GLOBAL_BATCH, STEPS, LR, WD, BETAS = 8, 10, 3e-3, 0.1, (0.9, 0.95)
+BUCKET_MB = 0.05  # ~13k fp32 elements: the tiny model (~80k parameters) spreads over several buckets
+EPS = {"adamw": 1e-8, "lamb": 1e-6}
+
+
+class PhaseRecorder(comm.OpRecorder):
+    """Logs every collective issued on one group, tagged with the phase the training loop says it is in."""
+
+    def __init__(self, group: comm.Group) -> None:
+        self.group, self.phase, self.log = group, "setup", []
+
+    def enter(self, name: str, group: comm.Group) -> None:
+        if group is self.group:
+            self.log.append((self.phase, name))
+
+
+@contextlib.contextmanager
+def fsdp_reductions_logged(rec: PhaseRecorder) -> Iterator[None]:
+    """FSDP2 (zero=3) calls torch.distributed itself: wrap its reduce-scatter (2.13 name and 2.11 name) so the
+    recorder sees it too. Test instrumentation only."""
+    saved = {}
+    for name in ("reduce_scatter_single", "reduce_scatter_tensor"):
+        fn = getattr(dist, name, None)
+        if fn is None:
+            continue
+        saved[name] = fn
+
+        def logged(*args, _fn=fn, _name=name, **kwargs):
+            if kwargs.get("group") is rec.group:
+                rec.log.append((rec.phase, "fsdp_" + _name))
+            return _fn(*args, **kwargs)
+
+        setattr(dist, name, logged)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)
+
+
+def global_batches(steps: int = STEPS) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(99)
+    return [torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=gen) for _ in range(steps)]
+
+
+def base_model(arch: str, mesh: Mesh) -> Transformer:
+    cfg = tiny_config(arch, tp=mesh.tp, world=mesh.world_size)
+    torch.manual_seed(1234)
+    return Transformer(cfg.model).to(mesh.device)
+
+
+def plain_optimizer(model: nn.Module, kind: str, mesh: Mesh | None) -> torch.optim.Optimizer:
+    if kind == "lamb":
+        return build_lamb(model, WD, LR, BETAS, EPS["lamb"], mesh=mesh)
+    return torch.optim.AdamW(param_groups(model, WD), lr=LR, betas=BETAS, eps=EPS["adamw"], foreach=True)
+
+
+def reference(arch: str, kind: str, clip: float, cache: dict, device: torch.device) -> dict:
+    """The single-process run on the full global batch (each rank computes it; cached per setting)."""
+    key = (arch, kind, clip)
+    if key not in cache:
+        model = base_model(arch, Mesh.single(device))
+        opt = plain_optimizer(model, kind, None)
+        losses, norms, states = [], [], {}
+        for step, batch in enumerate(global_batches()):
+            batch = batch.to(device)
+            loss = model(batch[:, :-1], batch[:, 1:])
+            loss.backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=True).item())
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+            if step == 4:
+                # A copy: AdamW keeps incrementing its step tensors in place.
+                states["mid"] = copy.deepcopy(full_optim_state(model, opt, Mesh.single())["state"])
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+        cache[key] = dict(loss=losses, norm=norms, state=states["mid"], params=params)
+    return cache[key]
+
+
+def make_parallel(base: nn.Module, mesh: Mesh, zero: int, kind: str, sp: bool = False,
+                  full_params: dict | None = None):
+    model = copy.deepcopy(base)
+    if full_params is not None:
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(full_params[n])
+    model = parallelize_tensor(model, mesh, sp)
+    grads = build_data_parallel(model, mesh, zero, BUCKET_MB)
+    if zero == 0:
+        opt = plain_optimizer(model, kind, mesh)
+    else:
+        opt = ShardedOptimizer(grads, kind, lr=LR, betas=BETAS, eps=EPS[kind], weight_decay=WD)
+    return model, grads, opt
+
+
+def run_steps(model, grads, opt, mesh: Mesh, batches: list[torch.Tensor], micro: int, clip: float,
+              rec: PhaseRecorder | None) -> tuple[list[float], list[float]]:
+    """TrainStep's loop with the data-parallel calls: this rank's slice, micro-batches, the last one armed."""
+    local = GLOBAL_BATCH // mesh.dp
+    losses, norms = [], []
+    for batch in batches:
+        rows = batch[mesh.dp_rank * local:(mesh.dp_rank + 1) * local].to(mesh.device)
+        n_micro = local // micro
+        total = torch.zeros((), device=mesh.device)
+        for i in range(n_micro):
+            last = i == n_micro - 1
+            if rec is not None:
+                rec.phase = "last_micro" if last else "early_micro"
+            if last:
+                grads.start_last_microbatch()
+            chunk = rows[i * micro:(i + 1) * micro]
+            loss = model(chunk[:, :-1], chunk[:, 1:]) / n_micro
+            loss.backward()
+            total += loss.detach()
+        if rec is not None:
+            rec.phase = "finish"
+        grads.finish()
+        if rec is not None:
+            rec.phase = "after"
+        norms.append(grads.clip(clip).item())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        comm.all_reduce(total, mesh.dp_cp_group)
+        losses.append(total.item() / mesh.dp)
+    return losses, norms
+
+
+def total_numel(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def dp_case(mesh: Mesh, zero: int, kind: str = "adamw", clip: float = math.inf, arch: str = "llama",
+            sp: bool = False, cache: dict | None = None, roundtrip: bool = False) -> dict:
+    """Train 10 steps at this layout (two micro-batches per step) and report what the tests check."""
+    ref = reference(arch, kind, clip, {} if cache is None else cache, mesh.device)
+    base = base_model(arch, mesh)
+    micro = GLOBAL_BATCH // mesh.dp // 2
+    rec = PhaseRecorder(mesh.dp_cp_group)
+    out: dict = dict(zero=zero, ref_loss=ref["loss"], ref_norm=ref["norm"], dp=mesh.dp, clip=clip, n_micro=2)
+    mesh.recorder = rec
+    with contextlib.ExitStack() as stack:
+        if zero == 3:
+            stack.enter_context(fsdp_reductions_logged(rec))
+        stack.callback(setattr, mesh, "recorder", comm.NullRecorder())
+        model, grads, opt = make_parallel(base, mesh, zero, kind, sp)
+        out["numel"] = total_numel(model)
+        batches = global_batches()
+        if roundtrip:  # 5 steps, a layout-free save, a fresh model + optimizer loaded from it, 5 more steps
+            l1, n1 = run_steps(model, grads, opt, mesh, batches[:5], micro, clip, rec)
+            state = full_optimizer_state(opt) if zero else full_optim_state(model, opt, mesh)
+            out["state_err"] = state_error(state["state"], ref["state"])
+            full_params = opt.full_model_state() if zero else full_params_after(model, mesh)
+            model, grads, opt = make_parallel(base, mesh, zero, kind, sp, full_params=None if zero else full_params)
+            if zero:  # the sharded optimizer's own loading path for the weights
+                opt.load_full_model_state(full_params)
+            load_full_optimizer_state(opt, state)
+            l2, n2 = run_steps(model, grads, opt, mesh, batches[5:], micro, clip, rec)
+            out["loss"], out["norm"] = l1 + l2, n1 + n2
+            out["counted_steps"] = len(batches) - 5  # the counters below are the second objects'
+        else:
+            out["loss"], out["norm"] = run_steps(model, grads, opt, mesh, batches, micro, clip, rec)
+        out["log"] = rec.log
+    out["stats"] = grads.stats.as_dict()
+    out["n_buckets"] = len(getattr(grads, "buckets", []))
+    out["n_params"] = len(grads.params)
+    out["memory"] = grads.memory()
+    if zero:
+        out["state_bytes"] = opt.state_bytes()
+    else:
+        out["state_bytes"] = sum(v.numel() * v.element_size() for st in opt.state.values()
+                                 for v in st.values() if torch.is_tensor(v) and v.ndim > 0)
+    final = grads.full_model_state() if zero == 3 else full_params_after(model, mesh)
+    out["param_err"] = max((final[n] - p).abs().max().item() for n, p in ref["params"].items())
+    return out
+
+
+def full_params_after(model: nn.Module, mesh: Mesh) -> dict[str, torch.Tensor]:
+    model.state_dict()  # the state-dict pre-hook waits for the parameter all-gathers still in flight
+    return gather_full_params(model, mesh)
+
+
+def state_error(got: dict, ref: dict) -> float:
+    """Largest error of the optimizer state against the reference's, relative to the largest reference value."""
+    worst = 0.0
+    for name, st in ref.items():
+        for k in ("exp_avg", "exp_avg_sq"):
+            scale = st[k].abs().max().item() + 1e-12
+            worst = max(worst, (got[name][k] - st[k]).abs().max().item() / scale)
+        worst = max(worst, abs(float(got[name]["step"]) - float(st["step"])))
+    return worst
+
+
+# ---------------------------------------------------------------------------------------------------- suites
+
+
+def suite_dp2(rank: int, world: int, device: torch.device) -> dict:
+    mesh = Mesh.build(tiny_config(world=world), world, rank, device)
+    cache: dict = {}
+    res: dict = {}
+    for zero in (0, 1, 2, 3):
+        res[f"z{zero}-adamw"] = dp_case(mesh, zero, cache=cache)
+    res["z1-adamw-clip"] = dp_case(mesh, 1, clip=0.05, cache=cache)
+    res["z2-adamw-clip"] = dp_case(mesh, 2, clip=0.05, cache=cache)
+    res["z3-adamw-clip"] = dp_case(mesh, 3, clip=0.05, cache=cache)
+    for zero in (0, 1, 2, 3):
+        res[f"z{zero}-lamb"] = dp_case(mesh, zero, "lamb", cache=cache)
+    res["z1-gpt2"] = dp_case(mesh, 1, arch="gpt2", cache=cache)
+    res["z1-roundtrip"] = dp_case(mesh, 1, roundtrip=True, cache=cache)
+    res["z3-roundtrip"] = dp_case(mesh, 3, roundtrip=True, cache=cache)
+    res["z2-lamb-roundtrip"] = dp_case(mesh, 2, "lamb", roundtrip=True, cache=cache)
+    return res
+
+
+def suite_dp4(rank: int, world: int, device: torch.device) -> dict:
+    cache: dict = {}
+    res: dict = {}
+    mesh = Mesh.build(tiny_config(world=world), world, rank, device)
+    for zero in (0, 1, 2, 3):
+        res[f"dp4-z{zero}"] = dp_case(mesh, zero, cache=cache)
+    res["dp4-z2-clip"] = dp_case(mesh, 2, clip=0.05, cache=cache)
+    res["dp4-z1-lamb"] = dp_case(mesh, 1, "lamb", cache=cache)
+    tp = Mesh.build(tiny_config(tp=2, world=world), world, rank, device)
+    for zero in (0, 1, 2, 3):
+        res[f"tp2dp2-z{zero}"] = dp_case(tp, zero, clip=0.05, cache=cache)
+    res["tp2dp2-z1-sp"] = dp_case(tp, 1, sp=True, cache=cache)
+    res["tp2dp2-z0-lamb"] = dp_case(tp, 0, "lamb", cache=cache)
+    res["tp2dp2-z2-lamb"] = dp_case(tp, 2, "lamb", cache=cache)
+    res["tp2dp2-z1-roundtrip"] = dp_case(tp, 1, roundtrip=True, cache=cache)
+    return res
