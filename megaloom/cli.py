@@ -83,6 +83,13 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     return doctor(factor=args.factor, matmul_n=args.matmul_n)
 
 
+def _cmd_schedule(args: argparse.Namespace) -> int:
+    from megaloom.observe.timeline import schedule_command
+
+    schedule_command(args.pp, args.vpp, args.microbatches, args.schedule, args.out)
+    return 0
+
+
 def _cmd_status(args: argparse.Namespace) -> int:
     from megaloom.observe.heartbeat import status_table
 
@@ -146,6 +153,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--factor", type=float, default=2.0, help="slow = more than FACTOR x the median time")
     d.add_argument("--matmul-n", type=int, default=512)
     d.set_defaults(fn=_cmd_doctor)
+
+    sc = sub.add_parser("schedule", help="draw a pipeline schedule's planned timeline and print its bubble")
+    sc.add_argument("--pp", type=int, required=True)
+    sc.add_argument("--vpp", type=int, default=1)
+    sc.add_argument("--microbatches", type=int, required=True)
+    sc.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved", "zb"])
+    sc.add_argument("--out", default="schedule.png", help=".png picture or .json Chrome trace (Perfetto)")
+    sc.set_defaults(fn=_cmd_schedule)
 
     st = sub.add_parser("status", help="per-rank heartbeat of a run (step, age, last operation)")
     st.add_argument("run_dir")

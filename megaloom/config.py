@@ -62,6 +62,8 @@ class ParallelConfig:
     sp: bool = _f(False, "Sequence parallelism inside tensor-parallel groups.")
     zero: int = _f(0, "ZeRO stage: 0 off, 1 optimizer state, 2 + gradients, 3 + parameters.", (0, 1, 2, 3))
     schedule: str = _f("1f1b", "Pipeline schedule.", ("gpipe", "1f1b", "interleaved", "zb"))
+    pp_first_stage_layers: int = _f(0, "Layers on the first pipeline stage (which also embeds); 0 = balanced.")
+    pp_last_stage_layers: int = _f(0, "Layers on the last pipeline stage (it also holds head and loss); 0 = balanced.")
     bucket_mb: float = _f(25.0, "Size of the gradient buckets reduced (overlapped with backward) over data parallel.")
 
 

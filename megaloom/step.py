@@ -43,7 +43,7 @@ class StepOutput:
 class TrainStep:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, precision: str,
                  device: torch.device, micro_batch_size: int, grad_clip: float, grads=None,
-                 nan_guard: bool = False):
+                 nan_guard: bool = False, pipeline=None):
         """`grads`: a megaloom.parallel.grads.GradientSync for parallel runs (reduces and clips over all
         groups); None on one process."""
         self.model, self.optimizer = model, optimizer
@@ -54,8 +54,15 @@ class TrainStep:
         self.micro = micro_batch_size
         self.grad_clip = grad_clip if grad_clip > 0 else math.inf
         self.scaler = DynamicLossScaler(mesh=getattr(grads, "mesh", None)) if precision == "fp16" else None
+        # With pipeline parallelism a schedule executor runs the micro-batches across stages instead of the loop.
+        self.pipeline = pipeline
+        if pipeline is not None and self.scaler is not None:
+            pipeline.scale_loss = lambda loss: loss * self.scaler.scale
 
-    def __call__(self, batch: torch.Tensor) -> StepOutput:
+    def __call__(self, batch: torch.Tensor | None) -> StepOutput:
+        if self.pipeline is not None:
+            total = self.pipeline.run(batch, before_last_backward=getattr(self.grads, "start_last_microbatch", None))
+            return self._update(total.detach().float())
         n_micro = batch.shape[0] // self.micro
         scale = self.scaler.scale if self.scaler is not None else 1.0
         total = torch.zeros((), device=self.device)
@@ -67,9 +74,14 @@ class TrainStep:
                 loss = self.model(x, y) / n_micro  # equal tokens per micro-batch: mean of means is the mean
             (loss * scale if scale != 1.0 else loss).backward()
             total += loss.detach().float()
+        return self._update(total)
+
+    def _update(self, total: torch.Tensor) -> StepOutput:
+        """After the last backward: complete gradients over every group, unscale, clip, step."""
         if self.grads is not None:
             self.grads.finish()  # reduce the (scaled) gradients first, so every replica sees the same values
         if self.scaler is not None:
+            scale = self.scaler.scale
             local = getattr(self.grads, "local_grads", None)
             grads = local() if local is not None else [p.grad for p in self.model.parameters() if p.grad is not None]
             overflow = self.scaler.found_overflow(grads)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import time
@@ -22,6 +23,11 @@ from megaloom.observe.metrics import MetricsSink, console_line
 from megaloom.optim import build_optimizer, lr_at, set_lr
 from megaloom.parallel import comm
 from megaloom.parallel.mesh import Mesh, validate_layout
+from megaloom.parallel.pipeline.executor import PipelineExecutor
+from megaloom.parallel.pipeline.grads import PipelineGradientSync
+from megaloom.parallel.pipeline.partition import validate_pipeline
+from megaloom.parallel.pipeline.schedules import build_schedule, forward_only
+from megaloom.parallel.pipeline.stage import build_embedding_groups, build_stage
 from megaloom.parallel.random import dropout_seed
 from megaloom.parallel.tensor import parallelize_tensor
 from megaloom.parallel.zero import ShardedOptimizer, build_data_parallel
@@ -64,10 +70,26 @@ def evaluate(model: torch.nn.Module, batches: list[torch.Tensor], micro: int, pr
     return (total / max(n, 1)).item()
 
 
+@torch.no_grad()
+def evaluate_pipeline(pipe, batches: list[torch.Tensor | None]) -> float:
+    losses = [pipe.run(b) for b in batches]  # forward-only schedule; the mean loss arrives on every stage
+    return float(torch.stack(losses).mean().item())
+
+
+def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    layers = model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers
+    return list(layers)
+
+
 def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
     """Train per `cfg`. `stop_after` ends the process's work after that step as a preemption would (tests)."""
     _refuse_unbuilt(cfg)
     sizes = validate_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before any process group or data
+    partition = validate_pipeline(cfg, sizes["dp"], cfg.parallel.pp_first_stage_layers or None,
+                                  cfg.parallel.pp_last_stage_layers or None) if cfg.parallel.pp > 1 else None
+    if cfg.parallel.zero and cfg.parallel.pp > 1:
+        raise ConfigError("parallel.zero>=1 together with parallel.pp>1 is not available yet (the tied-embedding "
+                          "sum must precede the reduce-scatter); use parallel.zero=0 with pipelines.")
     if cfg.parallel.zero and sizes["dp"] == 1:
         raise ConfigError(f"parallel.zero={cfg.parallel.zero} shards over data-parallel ranks, but dp=1 (world "
                           f"{sizes['world']} = tp*pp*cp); set parallel.zero=0 or run more processes.")
@@ -101,12 +123,27 @@ def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
     model = parallelize_tensor(model, mesh, cfg.parallel.sp)  # ... then each rank keeps its shards
     torch.manual_seed(dropout_seed(t.seed, mesh))  # dropout: equal across tp peers, distinct across data
     apply_recompute(model, t.recompute)
+    pipe = eval_pipe = None
+    if mesh.pp > 1:
+        # Pipeline: each rank keeps its stages' layers (names unchanged); a schedule executor runs micro-batches.
+        model = build_stage(model, partition, mesh)
+        emb_group = build_embedding_groups(mesh) if cfg.model.tie_embeddings else None  # collective
+        m_train, m_eval = n_micro, n_micro
+        auto = lambda: autocast_ctx(precision, device)  # noqa: E731
+        pipe = PipelineExecutor(model, build_schedule(cfg.parallel.schedule, mesh.pp, cfg.parallel.vpp, m_train),
+                                mesh, t.micro_batch_size, t.seq_len, sp=cfg.parallel.sp, autocast=auto)
+        eval_pipe = PipelineExecutor(model, forward_only(mesh.pp, cfg.parallel.vpp, m_eval), mesh,
+                                     t.micro_batch_size, t.seq_len, sp=cfg.parallel.sp, autocast=auto)
+        grads = PipelineGradientSync(model, mesh, emb_group)
     # Data parallelism: gradient buckets reduced during the last backward (zero 0), reduce-scattered into a
     # sharded optimizer (zero 1/2), or FSDP2-sharded parameters (zero 3). Built before compile: FSDP2 wraps blocks.
-    grads = build_data_parallel(model, mesh, cfg.parallel.zero, cfg.parallel.bucket_mb) if rt.world_size > 1 else None
+    elif rt.world_size > 1:
+        grads = build_data_parallel(model, mesh, cfg.parallel.zero, cfg.parallel.bucket_mb)
+    else:
+        grads = None
     if t.compile:
-        for i, layer in enumerate(model.layers):
-            model.layers[i] = torch.compile(layer)
+        for layer in _blocks(model):
+            layer.compile()  # in place: parameter names (and so checkpoints) stay the same
     if cfg.parallel.zero >= 1:
         optimizer = ShardedOptimizer(grads, t.optimizer, lr=t.lr, betas=(t.beta1, t.beta2),
                                      eps=1e-8 if t.optimizer == "adamw" else 1e-6, weight_decay=t.weight_decay,
@@ -114,7 +151,7 @@ def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
     else:
         optimizer = build_optimizer(model, t, device, mesh)
     train_step = TrainStep(model, optimizer, precision, device, t.micro_batch_size, t.grad_clip, grads,
-                           nan_guard=cfg.resilience.nan_guard)
+                           nan_guard=cfg.resilience.nan_guard, pipeline=pipe)
 
     ckpt_root = run_dir / "checkpoints"
     start_step, resumed_state = _maybe_resume(cfg, model, optimizer, ckpt_root, rt, mesh)
@@ -127,8 +164,11 @@ def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
               f"{precision}, {t.steps} steps x {t.global_batch_size} x {t.seq_len} tokens "
               f"({n_micro} micro-batches of {t.micro_batch_size}); run dir {run_dir}", flush=True)
 
+    # Only the ranks that need tokens read them (MegaScale): the first pipeline stage (inputs) and the last
+    # (labels); middle stages get None. Tensor-parallel peers read the same rows.
+    reads_data = mesh.pp == 1 or mesh.is_first_stage or mesh.is_last_stage
     eval_batches = [torch.stack([torch.as_tensor(valid_ds[i * t.global_batch_size + mesh.dp_rank * local_batch + j])
-                                 for j in range(local_batch)]) for i in range(t.eval_batches)]
+                                 for j in range(local_batch)]) if reads_data else None for i in range(t.eval_batches)]
     sink = MetricsSink(run_dir, cfg.run.tensorboard, enabled=rt.is_main)
     result = TrainResult(run_dir=run_dir, final_step=start_step)
     guard = Resilience(cfg, run_dir, rt.rank, rt.world_size, mesh)
@@ -146,12 +186,13 @@ def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
                                             t.eval_batches * t.global_batch_size)
         batches = StepBatches(train_ds, t.global_batch_size, rank_offset=mesh.dp_rank * local_batch,
                               rank_size=local_batch, start_step=step + data_offset, n_steps=t.steps - step)
-        loader = make_loader(batches, cfg.data.num_workers, cfg.data.prefetch, pin_memory=device.type == "cuda")
+        loader = (make_loader(batches, cfg.data.num_workers, cfg.data.prefetch, pin_memory=device.type == "cuda")
+                  if reads_data else itertools.repeat(None, t.steps - step))
         rollback = False
         for batch in loader:
             step_t0 = time.perf_counter()
             guard.before_step(step + 1, model, data_step=step + 1 + data_offset)
-            batch = batch.to(device, non_blocking=True)
+            batch = batch.to(device, non_blocking=True) if batch is not None else None
             lr = lr_at(step, t)
             set_lr(optimizer, lr)
             out = train_step(batch)
@@ -186,7 +227,8 @@ def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
                     record.update(stragglers)
                 if do_eval:
                     with guard.paused():
-                        ev = evaluate(model, eval_batches, t.micro_batch_size, precision, device)
+                        ev = (evaluate(model, eval_batches, t.micro_batch_size, precision, device) if eval_pipe is None
+                              else evaluate_pipeline(eval_pipe, eval_batches))
                     record["eval_loss"] = _dp_mean(torch.tensor(ev, device=device), mesh)
                     record["eval_ppl"] = math.exp(min(record["eval_loss"], 50.0))
                     result.eval_loss = record["eval_loss"]
@@ -255,11 +297,10 @@ def _dp_mean(x: torch.Tensor, mesh: Mesh) -> float:
 def _refuse_unbuilt(cfg: Config) -> None:
     """Say plainly which parallel features this build does not have yet, instead of ignoring the setting."""
     p = cfg.parallel
-    for key, value, off in [("parallel.pp", p.pp, 1), ("parallel.vpp", p.vpp, 1), ("parallel.cp", p.cp, 1),
-                            ("parallel.ep", p.ep, 1)]:
+    for key, value, off in [("parallel.cp", p.cp, 1), ("parallel.ep", p.ep, 1)]:
         if value != off:
-            raise ConfigError(f"{key}={value} is not available in this build yet (tensor/sequence and data "
-                              f"parallelism with ZeRO are); set {key}={off}.")
+            raise ConfigError(f"{key}={value} is not available in this build yet (tensor/sequence, pipeline "
+                              f"and data parallelism with ZeRO are); set {key}={off}.")
 
 
 def _run_state(cfg: Config, step: int) -> dict:

@@ -16,6 +16,12 @@ from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.tensor import _gather_full
 
 
+def _optim_name(name: str, p: nn.Parameter) -> str:
+    """Optimizer state is stored under the single model's names: the last pipeline stage's copy of a tied
+    embedding is `tok_emb.weight` there (named_parameters lists a tied weight once)."""
+    return "tok_emb.weight" if getattr(p, "_pp_tied_copy", False) else name
+
+
 def shard_of(full: torch.Tensor, p: nn.Parameter, mesh: Mesh) -> torch.Tensor:
     """This rank's slice of a full tensor shaped like parameter `p`'s full size."""
     dim = getattr(p, "_tp_dim", None)
@@ -41,7 +47,7 @@ def full_optim_state(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: M
     """{'state': {fqn: {name: full tensor}}} keyed by parameter names. A ZeRO optimizer gathers its shards."""
     if hasattr(optimizer, "full_state"):
         return optimizer.full_state()
-    names = {id(p): n for n, p in model.named_parameters()}
+    names = {id(p): _optim_name(n, p) for n, p in model.named_parameters()}
     state: dict[str, dict] = {}
     for p, st in optimizer.state.items():
         state[names[id(p)]] = {k: (_gather_full(v, p, mesh, sum_replicas=False)
@@ -82,7 +88,7 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, m
             t.copy_(shard_of(src, params[k], mesh) if k in params else src)
     if optimizer is None or optim_sd is None:
         return
-    by_name = dict(model.named_parameters())
+    by_name = {_optim_name(n, p): p for n, p in model.named_parameters()}
     for name, st in optim_sd["state"].items():
         p = by_name[name]
         target = optimizer.state.setdefault(p, {})

@@ -72,3 +72,23 @@ def test_layout_errors_before_start(small_corpus, tmp_path):
         train(load_config(None, tiny_overrides(small_corpus, tmp_path, "parallel.cp=2")))
     with pytest.raises(ConfigError, match="parallel.zero=1 shards over data-parallel ranks"):
         train(load_config(None, tiny_overrides(small_corpus, tmp_path, "parallel.zero=1")))
+
+
+def test_pipeline_layouts_match_single_process_and_resume_elsewhere(small_corpus, tmp_path):
+    base = ["model.n_layers=4", "train.steps=6", "train.micro_batch_size=2", "train.grad_clip=0.5",
+            "checkpoint.every=3", "train.eval_every=3"]
+    ref = train(load_config(None, tiny_overrides(small_corpus, tmp_path / "ref", *base)))
+    torchrun(2, tiny_overrides(small_corpus, tmp_path / "pp2", *base, "parallel.pp=2", "parallel.schedule=zb"))
+    torchrun(4, tiny_overrides(small_corpus, tmp_path / "pp2vpp2tp2", *base, "parallel.pp=2", "parallel.vpp=2",
+                               "parallel.schedule=interleaved", "parallel.tp=2", "parallel.sp=true"))
+    for run in ("pp2", "pp2vpp2tp2"):
+        got = losses(tmp_path / run)
+        for step, want in ref.losses.items():
+            assert abs(got[step] - want) <= 1e-5 * want, (run, step, got[step], want)
+    # the pp=2 checkpoint of step 3 continues in one process exactly like the uninterrupted run
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    ckpt = tmp_path / "pp2" / "checkpoints" / "step_00000003"
+    res = train(load_config(None, tiny_overrides(small_corpus, resumed, *base, f"checkpoint.resume={ckpt}")))
+    for step in (4, 5, 6):
+        assert abs(res.losses[step] - ref.losses[step]) <= 1e-5 * ref.losses[step], step

@@ -1,0 +1,277 @@
+"""Run one rank's list of a pipeline schedule for one training step (or one evaluation batch).
+
+The executor walks the list: computations call the stage module's chunk forward / backward for one
+micro-batch, and each run of consecutive message actions is posted as one batch of isend/irecv
+(`comm.send_recv`). Every message has a shape known in advance, [micro_batch, seq_len (/ tp with sequence
+parallelism), d_model] in the activation dtype, so receive buffers are allocated without a shape handshake.
+Batches are not waited on when posted: a received tensor is waited for just before the computation that
+consumes it, and sends complete in the background (their tensors are kept alive until then). The schedule
+puts each receive in the batch where its sender sends, so data flows as soon as it exists; the checker has
+proved the list deadlock-free under fully blocking semantics, which this lazier waiting cannot break.
+
+Loss: the last stage computes each micro-batch's loss divided by the number of micro-batches, exactly as
+`megaloom.step.TrainStep` accumulates gradients on one process, so the summed gradient is the global-batch
+mean. ZB-H1's BI/BW use `split_backward` (input gradient first, weight gradients later, identical values).
+Tied embeddings, data-parallel reduction and clipping happen afterwards (`PipelineGradientSync`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+
+import torch
+
+from megaloom.parallel import comm
+from megaloom.parallel.mesh import Mesh
+from megaloom.parallel.pipeline.checker import check_schedule, peer_of
+from megaloom.parallel.pipeline.schedules import Action, Kind, Schedule
+from megaloom.parallel.pipeline.split_backward import PendingWeightGrad, backward_input
+from megaloom.parallel.pipeline.stage import StageModule
+from megaloom.parallel.pipeline.timing import TimedAction, Timeline
+
+
+def _writes_weight_grads(a: Action) -> bool:
+    return a.kind == Kind.B or (a.kind == Kind.BW and a.stage > 0) or (a.kind == Kind.BI and a.stage == 0)
+
+
+@dataclass(eq=False)
+class _Batch:
+    """One posted batch of messages: wait once, before the first received tensor is used."""
+
+    works: list
+    keep: list[torch.Tensor]  # send and receive buffers must live until the batch completes
+    done: bool = False
+
+    def wait(self) -> None:
+        if not self.done:
+            for w in self.works:
+                w.wait()
+            self.done, self.works, self.keep = True, [], []
+
+    def reap(self) -> bool:
+        """Release the buffers of a batch that has completed without being waited on (a send-only batch);
+        a non-blocking query. True when done."""
+        if not self.done and all(w.is_completed() for w in self.works):
+            self.done, self.works, self.keep = True, [], []
+        return self.done
+
+
+@dataclass(eq=False)
+class _Msg:
+    tensor: torch.Tensor
+    batch: _Batch | None = None  # None: passed locally between chunks of this rank
+
+    def get(self) -> torch.Tensor:
+        if self.batch is not None:
+            self.batch.wait()
+        return self.tensor
+
+
+@dataclass
+class _StepState:
+    tokens: list[torch.Tensor] = field(default_factory=list)
+    labels: list[torch.Tensor] = field(default_factory=list)
+    inputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+    inbox_f: dict[tuple[int, int], _Msg] = field(default_factory=dict)  # stage input, by (mb, stage)
+    inbox_b: dict[tuple[int, int], _Msg] = field(default_factory=dict)  # gradient of the stage output
+    input_grads: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # waiting for SEND_B
+    weight_grads: dict[tuple[int, int], PendingWeightGrad | None] = field(default_factory=dict)
+    batches: list[_Batch] = field(default_factory=list)
+    loss: torch.Tensor | None = None
+
+
+class PipelineExecutor:
+    def __init__(self, stage: StageModule, schedule: Schedule, mesh: Mesh, micro_batch_size: int, seq_len: int,
+                 sp: bool = False, dtype: torch.dtype | None = None,
+                 autocast: Callable[[], AbstractContextManager] = contextlib.nullcontext,
+                 scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None, timing: bool = False) -> None:
+        """``autocast``: context for each forward (e.g. ``lambda: autocast_ctx(precision, device)``);
+        ``scale_loss``: applied to the last stage's loss before backward (fp16 ``GradScaler.scale``);
+        ``dtype``: of the activations between stages (default: the parameters'; hidden states stay in the
+        parameter dtype under autocast because the residual stream adds to the fp32 embedding output);
+        ``timing``: record when each action ran (synchronising the GPU around each one; for profiling)."""
+        if schedule.pp != mesh.pp or schedule.vpp != stage.partition.vpp:
+            raise ValueError(f"schedule for pp={schedule.pp} vpp={schedule.vpp}, but the mesh has pp={mesh.pp} and "
+                             f"the stage vpp={stage.partition.vpp}")
+        check_schedule(schedule)
+        self.stage, self.schedule, self.mesh = stage, schedule, mesh
+        self.micro, self.seq_len = micro_batch_size, seq_len
+        self.autocast, self.scale_loss, self.timing = autocast, scale_loss, timing
+        self.rank = mesh.pp_rank
+        self.steps = schedule.steps(self.rank)
+        self.last = schedule.n_stages - 1
+        local_seq = seq_len // mesh.tp if sp and mesh.tp > 1 else seq_len
+        self.shape = (micro_batch_size, local_seq, stage.cfg.d_model)
+        self.dtype = dtype or next(p.dtype for p in stage.parameters() if p.is_floating_point())
+        # Global ranks of this pipeline, by stage rank (the p2p peers and the loss's broadcast source).
+        self.pp_ranks = next(g for g in mesh.layout(mesh.world_size, mesh.sizes, mesh.order)["pp"] if mesh.rank in g)
+        self.params = [stage.chunk_parameters(c) for c in range(schedule.vpp)]
+        # The step whose computation writes this rank's last weight gradients (B; BW; BI on the first stage,
+        # which runs the full backward): data parallelism may start reducing gradient buckets just before it.
+        writes = [i for i, st in enumerate(self.steps) if _writes_weight_grads(st[0])]
+        self.last_grad_step = writes[-1] if writes else -1
+        self.events: list[TimedAction] = []
+        self._t0 = 0.0
+        self.peak_activations = 0  # most (micro-batch, chunk) forwards held for backward at once, last run
+
+    # ------------------------------------------------------------------------------------------------- step
+
+    def run(self, batch: torch.Tensor | None,
+            before_last_backward: Callable[[], None] | None = None) -> torch.Tensor:
+        """One step over ``batch`` [m * micro_batch, seq_len + 1] token rows (needed on the first and last stage
+        only; None elsewhere). Backward schedules leave the gradients in ``.grad``. Returns the mean loss over
+        the micro-batches, on every pipeline rank (a device scalar; no host sync). ``before_last_backward`` is
+        called just before the computation that writes this rank's last weight gradients (e.g. the gradient
+        buckets' ``start_last_microbatch``)."""
+        st = _StepState()
+        m = self.schedule.microbatches
+        if self.stage.has_embedding or self.stage.has_head:
+            if batch is None or batch.shape[0] != m * self.micro:
+                got = None if batch is None else tuple(batch.shape)
+                raise ValueError(f"pipeline stage {self.rank} needs a batch of {m} x {self.micro} rows, got {got}")
+            st.tokens = [batch[i * self.micro:(i + 1) * self.micro, :-1] for i in range(m)]
+            st.labels = [batch[i * self.micro:(i + 1) * self.micro, 1:] for i in range(m)]
+        device = self.mesh.device
+        st.loss = torch.zeros((), dtype=torch.float32, device=device)
+        self.events = []
+        self.peak_activations = 0
+        self._t0 = time.perf_counter()
+        grad_mode = torch.enable_grad() if self.schedule.backward else torch.no_grad()
+        with grad_mode:
+            for i, step in enumerate(self.steps):
+                if i == self.last_grad_step and before_last_backward is not None:
+                    before_last_backward()
+                if step[0].is_comm:
+                    self._timed("COMM", -1, -1, lambda step=step: self._post(step, st), " ".join(map(str, step)))
+                else:
+                    a = step[0]
+                    msg = self._input_of(a, st)
+                    if msg is not None and msg.batch is not None and not msg.batch.done:
+                        # Waiting for data is drawn as communication, not as part of the computation.
+                        self._timed("COMM", -1, -1, msg.batch.wait, f"wait for the input of {a}")
+                    self._timed(a.kind.value, a.microbatch, a.stage, lambda a=a: self._compute(a, st))
+        for b in st.batches:
+            b.wait()
+        if self.mesh.pp > 1:  # the loss lives on the last stage; every rank reports it
+            comm.broadcast(st.loss, src=self.pp_ranks[-1], group=self.mesh.pp_group, recorder=self.mesh.recorder)
+        return st.loss
+
+    def timeline(self) -> Timeline:
+        """This rank's actions of the last `run` (with ``timing=True``), in seconds from its start."""
+        ranks: list[list[TimedAction]] = [[] for _ in range(self.schedule.pp)]
+        ranks[self.rank] = list(self.events)
+        return Timeline(self.schedule.name, self.schedule.pp, self.schedule.vpp, self.schedule.microbatches, ranks,
+                        unit="s")
+
+    def _timed(self, kind: str, mb: int, stage: int, fn: Callable[[], None], label: str = "") -> None:
+        if not self.timing:
+            fn()
+            return
+        cuda = self.mesh.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.mesh.device)
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize(self.mesh.device)
+        self.events.append(TimedAction(self.rank, kind, mb, stage, start - self._t0, time.perf_counter() - self._t0,
+                                       label))
+
+    # ----------------------------------------------------------------------------------------------- messages
+
+    def _post(self, step: tuple[Action, ...], st: _StepState) -> None:
+        sends: list[tuple[torch.Tensor, int]] = []
+        recvs: list[tuple[torch.Tensor, int]] = []
+        new: list[tuple[Action, torch.Tensor]] = []
+        for a in step:
+            peer = self.pp_ranks[peer_of(a, self.schedule.pp)]
+            key = (a.microbatch, a.stage)
+            if a.kind == Kind.SEND_F:
+                sends.append((st.outputs[key].detach(), peer))
+                if not self.schedule.backward:
+                    del st.outputs[key]
+            elif a.kind == Kind.SEND_B:
+                sends.append((st.input_grads.pop(key), peer))
+            else:
+                buf = torch.empty(self.shape, dtype=self.dtype, device=self.mesh.device)
+                recvs.append((buf, peer))
+                new.append((a, buf))
+        works = comm.send_recv(sends, recvs, self.mesh.pp_group, self.mesh.recorder, wait=False)
+        batch = _Batch(works, [t for t, _ in sends] + [t for t, _ in recvs])
+        # Sends are never waited on mid-step; drop finished ones so their tensors are freed as they complete.
+        st.batches = [b for b in st.batches if not b.reap()] + [batch]
+        for a, buf in new:
+            inbox = st.inbox_f if a.kind == Kind.RECV_F else st.inbox_b
+            inbox[(a.microbatch, a.stage)] = _Msg(buf, batch)
+
+    # ------------------------------------------------------------------------------------------- computation
+
+    @staticmethod
+    def _input_of(a: Action, st: _StepState) -> _Msg | None:
+        if a.kind == Kind.F:
+            return st.inbox_f.get((a.microbatch, a.stage))
+        if a.kind in (Kind.B, Kind.BI):
+            return st.inbox_b.get((a.microbatch, a.stage))
+        return None
+
+    def _compute(self, a: Action, st: _StepState) -> None:
+        if a.kind == Kind.F:
+            self._forward(a.microbatch, a.stage, st)
+        elif a.kind == Kind.BW:
+            pending = st.weight_grads.pop((a.microbatch, a.stage))
+            if pending is not None:
+                pending.run()
+        else:
+            self._backward(a.microbatch, a.stage, st, split=a.kind == Kind.BI)
+
+    def _forward(self, mb: int, s: int, st: _StepState) -> None:
+        chunk = s // self.schedule.pp
+        if s == 0:
+            x = st.tokens[mb]
+        else:
+            x = st.inbox_f.pop((mb, s)).get()
+            if self.schedule.backward:
+                x = x.detach().requires_grad_()
+        with self.autocast():
+            out = self.stage(x, chunk, st.labels[mb] if s == self.last else None, seq_len=self.seq_len)
+        if s == self.last:
+            loss = out / self.schedule.microbatches  # as TrainStep: mean of equal-size micro-batch means
+            st.loss += loss.detach().float()
+            out = self.scale_loss(loss) if self.scale_loss is not None else loss
+        elif tuple(out.shape) != self.shape or out.dtype != self.dtype:
+            raise RuntimeError(f"stage {s} produced {tuple(out.shape)} {out.dtype}, but the pipeline sends "
+                               f"{self.shape} {self.dtype} (pass dtype= to the executor if activations changed "
+                               "dtype)")
+        if self.schedule.backward:
+            st.inputs[(mb, s)] = x
+            self.peak_activations = max(self.peak_activations, len(st.inputs))
+        if s != self.last and (self.schedule.backward or self.schedule.rank_of(s + 1) != self.rank):
+            st.outputs[(mb, s)] = out
+        if s != self.last and self.schedule.rank_of(s + 1) == self.rank:  # next chunk on this rank (pp == 1)
+            st.inbox_f[(mb, s + 1)] = _Msg(out.detach())
+        elif s == self.last and self.schedule.backward:
+            st.outputs[(mb, s)] = out
+
+    def _backward(self, mb: int, s: int, st: _StepState, split: bool) -> None:
+        x, out = st.inputs.pop((mb, s)), st.outputs.pop((mb, s))
+        grad = None if s == self.last else st.inbox_b.pop((mb, s)).get()
+        if split and s > 0:
+            dx, st.weight_grads[(mb, s)] = backward_input(out, grad, x, self.params[s // self.schedule.pp])
+        else:
+            # A full backward; for BI on the first stage too: its input is tokens, so there is no input gradient
+            # to hurry and nothing is gained by deferring the weights.
+            torch.autograd.backward(out, grad)
+            dx = x.grad if s > 0 else None
+            if split:
+                st.weight_grads[(mb, s)] = None
+        if s == 0:
+            return
+        if self.schedule.rank_of(s - 1) == self.rank:
+            st.inbox_b[(mb, s - 1)] = _Msg(dx)
+        else:
+            st.input_grads[(mb, s)] = dx

@@ -1,0 +1,58 @@
+"""Gradient completion and clipping with pipeline stages.
+
+`GradientSync` already reduces over tp and dp and measures the norm over tp and pp (`tp_grad_norm` sums the
+stages' squares over the pipeline group). Two things are pipeline-specific: the tied embedding's gradient is
+summed over the first and last stage first (`sync_tied_grads`), and the norm must count that weight once,
+although after the sum both stages hold it. The last stage's copy is marked ``_pp_tied_copy`` and left out
+of the sum of squares here; everything else is counted as `tp_grad_norm` counts it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from megaloom.parallel import comm
+from megaloom.parallel.grads import GradientSync
+from megaloom.parallel.mesh import Mesh
+from megaloom.parallel.pipeline.stage import sync_tied_grads
+
+
+def pipeline_grad_norm(model: nn.Module, mesh: Mesh) -> torch.Tensor:
+    """L2 norm of the full model's gradient from this stage's (tp-sharded) gradients: each element once."""
+    device = next(model.parameters()).device
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for p in model.parameters():
+        if p.grad is None or getattr(p, "_pp_tied_copy", False):
+            continue
+        sq = p.grad.float().pow(2).sum()
+        # Replicated over tp: every tp rank holds it, count 1/tp on each; a replicated KV head 1/replicas.
+        total += sq / mesh.tp if getattr(p, "_tp_dim", None) is None else sq / getattr(p, "_tp_replicas", 1)
+    comm.all_reduce(total, mesh.tp_group, recorder=mesh.recorder)
+    comm.all_reduce(total, mesh.pp_group, recorder=mesh.recorder)
+    return total.sqrt()
+
+
+class PipelineGradientSync(GradientSync):
+    """`GradientSync` for a stage module: tied-embedding sum, then tp/dp completion; norm without the copy."""
+
+    def __init__(self, model: nn.Module, mesh: Mesh, embedding_group: Any = None) -> None:
+        super().__init__(model, mesh)
+        self.embedding_group = embedding_group
+
+    def finish(self) -> None:
+        sync_tied_grads(self.model, self.embedding_group, self.mesh)
+        super().finish()
+
+    def clip(self, max_norm: float) -> torch.Tensor:
+        if self.mesh.pp == 1:
+            return super().clip(max_norm)
+        total = pipeline_grad_norm(self.model, self.mesh)
+        if math.isfinite(max_norm):
+            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+            grads = [p.grad for p in self.params if p.grad is not None]
+            torch._foreach_mul_(grads, coef)
+        return total

@@ -1,0 +1,143 @@
+"""What the ranks of the pipeline world run: every case returns numbers, the tests assert on them.
+
+Each case trains the same tiny model twice on every rank: the reference in this process (the full model,
+gradient accumulation over the micro-batches as megaloom.step.TrainStep does it, clip_grad_norm_, AdamW) and
+the pipeline (stage module + executor + PipelineGradientSync, same optimizer), for a few steps.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from megaloom.config import Config, load_config
+from megaloom.models import Transformer
+from megaloom.parallel import comm
+from megaloom.parallel.mesh import Mesh
+from megaloom.parallel.pipeline.executor import PipelineExecutor
+from megaloom.parallel.pipeline.grads import PipelineGradientSync
+from megaloom.parallel.pipeline.partition import partition_layers
+from megaloom.parallel.pipeline.schedules import build_schedule, forward_only
+from megaloom.parallel.pipeline.stage import build_embedding_groups, build_stage
+from megaloom.parallel.tensor import gather_full_grads, parallelize_tensor
+from megaloom.step import micro_batches
+
+VOCAB, SEQ, MICRO = 128, 16, 2
+CLIP = 0.5  # below the tiny model's gradient norm, so clipping (and the norm over stages) is exercised
+
+
+def pp_config(pp: int, tp: int = 1, vpp: int = 1, sp: bool = False, n_layers: int = 4, arch: str = "llama",
+              tie: bool = True, world: int = 4, schedule: str = "1f1b") -> Config:
+    dp = world // (tp * pp)
+    return load_config(None, [
+        f"model.arch={arch}", f"model.vocab_size={VOCAB}", "model.d_model=64", f"model.n_layers={n_layers}",
+        "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128", f"model.max_seq_len={SEQ}",
+        f"model.tie_embeddings={tie}", f"train.seq_len={SEQ}", f"parallel.tp={tp}", f"parallel.pp={pp}",
+        f"parallel.vpp={vpp}", f"parallel.sp={sp}", f"parallel.schedule={schedule}",
+        f"train.micro_batch_size={MICRO}", f"train.global_batch_size={MICRO * dp}"])
+
+
+def _err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item()
+
+
+def pipeline_case(mesh: Mesh, emb_group, schedule: str, m: int, vpp: int = 1, n_layers: int = 4,
+                  arch: str = "llama", tie: bool = True, sp: bool = False, split_data: bool = False,
+                  steps: int = 5, timing: bool = False) -> dict:
+    """``split_data``: each data-parallel replica gets its own micro-batches (the reference sees them all);
+    otherwise every replica runs the same ones (a pure pipeline check on a world larger than pp * tp)."""
+    cfg = pp_config(mesh.pp, mesh.tp, vpp, sp, n_layers, arch, tie, mesh.world_size, schedule)
+    torch.manual_seed(1234)
+    ref = Transformer(cfg.model).to(mesh.device)
+    full = parallelize_tensor(copy.deepcopy(ref), mesh, sp)  # tensor parallelism on the full model, then cut
+    stage = build_stage(full, partition_layers(n_layers, mesh.pp, vpp), mesh)
+    ex = PipelineExecutor(stage, build_schedule(schedule, mesh.pp, vpp, m), mesh, MICRO, SEQ, sp=sp, timing=timing)
+    sync = PipelineGradientSync(stage, mesh, emb_group if tie else None)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
+    opt = torch.optim.AdamW(stage.parameters(), lr=3e-3, weight_decay=0.1)
+    replicas = mesh.dp if split_data else 1
+    gen = torch.Generator().manual_seed(99)
+    batches = [torch.randint(0, VOCAB, (replicas * m * MICRO, SEQ + 1), generator=gen).to(mesh.device)
+               for _ in range(steps)]
+    mine = slice(mesh.dp_rank * m * MICRO, (mesh.dp_rank + 1) * m * MICRO) if split_data else slice(None)
+    out: dict = dict(loss=[], loss_ref=[], norm=[], norm_ref=[], peak=[])
+    ref_names = dict(ref.named_parameters())
+    for step, batch in enumerate(batches):
+        n_micro = batch.shape[0] // MICRO
+        total = torch.zeros(())
+        for x, y in micro_batches(batch, MICRO):
+            loss = ref(x, y) / n_micro
+            loss.backward()
+            total += loss.detach()
+        ref_grads = {n: p.grad.clone() for n, p in ref_names.items()}
+        out["norm_ref"].append(torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP).item())
+
+        feeds = stage.has_embedding or stage.has_head
+        loss = ex.run(batch[mine] if feeds else None)
+        sync.finish()
+        if split_data:  # report the global-batch mean, as train.py's _dp_mean does
+            loss = comm.all_reduce(loss.clone(), mesh.dp_group) / mesh.dp
+        if step == 0:
+            grads = gather_full_grads(stage, mesh)
+            out["grad_err"] = {}
+            for name, g in grads.items():
+                ref_name = name if name in ref_grads else "tok_emb.weight"  # the tied head's copy
+                r = ref_grads[ref_name]
+                out["grad_err"][name] = (_err(g, r), r.abs().max().item(),
+                                         torch.allclose(g, r, rtol=1e-4, atol=1e-5))
+            out["names"] = sorted(grads)
+            out["ref_names"] = sorted(ref_grads)
+            out["param_names"] = [n for n, _ in stage.named_parameters()]
+        out["norm"].append(sync.clip(CLIP).item())
+        out["peak"].append(ex.peak_activations)
+        opt_ref.step()
+        opt.step()
+        opt_ref.zero_grad(set_to_none=True)
+        opt.zero_grad(set_to_none=True)
+        out["loss_ref"].append(total.item())
+        out["loss"].append(loss.item())
+    tied = stage.tok_emb.weight if stage.has_embedding else stage.head.weight if stage.has_head else None
+    out["tied_weight"] = tied.detach().clone() if tie and tied is not None else None
+    if timing:
+        out["events"] = [(a.kind, a.microbatch, a.stage, a.start, a.end) for a in ex.events]
+    # Evaluation: a forward-only schedule gives the reference's loss on new data.
+    ev = PipelineExecutor(stage, forward_only(mesh.pp, vpp, m), mesh, MICRO, SEQ, sp=sp)
+    eval_batch = torch.randint(0, VOCAB, (m * MICRO, SEQ + 1), generator=gen).to(mesh.device)
+    with torch.no_grad():
+        ref_eval = sum(ref(x, y) for x, y in micro_batches(eval_batch, MICRO)) / m
+    out["eval"] = (ev.run(eval_batch if stage.has_embedding or stage.has_head else None).item(), ref_eval.item())
+    return out
+
+
+CASES_PP4 = [(s, m) for s in ("gpipe", "1f1b", "zb") for m in (4, 8)]
+CASES_PP2 = [(s, m) for s in ("gpipe", "1f1b", "zb") for m in (2, 4)]
+
+
+def suite_pipeline_world4(rank: int, world: int, device: torch.device) -> dict:
+    res: dict = {}
+    mesh = Mesh.build(pp_config(pp=4), world, rank, device)
+    group = build_embedding_groups(mesh)
+    for schedule, m in CASES_PP4:
+        res[f"pp4-{schedule}-m{m}"] = pipeline_case(mesh, group, schedule, m, timing=(schedule, m) == ("zb", 4))
+    for m in (4, 8):  # 8 virtual stages need 8 layers
+        res[f"pp4-interleaved-v2-m{m}"] = pipeline_case(mesh, group, "interleaved", m, vpp=2, n_layers=8)
+    res["pp4-1f1b-m4-gpt2-untied"] = pipeline_case(mesh, group, "1f1b", 4, arch="gpt2", tie=False)
+
+    mesh = Mesh.build(pp_config(pp=2), world, rank, device)  # dp = 2: replicas run the same data
+    group = build_embedding_groups(mesh)
+    for schedule, m in CASES_PP2:
+        res[f"pp2-{schedule}-m{m}"] = pipeline_case(mesh, group, schedule, m)
+    for m in (2, 4):
+        res[f"pp2-interleaved-v2-m{m}"] = pipeline_case(mesh, group, "interleaved", m, vpp=2)
+    res["pp2-dp2-1f1b-m4"] = pipeline_case(mesh, group, "1f1b", 4, split_data=True)
+    res["pp2-dp2-zb-m2-gpt2"] = pipeline_case(mesh, group, "zb", 2, arch="gpt2", split_data=True)
+
+    mesh = Mesh.build(pp_config(pp=2, tp=2), world, rank, device)
+    group = build_embedding_groups(mesh)
+    res["pp2-tp2-1f1b-m4"] = pipeline_case(mesh, group, "1f1b", 4)
+    res["pp2-tp2-sp-zb-m4"] = pipeline_case(mesh, group, "zb", 4, sp=True)
+    res["pp2-tp2-sp-interleaved-v2-m2-gpt2"] = pipeline_case(mesh, group, "interleaved", 2, vpp=2, sp=True,
+                                                             arch="gpt2")
+    res["coords"] = dict(pp=mesh.pp_rank, tp=mesh.tp_rank)
+    return res
