@@ -166,6 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("run_dir")
     st.set_defaults(fn=_cmd_status)
 
+    from megaloom.convert.cli import add_convert_parser
+
+    add_convert_parser(sub)
+
     c = sub.add_parser("config", help="print the resolved config, or every key with --list")
     c.add_argument("--config")
     c.add_argument("--list", action="store_true")

@@ -111,6 +111,8 @@ class CheckpointConfig:
     every: int = _f(200, "Steps between checkpoints; 0 = only at the end.")
     keep: int = _f(3, "Most recent checkpoints kept; older ones are deleted.")
     resume: str = _f("auto", "auto = latest in run.dir if any; none = start fresh; or a checkpoint directory.")
+    async_save: bool = _f(True, "Two-stage save: copy to host memory at the step boundary, write in the background "
+                                "(blocking saves are used with pipeline parallelism).")
 
 
 @dataclass

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from megaloom.checkpoint import CheckpointError, find_checkpoints, load_checkpoint, save_checkpoint
+from megaloom.checkpoint import AsyncCheckpointer, CheckpointError, find_checkpoints, load_checkpoint, save_checkpoint
 from megaloom.config import Config, ConfigError
 from megaloom.data.dataset import build_datasets
 from megaloom.data.loader import StepBatches, make_loader
@@ -172,6 +172,11 @@ def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
     sink = MetricsSink(run_dir, cfg.run.tensorboard, enabled=rt.is_main)
     result = TrainResult(run_dir=run_dir, final_step=start_step)
     guard = Resilience(cfg, run_dir, rt.rank, rt.world_size, mesh)
+    saver = None
+    if cfg.checkpoint.async_save and mesh.pp == 1:
+        report = (lambda r: print(f"checkpoint {r.path.name} written in {r.write_s:.2f}s (background)", flush=True))
+        saver = AsyncCheckpointer(on_written=report if rt.is_main else None)
+    pending_stall: float | None = None
     # After a rollback the data stream skips the window that produced non-finite steps: step s then reads
     # the batch of s + data_offset. Saved with every checkpoint, so resume stays exact.
     data_offset = int(resumed_state.get("data_offset", 0))
@@ -225,6 +230,8 @@ def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
                           "skipped_steps": skipped, "elapsed_s": time.perf_counter() - train_start}
                 if stragglers is not None:
                     record.update(stragglers)
+                if pending_stall is not None:
+                    record["ckpt_stall_s"], pending_stall = pending_stall, None
                 if do_eval:
                     with guard.paused():
                         ev = (evaluate(model, eval_batches, t.micro_batch_size, precision, device) if eval_pipe is None
@@ -244,6 +251,8 @@ def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
                 steps_in_interval, interval_compute_s = 0, 0.0
 
             if rollback:
+                if saver is not None:
+                    saver.wait(rt.barrier)
                 back_to = _rollback(cfg, model, optimizer, ckpt_root, rt, mesh)
                 data_offset += step - back_to  # the bad window's data is never seen again
                 if rt.is_main:
@@ -259,11 +268,14 @@ def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
                 due = False  # never checkpoint inside a run of non-finite steps: a rollback must go before it
             if due or step == t.steps:
                 with guard.paused():
-                    _save(cfg, model, optimizer, ckpt_root, step, rt, mesh, train_step, data_offset)
+                    pending_stall = _save(cfg, model, optimizer, ckpt_root, step, rt, mesh, train_step, data_offset,
+                                          saver)
             if stop_after is not None and step >= stop_after:
                 break
         if not rollback:
             break
+    if saver is not None:
+        saver.wait(rt.barrier)  # the last checkpoint is on disk before train() returns
     guard.close()
     result.final_step = step
     sink.close()
@@ -309,16 +321,26 @@ def _run_state(cfg: Config, step: int) -> dict:
 
 
 def _save(cfg: Config, model, optimizer, ckpt_root: Path, step: int, rt: Runtime, mesh: Mesh,
-          train_step: TrainStep, data_offset: int) -> None:
+          train_step: TrainStep, data_offset: int, saver: AsyncCheckpointer | None) -> float:
+    """Checkpoint `step`; returns the seconds the training loop was blocked."""
     t0 = time.perf_counter()
     state = _run_state(cfg, step)
     state["data_offset"] = data_offset
     if train_step.scaler is not None:
         state["loss_scaler"] = train_step.scaler.state_dict()
+    if saver is not None:
+        rec = saver.save(ckpt_root, step, model, optimizer, state, cfg.checkpoint.keep, rank=rt.rank,
+                         barrier=rt.barrier, mesh=mesh)
+        if rt.is_main:
+            print(f"checkpoint step {step}: training paused {rec.stall_s:.3f}s (copy to host; "
+                  f"{rec.wait_s:.3f}s of it waiting for the previous write), writing in the background", flush=True)
+        return rec.stall_s
     path = save_checkpoint(ckpt_root, step, model, optimizer, state, cfg.checkpoint.keep,
                            rank=rt.rank, barrier=rt.barrier, mesh=mesh)
+    stall = time.perf_counter() - t0
     if rt.is_main:
-        print(f"saved checkpoint {path} in {time.perf_counter() - t0:.2f}s", flush=True)
+        print(f"saved checkpoint {path} in {stall:.2f}s", flush=True)
+    return stall
 
 
 def _maybe_resume(cfg: Config, model, optimizer, ckpt_root: Path, rt: Runtime, mesh: Mesh) -> tuple[int, dict]:

@@ -12,7 +12,11 @@ Layout of run.dir/checkpoints/:
 A crash at any point leaves the previous checkpoint and `latest` intact: the directory is renamed into
 place only after every byte is written and checksummed, and `latest` moves after the rename. Loading
 verifies the checksums and falls back to the previous checkpoint if a newer one is damaged.
-Nothing is unpickled from a checkpoint: DCP tensors, JSON, and `torch.load(weights_only=True)`.
+megaloom unpickles nothing from a checkpoint: DCP tensors, JSON, and `torch.load(weights_only=True)`
+(DCP itself reads its own .metadata file, after the checksums have been verified).
+
+The writing stages (begin_save, write_tensors, write_rng, commit_save) are shared with the asynchronous
+two-stage saver in async_save.py; see docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -36,6 +40,8 @@ from megaloom.parallel.state import full_model_state, full_optim_state, full_opt
 
 MANIFEST = "manifest.json"
 STATE = "state.json"
+OPTIMIZER_FLAG = "has_optimizer_state"  # in state.json; absent in older checkpoints, which always had it
+PAUSE_ENV = "MEGALOOM_CHECKPOINT_TEST_PAUSE_S"
 
 
 class CheckpointError(ValueError):
@@ -88,46 +94,93 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-def save_checkpoint(ckpt_root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer,
+def save_checkpoint(ckpt_root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                     run_state: dict, keep: int, rank: int = 0,
                     barrier: Callable[[], None] = lambda: None, mesh: Mesh | None = None) -> Path:
     """Write checkpoint `step_<step>` atomically; every rank calls this. Returns the final directory.
 
     Tensors are stored full-size under parameter names (tensor-parallel shards gathered), so the files do
-    not depend on the parallel layout."""
+    not depend on the parallel layout. With optimizer=None only the model is stored, without RNG states
+    (e.g. weights imported from Hugging Face); loading such a checkpoint leaves the optimizer fresh."""
     mesh = mesh or Mesh.single()
-    name = f"step_{step:08d}"
-    final, tmp = ckpt_root / name, ckpt_root / f".tmp-{name}"
+    tmp = begin_save(ckpt_root, step, rank)
+    barrier()
+    state: dict = {"model": full_model_state(model, mesh)}
+    if optimizer is not None:
+        state["optim"] = full_optim_state(model, optimizer, mesh)
+    write_tensors(tmp, state)
+    if optimizer is not None:  # a model-only checkpoint is a starting point: the trainer's own seeding stands
+        write_rng(tmp, rank, rng_state())
+    barrier()
+    if rank == 0:
+        run_state = {**run_state, OPTIMIZER_FLAG: optimizer is not None}
+        commit_save(ckpt_root, tmp, step, run_state, keep)
+    barrier()
+    return ckpt_root / step_name(step)
+
+
+# The stages below are shared by the blocking save above and AsyncCheckpointer (async_save.py).
+
+def step_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def begin_save(ckpt_root: Path, step: int, rank: int) -> Path:
+    """Rank 0 removes saves interrupted by a crash and creates the temporary directory; returns its path.
+    The other ranks must wait (barrier) before writing into it."""
+    tmp = ckpt_root / f".tmp-{step_name(step)}"
     if rank == 0:
         ckpt_root.mkdir(parents=True, exist_ok=True)
-        for stale in ckpt_root.glob(".tmp-*"):  # a save interrupted by a crash
+        for stale in ckpt_root.glob(".tmp-*"):
             shutil.rmtree(stale, ignore_errors=True)
-        if final.exists():  # re-saving the same step (e.g. after a rollback): replace it safely below
-            pass
         tmp.mkdir()
-    barrier()
-    state = {"model": full_model_state(model, mesh), "optim": full_optim_state(model, optimizer, mesh)}
+    return tmp
+
+
+def write_tensors(tmp: Path, state: dict, no_dist: bool = False) -> None:
+    """DCP-write `state` into tmp. no_dist=True writes this process's tensors alone, with no collective: the
+    async writer thread of rank 0 uses it, because collectives from a second thread could interleave with
+    the training loop's collectives on the same process group. (That caller silences DCP's single-process
+    warning itself: warnings.catch_warnings() is not thread-safe.)"""
+    if no_dist:
+        dcp.save(state, checkpoint_id=str(tmp), no_dist=True)
+        return
     with _quiet_single_process():
         dcp.save(state, checkpoint_id=str(tmp))
-    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
-    barrier()
-    if rank == 0:
-        (tmp / STATE).write_text(json.dumps({**run_state, "step": step, "saved_at": time.time()}, indent=1))
-        files = sorted(p for p in tmp.iterdir() if p.is_file() and p.name != MANIFEST)
-        manifest = {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size} for p in files}
-        _write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
-        for p in tmp.iterdir():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_dir(ckpt_root)
-        _write_atomic(ckpt_root / "latest", name + "\n")
-        _prune(ckpt_root, keep)
-    barrier()
+
+
+def write_rng(tmp: Path, rank: int, rng: dict[str, torch.Tensor]) -> None:
+    torch.save(rng, tmp / f"rng_rank{rank}.pt")
+
+
+def commit_save(ckpt_root: Path, tmp: Path, step: int, run_state: dict, keep: int) -> Path:
+    """Rank 0, once every file is in tmp: state.json, manifest of checksums, fsync, rename into place, move
+    `latest`, prune. A crash anywhere before the rename leaves only a .tmp directory behind."""
+    _pause_for_tests()
+    name = step_name(step)
+    final = ckpt_root / name
+    (tmp / STATE).write_text(json.dumps({**run_state, "step": step, "saved_at": time.time()}, indent=1))
+    files = sorted(p for p in tmp.iterdir() if p.is_file() and p.name != MANIFEST)
+    manifest = {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size} for p in files}
+    _write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
+    for p in tmp.iterdir():
+        with open(p, "rb") as f:
+            os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    if final.exists():  # re-saving the same step (e.g. after a rollback)
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(ckpt_root)
+    _write_atomic(ckpt_root / "latest", name + "\n")
+    _prune(ckpt_root, keep)
     return final
+
+
+def _pause_for_tests() -> None:
+    """Test hook: sleep between writing the tensors and committing, so a test can kill the writer mid-save."""
+    pause = os.environ.get(PAUSE_ENV)
+    if pause:
+        time.sleep(float(pause))
 
 
 def _prune(ckpt_root: Path, keep: int) -> None:
@@ -181,13 +234,16 @@ def check_compatible(saved: dict, current: dict) -> None:
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                     rank: int = 0, model_cfg: dict | None = None, mesh: Mesh | None = None) -> dict:
-    """Verify and load `path` into model (and optimizer); restore this rank's RNG. Returns state.json."""
+    """Verify and load `path` into model (and optimizer); restore this rank's RNG. Returns state.json.
+
+    A model-only checkpoint (state.json has_optimizer_state false) leaves the optimizer untouched, i.e. fresh
+    for a fine-tune; the RNG is restored only if the checkpoint has a file for this rank."""
     mesh = mesh or Mesh.single()
     state = verify_checkpoint(path)
     if model_cfg is not None and "model" in state:
         check_compatible(state["model"], model_cfg)
     sd: dict = {"model": {k: v.clone() for k, v in full_model_state(model, mesh).items()}}
-    if optimizer is not None:
+    if optimizer is not None and state.get(OPTIMIZER_FLAG, True):
         sd["optim"] = full_optim_template(model, optimizer, mesh)
     with _quiet_single_process():
         dcp.load(sd, checkpoint_id=str(path))

@@ -142,12 +142,17 @@ class Pending:
 
     Keep the object until ``wait()``: it holds the tensors the backend is still reading or writing."""
 
-    def __init__(self, work: Any = None, then: Callable[[], None] | None = None) -> None:
+    def __init__(self, work: Any = None, then: Callable[[], None] | None = None,
+                 recorder: OpRecorder | None = None, name: str = "", group: Group = None) -> None:
         self._work, self._then = work, then
+        self._recorder, self._name, self._group = recorder, name, group
 
     def wait(self) -> None:
         if self._work is not None:
-            self._work.wait()
+            # The wait is where a rank blocks on its peers: recorded, so the watchdog and the straggler report
+            # see it as communication, not compute.
+            with _recording(self._recorder, f"wait {self._name}", self._group):
+                self._work.wait()
             self._work = None
         if self._then is not None:
             then, self._then = self._then, None
@@ -160,7 +165,8 @@ def all_reduce_async(tensor: torch.Tensor, group: Group, op: str = "sum",
     if group_size(group) == 1:
         return Pending()
     with _recording(recorder, f"all_reduce_{op}_async", group):
-        return Pending(dist.all_reduce(tensor, op=_OPS[op], group=group, async_op=True))
+        return Pending(dist.all_reduce(tensor, op=_OPS[op], group=group, async_op=True), None, recorder,
+                       f"all_reduce_{op}", group)
 
 
 def reduce_scatter_async(output: torch.Tensor, input: torch.Tensor, group: Group,
@@ -174,8 +180,10 @@ def reduce_scatter_async(output: torch.Tensor, input: torch.Tensor, group: Group
         if input.device.type == "cpu":  # gloo: all-reduce a copy, keep our chunk once it has arrived
             buf = input.clone()
             work = dist.all_reduce(buf, group=group, async_op=True)
-            return Pending(work, lambda: output.copy_(buf.chunk(size)[group.rank()]))
-        return Pending(_reduce_scatter_single(output, input.contiguous(), group=group, async_op=True))
+            return Pending(work, lambda: output.copy_(buf.chunk(size)[group.rank()]), recorder, "reduce_scatter",
+                           group)
+        return Pending(_reduce_scatter_single(output, input.contiguous(), group=group, async_op=True), None,
+                       recorder, "reduce_scatter", group)
 
 
 def all_gather_into_async(output: torch.Tensor, input: torch.Tensor, group: Group,
@@ -187,7 +195,8 @@ def all_gather_into_async(output: torch.Tensor, input: torch.Tensor, group: Grou
             output.copy_(input)
         return Pending()
     with _recording(recorder, "all_gather_async", group):
-        return Pending(_all_gather_single(output, input.contiguous(), group=group, async_op=True))
+        return Pending(_all_gather_single(output, input.contiguous(), group=group, async_op=True), None,
+                       recorder, "all_gather", group)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: Group,

@@ -1,0 +1,174 @@
+"""Two-stage checkpoint saving: a short blocking copy to host memory, then writing in a background thread.
+
+Stage 1 (in the training loop, every rank): gather the layout-free full state (a collective over the
+tensor-parallel group, so it must run in the loop's thread), copy it into host buffers that are reused
+across saves (pinned when the state lives on a GPU, so the copy is a fast DMA), write this rank's RNG file.
+Stage 2 (a thread on global rank 0 only): DCP-write the host copy with no collective, then commit exactly
+like the blocking save (state.json, checksummed manifest, fsync, atomic rename, `latest`, prune).
+
+Why only rank 0 writes: with tensor and data parallelism every rank holds the same full tensors after
+stage 1, so one writer loses nothing, and a writer that needs no collective cannot deadlock or reorder the
+loop's own NCCL/gloo collectives (DCP's collective save from a second thread could). The price is that rank
+0's host memory holds the full model and optimizer state (about 12 bytes per parameter for fp32 AdamW) and
+one process's write bandwidth bounds the write; see docs/checkpoints.md.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from megaloom.checkpoint.store import (
+    OPTIMIZER_FLAG,
+    CheckpointError,
+    begin_save,
+    commit_save,
+    rng_state,
+    step_name,
+    write_rng,
+    write_tensors,
+)
+from megaloom.parallel.mesh import Mesh
+from megaloom.parallel.state import full_model_state, full_optim_state
+
+
+@dataclass
+class SaveRecord:
+    """Timings of one asynchronous save. write_s is None until stage 2 has finished."""
+
+    step: int
+    path: Path
+    stall_s: float  # stage 1: time the training loop was blocked (includes waiting for the previous write)
+    wait_s: float  # the part of stall_s spent waiting for the previous save's write to finish
+    write_s: float | None = None  # stage 2: DCP write + checksums + commit, in the background (rank 0)
+    error: BaseException | None = None
+
+
+class _HostBuffers:
+    """Host copies of state tensors, allocated once and reused by every save (pinning memory is slow)."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def copy(self, tree: dict, prefix: str = "") -> dict:
+        """Same nesting as `tree`, every tensor copied into its host buffer (async for CUDA sources)."""
+        out: dict = {}
+        seen: dict[tuple, torch.Tensor] = {}  # tied weights appear under two names: copy (and hold) them once
+        for key, value in tree.items():
+            name = f"{prefix}{key}"
+            if isinstance(value, dict):
+                out[key] = self.copy(value, name + ".")
+            elif torch.is_tensor(value):
+                same = (value.device, value.data_ptr(), value.shape, value.stride(), value.dtype)
+                if same not in seen:
+                    seen[same] = self._buffer(name, value).copy_(value.detach(), non_blocking=value.is_cuda)
+                out[key] = seen[same]
+            else:
+                out[key] = value
+        return out
+
+    def _buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
+        buf = self._bufs.get(name)
+        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
+            buf = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=like.is_cuda)
+            self._bufs[name] = buf
+        return buf
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._bufs.values())
+
+
+class AsyncCheckpointer:
+    """Saves overlap training: `save` blocks only for the host copy; call `wait()` before the process ends.
+
+    At most one save is in flight: the next `save` first waits for the previous one (that wait counts as
+    stall). Errors of the background write are raised by the next `save` or `wait` on rank 0.
+    `on_written(record)` runs in the writer thread after each commit (e.g. to print the write time)."""
+
+    def __init__(self, on_written: Callable[[SaveRecord], None] | None = None) -> None:
+        self._buffers = _HostBuffers()
+        self._thread: threading.Thread | None = None
+        self._pending: SaveRecord | None = None
+        self._on_written = on_written
+        self.history: list[SaveRecord] = []
+
+    def save(self, ckpt_root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+             run_state: dict, keep: int, rank: int = 0, barrier: Callable[[], None] = lambda: None,
+             mesh: Mesh | None = None) -> SaveRecord:
+        """Stage 1 now, stage 2 in the background. Every rank calls this. Returns this save's record
+        (stall_s filled in; write_s once the writer has finished, see `wait`)."""
+        mesh = mesh or Mesh.single()
+        if mesh.pp > 1:
+            raise CheckpointError("asynchronous checkpoints need the full state on rank 0, but with parallel.pp="
+                                  f"{mesh.pp} each pipeline stage holds only its layers; use the blocking save.")
+        t0 = time.perf_counter()
+        self._finish_previous()
+        wait_s = time.perf_counter() - t0
+        tmp = begin_save(ckpt_root, step, rank)
+        barrier()  # tmp exists (and no stale save is being removed) before any rank writes into it
+        state: dict = {"model": full_model_state(model, mesh)}
+        if optimizer is not None:
+            state["optim"] = full_optim_state(model, optimizer, mesh)
+        writer = rank == 0
+        snapshot = self._buffers.copy(state) if writer else None
+        del state  # non-writers took part in the gathers only; drop the full tensors now
+        if snapshot is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # the non-blocking device-to-host copies must land before the thread reads
+        if optimizer is not None:
+            write_rng(tmp, rank, rng_state())
+        barrier()  # every rank's RNG file is in tmp before rank 0's manifest lists them
+        record = SaveRecord(step=step, path=ckpt_root / step_name(step), stall_s=0.0, wait_s=wait_s)
+        if writer:
+            run_state = {**run_state, OPTIMIZER_FLAG: optimizer is not None}
+            self._pending = record
+            self._thread = threading.Thread(target=self._write, name=f"megaloom-ckpt-{step}", daemon=False,
+                                            args=(record, ckpt_root, tmp, snapshot, run_state, keep))
+            # DCP warns on every no-collective save that it "assumes a single process": intended here. Set
+            # once from this thread: warnings.catch_warnings() inside the writer would not be thread-safe.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            self._thread.start()
+        record.stall_s = time.perf_counter() - t0
+        self.history.append(record)
+        return record
+
+    def wait(self, barrier: Callable[[], None] = lambda: None) -> SaveRecord | None:
+        """Block until the save in flight is committed (rank 0), then barrier so every rank knows it is.
+        Returns the last save's record (None if nothing was saved); raises if its write failed."""
+        self._finish_previous()
+        barrier()
+        return self.history[-1] if self.history else None
+
+    @property
+    def host_buffer_bytes(self) -> int:
+        """Host memory held for the snapshot (rank 0): the price of the short stall."""
+        return self._buffers.nbytes
+
+    def _finish_previous(self) -> None:
+        if self._thread is None:
+            return
+        self._thread.join()
+        record, self._thread, self._pending = self._pending, None, None
+        if record is not None and record.error is not None:
+            raise CheckpointError(f"asynchronous save of {record.path} failed in the background: {record.error!r}. "
+                                  "The previous checkpoint and `latest` are unchanged.") from record.error
+
+    def _write(self, record: SaveRecord, ckpt_root: Path, tmp: Path, snapshot: dict, run_state: dict,
+               keep: int) -> None:
+        t0 = time.perf_counter()
+        try:
+            write_tensors(tmp, snapshot, no_dist=True)
+            commit_save(ckpt_root, tmp, record.step, run_state, keep)
+        except BaseException as e:  # reported to the training loop by the next save()/wait()
+            record.error = e
+            return
+        record.write_s = time.perf_counter() - t0
+        if self._on_written is not None:
+            self._on_written(record)

@@ -1,0 +1,201 @@
+"""Hugging Face interchange: a megaloom checkpoint -> an HF model directory, and back into a megaloom run.
+
+    to_hf(run_or_ckpt_dir, out_dir)   config.json + model.safetensors (+ tokenizer.json) for transformers'
+                                      LlamaForCausalLM / GPT2LMHeadModel.from_pretrained
+    from_hf(hf_dir, out_run_dir)      run_dir/config.yaml + checkpoints/step_00000000 (model only), so
+                                      `megaloom train --config out_run_dir/config.yaml` fine-tunes it
+
+Both directions read no pickles: megaloom checkpoints through DCP (checksums verified first), HF weights
+through safetensors. Names, layouts and refused settings: hf_names.py, hf_config.py, docs/checkpoints.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+import yaml
+
+from megaloom.checkpoint.store import (
+    CheckpointError,
+    check_compatible,
+    find_checkpoints,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from megaloom.config import Config, ConfigError, ModelConfig, config_from_dict, validate
+from megaloom.convert.errors import ConversionError
+from megaloom.convert.hf_config import DTYPES, check_exportable, hf_config, model_settings
+from megaloom.convert.hf_names import from_hf_names, to_hf_names
+from megaloom.convert.safetensors_io import DEFAULT_SHARD_BYTES, INDEX, SINGLE, load_weights, save_weights
+from megaloom.models import Transformer
+from megaloom.models.presets import PRESETS
+
+
+def to_hf(run_or_ckpt_dir: str | Path, out_dir: str | Path, show_progress: bool = True, dtype: str = "float32",
+          max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
+    """Export a run's newest good checkpoint (or the given checkpoint directory) as an HF model directory.
+    Returns out_dir. dtype: float32 (exact), bfloat16 or float16."""
+    if dtype not in DTYPES:
+        raise ConversionError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}.")
+    ckpt, run_dir, state = _resolve_checkpoint(Path(run_or_ckpt_dir))
+    model_cfg = _model_config(run_dir, state, ckpt)
+    check_exportable(model_cfg)
+    sd = _read_model_tensors(ckpt, model_cfg)
+    tensors = to_hf_names(model_cfg.arch, sd, model_cfg.n_layers, model_cfg.tie_embeddings)
+    tensors = {k: v.to(DTYPES[dtype]) for k, v in tensors.items()}
+
+    out = Path(out_dir)
+    _refuse_existing(out, ("config.json", SINGLE, INDEX), "the HF output directory")
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer, eos_id = _tokenizer_of_run(run_dir)
+    save_weights(tensors, out, max_shard_bytes, show_progress)
+    if tokenizer is not None:
+        shutil.copyfile(tokenizer, out / "tokenizer.json")
+        # PreTrainedTokenizerFast reads tokenizer.json; this file tells AutoTokenizer to use it.
+        tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_cfg.max_seq_len}
+        (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
+    # config.json last: a directory with a config.json is a finished export
+    (out / "config.json").write_text(json.dumps(hf_config(model_cfg, dtype, eos_id), indent=2))
+    return out
+
+
+def from_hf(hf_dir: str | Path, out_run_dir: str | Path) -> Path:
+    """Import an HF LlamaForCausalLM / GPT2LMHeadModel directory as a new megaloom run. Returns the checkpoint.
+
+    The checkpoint is model-only (no optimizer state, no RNG): training from it starts the optimizer fresh at
+    step 0. tokenizer.json, if present, is copied into the run and set as data.tokenizer."""
+    src = Path(hf_dir)
+    cfg_path = src / "config.json"
+    if not cfg_path.is_file():
+        raise ConversionError(f"{src}: no config.json; pass a directory written by transformers' save_pretrained.")
+    try:
+        hf_cfg = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConversionError(f"{cfg_path}: not valid JSON ({e}).") from e
+    settings = model_settings(hf_cfg, str(cfg_path))
+
+    run_dir = Path(out_run_dir).resolve()
+    _refuse_existing(run_dir, ("config.yaml", "checkpoints"), "the output run directory")
+    cfg = _run_config(settings, run_dir, str(cfg_path))
+    tensors = from_hf_names(cfg.model.arch, load_weights(src), cfg.model.n_layers, cfg.model.tie_embeddings,
+                            str(src))
+    model = Transformer(cfg.model)
+    try:
+        model.load_state_dict(tensors, strict=True)
+    except RuntimeError as e:  # shapes that disagree with config.json
+        raise ConversionError(f"{src}: the weights do not match config.json ({e}).") from e
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if (src / "tokenizer.json").is_file():
+        shutil.copyfile(src / "tokenizer.json", run_dir / "tokenizer.json")
+        cfg.data.tokenizer = str(run_dir / "tokenizer.json")
+    else:  # training would otherwise fall back to megaloom's default tokenizer: other token ids
+        warnings.warn(f"{src} has no tokenizer.json; set data.tokenizer in {run_dir / 'config.yaml'} to the "
+                      "model's tokenizer before fine-tuning", stacklevel=2)
+    (run_dir / "config.yaml").write_text(cfg.to_yaml())
+    run_state = {"consumed_samples": 0, "model": dataclasses.asdict(cfg.model), "imported_from": str(src.resolve())}
+    return save_checkpoint(run_dir / "checkpoints", 0, model, None, run_state, keep=cfg.checkpoint.keep)
+
+
+def _refuse_existing(path: Path, names: tuple[str, ...], what: str) -> None:
+    found = [n for n in names if (path / n).exists()]
+    if found:
+        raise ConversionError(f"{what} {path} already holds {', '.join(found)}; choose a new directory or remove "
+                              "them first (nothing is overwritten).")
+
+
+def _resolve_checkpoint(path: Path) -> tuple[Path, Path, dict]:
+    """(checkpoint dir, run dir, its verified state.json) for a run directory (the newest checkpoint that
+    verifies, as resume picks it) or a checkpoint directory."""
+    if not path.is_dir():
+        raise ConversionError(f"{path}: not a directory; pass a run directory or run_dir/checkpoints/step_N.")
+    if (path / "manifest.json").is_file() or path.name.startswith("step_"):
+        return path, path.parent.parent, verify_checkpoint(path)
+    candidates = find_checkpoints(path / "checkpoints")
+    if not candidates:
+        raise ConversionError(f"{path}: no checkpoints in {path / 'checkpoints'}; pass a run directory that has "
+                              "saved at least one checkpoint, or a checkpoint directory.")
+    errors = []
+    for c in candidates:
+        try:
+            state = verify_checkpoint(c)
+            if errors:
+                warnings.warn(f"newer checkpoints are unusable ({'; '.join(errors)}); exporting {c}", stacklevel=3)
+            return c, path, state
+        except CheckpointError as e:
+            errors.append(str(e))
+    raise ConversionError(f"{path}: no checkpoint verifies: {'; '.join(errors)}")
+
+
+def _model_config(run_dir: Path, state: dict, ckpt: Path) -> ModelConfig:
+    """The model shape from run_dir/config.yaml (cross-checked with the checkpoint's state.json), or from
+    state.json alone when the run's config.yaml is not there."""
+    cfg_file = run_dir / "config.yaml"
+    if cfg_file.is_file():
+        try:
+            m = config_from_dict(yaml.safe_load(cfg_file.read_text()) or {}).model
+        except ConfigError as e:
+            raise ConversionError(f"{cfg_file}: {e}") from e
+        if "model" in state:
+            check_compatible(state["model"], dataclasses.asdict(m))
+        return m
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    saved = state.get("model") or {}
+    if set(saved) >= fields - {"preset"}:
+        return ModelConfig(**{k: v for k, v in saved.items() if k in fields})
+    raise ConversionError(f"{ckpt}: the model settings are unknown: {cfg_file} is missing and state.json has no "
+                          "complete 'model' section. Pass the run directory (run_dir/checkpoints/step_N's run_dir "
+                          "must hold config.yaml).")
+
+
+def _read_model_tensors(ckpt: Path, m: ModelConfig) -> dict[str, torch.Tensor]:
+    """The checkpoint's model tensors, full size, under megaloom names (fp32, as training keeps them)."""
+    with torch.device("meta"):  # names and shapes only: no memory, no init
+        meta = Transformer(m).state_dict()
+    template = {"model": {k: torch.empty(v.shape, dtype=v.dtype) for k, v in meta.items()}}
+    try:
+        with warnings.catch_warnings():  # DCP's "assuming a single process" notice: intended here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(template, checkpoint_id=str(ckpt), no_dist=True)
+    except Exception as e:  # DCP reports missing keys / shape mismatches as generic errors
+        raise ConversionError(f"{ckpt}: its tensors do not match the model settings of the run ({e}).") from e
+    return template["model"]
+
+
+def _tokenizer_of_run(run_dir: Path) -> tuple[Path | None, int | None]:
+    """The run's tokenizer.json (data.tokenizer) and its end-of-document id, if the file is there."""
+    cfg_file = run_dir / "config.yaml"
+    if not cfg_file.is_file():
+        return None, None
+    path = Path((yaml.safe_load(cfg_file.read_text()) or {}).get("data", {}).get("tokenizer") or "")
+    if not path.name or not path.is_file():
+        return None, None
+    from megaloom.data.errors import DataError
+    from megaloom.data.tokenizer import Tokenizer
+
+    try:
+        return path, Tokenizer.from_file(path).eod_id
+    except DataError:
+        return path, None
+
+
+def _run_config(settings: dict, run_dir: Path, where: str) -> Config:
+    """A full run config: the preset of the arch, overridden by every model field of the HF config."""
+    cfg = Config()
+    for k, v in PRESETS[settings["preset"]].items():
+        setattr(cfg.model, k, v)
+    for k, v in settings.items():
+        setattr(cfg.model, k, v)
+    cfg.run.dir = str(run_dir)
+    cfg.train.seq_len = min(cfg.train.seq_len, cfg.model.max_seq_len)
+    try:
+        validate(cfg)
+    except ConfigError as e:
+        raise ConversionError(f"{where}: the model it describes is not a valid megaloom model: {e}") from e
+    return cfg
