@@ -64,6 +64,8 @@ class ParallelConfig:
     schedule: str = _f("1f1b", "Pipeline schedule.", ("gpipe", "1f1b", "interleaved", "zb"))
     pp_first_stage_layers: int = _f(0, "Layers on the first pipeline stage (which also embeds); 0 = balanced.")
     pp_last_stage_layers: int = _f(0, "Layers on the last pipeline stage (it also holds head and loss); 0 = balanced.")
+    timeline_step: int = _f(0, "With pp > 1: time every pipeline action of this step and draw the measured "
+                               "timeline (run.dir/timeline_step<N>.png/.json); 0 = off.")
     bucket_mb: float = _f(25.0, "Size of the gradient buckets reduced (overlapped with backward) over data parallel.")
 
 
@@ -316,7 +318,8 @@ def validate(cfg: Config) -> None:
     for key, v in [("model.n_kv_heads", m.n_kv_heads), ("model.ffn_dim", m.ffn_dim),
                    ("model.vocab_size", m.vocab_size), ("model.sliding_window", m.sliding_window),
                    ("train.warmup_steps", t.warmup_steps), ("train.lr_decay_steps", t.lr_decay_steps),
-                   ("train.eval_every", t.eval_every), ("checkpoint.every", cfg.checkpoint.every),
+                   ("train.eval_every", t.eval_every), ("parallel.timeline_step", p.timeline_step),
+                   ("checkpoint.every", cfg.checkpoint.every),
                    ("data.num_workers", cfg.data.num_workers), ("train.weight_decay", t.weight_decay),
                    ("train.grad_clip", t.grad_clip), ("train.min_lr", t.min_lr),
                    ("resilience.hang_timeout_s", cfg.resilience.hang_timeout_s),

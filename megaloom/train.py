@@ -76,6 +76,24 @@ def evaluate_pipeline(pipe, batches: list[torch.Tensor | None]) -> float:
     return float(torch.stack(losses).mean().item())
 
 
+def _draw_measured_timeline(pipe, mesh: Mesh, run_dir: Path, step: int, is_main: bool) -> None:
+    """Gather every pipeline rank's timed actions of this step and draw them with the planning renderer."""
+    from megaloom.observe.timeline import merge_timelines, render_png, write_chrome_trace
+
+    per_rank = comm.all_gather_objects(pipe.timeline(), mesh.pp_group, recorder=mesh.recorder)
+    if not is_main:
+        return
+    tl = merge_timelines(per_rank)
+    s = pipe.schedule
+    theory = (s.pp - 1) / (s.vpp * s.microbatches)
+    png = render_png(tl, run_dir / f"timeline_step{step}.png",
+                     title=f"measured step {step}: {s.name} pp={s.pp} vpp={s.vpp} m={s.microbatches} | bubble "
+                           f"{100 * tl.bubble_fraction:.1f}% (idle/compute {tl.bubble_ratio:.3f}, theory {theory:.3f})")
+    write_chrome_trace(tl, run_dir / f"timeline_step{step}.json")
+    print(f"measured pipeline timeline of step {step}: bubble {100 * tl.bubble_fraction:.1f}% of rank time, idle/"
+          f"compute {tl.bubble_ratio:.3f} vs theory (p-1)/(v*m) = {theory:.3f}; wrote {png}", flush=True)
+
+
 def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     layers = model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers
     return list(layers)
@@ -200,7 +218,13 @@ def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
             batch = batch.to(device, non_blocking=True) if batch is not None else None
             lr = lr_at(step, t)
             set_lr(optimizer, lr)
+            timed = pipe is not None and step + 1 == cfg.parallel.timeline_step
+            if timed:
+                pipe.timing = True
             out = train_step(batch)
+            if timed:
+                pipe.timing = False
+                _draw_measured_timeline(pipe, mesh, run_dir, step + 1, rt.is_main)
             loss_sum += out.loss
             grad_norm = out.grad_norm
             skipped += int(out.skipped)

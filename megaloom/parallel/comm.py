@@ -238,6 +238,16 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: Group,
     return output
 
 
+def all_gather_objects(obj: Any, group: Group, recorder: OpRecorder | None = None) -> list[Any]:
+    """Small Python objects (timelines, reports) from every rank of ``group``, in group-rank order."""
+    if group_size(group) == 1:
+        return [obj]
+    out: list[Any] = [None] * group_size(group)
+    with _recording(recorder, "all_gather_object", group):
+        dist.all_gather_object(out, obj, group=group)
+    return out
+
+
 def barrier(group: Group, recorder: OpRecorder | None = None) -> None:
     if group_size(group) > 1:
         with _recording(recorder, "barrier", group):

@@ -45,7 +45,9 @@ class PhaseRecorder(comm.OpRecorder):
         self.group, self.phase, self.log = group, "setup", []
 
     def enter(self, name: str, group: comm.Group) -> None:
-        if group is self.group:
+        # A "wait ..." entry is the completion of a collective issued earlier (recorded for the watchdog),
+        # not a new one: only issued collectives count here.
+        if group is self.group and not name.startswith("wait "):
             self.log.append((self.phase, name))
 
 
