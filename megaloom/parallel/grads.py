@@ -44,9 +44,14 @@ class GradientSync:
         """Global L2 norm of the gradient before clipping; scales gradients in place if it exceeds max_norm."""
         if self.mesh.tp == 1 and self.mesh.pp == 1:
             return torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
-        total = tp_grad_norm(self.model, self.mesh)
-        if math.isfinite(max_norm):
-            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            grads = [p.grad for p in self.params if p.grad is not None]
-            torch._foreach_mul_(grads, coef)
-        return total
+        return scale_to_norm(self.params, tp_grad_norm(self.model, self.mesh), max_norm)
+
+
+def scale_to_norm(params: list[torch.Tensor], total: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """Scale gradients in place so that a global norm `total` becomes at most `max_norm`; returns `total`.
+    The coefficient stays on the device (no host sync)."""
+    if math.isfinite(max_norm):
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        grads = [p.grad for p in params if p.grad is not None]
+        torch._foreach_mul_(grads, coef)
+    return total

@@ -20,8 +20,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .model_hooks import ensure_model_hooks
-
 
 def pick_backend(world_size: int) -> str:
     return "nccl" if torch.cuda.device_count() >= world_size else "gloo"
@@ -29,7 +27,6 @@ def pick_backend(world_size: int) -> str:
 
 def _entry(rank: int, world_size: int, backend: str, tmp: str, fn: Callable, args: tuple) -> None:
     torch.set_num_threads(1)  # several ranks share two cores: avoid oversubscription
-    ensure_model_hooks()
     if backend == "nccl":
         device = torch.device(f"cuda:{rank}")
         torch.cuda.set_device(device)

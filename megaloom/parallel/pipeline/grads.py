@@ -9,14 +9,13 @@ of the sum of squares here; everything else is counted as `tp_grad_norm` counts 
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from torch import nn
 
 from megaloom.parallel import comm
-from megaloom.parallel.grads import GradientSync
+from megaloom.parallel.grads import GradientSync, scale_to_norm
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.pipeline.stage import sync_tied_grads
 
@@ -50,9 +49,4 @@ class PipelineGradientSync(GradientSync):
     def clip(self, max_norm: float) -> torch.Tensor:
         if self.mesh.pp == 1:
             return super().clip(max_norm)
-        total = pipeline_grad_norm(self.model, self.mesh)
-        if math.isfinite(max_norm):
-            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            grads = [p.grad for p in self.params if p.grad is not None]
-            torch._foreach_mul_(grads, coef)
-        return total
+        return scale_to_norm(self.params, pipeline_grad_norm(self.model, self.mesh), max_norm)

@@ -1,0 +1,279 @@
+"""Mixture-of-Experts feed-forward layer (single process; expert parallelism plugs in at the dispatcher).
+
+One MoE forward is four steps, each replaceable on its own:
+
+    route     Router: scores (softmax / sigmoid), top-k, weights, aux losses       [T, D] -> weights, experts [T, k]
+    dispatch  LocalDispatcher.dispatch: copy every kept (token, expert) pair into a buffer grouped by expert,
+              applying the capacity limit (dropless when capacity_factor <= 0)
+    compute   GroupedExperts: SwiGLU of every expert on its contiguous rows (torch._grouped_mm on sm90 bf16,
+              otherwise a loop of torch.mm over the groups)
+    combine   LocalDispatcher.combine: weight each row by its router weight and sum back per token
+
+An expert-parallel dispatcher (all-to-all) only has to provide the same `dispatch`/`combine` pair.
+Shared experts (DeepSeek) are a dense SwiGLU MLP added for every token.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megaloom.models.layers import MLP
+
+# Set False to force the torch.mm fallback everywhere (debugging, or kernels that misbehave).
+USE_GROUPED_MM = True
+
+
+# --------------------------------------------------------------------------------------------------- routing
+@dataclass
+class RouterOutput:
+    weights: torch.Tensor  # [T, k] fp32 combine weights (after optional renormalisation)
+    experts: torch.Tensor  # [T, k] int64 chosen experts, in descending order of biased score
+    probs: torch.Tensor  # [T, E] fp32 scores (softmax probabilities or sigmoid affinities)
+    logits: torch.Tensor  # [T, E] fp32 router logits
+
+
+def load_balancing_loss(probs: torch.Tensor, experts: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Switch / Mixtral auxiliary loss E * sum_e f_e * P_e.
+
+    f_e: fraction of the T*k routing assignments that picked expert e (no gradient); P_e: mean over tokens of the
+    router probability of e (scores normalised to sum 1 per token, so sigmoid scores work too). Equals 1 at
+    perfect balance with uniform probabilities, whatever k is.
+    """
+    counts = torch.bincount(experts.reshape(-1), minlength=n_experts).to(probs.dtype)
+    f = counts / experts.numel()
+    p = (probs / probs.sum(-1, keepdim=True)).mean(0)
+    return n_experts * (f * p).sum()
+
+
+def z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """Router z-loss (ST-MoE): mean over tokens of logsumexp(logits)^2, keeps router logits small."""
+    return torch.logsumexp(logits.float(), dim=-1).square().mean()
+
+
+class Router(nn.Module):
+    """Linear d_model -> n_experts (no bias), softmax or sigmoid scores, top-k selection.
+
+    `expert_bias` (a buffer) is DeepSeek-V3's aux-loss-free balancing bias: it is added to the scores for the
+    top-k *selection* only; the combine weights are always taken from the unbiased scores.
+    """
+
+    def __init__(self, d_model: int, n_experts: int, top_k: int, score_fn: str = "softmax",
+                 normalize_weights: bool | None = None):
+        super().__init__()
+        if score_fn not in ("softmax", "sigmoid"):
+            raise ValueError(f"router score_fn must be softmax or sigmoid, got {score_fn!r}")
+        if not 1 <= top_k <= n_experts:
+            raise ValueError(f"top_k={top_k} must be in [1, n_experts={n_experts}]")
+        self.n_experts, self.top_k, self.score_fn = n_experts, top_k, score_fn
+        # Sigmoid scores are always renormalised over the top-k (DeepSeek-V3); softmax optionally (Mixtral: yes).
+        self.normalize_weights = True if normalize_weights is None or score_fn == "sigmoid" else normalize_weights
+        self.proj = nn.Linear(d_model, n_experts, bias=False)
+        self.register_buffer("expert_bias", torch.zeros(n_experts))
+
+    def forward(self, x: torch.Tensor) -> RouterOutput:
+        logits = self.proj(x).float()
+        probs = logits.softmax(-1) if self.score_fn == "softmax" else logits.sigmoid()
+        select = probs.detach() + self.expert_bias.float()
+        experts = select.topk(self.top_k, dim=-1).indices
+        weights = probs.gather(-1, experts)
+        if self.normalize_weights:
+            weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
+        return RouterOutput(weights, experts, probs, logits)
+
+    @torch.no_grad()
+    def update_bias(self, load: torch.Tensor, rate: float) -> None:
+        """Aux-loss-free balancing step: bias += rate * sign(mean_load - load) (underloaded experts rise).
+
+        `load` [E] is the tokens per expert since the last update, summed over every data-parallel rank."""
+        load = load.to(self.expert_bias.device, torch.float32)
+        self.expert_bias.add_(rate * torch.sign(load.mean() - load))
+
+
+# -------------------------------------------------------------------------------------------- dispatch / combine
+@dataclass
+class Dispatched:
+    x: torch.Tensor  # [N, D] token copies, grouped by expert (expert 0's rows first)
+    counts: torch.Tensor  # [E] int64 rows per expert in x
+    slot: torch.Tensor  # [N] flat assignment index t * k + j of each row
+    weights: torch.Tensor  # [N] router weight of each row
+    n_tokens: int
+    top_k: int
+    dropped: torch.Tensor  # scalar: assignments dropped by the capacity limit
+
+
+def expert_capacity(capacity_factor: float, n_tokens: int, top_k: int, n_experts: int) -> int | None:
+    """ceil(capacity_factor * T * k / E) rows per expert, or None (dropless) when capacity_factor <= 0."""
+    if capacity_factor <= 0:
+        return None
+    return math.ceil(capacity_factor * n_tokens * top_k / n_experts)
+
+
+class LocalDispatcher:
+    """Dispatch and combine on one process: a permutation into expert-contiguous rows and its inverse.
+
+    Drop order under a capacity limit is deterministic: assignments are ranked by token position, then by rank
+    within the token's top-k (the flat index t * k + j), and each expert keeps its first `capacity` of them.
+    """
+
+    def dispatch(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, n_experts: int,
+                 capacity: int | None) -> Dispatched:
+        n_tokens, top_k = experts.shape
+        flat = experts.reshape(-1)
+        order = torch.sort(flat, stable=True).indices  # by expert, then by flat index (token, rank)
+        counts = torch.bincount(flat, minlength=n_experts)
+        dropped = torch.zeros((), dtype=torch.long, device=x.device)
+        if capacity is not None:
+            starts = torch.cumsum(counts, 0) - counts
+            pos_in_expert = torch.arange(flat.numel(), device=x.device) - starts[flat[order]]
+            order = order[pos_in_expert < capacity]
+            kept = counts.clamp(max=capacity)
+            dropped = (counts - kept).sum()
+            counts = kept
+        return Dispatched(x[order // top_k], counts, order, weights.reshape(-1)[order], n_tokens, top_k, dropped)
+
+    def combine(self, y: torch.Tensor, d: Dispatched) -> torch.Tensor:
+        """[N, D] expert outputs -> [T, D]: sum_j w_tj * y_tj (fp32 accumulation); dropped pairs contribute 0."""
+        rows = y.float() * d.weights.float()[:, None]
+        out = rows.new_zeros(d.n_tokens * d.top_k, y.shape[-1]).index_copy(0, d.slot, rows)
+        return out.view(d.n_tokens, d.top_k, -1).sum(1).to(y.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------- experts
+def _grouped_mm_ok(x: torch.Tensor, *dims: int) -> bool:
+    if not (USE_GROUPED_MM and hasattr(torch, "_grouped_mm") and x.is_cuda):
+        return False
+    if torch.cuda.get_device_capability(x.device)[0] != 9:
+        return False
+    bf16 = x.dtype == torch.bfloat16 or (torch.is_autocast_enabled("cuda")
+                                          and torch.get_autocast_dtype("cuda") == torch.bfloat16)
+    return bf16 and all(d % 8 == 0 for d in dims)  # 16-byte aligned rows
+
+
+class GroupedExperts(nn.Module):
+    """n_experts SwiGLU MLPs stored stacked: gate/up [E, D, F], down [E, F, D]."""
+
+    def __init__(self, n_experts: int, d_model: int, ffn_dim: int):
+        super().__init__()
+        self.w_gate = nn.Parameter(torch.empty(n_experts, d_model, ffn_dim))
+        self.w_up = nn.Parameter(torch.empty(n_experts, d_model, ffn_dim))
+        self.w_down = nn.Parameter(torch.empty(n_experts, ffn_dim, d_model))
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02, out_std: float | None = None) -> None:
+        nn.init.normal_(self.w_gate, 0.0, std)
+        nn.init.normal_(self.w_up, 0.0, std)
+        nn.init.normal_(self.w_down, 0.0, std if out_std is None else out_std)
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x [N, D] with expert e's rows contiguous, counts [E] -> [N, D]."""
+        if _grouped_mm_ok(x, *self.w_gate.shape[1:]):
+            return self._grouped(x, counts)
+        return self._looped(x, counts)
+
+    def _grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        xb = x.to(torch.bfloat16)
+        gate = torch._grouped_mm(xb, self.w_gate.to(torch.bfloat16), offs=offs)
+        up = torch._grouped_mm(xb, self.w_up.to(torch.bfloat16), offs=offs)
+        return torch._grouped_mm(F.silu(gate) * up, self.w_down.to(torch.bfloat16), offs=offs)
+
+    def _looped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        outs, start = [], 0
+        for e, n in enumerate(counts.tolist()):  # one host sync; fine on CPU and as the GPU fallback
+            if n == 0:
+                continue
+            xs = x[start:start + n]
+            h = F.silu(torch.mm(xs, self.w_gate[e])) * torch.mm(xs, self.w_up[e])
+            outs.append(torch.mm(h, self.w_down[e]))
+            start += n
+        if not outs:
+            return x.new_zeros(0, self.w_down.shape[-1])
+        return torch.cat(outs)
+
+
+# --------------------------------------------------------------------------------------------------------- MoE
+class MoE(nn.Module):
+    """Drop-in replacement of the MLP: forward(x [B, T, D]) -> [B, T, D].
+
+    After each forward: `aux_loss` (scalar with graph: aux_loss_weight * load balancing + z_loss_weight * z-loss;
+    add it to the training loss), `last_load` [E] (tokens routed to each expert, before capacity drops) and
+    `last_dropped_fraction` (scalar tensor). In training, `load_since_update` accumulates the load for
+    `update_bias()` (aux-loss-free balancing), which the trainer calls after each optimizer step.
+    """
+
+    def __init__(self, d_model: int, n_experts: int, top_k: int, expert_ffn_dim: int, n_shared_experts: int = 0,
+                 score_fn: str = "softmax", normalize_weights: bool | None = None, aux_loss_weight: float = 0.0,
+                 z_loss_weight: float = 0.0, capacity_factor: float = 0.0, aux_free_bias_rate: float = 0.0,
+                 dropout: float = 0.0, init_std: float = 0.02, out_std: float | None = None):
+        super().__init__()
+        self.n_experts, self.top_k = n_experts, top_k
+        self.aux_loss_weight, self.z_loss_weight = aux_loss_weight, z_loss_weight
+        self.capacity_factor, self.aux_free_bias_rate = capacity_factor, aux_free_bias_rate
+        self.router = Router(d_model, n_experts, top_k, score_fn, normalize_weights)
+        self.experts = GroupedExperts(n_experts, d_model, expert_ffn_dim)
+        self.shared = MLP("llama", d_model, n_shared_experts * expert_ffn_dim, False, 0.0) if n_shared_experts else None
+        self.dropout = nn.Dropout(dropout)
+        self.dispatcher = LocalDispatcher()  # expert parallelism swaps this for an all-to-all dispatcher
+        self.register_buffer("load_since_update", torch.zeros(n_experts), persistent=False)
+        self.aux_loss = torch.zeros(())
+        self.last_load = torch.zeros(n_experts)
+        self.last_dropped_fraction = torch.zeros(())
+        self.reset_parameters(init_std, out_std)
+
+    @property
+    def recompute_activation(self) -> bool:  # set by apply_recompute("selective"); applies to the shared MLP
+        return self.shared is not None and self.shared.recompute_activation
+
+    @recompute_activation.setter
+    def recompute_activation(self, value: bool) -> None:
+        if self.shared is not None:
+            self.shared.recompute_activation = value
+
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02, out_std: float | None = None) -> None:
+        out_std = std if out_std is None else out_std
+        nn.init.normal_(self.router.proj.weight, 0.0, std)
+        self.router.expert_bias.zero_()
+        self.experts.reset_parameters(std, out_std)
+        if self.shared is not None:
+            for lin in (self.shared.gate_proj, self.shared.up_proj):
+                nn.init.normal_(lin.weight, 0.0, std)
+            nn.init.normal_(self.shared.down_proj.weight, 0.0, out_std)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        xf = x.reshape(-1, shape[-1])
+        r = self.router(xf)
+        capacity = expert_capacity(self.capacity_factor, xf.shape[0], self.top_k, self.n_experts)
+        d = self.dispatcher.dispatch(xf, r.weights, r.experts, self.n_experts, capacity)
+        y = self.dispatcher.combine(self.experts(d.x, d.counts), d)
+        if self.shared is not None:
+            y = y + self.shared(xf)
+        self._record(r)
+        self.last_dropped_fraction = d.dropped.float() / r.experts.numel()
+        return self.dropout(y.to(x.dtype).view(shape))
+
+    def _record(self, r: RouterOutput) -> None:
+        aux = r.logits.new_zeros(())
+        if self.aux_loss_weight:
+            aux = aux + self.aux_loss_weight * load_balancing_loss(r.probs, r.experts, self.n_experts)
+        if self.z_loss_weight:
+            aux = aux + self.z_loss_weight * z_loss(r.logits)
+        self.aux_loss = aux
+        load = torch.bincount(r.experts.reshape(-1), minlength=self.n_experts).float()
+        self.last_load = load
+        if self.training and torch.is_grad_enabled():
+            self.load_since_update += load
+
+    @torch.no_grad()
+    def update_bias(self, load: torch.Tensor | None = None) -> None:
+        """Aux-loss-free balancing after an optimizer step; `load` defaults to the load since the last call
+        (all-reduce it over data parallel first when training on several ranks)."""
+        if self.aux_free_bias_rate > 0:
+            self.router.update_bias(self.load_since_update if load is None else load, self.aux_free_bias_rate)
+        self.load_since_update.zero_()
