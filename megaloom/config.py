@@ -50,6 +50,21 @@ class ModelConfig:
     init_std: float = _f(0.02, "Std of the normal init; output projections use init_std/sqrt(2*n_layers).")
     parallel_block: bool = _f(False, "MegaScale/GPT-J parallel block: attention and MLP read the same normed input.")
     sliding_window: int = _f(0, "Sliding-window attention span in tokens; 0 = full causal attention.")
+    moe_every: int = _f(0, "Mixture-of-Experts instead of the MLP in blocks i with (i+1) % moe_every == 0 "
+                           "(1 = every block); 0 = dense model.")
+    n_experts: int = _f(8, "Routed experts per MoE layer.")
+    top_k: int = _f(2, "Routed experts per token.")
+    n_shared_experts: int = _f(0, "Shared experts (DeepSeek): a dense SwiGLU of n_shared_experts*expert_ffn_dim "
+                                  "that every token uses.")
+    expert_ffn_dim: int = _f(0, "Hidden size of one expert (SwiGLU); 0 = the dense MLP size.")
+    router_score: str = _f("softmax", "Router scores: softmax (Mixtral) or sigmoid (DeepSeek-V3; top-k weights "
+                                      "renormalised).", ("softmax", "sigmoid"))
+    aux_loss_weight: float = _f(0.01, "Weight of the load-balancing loss E*sum(f_e*P_e) (1 at perfect balance).")
+    z_loss_weight: float = _f(0.0, "Weight of the router z-loss mean(logsumexp(logits)^2); 0 = off.")
+    capacity_factor: float = _f(0.0, "Expert capacity ceil(cf*tokens*top_k/n_experts); overflow tokens are dropped "
+                                     "(they keep only the residual); 0 = dropless.")
+    aux_free_bias_rate: float = _f(0.0, "DeepSeek-V3 aux-loss-free balancing: per-expert selection-bias step after "
+                                        "each optimizer step; 0 = off.")
 
 
 @dataclass
@@ -340,6 +355,12 @@ def validate(cfg: Config) -> None:
              f"n_kv_heads that would work: {_divisors(m.n_heads)}.")
     if m.arch == "llama":
         _require((m.d_model // m.n_heads) % 2 == 0, "llama arch: head dim (d_model/n_heads) must be even for RoPE.")
+    if m.moe_every:
+        _require(1 <= m.top_k <= m.n_experts, f"model.top_k ({m.top_k}) must be between 1 and model.n_experts "
+                                              f"({m.n_experts}).")
+        for key, v in [("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.ep", p.ep)]:
+            _require(v == 1, f"MoE models (model.moe_every={m.moe_every}) do not support {key}={v} in this build "
+                             f"yet (expert parallelism is planned); set {key}=1 (data parallelism works).")
     _require(t.seq_len <= m.max_seq_len,
              f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len}); "
              f"lower train.seq_len or raise model.max_seq_len.")

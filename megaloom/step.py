@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from megaloom.parallel import comm
 from megaloom.precision.loss_scaler import DynamicLossScaler
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -100,4 +101,14 @@ class TrainStep:
             return StepOutput(total, grad_norm, True)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self._update_router_bias()
         return StepOutput(total, grad_norm, False)
+
+    def _update_router_bias(self) -> None:
+        """DeepSeek-V3 aux-loss-free balancing: move each MoE layer's selection bias toward balance, from the
+        load seen by all data-parallel replicas (so the biases stay identical everywhere)."""
+        mesh = getattr(self.grads, "mesh", None)
+        for moe in getattr(self.model, "moe_layers", []):
+            if mesh is not None and mesh.dp * mesh.cp > 1:
+                comm.all_reduce(moe.load_since_update, mesh.dp_cp_group, recorder=mesh.recorder)
+            moe.update_bias()

@@ -254,6 +254,12 @@ def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
                           "skipped_steps": skipped, "elapsed_s": time.perf_counter() - train_start}
                 if stragglers is not None:
                     record.update(stragglers)
+                moe = getattr(model, "moe_layers", [])
+                if moe:  # per MoE layer: the busiest expert's load over the mean (1 = balanced), dropped share
+                    record["moe_load_max_over_mean"] = [round(float(m.last_load.max() / m.last_load.float().mean()
+                                                                    .clamp(min=1e-9)), 4) for m in moe]
+                    record["moe_tokens_per_expert"] = [m.last_load.tolist() for m in moe]
+                    record["moe_dropped_fraction"] = float(sum(float(m.last_dropped_fraction) for m in moe) / len(moe))
                 if pending_stall is not None:
                     record["ckpt_stall_s"], pending_stall = pending_stall, None
                 if do_eval:

@@ -13,6 +13,21 @@ PRESETS: dict[str, dict] = {
     # The same size in GPT-2 style (LayerNorm, GeLU, learned positions).
     "tiny-gpt2": dict(arch="gpt2", n_layers=4, d_model=128, n_heads=4, n_kv_heads=0, ffn_dim=512, vocab_size=0,
                       max_seq_len=1024, tie_embeddings=True, norm_eps=1e-5),
+    # Mixture-of-Experts (Mixtral style): MoE in every other block, 8 experts, top-2, one shared expert.
+    "mixtral-tiny": dict(arch="llama", n_layers=4, d_model=128, n_heads=4, n_kv_heads=2, ffn_dim=384, vocab_size=0,
+                         max_seq_len=1024, tie_embeddings=True, rope_theta=10000.0, norm_eps=1e-5, moe_every=2,
+                         n_experts=8, top_k=2, n_shared_experts=1, expert_ffn_dim=128, router_score="softmax",
+                         aux_loss_weight=0.01, z_loss_weight=0.001),
+    # DeepSeek-V3 style: sigmoid router, aux-loss-free balancing, a shared expert, MoE in every block.
+    "deepseek-v3-tiny": dict(arch="llama", n_layers=4, d_model=128, n_heads=4, n_kv_heads=2, ffn_dim=384,
+                             vocab_size=0, max_seq_len=1024, tie_embeddings=True, rope_theta=10000.0, norm_eps=1e-5,
+                             moe_every=1, n_experts=16, top_k=4, n_shared_experts=1, expert_ffn_dim=64,
+                             router_score="sigmoid", aux_loss_weight=0.0, aux_free_bias_rate=1e-3),
+    # For planning: Mixtral 8x7B's shape.
+    "mixtral-8x7b": dict(arch="llama", n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, ffn_dim=14336,
+                         vocab_size=32000, max_seq_len=8192, tie_embeddings=False, rope_theta=1e6, norm_eps=1e-5,
+                         moe_every=1, n_experts=8, top_k=2, n_shared_experts=0, expert_ffn_dim=14336,
+                         router_score="softmax", aux_loss_weight=0.01),
     "gpt2-124m": dict(arch="gpt2", n_layers=12, d_model=768, n_heads=12, n_kv_heads=0, ffn_dim=3072,
                       vocab_size=50304, max_seq_len=1024, tie_embeddings=True, norm_eps=1e-5),
     "gpt2-350m": dict(arch="gpt2", n_layers=24, d_model=1024, n_heads=16, n_kv_heads=0, ffn_dim=4096,

@@ -16,6 +16,7 @@ from torch.utils.checkpoint import checkpoint
 from megaloom.config import ModelConfig
 from megaloom.models.attention import Attention, KVCache
 from megaloom.models.layers import MLP, make_norm, rope_tables
+from megaloom.models.moe import MoE
 
 
 def resolved_ffn_dim(cfg: ModelConfig) -> int:
@@ -27,7 +28,7 @@ def resolved_ffn_dim(cfg: ModelConfig) -> int:
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0):
         super().__init__()
         bias = cfg.arch == "gpt2"
         self.parallel = cfg.parallel_block
@@ -36,7 +37,15 @@ class Block(nn.Module):
                               cfg.sliding_window)
         if not self.parallel:  # the parallel block reads one normed input for both branches
             self.mlp_norm = make_norm(cfg.arch, cfg.d_model, cfg.norm_eps)
-        self.mlp = MLP(cfg.arch, cfg.d_model, resolved_ffn_dim(cfg), bias, cfg.dropout)
+        if cfg.moe_every and (layer_idx + 1) % cfg.moe_every == 0:
+            self.mlp = MoE(cfg.d_model, cfg.n_experts, cfg.top_k, cfg.expert_ffn_dim or resolved_ffn_dim(cfg),
+                           n_shared_experts=cfg.n_shared_experts, score_fn=cfg.router_score,
+                           aux_loss_weight=cfg.aux_loss_weight, z_loss_weight=cfg.z_loss_weight,
+                           capacity_factor=cfg.capacity_factor, aux_free_bias_rate=cfg.aux_free_bias_rate,
+                           dropout=cfg.dropout, init_std=cfg.init_std,
+                           out_std=cfg.init_std / math.sqrt(2 * cfg.n_layers))
+        else:
+            self.mlp = MLP(cfg.arch, cfg.d_model, resolved_ffn_dim(cfg), bias, cfg.dropout)
 
     def forward(self, x: torch.Tensor, rope, cache: KVCache | None = None, pos: int = 0) -> torch.Tensor:
         if self.parallel:
@@ -56,7 +65,7 @@ class Transformer(nn.Module):
         if cfg.arch == "gpt2":
             self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm = make_norm(cfg.arch, cfg.d_model, cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.tie_weights()
@@ -91,6 +100,8 @@ class Transformer(nn.Module):
                 nn.init.normal_(module.weight, 0.0, std)
             elif isinstance(module, nn.LayerNorm | nn.RMSNorm):
                 module.reset_parameters()
+            elif isinstance(module, MoE):  # stacked expert weights are not nn.Linear
+                module.reset_parameters(std, out_std)
         if self.cfg.arch == "llama":
             cos, sin = rope_tables(self.cfg.d_model // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta)
             self.rope_cos.copy_(cos)
@@ -124,7 +135,14 @@ class Transformer(nn.Module):
         x = self.seq_gather(self.norm(x))
         if labels is None:
             return self.head(x)
-        return self.loss_fn(self.head(x), labels)
+        loss = self.loss_fn(self.head(x), labels)
+        if self.training and self.moe_layers:  # router auxiliary losses (load balancing, z-loss) join training
+            loss = loss + sum(m.aux_loss for m in self.moe_layers)
+        return loss
+
+    @property
+    def moe_layers(self) -> list[MoE]:
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
 
     def new_caches(self, batch: int, max_len: int, dtype=None) -> list[KVCache]:
         w = self.layers[0].attn.k_proj.weight

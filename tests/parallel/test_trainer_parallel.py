@@ -92,3 +92,13 @@ def test_pipeline_layouts_match_single_process_and_resume_elsewhere(small_corpus
     res = train(load_config(None, tiny_overrides(small_corpus, resumed, *base, f"checkpoint.resume={ckpt}")))
     for step in (4, 5, 6):
         assert abs(res.losses[step] - ref.losses[step]) <= 1e-5 * ref.losses[step], step
+
+
+def test_moe_data_parallel_matches_single_process(small_corpus, tmp_path):
+    base = ["model.preset=deepseek-v3-tiny", "model.d_model=64", "model.n_layers=2", "train.steps=5",
+            "train.micro_batch_size=2", "model.capacity_factor=1.0"]
+    ref = train(load_config(None, tiny_overrides(small_corpus, tmp_path / "ref", *base)))
+    torchrun(2, tiny_overrides(small_corpus, tmp_path / "dp2", *base))
+    got = losses(tmp_path / "dp2")
+    for step, want in ref.losses.items():
+        assert abs(got[step] - want) <= 1e-5 * want, (step, got[step], want)
