@@ -55,10 +55,15 @@ def main() -> None:
     ap.add_argument("--results", default=None, help="append one JSON line here")
     ap.add_argument("--run-id", default=None)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--no-grouped-mm", action="store_true", help="MoE: per-expert loop instead of torch._grouped_mm")
     ap.add_argument("overrides", nargs="*", help="extra model.* overrides")
     args = ap.parse_args()
 
     device = torch.device(args.device)
+    if args.no_grouped_mm:
+        import megaloom.models.moe as moe
+
+        moe.USE_GROUPED_MM = False
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     cfg = load_config(None, [f"model.preset={args.preset}", f"train.seq_len={args.seq_len}",
                              f"model.max_seq_len={max(args.seq_len, 8192)}", *args.overrides])
@@ -109,6 +114,8 @@ def main() -> None:
         "grad_accum": args.grad_accum,
         "precision": args.precision,
         "compile": args.compile,
+        "grouped_mm": not args.no_grouped_mm,
+        "active_params_matmul": matmul_params(model),
         "recompute": args.recompute,
         "tokens_per_s": round(tps),
         "mfu": round(fpt * tps / peak, 4),

@@ -36,14 +36,23 @@ def device_peak_flops(device: torch.device) -> float | None:
 
 
 def matmul_params(model: torch.nn.Module) -> int:
-    """Parameters that take part in matmuls: all but the embedding lookups, plus the output head even when
-    it shares its weight with the token embedding (the head's GEMM is real work either way)."""
-    seen, n = set(), 0
+    """Parameters that take part in a token's matmuls: all but the embedding lookups, plus the output head even
+    when it shares its weight with the token embedding (the head's GEMM is real work either way). Routed experts
+    count top_k / n_experts of their weights: MFU of an MoE model is over its active parameters."""
+    from megaloom.models.moe import MoE
+
+    active_share = {}
+    for module in model.modules():
+        if isinstance(module, MoE):
+            e = module.experts
+            for p in (e.w_gate, e.w_up, e.w_down):
+                active_share[id(p)] = module.top_k / e.w_gate.shape[0]
+    seen, n = set(), 0.0
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) in seen:
             continue
         if name.startswith(("tok_emb", "pos_emb")) and not name.startswith("head"):
             continue
         seen.add(id(p))
-        n += p.numel()
-    return n
+        n += p.numel() * active_share.get(id(p), 1.0)
+    return int(n)
