@@ -74,6 +74,10 @@ def test_moe_models_train_resume_exactly_and_log_expert_load(small_corpus, tmp_p
         assert resumed.losses[step] == ref.losses[step], step  # router bias is checkpointed with the model
     recs = [json.loads(x) for x in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
     assert len(recs[-1]["moe_load_max_over_mean"]) == 2 and len(recs[-1]["moe_tokens_per_expert"][0]) == 16
+    from megaloom.plot import plot_run
+
+    plot_run(tmp_path / "a")
+    assert (tmp_path / "a" / "expert_load.png").stat().st_size > 1000  # the per-expert load heat map
     mix = train(load_config(None, tiny_overrides(small_corpus, tmp_path / "m", "model.preset=mixtral-tiny",
                                                  "model.d_model=64", "train.steps=30", "train.log_every=5",
                                                  "model.capacity_factor=1.0")))

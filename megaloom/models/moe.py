@@ -134,7 +134,10 @@ class LocalDispatcher:
             kept = counts.clamp(max=capacity)
             dropped = (counts - kept).sum()
             counts = kept
-        return Dispatched(x[order // top_k], counts, order, weights.reshape(-1)[order], n_tokens, top_k, dropped)
+        # Gather through a [T*k, D] copy so each row is picked at most once: the backward is then a scatter without
+        # collisions, which is deterministic (x[order // top_k] would accumulate duplicates in a racy order on CPU).
+        rows = x.repeat_interleave(top_k, dim=0)[order]
+        return Dispatched(rows, counts, order, weights.reshape(-1)[order], n_tokens, top_k, dropped)
 
     def combine(self, y: torch.Tensor, d: Dispatched) -> torch.Tensor:
         """[N, D] expert outputs -> [T, D]: sum_j w_tj * y_tj (fp32 accumulation); dropped pairs contribute 0."""
