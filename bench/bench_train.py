@@ -55,6 +55,7 @@ def main() -> None:
     ap.add_argument("--results", default=None, help="append one JSON line here")
     ap.add_argument("--run-id", default=None)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--attention", default="auto", help="preferred SDPA kernel: auto, cudnn, flash, efficient")
     ap.add_argument("--no-grouped-mm", action="store_true", help="MoE: per-expert loop instead of torch._grouped_mm")
     ap.add_argument("overrides", nargs="*", help="extra model.* overrides")
     args = ap.parse_args()
@@ -78,7 +79,8 @@ def main() -> None:
         for i, layer in enumerate(model.layers):
             model.layers[i] = torch.compile(layer)
     optimizer = build_optimizer(model, cfg.train, device)
-    step = TrainStep(model, optimizer, args.precision, device, args.micro_batch, grad_clip=1.0)
+    step = TrainStep(model, optimizer, args.precision, device, args.micro_batch, grad_clip=1.0,
+                     attention=args.attention)
 
     gbs = args.micro_batch * args.grad_accum
     tokens_per_step = gbs * args.seq_len
@@ -115,6 +117,7 @@ def main() -> None:
         "precision": args.precision,
         "compile": args.compile,
         "grouped_mm": not args.no_grouped_mm,
+        "attention": args.attention,
         "active_params_matmul": matmul_params(model),
         "recompute": args.recompute,
         "tokens_per_s": round(tps),

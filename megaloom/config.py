@@ -104,6 +104,8 @@ class TrainConfig:
     precision: str = _f("auto", "auto = fp32 on CPU, bf16 on GPU.", ("auto", "fp32", "bf16", "fp16", "fp8"))
     recompute: str = _f("none", "Activation recomputation.", ("none", "selective", "full"))
     compile: bool = _f(False, "torch.compile each transformer block.")
+    attention: str = _f("auto", "Preferred SDPA kernel on GPU (the others remain fallbacks); auto = PyTorch's choice.",
+                        ("auto", "cudnn", "flash", "efficient", "math"))
     log_every: int = _f(10, "Steps between metric lines (loss is averaged over the interval).")
     eval_every: int = _f(200, "Steps between evaluations on the validation split; 0 = only at the end.")
     eval_batches: int = _f(4, "Global batches per evaluation.")

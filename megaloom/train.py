@@ -169,7 +169,7 @@ def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
     else:
         optimizer = build_optimizer(model, t, device, mesh)
     train_step = TrainStep(model, optimizer, precision, device, t.micro_batch_size, t.grad_clip, grads,
-                           nan_guard=cfg.resilience.nan_guard, pipeline=pipe)
+                           nan_guard=cfg.resilience.nan_guard, pipeline=pipe, attention=t.attention)
 
     ckpt_root = run_dir / "checkpoints"
     start_step, resumed_state = _maybe_resume(cfg, model, optimizer, ckpt_root, rt, mesh)
