@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from megaloom.checkpoint import CheckpointError, find_checkpoints, load_checkpoint
+from megaloom.checkpoint import CheckpointError, load_newest
 from megaloom.data.tokenizer import Tokenizer
 from megaloom.models import Transformer
 
@@ -63,15 +63,6 @@ def load_for_generation(run_dir: Path, device: torch.device) -> tuple[Transforme
 
     cfg = load_run_config(run_dir)
     model = Transformer(cfg.model).to(device)
-    candidates = find_checkpoints(run_dir / "checkpoints")
-    if not candidates:
-        raise CheckpointError(f"--run {run_dir}: no checkpoints found in {run_dir / 'checkpoints'}.")
-    for path in candidates:
-        try:
-            load_checkpoint(path, model, None, model_cfg=cfg.model.__dict__)
-            break
-        except CheckpointError as e:
-            print(f"WARNING: {e}")
-    else:
-        raise CheckpointError(f"--run {run_dir}: no usable checkpoint.")
+    if load_newest(run_dir / "checkpoints", model, None, model_cfg=cfg.model.__dict__) is None:
+        raise CheckpointError(f"--run {run_dir}: no usable checkpoint in {run_dir / 'checkpoints'}.")
     return model, Tokenizer.from_file(cfg.data.tokenizer)

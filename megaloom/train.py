@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from megaloom.checkpoint import AsyncCheckpointer, CheckpointError, find_checkpoints, load_checkpoint, save_checkpoint
+from megaloom.checkpoint import AsyncCheckpointer, CheckpointError, load_checkpoint, load_newest, save_checkpoint
 from megaloom.config import Config, ConfigError
 from megaloom.data.dataset import build_datasets
 from megaloom.data.loader import StepBatches, make_loader
@@ -314,17 +314,17 @@ def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
 
 def _rollback(cfg: Config, model, optimizer, ckpt_root: Path, rt: Runtime, mesh: Mesh) -> int:
     """Restore the newest checkpoint that verifies (model, optimizer, RNG); returns its step."""
-    for path in find_checkpoints(ckpt_root):
-        try:
-            state = load_checkpoint(path, model, optimizer, rank=rt.rank, model_cfg=cfg.model.__dict__, mesh=mesh)
-        except CheckpointError as e:
-            if rt.is_main:
-                print(f"WARNING: {e}", flush=True)
-            continue
-        optimizer.zero_grad(set_to_none=True)
-        return int(state["step"])
-    raise RuntimeError("non-finite steps in a row and no checkpoint to roll back to; set checkpoint.every lower, "
-                       "lower train.lr, or check the data.")
+    found = load_newest(ckpt_root, model, optimizer, rank=rt.rank, model_cfg=cfg.model.__dict__, mesh=mesh,
+                        warn=_main_print(rt))
+    if found is None:
+        raise RuntimeError("non-finite steps in a row and no checkpoint to roll back to; set checkpoint.every "
+                           "lower, lower train.lr, or check the data.")
+    optimizer.zero_grad(set_to_none=True)
+    return int(found[1]["step"])
+
+
+def _main_print(rt: Runtime):
+    return (lambda msg: print(msg, flush=True)) if rt.is_main else (lambda msg: None)
 
 
 def _dp_mean(x: torch.Tensor, mesh: Mesh) -> float:
@@ -378,23 +378,21 @@ def _maybe_resume(cfg: Config, model, optimizer, ckpt_root: Path, rt: Runtime, m
     choice = cfg.checkpoint.resume
     if choice == "none":
         return 0, {}
-    candidates = find_checkpoints(ckpt_root) if choice == "auto" else [Path(choice)]
-    if choice != "auto" and not Path(choice).is_dir():
-        raise CheckpointError(f"checkpoint.resume: directory '{choice}' not found.")
-    for path in candidates:
-        try:
-            state = load_checkpoint(path, model, optimizer, rank=rt.rank, model_cfg=cfg.model.__dict__, mesh=mesh)
-        except CheckpointError as e:
-            if choice != "auto" or "incompatible" in str(e):
-                raise
-            if rt.is_main:
-                print(f"WARNING: {e} Falling back to the previous checkpoint.", flush=True)
-            continue
-        _check_data_compatible(state, cfg)
-        if rt.is_main:
-            print(f"resumed from {path} at step {state['step']}", flush=True)
-        return int(state["step"]), state
-    return 0, {}
+    if choice == "auto":
+        found = load_newest(ckpt_root, model, optimizer, rank=rt.rank, model_cfg=cfg.model.__dict__, mesh=mesh,
+                            warn=_main_print(rt))
+        if found is None:
+            return 0, {}
+        path, state = found
+    else:
+        path = Path(choice)
+        if not path.is_dir():
+            raise CheckpointError(f"checkpoint.resume: directory '{choice}' not found.")
+        state = load_checkpoint(path, model, optimizer, rank=rt.rank, model_cfg=cfg.model.__dict__, mesh=mesh)
+    _check_data_compatible(state, cfg)
+    if rt.is_main:
+        print(f"resumed from {path} at step {state['step']}", flush=True)
+    return int(state["step"]), state
 
 
 def _check_data_compatible(state: dict, cfg: Config) -> None:

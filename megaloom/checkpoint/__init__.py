@@ -2,7 +2,13 @@
 blocking (`save_checkpoint`) or in two stages with a background writer (`AsyncCheckpointer`)."""
 
 from megaloom.checkpoint.async_save import AsyncCheckpointer, SaveRecord
-from megaloom.checkpoint.store import CheckpointError, find_checkpoints, load_checkpoint, save_checkpoint
+from megaloom.checkpoint.store import (
+    CheckpointError,
+    find_checkpoints,
+    load_checkpoint,
+    load_newest,
+    save_checkpoint,
+)
 
-__all__ = ["AsyncCheckpointer", "CheckpointError", "SaveRecord", "find_checkpoints", "load_checkpoint",
+__all__ = ["AsyncCheckpointer", "CheckpointError", "SaveRecord", "find_checkpoints", "load_checkpoint", "load_newest",
            "save_checkpoint"]

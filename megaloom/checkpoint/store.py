@@ -252,3 +252,20 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     if rng_file.is_file():
         set_rng_state(torch.load(rng_file, weights_only=True))
     return state
+
+
+def load_newest(ckpt_root: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, rank: int = 0,
+                model_cfg: dict | None = None, mesh: Mesh | None = None,
+                warn: Callable[[str], None] = print) -> tuple[Path, dict] | None:
+    """Load the newest checkpoint under `ckpt_root` that verifies; returns (path, state.json) or None if none does.
+
+    A damaged newer checkpoint is reported through `warn` and skipped; an incompatible one (another model
+    shape) is an error, since falling back would not help."""
+    for path in find_checkpoints(ckpt_root):
+        try:
+            return path, load_checkpoint(path, model, optimizer, rank=rank, model_cfg=model_cfg, mesh=mesh)
+        except CheckpointError as e:
+            if "incompatible" in str(e):
+                raise
+            warn(f"WARNING: {e} Falling back to the previous checkpoint.")
+    return None
