@@ -1,0 +1,774 @@
+"""The memory report: predicted bytes per rank for weights, gradients, optimizer state and activations.
+
+`plan_memory(cfg, model)` is called at start-up, after the model is built, parallelised and (with pipelines)
+cut into this rank's stage; it counts this rank's parameters exactly from the module and everything else
+from the config. No forward pass is run. The trainer prints `MemoryPlan.table()` and, after the first
+steps, the prediction next to the CUDA allocator's peak (``torch.cuda.max_memory_allocated``).
+
+Persistent state (megaloom keeps fp32 parameters and runs bf16/fp16 under autocast):
+
+  weights      4 bytes x this rank's parameters (ZeRO-3: its 1/dp shard)
+  gradients    fp32. One process or pipelines: ``p.grad``, allocated during the first backward of a step and
+               freed by ``zero_grad(set_to_none=True)`` after it. Data parallel (megaloom.parallel.data_parallel):
+               flat fp32 buckets, persistent with zero 0/1; zero>=1 adds the reduced 1/dp ``grad_shard``;
+               zero 2 frees the buckets after their reduction; zero 3 (FSDP2) keeps 1/dp sharded gradients
+  optimizer    AdamW / LAMB: exp_avg + exp_avg_sq, 8 bytes per parameter (divided by dp under zero>=1)
+
+Activations, saved for backward per micro-batch, enumerated from what megaloom's own modules save (verified
+tensor by tensor with saved-tensor hooks, tests/observe/test_memory_plan.py). Per block, with n tokens per
+micro-batch on this rank (micro_batch x seq_len / cp), n_r = n / tp in sequence-parallel regions, a = 2 bytes
+under autocast (4 in fp32):
+
+  norms        the fp32 residual input + 1/rms (+ mean for LayerNorm); RMSNorm on CPU is PyTorch's composite
+               and also keeps the normalised x (4 bytes x n_r x d more); CUDA runs the fused kernel
+  linears      under autocast every linear casts its fp32 input to bf16 and saves that cast: q, k, v read the
+               same normed x but each saves its own copy (3 x 2nd), gate/up two more; in fp32 they share it
+  attention    flash / cuDNN / efficient (GPU) and the CPU flash kernel: q, k, v, out (o_proj reads `out`
+               through a view) and the fp32 logsumexp; the math backend keeps the [b, h, s, s] probabilities
+  MLP          SwiGLU: gate, up, silu(gate), their product (4 x a x n x ffn/tp); GeLU: up, gelu(up)
+  MoE          router (probs, top-k, weights), the dispatch index, per-row expert inputs and hidden states,
+               the fp32 combine; dropless, so every token's top_k rows are counted
+  recompute    selective: the attention core (its logsumexp / probabilities) and the SwiGLU activation are
+               recomputed, their inputs stay; full: only each block's input (4 x n_r x d) is kept, and one
+               block's full activations live again while it is recomputed
+
+plus the embedding (token ids) and the head: final norm, the head's input cast, and the loss. The largest
+transients are in the loss: logits [n, vocab/tp] in the compute dtype, their fp32 copy and log-softmax
+output (10 x n x V bytes under bf16 in the forward), and log-softmax's saved output plus two fp32 gradients
+(12 x n x V) in its backward; the vocabulary-parallel loss (tp > 1) needs 10 x n x V/tp. For llama3's 128k
+vocabulary this is usually the single largest term.
+
+Autocast caches the bf16 copy of every fp32 weight it casts until the autocast region ends, and the matmuls
+save those copies for backward: 2 bytes x matmul parameters per micro-batch in flight ("weight casts"). With
+full recomputation they are only cached during the forward and recast block by block in backward.
+
+Peak model. The step is played as a sequence of events: forwards and backwards of the micro-batches in this
+rank's order (F0 B0 F1 B1 ... without a pipeline; the pipeline schedule's list for this rank otherwise, so 1F1B's
+first stage holds up to pp micro-batches), then the optimizer step. At each event the live bytes are: the
+persistent state, gradients once a backward of the step has produced them, the saved activations and weight
+casts of every micro-batch in flight, and the event's transient (the loss forward / backward, a recomputed
+block, the head's weight gradient). The optimizer step adds its temporaries (foreach AdamW on CPU: one fp32
+copy of the state; LAMB: the update of every parameter). The predicted peak is the largest event; which one
+it is is reported with it. Steady state is assumed (optimizer state exists, i.e. from the second step on).
+
+Not modelled: the CUDA caching allocator's rounding and fragmentation (the comparison is with
+max_memory_allocated, not reserved), cuBLAS workspaces, the gradient temporaries inside one block's backward,
+NCCL buffers, and torch.compile (which changes what is saved). fp8 is approximated (converted linears save a
+1-byte input, no weight cast).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+
+from torch import nn
+
+from megaloom.config import Config, ModelConfig
+
+GB = 1e9  # the report's unit, as megaloom.observe.memory.peak_memory_gb
+_ATTN_NAMES = {"flash": "flash/cuDNN", "efficient": "mem-efficient", "math": "math"}
+# cuBLAS takes its workspace from PyTorch's allocator, 32 MiB per thread that runs matmuls (Hopper; measured on
+# an H200, torch 2.11): the training thread and autograd's backward thread.
+CUBLAS_WORKSPACE = 2 * 32 * 2**20
+PHASES = ("forward", "loss forward", "loss backward", "head backward", "recompute", "optimizer step")
+
+
+def _resolved(m: ModelConfig) -> tuple[int, int, int, int]:
+    """(n_kv_heads, ffn_dim, expert_ffn_dim, head_dim) with the "auto" zeros filled in."""
+    from megaloom.models.transformer import resolved_ffn_dim
+
+    kv = m.n_kv_heads or m.n_heads
+    ffn = resolved_ffn_dim(m)
+    return kv, ffn, m.expert_ffn_dim or ffn, m.d_model // m.n_heads
+
+
+def is_moe_layer(m: ModelConfig, index: int) -> bool:
+    return bool(m.moe_every) and (index + 1) % m.moe_every == 0
+
+
+def compute_precision(cfg: Config, device: str) -> str:
+    """train.precision with "auto" resolved as megaloom.runtime does (bf16 on GPU, fp32 on CPU)."""
+    p = cfg.train.precision
+    return ("bf16" if device == "cuda" else "fp32") if p == "auto" else p
+
+
+def attention_backend(cfg: Config, device: str, tp: int = 1) -> str:
+    """Which SDPA save-set applies: "flash" (flash or cuDNN on GPU in bf16/fp16; the CPU flash kernel),
+    "efficient" (GPU fp32 without grouped-query heads) or "math" (GPU fp32 with grouped-query heads, which
+    the fused kernels do not take in fp32; train.attention=math; CPU with dropout)."""
+    m = cfg.model
+    if device == "cuda":
+        if cfg.train.attention == "math":
+            return "math"
+        if compute_precision(cfg, device) == "fp32":
+            kv = m.n_kv_heads or m.n_heads
+            return "efficient" if m.n_heads // tp == max(kv // tp, 1) else "math"
+        return "flash"
+    return "math" if m.dropout > 0 else "flash"  # CPU's flash kernel has no dropout
+
+
+# ----------------------------------------------------------------------------------------- activations
+
+
+@dataclass(frozen=True)
+class _Dims:
+    """Everything the activation enumeration needs, local to one rank."""
+
+    n: int  # tokens per micro-batch entering the tensor-parallel regions (full sequence / cp)
+    n_r: int  # tokens in the residual stream (n / tp with sequence parallelism)
+    b: int  # sequences per micro-batch
+    t: int  # tokens per sequence on this rank
+    d: int
+    hl: int  # query heads on this rank
+    hkvl: int  # kv heads on this rank (replicated when tp > n_kv_heads)
+    hd: int
+    fl: int  # dense MLP hidden size on this rank
+    a: int  # bytes per element of activations in the compute dtype
+    autocast: bool
+    tp: int
+    sp: bool
+
+
+def _dims(cfg: ModelConfig, tokens: int, batch: int, precision: str, tp: int, sp: bool) -> _Dims:
+    kv, ffn, _, hd = _resolved(cfg)
+    autocast = precision != "fp32"
+    return _Dims(n=tokens, n_r=tokens // tp if (sp and tp > 1) else tokens, b=batch, t=tokens // batch,
+                 d=cfg.d_model, hl=cfg.n_heads // tp, hkvl=max(kv // tp, 1), hd=hd, fl=ffn // tp,
+                 a=2 if autocast else 4, autocast=autocast, tp=tp, sp=sp and tp > 1)
+
+
+def _norm_bytes(arch: str, n: int, d: int, device: str) -> int:
+    if arch == "gpt2":
+        return 4 * n * d + 8 * n  # native_layer_norm: input, mean, rstd
+    if device == "cuda":
+        return 4 * n * d + 4 * n  # fused RMSNorm: input, rstd
+    return 8 * n * d + 4 * n  # composite RMSNorm (CPU): input, rsqrt, x * rsqrt
+
+
+def _linear_input_bytes(dm: _Dims, n_linears: int, in_bytes: int = 2) -> int:
+    """Saved inputs of ``n_linears`` linears reading one [n, d] fp32 tensor: a cast each under autocast
+    (``in_bytes``: 2 for bf16, 1 for tensorwise fp8), the shared fp32 tensor otherwise."""
+    return n_linears * in_bytes * dm.n * dm.d if dm.autocast else 4 * dm.n * dm.d
+
+
+def block_activation_bytes(cfg: Config, *, tokens: int, batch: int, layer: int = 0, tp: int = 1,
+                           sp: bool = False, device: str = "cuda", recompute: str | None = None,
+                           attention: str | None = None, grouped_mm: bool | None = None,
+                           fp8: bool = False) -> dict[str, int]:
+    """Bytes one transformer block saves for backward in one micro-batch, by what saves them (weight casts
+    excluded: see `weight_cast_bytes`). ``tokens``: micro_batch x seq_len / cp on this rank; ``layer``: the
+    block's index (MoE placement); ``fp8``: this block's linears run in float8."""
+    m, t = cfg.model, cfg.train
+    recompute = recompute or t.recompute
+    dm = _dims(m, tokens, batch, compute_precision(cfg, device), tp, sp)
+    if recompute == "full":
+        return {"block input (full recompute)": 4 * dm.n_r * m.d_model}
+    attention = attention or attention_backend(cfg, device, tp)
+    moe = is_moe_layer(m, layer)
+    lin_in = 1 if fp8 and getattr(t, "fp8_recipe", "tensorwise") == "tensorwise" else 2
+    out: dict[str, int] = {}
+    n, n_r, d, a = dm.n, dm.n_r, dm.d, dm.a
+    out["attn_norm"] = _norm_bytes(m.arch, n_r, d, device)
+    # One tensor enters each region; with fp32, sp and a parallel block the attention and MLP gather it twice.
+    out["q/k/v inputs"] = _linear_input_bytes(dm, 3, lin_in)
+    q, kv = a * n * dm.hl * dm.hd, a * n * dm.hkvl * dm.hd
+    selective = recompute == "selective"
+    if attention in ("flash", "efficient"):
+        out["q, k, v"] = q + 2 * kv
+        out["attention out"] = q  # o_proj reads it through a view (the kernels write [b, s, h, hd])
+        if not selective:  # efficient attention pads the logsumexp's sequence dimension to 32
+            t_lse = 32 * math.ceil(dm.t / 32) if attention == "efficient" else dm.t
+            out["logsumexp"] = 4 * dm.b * dm.hl * t_lse
+            if device == "cuda":
+                out["rng seed, offset"] = 16
+        if m.sliding_window:  # boolean window mask converted to an additive one in the compute dtype
+            t_pad = dm.t if device != "cuda" else 16 * math.ceil(dm.t / 16)
+            out["window mask"] = a * dm.t * t_pad
+    else:  # math: computed in fp32 (bf16/fp16 inputs are upcast); scaled q, k^T, v (k, v expanded to all heads)
+        e = 4
+        if selective:
+            out["q, k, v"] = q + 2 * kv
+        else:
+            out["q, k, v (math)"] = 3 * e * n * dm.hl * dm.hd
+            out["attention probs (math)"] = e * dm.b * dm.hl * dm.t * dm.t
+            if m.dropout > 0:  # the mask (bool on CUDA, the input's dtype on CPU) and the dropped probs
+                out["attention dropout (math)"] = (_mask_bytes(device, e) + e) * dm.b * dm.hl * dm.t * dm.t
+        out["o_proj input (math)"] = a * n * dm.hl * dm.hd
+    if not m.parallel_block:
+        out["mlp_norm"] = _norm_bytes(m.arch, n_r, d, device)
+    shares_input = not dm.autocast and m.parallel_block and not dm.sp  # fp32: one normed x for both branches
+    if moe:
+        out.update(_moe_bytes(cfg, dm, device, grouped_mm, selective, shares_input))
+    else:
+        gated = m.arch == "llama"
+        out["mlp inputs"] = 0 if shares_input else _linear_input_bytes(dm, 2 if gated else 1, lin_in)
+        if gated:
+            out["gate, up, silu, product"] = (3 if selective else 4) * a * n * dm.fl
+        else:
+            out["up, gelu"] = 2 * a * n * dm.fl
+    if m.dropout > 0:  # masks of the residual dropouts on o_proj's and down_proj's outputs (MoE: its own)
+        out["dropout masks"] = (1 if moe else 2) * _mask_bytes(device, a) * n_r * d
+    return out
+
+
+def _moe_bytes(cfg: Config, dm: _Dims, device: str, grouped_mm: bool | None, selective: bool,
+               shares_input: bool) -> dict[str, int]:
+    m = cfg.model
+    _, _, fe, _ = _resolved(m)
+    n, d, a, e, k = dm.n, dm.d, dm.a, m.n_experts, m.top_k
+    rows = n * k  # dropless: every (token, expert) pair; a capacity limit only lowers it
+    if grouped_mm is None:
+        grouped_mm = device == "cuda" and dm.autocast and d % 8 == 0 and fe % 8 == 0
+    out: dict[str, int] = {}
+    out["router input"] = 0 if shares_input else _linear_input_bytes(dm, 1)
+    out["router probs, top-k, weights"] = 4 * n * e + 8 * n * k + 4 * n * k + 8 * n
+    out["dispatch index"] = 8 * rows
+    if dm.autocast:
+        out["expert inputs"] = (1 if grouped_mm else 2) * 2 * rows * d
+    else:
+        out["expert inputs"] = 4 * rows * d
+    out["expert gate, up, silu, product"] = 4 * a * rows * fe
+    out["combine (fp32)"] = 8 * rows * d + 4 * rows
+    if grouped_mm:
+        out["group offsets"] = 4 * e
+    if m.n_shared_experts:
+        fs = m.n_shared_experts * fe
+        out["shared expert inputs"] = 2 * 2 * n * d if dm.autocast else 0
+        out["shared expert hidden"] = (3 if selective else 4) * a * n * fs
+    if m.aux_loss_weight:
+        out["load-balancing loss"] = 4 * n + 4 * e
+    if m.z_loss_weight:
+        out["z-loss"] = 4 * n * e + 4 * n
+    if m.dropout > 0:
+        out["moe dropout mask"] = _mask_bytes(device, 4) * n * d
+    return out
+
+
+def _mask_bytes(device: str, input_bytes: int) -> int:
+    """Dropout keeps a bool mask on CUDA (native_dropout) and a scaled noise tensor of the input's dtype on CPU."""
+    return 1 if device == "cuda" else input_bytes
+
+
+def embedding_activation_bytes(cfg: Config, *, tokens: int, batch: int, tp: int = 1,
+                               device: str = "cuda") -> dict[str, int]:
+    m = cfg.model
+    out = {"token ids": 8 * tokens}
+    if tp > 1:
+        out["vocab-parallel mask"] = tokens
+    if m.arch == "gpt2":
+        out["position ids"] = 8 * (tokens // batch)
+    if m.dropout > 0:
+        out["embedding dropout mask"] = _mask_bytes(device, 4) * tokens * m.d_model
+    return out
+
+
+def fused_loss(cfg: Config) -> bool:
+    """train.fused_loss: the head and loss fused in chunks (megaloom.models.fused_ce; tensor parallelism uses its
+    vocab-parallel loss instead)."""
+    return bool(getattr(cfg.train, "fused_loss", False)) and cfg.parallel.tp == 1
+
+
+def _fused_chunk_tokens(vocab: int) -> int:
+    try:
+        from megaloom.models.fused_ce import default_chunk_tokens
+    except ImportError:  # the same rule: one chunk's fp32 logits ~ 2**28 values, a multiple of 256 tokens
+        return max(256, (2**28 // max(vocab, 1)) // 256 * 256)
+    return default_chunk_tokens(vocab)
+
+
+def head_activation_bytes(cfg: Config, *, tokens: int, tp: int = 1, sp: bool = False,
+                          device: str = "cuda") -> dict[str, int]:
+    """Saved by the final norm, the head and the loss for one micro-batch (the head's weight cast excluded)."""
+    m = cfg.model
+    autocast = compute_precision(cfg, device) != "fp32"
+    n_r = tokens // tp if (sp and tp > 1) else tokens
+    v = m.vocab_size // tp
+    out = {"final norm": _norm_bytes(m.arch, n_r, m.d_model, device)}
+    if fused_loss(cfg):  # the gradients are computed in the forward and kept for backward (fp32, as x and W)
+        out["fused loss: grad of head input"] = 4 * tokens * m.d_model
+        out["fused loss: grad of head weight"] = 4 * v * m.d_model + 4
+        return out
+    out["head input"] = (2 if autocast else 4) * tokens * m.d_model
+    if tp > 1:
+        out["softmax (fp32, vocab-parallel)"] = 4 * tokens * v
+        out["labels"] = 8 * tokens + 2 * tokens + 8  # local labels, owned & valid masks, the token count
+    else:
+        out["log-softmax (fp32)"] = 4 * tokens * v
+        out["labels"] = 8 * tokens + 4
+    return out
+
+
+def loss_transients(cfg: Config, *, tokens: int, tp: int = 1, device: str = "cuda") -> dict[str, int]:
+    """Bytes live beyond the saved ones while the loss runs: forward (logits in the compute dtype and their
+    fp32 copy) and backward (the fp32 gradients), per megaloom.models.transformer.cross_entropy (tp = 1) or
+    megaloom.parallel.vocab_ce (tp > 1); and the head's backward (logit gradient, weight gradient). With
+    train.fused_loss only one chunk of logits exists at a time (megaloom.models.fused_ce)."""
+    m = cfg.model
+    a = 4 if compute_precision(cfg, device) == "fp32" else 2
+    v = m.vocab_size // tp
+    d = m.d_model
+    if fused_loss(cfg):
+        c = min(tokens, _fused_chunk_tokens(v))
+        cv = c * v
+        if a == 2:  # bf16 W copy; per chunk: bf16 logits + fp32 copy, or the gradient's bf16 g + g^T x (bf16, fp32)
+            fwd = 2 * v * d + 9 * tokens + 2 * c * d + max(6 * cv, 2 * cv + 6 * v * d)
+        else:
+            fwd = 9 * tokens + 4 * cv
+        return {"loss forward": fwd, "loss backward": 4 * tokens * d + 4 * v * d, "head backward": 0}
+    nv = tokens * v
+    fp32_copy = 4 * nv if a == 2 else 0
+    fwd = a * nv + fp32_copy
+    if tp > 1:  # softmax saved (counted); grad = softmax * g (fp32) and its cast back to the logits' dtype
+        bwd = 4 * nv + (2 * nv if a == 2 else 0)
+    else:  # log-softmax output saved (counted); nll's gradient and log-softmax's gradient, both fp32
+        bwd = 8 * nv
+    head_bwd = a * nv + (a + 4) * v * d + a * tokens * d - 4 * nv  # log-softmax is freed by now
+    return {"loss forward": fwd, "loss backward": bwd, "head backward": head_bwd}
+
+
+# ----------------------------------------------------------------------------------------- parameters
+
+
+@dataclass
+class ParamCounts:
+    """This rank's parameters (elements). ``local`` is what the rank stores; ``matmul`` what autocast casts to
+    bf16 (linear, router and expert weights and the head; embedding lookups are not cast)."""
+
+    local: int
+    matmul_layers: dict[int, int]  # per block index on this rank
+    matmul_head: int
+    block_params: dict[int, int]  # all parameters per block (full size, for FSDP2's gathers)
+    root_params: int  # embeddings, final norm, head
+    largest: int  # the largest single parameter (optimizer temporaries)
+    exact: bool  # counted from the module (True) or from the config
+
+
+def _local_numel(p) -> int:
+    return p.to_local().numel() if hasattr(p, "to_local") else p.numel()
+
+
+def count_model_params(model: nn.Module) -> ParamCounts:
+    """Exact counts from the built (parallelised / staged) module of this rank."""
+    seen: set[int] = set()
+    local = largest = root = 0
+    mm_layers: dict[int, int] = {}
+    blocks: dict[int, int] = {}
+    head_w = getattr(getattr(model, "head", None), "weight", None)
+    mm_head = head_w.numel() if head_w is not None else 0
+    for name, p in model.named_parameters():
+        if id(p) in seen or not p.requires_grad:
+            continue
+        seen.add(id(p))
+        nl = _local_numel(p)
+        local += nl
+        largest = max(largest, nl)
+        parts = name.split(".")
+        if parts[0] == "layers" and len(parts) > 1 and parts[1].isdigit():
+            i = int(parts[1])
+            blocks[i] = blocks.get(i, 0) + p.numel()
+            if p.ndim >= 2:
+                mm_layers[i] = mm_layers.get(i, 0) + p.numel()
+        else:
+            root += p.numel()
+    for i in blocks:
+        mm_layers.setdefault(i, 0)
+    return ParamCounts(local, mm_layers, mm_head, blocks, root, largest, exact=True)
+
+
+def analytic_params(cfg: Config, layers: list[int], has_embedding: bool = True, has_head: bool = True,
+                    tp: int = 1) -> ParamCounts:
+    """The same counts from the config (no module): this rank's blocks ``layers``, embedding and head."""
+    m = cfg.model
+    kv, ffn, fe, hd = _resolved(m)
+    d, bias = m.d_model, m.arch == "gpt2"
+    hkvl = max(kv // tp, 1)
+    norm = 2 * d if m.arch == "gpt2" else d
+    mm_layers, blocks = {}, {}
+    largest = 0
+    for i in layers:
+        attn_mm = d * (d // tp) + 2 * d * hkvl * hd + (d // tp) * d
+        attn_b = (d // tp + 2 * hkvl * hd + d) if bias else 0
+        if is_moe_layer(m, i):
+            mlp_mm = d * m.n_experts + 3 * m.n_experts * d * fe + 3 * d * m.n_shared_experts * fe
+            mlp_b = 0
+        else:
+            mlp_mm = (3 if m.arch == "llama" else 2) * d * (ffn // tp)
+            mlp_b = (ffn // tp + d) if bias else 0
+        norms = norm * (1 if m.parallel_block else 2)
+        mm_layers[i] = attn_mm + mlp_mm
+        blocks[i] = attn_mm + mlp_mm + attn_b + mlp_b + norms
+        largest = max(largest, d * (ffn // tp), m.n_experts * d * fe if is_moe_layer(m, i) else 0)
+    vocab = m.vocab_size // tp * d
+    root = 0
+    if has_embedding:
+        root += vocab + (m.max_seq_len * d if m.arch == "gpt2" else 0)
+    head_mm = 0
+    if has_head:
+        root += norm
+        head_mm = vocab
+        if not (m.tie_embeddings and has_embedding):
+            root += vocab  # its own head weight (untied, or the tied copy on the last pipeline stage)
+    if has_embedding or has_head:
+        largest = max(largest, vocab)
+    return ParamCounts(sum(blocks.values()) + root, mm_layers, head_mm, blocks, root, largest, exact=False)
+
+
+# ----------------------------------------------------------------------------------------------- the plan
+
+
+@dataclass
+class MemoryPlan:
+    """Predicted bytes per rank. The categories are what the table shows; ``peak`` = max over ``phases``."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int  # saved for backward, all micro-batches in flight when the most are
+    weight_casts: int  # autocast's bf16 weight copies of the micro-batches in flight (transient)
+    loss_transient: int  # the largest loss/logits transient (beyond the saved log-softmax)
+    step_transient: int  # optimizer-step temporaries
+    workspace: int  # CUDA library workspaces (cuBLAS), persistent
+    peak: int
+    peak_phase: str
+    phases: dict[str, int]
+    per_layer: dict[str, int]  # one block's saved bytes by what saves them (the first block of this rank)
+    layers: int  # blocks on this rank
+    in_flight: int  # micro-batches (x chunks) whose activations are held at the peak of activations
+    setup: dict = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    measured_peak: int | None = None
+
+    def table(self) -> str:
+        s = self.setup
+        head = (f"memory plan, per rank ({s.get('preset', '?')}, {s.get('precision')}, recompute={s.get('recompute')},"
+                f" micro-batch {s.get('micro_batch_size')} x {s.get('seq_len')}, tp={s.get('tp')} pp={s.get('pp')} "
+                f"dp={s.get('dp')} zero={s.get('zero')}, attention {_ATTN_NAMES.get(s.get('attention'), '?')}):")
+        layer = sum(self.per_layer.values())
+        rows = [
+            ("weights", self.weights, f"fp32 master parameters ({s.get('params_local', 0) / 1e6:.1f}M on this rank)"),
+            ("gradients", self.gradients, s.get("grad_note", "fp32")),
+            ("optimizer", self.optimizer, f"{s.get('optimizer')} exp_avg + exp_avg_sq (fp32)"),
+            ("activations", self.activations, f"saved for backward: {self.layers} blocks x {layer / GB:.3f} GB + "
+                                              f"embedding/head {s.get('embedding_head_bytes', 0) / GB:.3f} GB per "
+                                              f"micro-batch, {self.in_flight} in flight"),
+            ("weight casts", self.weight_casts, "autocast's bf16 weight copies (one set per micro-batch in flight)"),
+            ("loss transient", self.loss_transient, "logits and fp32 loss gradients (largest moment)"),
+            ("step transient", self.step_transient, "optimizer-step temporaries"),
+            ("workspaces", self.workspace, "cuBLAS, 32 MiB per thread running matmuls"),
+        ]
+        lines = [head]
+        for name, v, what in rows:
+            lines.append(f"  {name:<15}{v / GB:9.2f} GB  {what}")
+        lines.append(f"  {'peak':<15}{self.peak / GB:9.2f} GB  at the {self.peak_phase}")
+        if self.measured_peak is not None:
+            lines.append(f"  {'measured':<15}{self.measured_peak / GB:9.2f} GB  ({self.error_pct():+.1f}% predicted "
+                         "vs measured)")
+        for note in self.notes:
+            lines.append(f"  note: {note}")
+        return "\n".join(lines)
+
+    def error_pct(self) -> float:
+        if not self.measured_peak:
+            return float("nan")
+        return 100.0 * (self.peak - self.measured_peak) / self.measured_peak
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["unit"] = "bytes"
+        d["peak_gb"] = self.peak / GB
+        if self.measured_peak is not None:
+            d["measured_peak_gb"] = self.measured_peak / GB
+            d["error_pct"] = round(self.error_pct(), 2)
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict(), indent=1)
+
+
+def _rank_events(cfg: Config, pp: int, vpp: int, pp_rank: int, n_micro: int) -> tuple[list[tuple[str, int, int]], int]:
+    """This rank's compute actions as (kind, micro-batch, virtual stage), and the last virtual stage."""
+    if pp == 1:
+        return [e for i in range(n_micro) for e in (("F", i, 0), ("B", i, 0))], 0
+    from megaloom.parallel.pipeline.schedules import build_schedule
+
+    schedule = build_schedule(cfg.parallel.schedule, pp, vpp, n_micro)
+    events = [(a.kind.value, a.microbatch, a.stage) for a in schedule.ranks[pp_rank] if not a.is_comm]
+    return events, pp * vpp - 1
+
+
+def plan_memory(cfg: Config, model: nn.Module | None = None, *, world_size: int = 1, device: str = "cuda",
+                pp_rank: int = 0, n_micro: int | None = None) -> MemoryPlan:
+    """Predict this rank's memory for ``cfg`` (model shape resolved: vocab_size > 0).
+
+    ``model``: this rank's built, parallelised (and staged) module, whose parameters are counted exactly;
+    without it they are counted from the config. ``world_size``: the number of processes (dp = world /
+    (tp * pp * cp)); ``device``: "cuda" (the GPU kernels' save-sets) or "cpu"; ``pp_rank``: this rank's
+    pipeline stage; ``n_micro``: micro-batches per step on this rank (default from the config).
+    """
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if m.vocab_size <= 0:
+        raise ValueError("plan_memory: model.vocab_size must be resolved (> 0) first")
+    tp, pp, vpp, cp = p.tp, p.pp, p.vpp, p.cp
+    dp = max(1, world_size // (tp * pp * cp))
+    zero = p.zero
+    if n_micro is None:
+        n_micro = max(1, t.global_batch_size // (dp * t.micro_batch_size))
+    precision = compute_precision(cfg, device)
+    if precision != t.precision:
+        cfg = _with_precision(cfg, precision)
+        t = cfg.train
+    autocast = precision != "fp32"
+    tokens = t.micro_batch_size * t.seq_len // cp
+    batch = t.micro_batch_size
+    sp = p.sp and tp > 1
+    attention = attention_backend(cfg, device, tp)
+
+    # This rank's blocks, by virtual stage.
+    if pp > 1:
+        from megaloom.parallel.pipeline.partition import partition_layers
+
+        part = partition_layers(m.n_layers, pp, vpp, p.pp_first_stage_layers or None, p.pp_last_stage_layers or None)
+        stages = {s: list(part.layers(s)) for s in part.stages_of_rank(pp_rank)}
+    else:
+        stages = {0: list(range(m.n_layers))}
+    events, last = _rank_events(cfg, pp, vpp, pp_rank, n_micro)
+    has_embedding, has_head = 0 in stages, last in stages
+    layers = [i for ls in stages.values() for i in ls]
+    counts = count_model_params(model) if model is not None else analytic_params(cfg, layers, has_embedding,
+                                                                                   has_head, tp)
+    if model is not None and not counts.matmul_layers and layers:
+        counts = analytic_params(cfg, layers, has_embedding, has_head, tp)  # a module without named blocks
+
+    # fp8: the blocks' linears save a 1-byte input and no weight copy (first/last block kept in bf16 by default).
+    fp8_layers: set[int] = set()
+    if precision == "fp8":
+        keep = getattr(t, "fp8_keep_first_last", True)
+        fp8_layers = {i for i in range(m.n_layers) if not (keep and i in (0, m.n_layers - 1))}
+
+    # Activations per block, per stage (one micro-batch).
+    def block(i: int, mode: str | None = None) -> dict[str, int]:
+        return block_activation_bytes(cfg, tokens=tokens, batch=batch, layer=i, tp=tp, sp=sp, device=device,
+                                      recompute=mode, attention=attention, fp8=i in fp8_layers)
+
+    def casts_of(i: int) -> int:
+        if not autocast:
+            return 0
+        if i in fp8_layers:  # converted linears quantise from the fp32 weight: no cached copy
+            return 2 * max(0, counts.matmul_layers.get(i, 0) - _fp8_linear_params(cfg, tp, is_moe_layer(m, i)))
+        return 2 * counts.matmul_layers.get(i, 0)
+
+    full = t.recompute == "full"
+    emb = sum(embedding_activation_bytes(cfg, tokens=tokens, batch=batch, tp=tp, device=device).values())
+    head = sum(head_activation_bytes(cfg, tokens=tokens, tp=tp, sp=sp, device=device).values())
+    head_cast = 2 * counts.matmul_head if (autocast and has_head and not fused_loss(cfg)) else 0
+    lt = loss_transients(cfg, tokens=tokens, tp=tp, device=device)
+    n_r = tokens // tp if sp else tokens
+    stage_act, stage_casts, stage_recompute = {}, {}, {}
+    for s, ls in stages.items():
+        act = sum(sum(block(i).values()) for i in ls)
+        act += emb if s == 0 else 0
+        act += head if s == last else 0
+        if pp > 1 and s != last:
+            act += 4 * n_r * m.d_model  # the executor keeps the stage output until its backward
+        stage_act[s] = act
+        stage_casts[s] = sum(casts_of(i) for i in ls)
+        stage_recompute[s] = max((sum(block(i, "none").values()) + casts_of(i) for i in ls), default=0) if full else 0
+
+    # Persistent state and gradients.
+    p_local = counts.local
+    fsdp = zero == 3 and world_size > 1
+    buckets = pp == 1 and world_size > 1 and not fsdp
+    weights = 4 * p_local
+    p_opt = p_local // dp if (zero >= 1 and buckets) or fsdp else p_local
+    if fsdp and counts.exact:
+        p_opt = p_local  # the module's parameters are already the 1/dp shards
+    if fsdp and not counts.exact:
+        weights, p_opt = 4 * p_local // dp, p_local // dp
+    optimizer = 8 * p_opt
+    grad_persistent = 0
+    if buckets:
+        grad_persistent = (4 * p_local if zero in (0, 1) else 0) + (4 * p_local // dp if zero in (1, 2) else 0)
+    full_local = sum(counts.block_params.values()) + counts.root_params  # unsharded (tp-local) size
+    if buckets:
+        grad_after_backward = 4 * p_local if zero == 2 else 0  # zero 2: buckets live from first grad to reduction
+        grad_at_step = 0
+    elif fsdp:
+        grad_after_backward = 4 * full_local if n_micro > 1 else 0  # FSDP2 accumulates unsharded without sync
+        grad_at_step = 4 * p_opt
+    else:
+        grad_after_backward = grad_at_step = 4 * p_local
+    gradients = grad_persistent + max(grad_at_step, grad_after_backward)
+    fsdp_gather = 0
+    if fsdp:  # FSDP2 all-gathers blocks just in time (current + prefetched); the root stays gathered
+        blocks_sorted = sorted(counts.block_params.values(), reverse=True)
+        fsdp_gather = 4 * (counts.root_params + sum(blocks_sorted[:2]))
+    workspace = CUBLAS_WORKSPACE if device == "cuda" else 0
+    static = weights + optimizer + grad_persistent + workspace
+
+    # Play the rank's events.
+    phases = {k: 0 for k in PHASES}
+    live: dict[tuple[int, int], tuple[int, int]] = {}  # (mb, stage) -> (saved bytes, weight casts)
+    backward_done = False
+    max_act, max_casts, max_inflight = 0, 0, 0
+    for kind, mb, s in events:
+        grads = grad_after_backward if backward_done else 0
+        if kind == "F":
+            saved_casts = (0 if full else stage_casts[s]) + (head_cast if s == last else 0)
+            live[(mb, s)] = (stage_act[s], saved_casts)
+            acts = sum(v[0] for v in live.values())
+            casts = sum(v[1] for v in live.values()) + (stage_casts[s] if full else 0)  # full: cached until exit
+            if acts >= max_act:
+                max_act, max_casts, max_inflight = acts, casts, len(live)
+            base = static + grads + acts + casts + fsdp_gather
+            phases["forward"] = max(phases["forward"], base)
+            if s == last:
+                phases["loss forward"] = max(phases["loss forward"], base + lt["loss forward"])
+        else:  # B, BI (ZB-H1's BW only finishes what BI began: counted with it)
+            if (mb, s) not in live:
+                continue
+            acts = sum(v[0] for v in live.values())
+            casts = sum(v[1] for v in live.values())
+            base = static + grads + acts + casts + fsdp_gather
+            if s == last:
+                phases["loss backward"] = max(phases["loss backward"], base + lt["loss backward"])
+                phases["head backward"] = max(phases["head backward"], base + lt["head backward"])
+            if full:
+                phases["recompute"] = max(phases["recompute"], base + stage_recompute[s])
+            del live[(mb, s)]
+            backward_done = True
+    step_transient = _step_transient(cfg, device, p_opt, counts.largest, tp, pp, dp, buckets)
+    phases["optimizer step"] = static + grad_at_step + step_transient
+    peak_phase = max(phases, key=lambda k: phases[k])
+
+    first = layers[0] if layers else 0
+    grad_note = {True: "fp32 buckets (persistent)" + (", + 1/dp reduced shard" if zero else ""),
+                 False: "fp32 p.grad, allocated in backward, freed after the step"}[buckets]
+    if buckets and zero == 2:
+        grad_note = "fp32 1/dp shard; full buckets only from the first gradient to their reduction"
+    if fsdp:
+        grad_note = "fp32 1/dp shards (FSDP2)"
+    notes = []
+    if device == "cuda" and attention == "flash" and m.sliding_window:
+        notes.append("sliding-window mask bytes are an estimate (efficient-attention kernel)")
+    if precision == "fp8":
+        notes.append("fp8 is approximated (1-byte saved inputs, no weight copy in converted linears)")
+    if t.compile:
+        notes.append("torch.compile changes what is saved; the plan models eager execution")
+    if not counts.exact:
+        notes.append("parameters counted from the config, not the module")
+    if p.ep > 1 or cp > 1:
+        notes.append("expert / context parallelism: activations per rank are estimated as without them")
+    setup = {"preset": m.preset, "arch": m.arch, "precision": precision, "recompute": t.recompute,
+             "micro_batch_size": batch, "seq_len": t.seq_len, "tokens_per_micro_batch": tokens, "n_micro": n_micro,
+             "tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "dp": dp, "sp": sp, "zero": zero, "pp_rank": pp_rank,
+             "world_size": world_size, "device": device, "attention": attention, "optimizer": t.optimizer,
+             "params_local": p_local, "grad_note": grad_note,
+             "embedding_head_bytes": (emb if has_embedding else 0) + (head if has_head else 0)}
+    loss_transient = max(lt["loss forward"], lt["loss backward"]) if has_head else 0
+    return MemoryPlan(weights=weights, gradients=gradients, optimizer=optimizer, activations=max_act,
+                      weight_casts=max_casts, loss_transient=loss_transient, step_transient=step_transient,
+                      workspace=workspace, peak=phases[peak_phase], peak_phase=peak_phase, phases=phases,
+                      per_layer=block(first), layers=len(layers), in_flight=max_inflight, setup=setup, notes=notes)
+
+
+def _fp8_linear_params(cfg: Config, tp: int, moe: bool) -> int:
+    """The linear weights of one block that fp8 converts: attention, and the dense MLP (MoE stays bf16)."""
+    m = cfg.model
+    kv, ffn, _, hd = _resolved(m)
+    d = m.d_model
+    attn = 2 * d * (d // tp) + 2 * d * max(kv // tp, 1) * hd
+    return attn + (0 if moe else (3 if m.arch == "llama" else 2) * d * (ffn // tp))
+
+
+def _step_transient(cfg: Config, device: str, p_opt: int, largest: int, tp: int, pp: int, dp: int,
+                    buckets: bool) -> int:
+    t = cfg.train
+    if t.optimizer == "lamb":
+        opt = 4 * p_opt + 4 * largest  # every parameter's update u is kept until the trust ratios are known
+    else:
+        opt = 0 if device == "cuda" else 4 * p_opt  # fused AdamW: none; foreach: sqrt(exp_avg_sq) for all
+    clip = 4 * largest if (tp > 1 or pp > 1) else 0  # p.grad.float().pow(2) per parameter
+    sync = 4 * p_opt if (pp > 1 and dp > 1) else 0  # GradientSync flattens the gradients for one all-reduce
+    return max(opt, clip, sync)
+
+
+def _with_precision(cfg: Config, precision: str) -> Config:
+    import copy
+
+    c = copy.deepcopy(cfg)
+    c.train.precision = precision
+    return c
+
+
+# --------------------------------------------------------------------------------------- the trainer's report
+
+
+class MemoryReport:
+    """What `megaloom train` does with the plan (rank 0): print it at start-up and write ``run.dir/memory.json``;
+    after the first logged step of the steady state (step >= 2: the optimizer state exists from the first
+    update on) print the prediction next to the measured peak and add the measurement to memory.json."""
+
+    def __init__(self, plan: MemoryPlan, path, device) -> None:
+        import torch
+
+        self.plan, self.path, self.device = plan, path, device
+        self.done = False
+        cuda = device.type == "cuda"
+        self.setup_peak = torch.cuda.max_memory_allocated(device) if cuda else None  # before the first step
+
+    @classmethod
+    def start(cls, cfg: Config, model: nn.Module, *, world_size: int, device, pp_rank: int, n_micro: int,
+              run_dir, enabled: bool = True) -> MemoryReport | None:
+        """Plan, print and write; None (after a one-line warning) if the plan cannot be made: a report must
+        never stop a run."""
+        if not enabled:
+            return None
+        from pathlib import Path
+
+        try:
+            plan = plan_memory(cfg, model, world_size=world_size, device=device.type, pp_rank=pp_rank,
+                               n_micro=n_micro)
+        except Exception as e:  # a report must not stop the run
+            print(f"memory plan: not available ({type(e).__name__}: {e})", flush=True)
+            return None
+        report = cls(plan, Path(run_dir) / "memory.json", device)
+        print(plan.table(), flush=True)
+        report.write()
+        return report
+
+    def write(self, extra: dict | None = None) -> None:
+        d = self.plan.as_dict()
+        d.update(extra or {})
+        try:
+            self.path.write_text(json.dumps(d, indent=1) + "\n")
+        except OSError as e:
+            print(f"memory plan: could not write {self.path} ({e})", flush=True)
+
+    def after_step(self, step: int, total_steps: int) -> str | None:
+        """Call after a logged step; reports once, at the first one with step >= 2 (or the last step)."""
+        if self.done or (step < 2 and step < total_steps):
+            return None
+        import torch
+
+        from megaloom.observe.memory import peak_memory_gb
+
+        self.done = True
+        measured_gb = peak_memory_gb(self.device)
+        predicted_gb = self.plan.peak / GB
+        extra = {"measured_at_step": step}
+        if self.device.type == "cuda":
+            self.plan.measured_peak = torch.cuda.max_memory_allocated(self.device)
+            line = (f"memory: predicted peak {predicted_gb:.2f} GB, measured {measured_gb:.2f} GB "
+                    f"({self.plan.error_pct():+.1f}%; predicted at the {self.plan.peak_phase})")
+            if self.setup_peak is not None and self.plan.measured_peak <= self.setup_peak:
+                line += "; note: the measured peak was reached during set-up, not training"
+                extra["measured_peak_in_setup"] = True
+        else:
+            line = (f"memory: predicted peak {predicted_gb:.2f} GB, measured {measured_gb:.2f} GB (CPU: the "
+                    "process's peak RSS, which also holds data, libraries and allocator caches; not compared)")
+            extra["measured_rss_gb"] = measured_gb
+        print(line, flush=True)
+        self.write(extra)
+        return line

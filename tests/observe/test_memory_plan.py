@@ -1,0 +1,288 @@
+"""The memory plan's activation model against what autograd really saves.
+
+One forward of a tiny model runs under `torch.autograd.graph.saved_tensors_hooks`; every tensor saved for
+backward is recorded by its storage (unique storages, their full size; parameters and buffers excluded, as
+they are counted as weights). Saved bf16 copies of weights (autocast's casts) are told apart by their
+autograd history (a ToCopy of a parameter) and compared with `weight_cast_bytes`; everything else with the
+predicted embedding + blocks + head bytes. Per-block bytes are the difference between a 4- and a 2-block
+model, so they do not depend on how saved tensors are attributed to modules.
+
+On CPU, `device="cpu"` is predicted: PyTorch's composite RMSNorm (which also saves x * rsqrt) and its CPU
+flash kernel (q, k, v, out, logsumexp, as flash / cuDNN on GPU) or, with dropout, the math backend. The
+same comparison runs with `device="cuda"` on a GPU (marked gpu): fused RMSNorm, flash / cuDNN attention,
+grouped GEMMs for MoE.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import pytest
+import torch
+
+from megaloom.config import load_config
+from megaloom.models import Transformer, apply_recompute
+from megaloom.observe.memory_plan import (
+    analytic_params,
+    block_activation_bytes,
+    count_model_params,
+    embedding_activation_bytes,
+    head_activation_bytes,
+    plan_memory,
+)
+
+B, T, VOCAB = 4, 64, 512
+SHAPE = ["model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
+         f"model.vocab_size={VOCAB}", f"train.seq_len={T}", f"train.micro_batch_size={B}",
+         f"train.global_batch_size={B}"]
+MOE = ["model.preset=mixtral-tiny", "model.moe_every=1", "model.n_experts=4", "model.top_k=2",
+       "model.expert_ffn_dim=48", "model.n_shared_experts=1", "model.aux_loss_weight=0.01",
+       "model.z_loss_weight=0.001"]
+
+
+def make_cfg(arch: str, precision: str, recompute: str, n_layers: int, *extra: str):
+    preset = {"llama": "tiny", "gpt2": "tiny-gpt2"}.get(arch)
+    head = [f"model.preset={preset}"] if preset else []
+    kv = ["model.n_kv_heads=0"] if arch == "gpt2" else []
+    return load_config(None, [*head, *SHAPE, *kv, f"model.n_layers={n_layers}", f"train.precision={precision}",
+                              f"train.recompute={recompute}", *extra])
+
+
+def _is_weight_cast(t: torch.Tensor) -> bool:
+    """A bf16 copy of a parameter made by autocast (or an explicit .to): ToCopy of a leaf, through views."""
+    base = t._base if t._base is not None else t
+    fn = base.grad_fn
+    if fn is None or fn.name() != "ToCopyBackward0":
+        return False
+    nxt = fn.next_functions[0][0]
+    while nxt is not None and nxt.name() in ("SelectBackward0", "TBackward0", "ViewBackward0"):
+        nxt = nxt.next_functions[0][0]
+    return nxt is not None and hasattr(nxt, "variable")
+
+
+def measure_saved(cfg, device: str = "cpu", attention=None) -> tuple[int, int]:
+    """(activation bytes, weight-cast bytes) saved for backward by one forward with labels."""
+    torch.manual_seed(0)
+    model = Transformer(cfg.model).to(device)
+    apply_recompute(model, cfg.train.recompute)
+    if getattr(cfg.train, "fused_loss", False):
+        from megaloom.models.fused_ce import fused_head_loss
+
+        model.head_loss = fused_head_loss
+    x = torch.randint(0, VOCAB, (B, T), device=device)
+    y = torch.randint(0, VOCAB, (B, T), device=device)
+    own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    seen: dict[int, tuple[int, bool]] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        s = t.untyped_storage()
+        if s.data_ptr() not in own and s.data_ptr() not in seen:
+            seen[s.data_ptr()] = (s.nbytes(), _is_weight_cast(t))
+        return t
+
+    auto = (torch.autocast(device, dtype=torch.bfloat16) if cfg.train.precision == "bf16"
+            else contextlib.nullcontext())
+    kernel = contextlib.nullcontext()
+    if attention == "math":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        kernel = sdpa_kernel([SDPBackend.MATH])
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), auto, kernel:
+        loss = model(x, y)
+    assert torch.isfinite(loss)
+    acts = sum(n for n, cast in seen.values() if not cast)
+    casts = sum(n for n, cast in seen.values() if cast)
+    return acts, casts
+
+
+def predicted(cfg, device: str = "cpu", attention=None) -> tuple[int, int, int]:
+    """(activation bytes, saved weight-cast bytes, bytes of one block) for one micro-batch of the whole model."""
+    n = B * T
+    blocks = [sum(block_activation_bytes(cfg, tokens=n, batch=B, layer=i, device=device, attention=attention,
+                                         grouped_mm=device == "cuda" or None).values())
+              for i in range(cfg.model.n_layers)]
+    acts = (sum(embedding_activation_bytes(cfg, tokens=n, batch=B, device=device).values()) + sum(blocks)
+            + sum(head_activation_bytes(cfg, tokens=n, device=device).values()))
+    counts = analytic_params(cfg, list(range(cfg.model.n_layers)))
+    casts = 0
+    if cfg.train.precision == "bf16":  # full recompute: only the head's copy is saved (the blocks' are cached)
+        casts = 0 if getattr(cfg.train, "fused_loss", False) else 2 * counts.matmul_head
+        casts += 0 if cfg.train.recompute == "full" else 2 * sum(counts.matmul_layers.values())
+    return acts, casts, blocks[-1]
+
+
+def check(arch, precision, recompute, *extra, device="cpu", attention=None, fused=False) -> dict:
+    """Predicted == measured, for the whole model and per block; returns the numbers (for the report)."""
+    two, four = (make_cfg(arch, precision, recompute, n, *extra) for n in (2, 4))
+    for c in (two, four):
+        c.train.fused_loss = fused  # (set directly: the key is train.fused_loss where the config has it)
+    m2, c2 = measure_saved(two, device, attention)
+    m4, c4 = measure_saved(four, device, attention)
+    p2, pc2, block = predicted(two, device, attention)
+    p4, pc4, _ = predicted(four, device, attention)
+    per_block = (m4 - m2) // 2
+    assert per_block == block, f"one block saves {per_block} bytes, predicted {block}"
+    assert (m2, m4) == (p2, p4), f"whole model: measured {(m2, m4)}, predicted {(p2, p4)}"
+    assert (c2, c4) == (pc2, pc4), f"weight casts: measured {(c2, c4)}, predicted {(pc2, pc4)}"
+    return {"block": block, "model_2_layers": m2, "casts_2_layers": c2}
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_dense_blocks_saved_bytes_are_exact(arch, precision, recompute):
+    check(arch, precision, recompute)
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_moe_blocks_saved_bytes_are_exact(precision, recompute):
+    check("moe", precision, recompute, *MOE)
+
+
+@pytest.mark.parametrize("case", [
+    ("llama", "bf16", "none", "model.sliding_window=16"),  # the window mask is saved in the compute dtype
+    ("llama", "fp32", "none", "model.parallel_block=true"),  # one normed input shared by both branches
+    ("llama", "bf16", "selective", "model.parallel_block=true"),
+    ("gpt2", "fp32", "none", "model.dropout=0.1"),  # CPU: dropout sends SDPA to the math backend
+    ("llama", "fp32", "none", "model.tie_embeddings=false"),
+    ("llama", "bf16", "selective", "model.dropout=0.1"),
+    ("moe", "bf16", "none", *MOE, "model.dropout=0.1"),
+    ("moe", "fp32", "selective", *MOE, "model.router_score=sigmoid"),
+    ("gpt2", "bf16", "none", "model.parallel_block=true"),
+])
+def test_variants_saved_bytes_are_exact(case):
+    check(*case)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_fused_loss_saves_gradients_not_logits(precision):
+    pytest.importorskip("megaloom.models.fused_ce")
+    check("llama", precision, "none", fused=True)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("recompute", ["none", "selective"])
+def test_math_attention_backend(precision, recompute):
+    check("llama", precision, recompute, attention="math")
+
+
+GPU_CASES = [
+    ("llama", "bf16", "none"), ("llama", "bf16", "selective"), ("llama", "bf16", "full"),
+    ("gpt2", "bf16", "none"), ("gpt2", "bf16", "selective"),
+    ("llama", "fp32", "none"),  # fp32 with grouped-query heads: the math backend
+    ("gpt2", "fp32", "none"),  # fp32, multi-head: the efficient kernel
+    ("moe", "bf16", "none", *MOE), ("moe", "bf16", "selective", *MOE),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", GPU_CASES)
+def test_gpu_saved_bytes_are_exact(case):
+    """The GPU save-sets: fused RMSNorm, flash / cuDNN attention (whatever SDPA picks), grouped GEMMs."""
+    check(*case, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", [("llama", "bf16", "none"), ("gpt2", "bf16", "none", "model.dropout=0.1"),
+                                  ("llama", "bf16", "none", "model.sliding_window=16")])
+def test_gpu_variants(case):
+    check(*case, device="cuda")
+    check(*case, device="cuda", attention="math")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_fused_loss():
+    pytest.importorskip("megaloom.models.fused_ce")
+    check("llama", "bf16", "none", device="cuda", fused=True)
+
+
+# ------------------------------------------------------------------------------------------- parameters
+
+
+@pytest.mark.parametrize("preset,extra", [
+    ("tiny", []), ("tiny-gpt2", []), ("mixtral-tiny", []), ("deepseek-v3-tiny", []), ("gpt2-124m", []),
+    ("llama3-1b", []), ("llama3-1b-untied", []), ("tiny", ["model.parallel_block=true"]),
+])
+def test_analytic_parameter_counts_match_the_module(preset, extra):
+    cfg = load_config(None, [f"model.preset={preset}", "model.vocab_size=50304", *extra])
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    exact = count_model_params(model)
+    guess = analytic_params(cfg, list(range(cfg.model.n_layers)))
+    assert guess.local == exact.local
+    assert guess.matmul_layers == exact.matmul_layers
+    assert guess.matmul_head == exact.matmul_head
+    assert guess.block_params == exact.block_params
+
+
+# ----------------------------------------------------------------------------------------------- the plan
+
+
+def _big(recompute: str, *extra: str):
+    return load_config(None, ["model.preset=llama3-1b-untied", "train.seq_len=4096", "model.max_seq_len=8192",
+                              "train.micro_batch_size=2", "train.global_batch_size=2", f"train.recompute={recompute}",
+                              "train.precision=bf16", *extra])
+
+
+def test_plan_orders_recompute_modes_and_reports():
+    plans = {r: plan_memory(_big(r), device="cuda") for r in ("none", "selective", "full")}
+    assert plans["full"].peak < plans["selective"].peak < plans["none"].peak
+    p = plans["none"]
+    # llama3-1b-untied: 1.498B parameters, 16 bytes each of weights, gradients and AdamW state.
+    assert p.weights == 4 * 1_498_482_688 and p.optimizer == 2 * p.weights and p.gradients == p.weights
+    assert p.peak_phase == "loss backward"  # the 128k-vocabulary loss dominates at this shape
+    assert p.peak == max(p.phases.values())
+    table = p.table()
+    assert "peak" in table and "activations" in table
+    d = json.loads(p.to_json())
+    assert d["peak"] == p.peak and d["phases"]["loss backward"] == p.peak
+
+
+def test_plan_counts_the_module_exactly():
+    cfg = make_cfg("llama", "fp32", "none", 2)
+    torch.manual_seed(0)
+    model = Transformer(cfg.model)
+    p = plan_memory(cfg, model, device="cpu")
+    assert p.weights == 4 * sum(q.numel() for q in model.parameters())
+    assert not p.notes  # counted from the module
+    assert p.step_transient == p.weights  # foreach AdamW on CPU: one fp32 temporary per parameter
+
+
+def test_gradient_accumulation_keeps_gradients_during_later_forwards():
+    one = plan_memory(_big("none"), device="cuda")
+    four = plan_memory(_big("none", "train.global_batch_size=8"), device="cuda")
+    assert four.peak - one.peak == one.gradients  # the last micro-batch runs with the accumulated gradients
+
+
+def test_pipeline_first_stage_holds_pp_micro_batches():
+    cfg = _big("none", "parallel.pp=4", "train.global_batch_size=16")
+    first = plan_memory(cfg, world_size=4, device="cuda", pp_rank=0)
+    last = plan_memory(cfg, world_size=4, device="cuda", pp_rank=3)
+    assert first.in_flight == 4 and last.in_flight == 1  # 1F1B: pp - rank
+    assert first.layers == last.layers == 4
+    assert last.loss_transient > 0 and first.loss_transient == 0
+
+
+def test_zero_shards_optimizer_state():
+    z0 = plan_memory(_big("none", "train.global_batch_size=8"), world_size=4, device="cuda")
+    z1 = plan_memory(_big("none", "train.global_batch_size=8", "parallel.zero=1"), world_size=4, device="cuda")
+    assert z1.optimizer * 4 == z0.optimizer
+    assert z1.gradients == z0.gradients + z0.gradients // 4  # buckets + the reduced 1/dp shard
+
+
+if __name__ == "__main__":  # the numbers behind the tests: python tests/observe/test_memory_plan.py
+    cases = [(a, p, r) for a in ("gpt2", "llama") for p in ("fp32", "bf16") for r in ("none", "selective", "full")]
+    cases += [("moe", p, r, *MOE) for p in ("fp32", "bf16") for r in ("none", "selective", "full")]
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for dev in devices:
+        for case in cases if dev == "cpu" else GPU_CASES:
+            two = make_cfg(*case[:3], 2, *case[3:])
+            m2, c2 = measure_saved(two, dev)
+            p2, pc2, block = predicted(two, dev)
+            print(f"{dev:5} {case[0]:6}{case[1]:6}{case[2]:10} block {block:>9} B | 2-block model: measured "
+                  f"{m2:>9} B, predicted {p2:>9} B | weight casts measured {c2:>7}, predicted {pc2:>7}")
