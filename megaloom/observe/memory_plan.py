@@ -444,7 +444,7 @@ class MemoryPlan:
         s = self.setup
         head = (f"memory plan, per rank ({s.get('preset', '?')}, {s.get('precision')}, recompute={s.get('recompute')},"
                 f" micro-batch {s.get('micro_batch_size')} x {s.get('seq_len')}, tp={s.get('tp')} pp={s.get('pp')} "
-                f"dp={s.get('dp')} zero={s.get('zero')}, attention {_ATTN_NAMES.get(s.get('attention'), '?')}):")
+                f"dp={s.get('dp')} zero={s.get('zero')}, attention {self.attention_name()}):")
         layer = sum(self.per_layer.values())
         rows = [
             ("weights", self.weights, f"fp32 master parameters ({s.get('params_local', 0) / 1e6:.1f}M on this rank)"),
@@ -468,6 +468,10 @@ class MemoryPlan:
         for note in self.notes:
             lines.append(f"  note: {note}")
         return "\n".join(lines)
+
+    def attention_name(self) -> str:
+        name = _ATTN_NAMES.get(self.setup.get("attention"), "?")
+        return "flash (CPU kernel)" if name == "flash/cuDNN" and self.setup.get("device") != "cuda" else name
 
     def error_pct(self) -> float:
         if not self.measured_peak:
