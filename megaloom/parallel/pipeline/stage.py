@@ -66,6 +66,7 @@ class StageModule(nn.Module):
             self.register_buffer("rope_sin", model.rope_sin, persistent=False)
         # The hooks tensor parallelism may have replaced, and full recomputation of the first N layers.
         self.loss_fn = model.loss_fn
+        self.head_loss = getattr(model, "head_loss", None)  # fused head + loss (train.fused_loss)
         self.seq_scatter = model.seq_scatter
         self.seq_gather = model.seq_gather
         self.recompute_layers = model.recompute_layers
@@ -108,7 +109,10 @@ class StageModule(nn.Module):
                 x = layer(x, rope)
         if stage != self.last_stage:
             return x
-        logits = self.head(self.seq_gather(self.norm(x)))
+        x = self.seq_gather(self.norm(x))
+        if labels is not None and self.head_loss is not None:
+            return self.head_loss(self.head, x, labels)
+        logits = self.head(x)
         return logits if labels is None else self.loss_fn(logits, labels)
 
 
