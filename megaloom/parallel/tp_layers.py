@@ -20,6 +20,7 @@ from torch import nn
 
 from megaloom.parallel import comm
 from megaloom.parallel.mesh import Mesh
+from megaloom.precision import fp8
 
 INPUT_MODES = ("copy", "gather", "none")
 OUTPUT_MODES = ("reduce", "reduce_scatter")
@@ -54,6 +55,7 @@ class ColumnParallelLinear(nn.Module):
         self.out_features, self.in_features = weight.shape  # local: what the attention reads head counts from
         self.weight = mark(weight, 0, replicas)
         self.bias = mark(bias, 0, replicas) if bias is not None else None
+        self.fp8_recipe: str | None = None  # set by precision.fp8.convert_to_float8: the local matmul in fp8
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, mesh: Mesh, input_mode: str = "copy",
@@ -71,7 +73,7 @@ class ColumnParallelLinear(nn.Module):
             x = comm.copy_to_tp(x, g, rec)
         elif self.input_mode == "gather":
             x = comm.gather_from_seq(x, g, rec)
-        return F.linear(x, self.weight, self.bias)
+        return fp8.linear(x, self.weight, self.bias, self.fp8_recipe)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} "
@@ -95,6 +97,7 @@ class RowParallelLinear(nn.Module):
         self.weight = mark(weight, 1)
         sp = output_mode == "reduce_scatter"
         self.bias = mark(bias, None, sequence_parallel=sp) if bias is not None else None
+        self.fp8_recipe: str | None = None  # set by precision.fp8.convert_to_float8: the local matmul in fp8
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, mesh: Mesh, output_mode: str = "reduce") -> RowParallelLinear:
@@ -104,7 +107,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g, rec = self.mesh.tp_group, self.mesh.recorder
-        y = F.linear(x, self.weight)
+        y = fp8.linear(x, self.weight, None, self.fp8_recipe)
         if self.output_mode == "reduce":
             y = comm.reduce_from_tp(y, g, rec)
         else:

@@ -1,1 +1,1 @@
-"""Mixed precision: the dynamic loss scaler for fp16."""
+"""Mixed precision: the dynamic loss scaler for fp16 (`loss_scaler`) and float8 linear layers (`fp8`)."""
