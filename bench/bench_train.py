@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import statistics
@@ -26,8 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megaloom.config import load_config  # noqa: E402
 from megaloom.models import Transformer, apply_recompute  # noqa: E402
+from megaloom.models.fused_ce import fused_head_loss  # noqa: E402
 from megaloom.observe.flops import device_peak_flops, flops_per_token, matmul_params  # noqa: E402
 from megaloom.optim import build_optimizer  # noqa: E402
+from megaloom.precision.fp8 import convert_to_float8  # noqa: E402
 from megaloom.step import TrainStep  # noqa: E402
 
 
@@ -49,9 +52,15 @@ def main() -> None:
     ap.add_argument("--grad-accum", type=int, default=1)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5, help="steps excluded from the median (compilation, autotune)")
-    ap.add_argument("--precision", default="bf16")
+    ap.add_argument("--precision", default="bf16", help="bf16, fp16, fp32 or fp8 (the blocks' linears in float8)")
+    ap.add_argument("--fp8-recipe", default="tensorwise", choices=("tensorwise", "rowwise"))
+    ap.add_argument("--fp8-keep-first-last", action=argparse.BooleanOptionalAction, default=True,
+                    help="fp8: keep the first and last blocks in bf16 (--no-fp8-keep-first-last converts all)")
     ap.add_argument("--recompute", default="none")
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--fused-loss", action="store_true",
+                    help="head + cross-entropy fused and chunked (train.fused_loss): never the full fp32 logits")
+    ap.add_argument("--loss-chunk", type=int, default=0, help="--fused-loss: tokens per chunk (0 = default)")
     ap.add_argument("--results", default=None, help="append one JSON line here")
     ap.add_argument("--run-id", default=None)
     ap.add_argument("--device", default="cuda")
@@ -75,6 +84,10 @@ def main() -> None:
     model.tie_weights()
     model.reset_parameters()
     apply_recompute(model, args.recompute)
+    if args.fused_loss:
+        model.head_loss = functools.partial(fused_head_loss, chunk_tokens=args.loss_chunk or None)
+    if args.precision == "fp8":
+        print(convert_to_float8(model, args.fp8_recipe, args.fp8_keep_first_last), flush=True)
     if args.compile:
         for i, layer in enumerate(model.layers):
             model.layers[i] = torch.compile(layer)
@@ -115,7 +128,11 @@ def main() -> None:
         "micro_batch": args.micro_batch,
         "grad_accum": args.grad_accum,
         "precision": args.precision,
+        "fp8_recipe": args.fp8_recipe if args.precision == "fp8" else None,
+        "fp8_keep_first_last": args.fp8_keep_first_last if args.precision == "fp8" else None,
         "compile": args.compile,
+        "fused_loss": args.fused_loss,
+        "loss_chunk": (args.loss_chunk or None) if args.fused_loss else None,
         "grouped_mm": not args.no_grouped_mm,
         "attention": args.attention,
         "active_params_matmul": matmul_params(model),

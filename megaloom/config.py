@@ -101,9 +101,17 @@ class TrainConfig:
     beta1: float = _f(0.9, "AdamW beta1.")
     beta2: float = _f(0.95, "AdamW beta2.")
     grad_clip: float = _f(1.0, "Clip the global gradient norm to this value; 0 = off.")
-    precision: str = _f("auto", "auto = fp32 on CPU, bf16 on GPU.", ("auto", "fp32", "bf16", "fp16", "fp8"))
+    precision: str = _f("auto", "auto = fp32 on CPU, bf16 on GPU; fp8 = the blocks' attention and MLP linears in "
+                        "float8 (compute capability >= 8.9), the rest bf16.", ("auto", "fp32", "bf16", "fp16", "fp8"))
+    fp8_recipe: str = _f("tensorwise", "With precision=fp8: tensorwise (one current scale per tensor, e4m3 forward, "
+                         "e5m2 gradients) or rowwise (a scale per row, e4m3, weight gradient in bf16).",
+                         ("tensorwise", "rowwise"))
+    fp8_keep_first_last: bool = _f(True, "With precision=fp8: keep the first and last transformer blocks in bf16.")
     recompute: str = _f("none", "Activation recomputation.", ("none", "selective", "full"))
     compile: bool = _f(False, "torch.compile each transformer block.")
+    fused_loss: bool = _f(False, "Compute the output head and cross-entropy fused, in chunks of tokens, never holding "
+                                 "the full [tokens, vocab] logits (megaloom.models.fused_ce); needs parallel.tp=1 "
+                                 "(tensor parallelism has its own vocab-parallel loss).")
     attention: str = _f("auto", "Preferred SDPA kernel on GPU (the others remain fallbacks); auto = PyTorch's choice.",
                         ("auto", "cudnn", "flash", "efficient", "math"))
     log_every: int = _f(10, "Steps between metric lines (loss is averaged over the interval).")
@@ -360,9 +368,18 @@ def validate(cfg: Config) -> None:
     if m.moe_every:
         _require(1 <= m.top_k <= m.n_experts, f"model.top_k ({m.top_k}) must be between 1 and model.n_experts "
                                               f"({m.n_experts}).")
-        for key, v in [("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.ep", p.ep)]:
-            _require(v == 1, f"MoE models (model.moe_every={m.moe_every}) do not support {key}={v} in this build "
-                             f"yet (expert parallelism is planned); set {key}=1 (data parallelism works).")
+        _require(m.n_experts % p.ep == 0,
+                 f"parallel.ep={p.ep} does not divide model.n_experts={m.n_experts} (each ep rank owns whole "
+                 f"experts); parallel.ep values that would work: {_divisors(m.n_experts)}.")
+        if p.ep > 1:
+            _require(p.zero < 3, f"parallel.ep={p.ep} with parallel.zero=3 is not available yet (FSDP2 would shard "
+                                 "the expert weights over all of dp); use parallel.zero=0, 1 or 2.")
+            _require(t.optimizer == "adamw", f"parallel.ep={p.ep} with train.optimizer={t.optimizer}: LAMB's "
+                                             "per-tensor trust ratio over expert-parallel shards is not available "
+                                             "yet; use train.optimizer=adamw.")
+    _require(not (t.fused_loss and p.tp > 1),
+             f"train.fused_loss=true with parallel.tp={p.tp}: tensor parallelism computes its own vocab-parallel "
+             "loss over the head's shards; set train.fused_loss=false or parallel.tp=1.")
     _require(t.seq_len <= m.max_seq_len,
              f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len}); "
              f"lower train.seq_len or raise model.max_seq_len.")

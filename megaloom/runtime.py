@@ -82,5 +82,4 @@ def resolve_precision(cfg: Config, device: torch.device) -> str:
         if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
             raise ConfigError("train.precision=fp8 needs an FP8-capable GPU (Hopper/Ada, compute capability "
                               ">= 8.9); this device has none. Use bf16.")
-        raise ConfigError("train.precision=fp8 is not implemented yet (tracked by the precision issue); use bf16.")
     return p

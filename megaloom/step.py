@@ -14,14 +14,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from megaloom.models.transformer import moe_layers
 from megaloom.parallel import comm
 from megaloom.precision.loss_scaler import DynamicLossScaler
 
-AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# fp8: the converted linear layers run their GEMMs in float8 (megaloom.precision.fp8); all else runs as bf16.
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
 
 def autocast_ctx(precision: str, device: torch.device):
-    """bf16/fp16: weights stay fp32 (the master copy), matmuls run in the low precision."""
+    """bf16/fp16/fp8: weights stay fp32 (the master copy), matmuls run in the low precision."""
     if precision in AUTOCAST:
         return torch.autocast(device.type, dtype=AUTOCAST[precision])
     return contextlib.nullcontext()
@@ -71,15 +73,18 @@ class TrainStep:
         # With pipeline parallelism a schedule executor runs the micro-batches across stages instead of the loop.
         self.pipeline = pipeline
         self.attention = attention
+        self.moe = moe_layers(model)
         if pipeline is not None and self.scaler is not None:
             pipeline.scale_loss = lambda loss: loss * self.scaler.scale
 
     def __call__(self, batch: torch.Tensor | None) -> StepOutput:
+        scale = self.scaler.scale if self.scaler is not None else 1.0
         if self.pipeline is not None:
+            self._scale_aux_losses(scale / self.pipeline.schedule.microbatches)
             total = self.pipeline.run(batch, before_last_backward=getattr(self.grads, "start_last_microbatch", None))
             return self._update(total.detach().float())
         n_micro = batch.shape[0] // self.micro
-        scale = self.scaler.scale if self.scaler is not None else 1.0
+        self._scale_aux_losses(scale / n_micro)
         total = torch.zeros((), device=self.device)
         start_last = getattr(self.grads, "start_last_microbatch", None)
         for i, (x, y) in enumerate(micro_batches(batch, self.micro)):
@@ -90,6 +95,12 @@ class TrainStep:
             (loss * scale if scale != 1.0 else loss).backward()
             total += loss.detach().float()
         return self._update(total)
+
+    def _scale_aux_losses(self, grad_scale: float) -> None:
+        """MoE aux losses back-propagate from each layer's output (moe.attach_aux_loss) with the factors the
+        language-model loss gets: the fp16 loss scale over the micro-batches per step."""
+        for m in self.moe:
+            m.aux_grad_scale = grad_scale
 
     def _update(self, total: torch.Tensor) -> StepOutput:
         """After the last backward: complete gradients over every group, unscale, clip, step."""
@@ -122,7 +133,7 @@ class TrainStep:
         """DeepSeek-V3 aux-loss-free balancing: move each MoE layer's selection bias toward balance, from the
         load seen by all data-parallel replicas (so the biases stay identical everywhere)."""
         mesh = getattr(self.grads, "mesh", None)
-        for moe in getattr(self.model, "moe_layers", []):
+        for moe in self.moe:
             if mesh is not None and mesh.dp * mesh.cp > 1:
                 comm.all_reduce(moe.load_since_update, mesh.dp_cp_group, recorder=mesh.recorder)
             moe.update_bias()

@@ -16,9 +16,11 @@ from megaloom.config import Config, ConfigError
 from megaloom.data.dataset import build_datasets
 from megaloom.data.loader import StepBatches, make_loader
 from megaloom.models import Transformer, apply_recompute, count_params
-from megaloom.models.transformer import resolved_ffn_dim
+from megaloom.models.fused_ce import fused_head_loss
+from megaloom.models.transformer import moe_layers, resolved_ffn_dim
 from megaloom.observe.flops import device_peak_flops, flops_per_token, matmul_params
 from megaloom.observe.memory import peak_memory_gb
+from megaloom.observe.memory_plan import MemoryReport
 from megaloom.observe.metrics import MetricsSink, console_line
 from megaloom.optim import build_optimizer, lr_at, set_lr
 from megaloom.parallel import comm
@@ -31,6 +33,7 @@ from megaloom.parallel.pipeline.stage import build_embedding_groups, build_stage
 from megaloom.parallel.random import dropout_seed
 from megaloom.parallel.tensor import parallelize_tensor
 from megaloom.parallel.zero import ShardedOptimizer, build_data_parallel
+from megaloom.precision.fp8 import convert_to_float8
 from megaloom.resilience.guard import Resilience
 from megaloom.runtime import Runtime, init_runtime, resolve_precision, seed_everything
 from megaloom.step import TrainStep, autocast_ctx, micro_batches
@@ -115,8 +118,8 @@ def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
     t, device = cfg.train, rt.device
     mesh = Mesh.build(cfg, rt.world_size, rt.rank, device) if rt.world_size > 1 else Mesh.single(device)
     if rt.is_main and rt.world_size > 1:
-        print(f"megaloom: mesh of {rt.world_size} ranks (tp={mesh.tp} pp={mesh.pp} dp={mesh.dp} cp={mesh.cp}) "
-              f"built in {mesh.init_seconds:.3f}s", flush=True)
+        print(f"megaloom: mesh of {rt.world_size} ranks (tp={mesh.tp} pp={mesh.pp} dp={mesh.dp} cp={mesh.cp} "
+              f"ep={mesh.ep}) built in {mesh.init_seconds:.3f}s", flush=True)
     precision = resolve_precision(cfg, device)
     cfg.train.precision = precision
     run_dir = Path(cfg.run.dir)
@@ -139,8 +142,14 @@ def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
     n_params = count_params(model)
     fpt = flops_per_token(cfg.model, matmul_params(model), t.seq_len)
     model = parallelize_tensor(model, mesh, cfg.parallel.sp)  # ... then each rank keeps its shards
+    if precision == "fp8":  # the blocks' local GEMMs in float8 (tp collectives stay bf16); before stages/compile
+        fp8_summary = convert_to_float8(model, t.fp8_recipe, t.fp8_keep_first_last)
+        if rt.is_main:
+            print(f"megaloom: {fp8_summary}", flush=True)
     torch.manual_seed(dropout_seed(t.seed, mesh))  # dropout: equal across tp peers, distinct across data
     apply_recompute(model, t.recompute)
+    if t.fused_loss:  # head + cross-entropy in chunks, no full logits (validate() refuses it with tp > 1)
+        model.head_loss = fused_head_loss
     pipe = eval_pipe = None
     if mesh.pp > 1:
         # Pipeline: each rank keeps its stages' layers (names unchanged); a schedule executor runs micro-batches.
@@ -181,6 +190,10 @@ def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
         print(f"megaloom: {cfg.model.preset} ({cfg.model.arch}) {n_params / 1e6:.2f}M params on {device}, "
               f"{precision}, {t.steps} steps x {t.global_batch_size} x {t.seq_len} tokens "
               f"({n_micro} micro-batches of {t.micro_batch_size}); run dir {run_dir}", flush=True)
+    # Predicted bytes per rank (weights, gradients, optimizer, activations), printed and written to memory.json;
+    # compared with the measured peak after the first steps. Rank 0 plans its own stage; no forward is run.
+    memory_report = MemoryReport.start(cfg, model, world_size=rt.world_size, device=device, pp_rank=mesh.pp_rank,
+                                       n_micro=n_micro, run_dir=run_dir, enabled=rt.is_main)
 
     # Only the ranks that need tokens read them (MegaScale): the first pipeline stage (inputs) and the last
     # (labels); middle stages get None. Tensor-parallel peers read the same rows.
@@ -254,11 +267,12 @@ def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
                           "skipped_steps": skipped, "elapsed_s": time.perf_counter() - train_start}
                 if stragglers is not None:
                     record.update(stragglers)
-                moe = getattr(model, "moe_layers", [])
+                moe = moe_layers(model)
                 if moe:  # per MoE layer: the busiest expert's load over the mean (1 = balanced), dropped share
                     record["moe_load_max_over_mean"] = [round(float(m.last_load.max() / m.last_load.float().mean()
                                                                     .clamp(min=1e-9)), 4) for m in moe]
                     record["moe_tokens_per_expert"] = [m.last_load.tolist() for m in moe]
+                    record["moe_aux_loss"] = float(sum(float(m.aux_loss.detach()) for m in moe))  # last micro-batch
                     record["moe_dropped_fraction"] = float(sum(float(m.last_dropped_fraction) for m in moe) / len(moe))
                 if pending_stall is not None:
                     record["ckpt_stall_s"], pending_stall = pending_stall, None
@@ -277,6 +291,8 @@ def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
                     if do_eval:
                         line += f" | eval {record['eval_loss']:.4f} (ppl {record['eval_ppl']:.1f})"
                     print(line, flush=True)
+                    if memory_report is not None:
+                        memory_report.after_step(step, t.steps)
                 loss_sum.zero_()
                 steps_in_interval, interval_compute_s = 0, 0.0
 
@@ -339,10 +355,13 @@ def _dp_mean(x: torch.Tensor, mesh: Mesh) -> float:
 def _refuse_unbuilt(cfg: Config) -> None:
     """Say plainly which parallel features this build does not have yet, instead of ignoring the setting."""
     p = cfg.parallel
-    for key, value, off in [("parallel.cp", p.cp, 1), ("parallel.ep", p.ep, 1)]:
+    if p.ep > 1 and not cfg.model.moe_every:
+        raise ConfigError(f"parallel.ep={p.ep} splits MoE experts, but this model has none (model.moe_every=0); "
+                          "set parallel.ep=1 or choose an MoE preset (e.g. model.preset=mixtral-tiny).")
+    for key, value, off in [("parallel.cp", p.cp, 1)]:
         if value != off:
-            raise ConfigError(f"{key}={value} is not available in this build yet (tensor/sequence, pipeline "
-                              f"and data parallelism with ZeRO are); set {key}={off}.")
+            raise ConfigError(f"{key}={value} is not available in this build yet (tensor/sequence, pipeline, "
+                              f"expert and data parallelism with ZeRO are); set {key}={off}.")
 
 
 def _run_state(cfg: Config, step: int) -> dict:

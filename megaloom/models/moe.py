@@ -9,8 +9,14 @@ One MoE forward is four steps, each replaceable on its own:
               otherwise a loop of torch.mm over the groups)
     combine   LocalDispatcher.combine: weight each row by its router weight and sum back per token
 
-An expert-parallel dispatcher (all-to-all) only has to provide the same `dispatch`/`combine` pair.
-Shared experts (DeepSeek) are a dense SwiGLU MLP added for every token.
+An expert-parallel dispatcher (megaloom.parallel.expert: all-to-all) only has to provide the same
+`dispatch`/`combine` pair; tensor parallelism of the experts plugs in at `expert_in` / `expert_out` (identity
+here). Shared experts (DeepSeek) are a dense SwiGLU MLP added for every token.
+
+The router's auxiliary losses do not travel with the model's output: `attach_aux_loss` hangs them on the
+layer's output so that backward adds their gradient where they were computed. That is what makes them work
+in any pipeline stage (only the last stage has a loss); the training loss reported stays the language-model
+loss, and the aux losses are reported on their own.
 """
 
 from __future__ import annotations
@@ -104,6 +110,7 @@ class Dispatched:
     n_tokens: int
     top_k: int
     dropped: torch.Tensor  # scalar: assignments dropped by the capacity limit
+    route: object = None  # what a non-local dispatcher needs to send the rows back (expert parallelism)
 
 
 def expert_capacity(capacity_factor: float, n_tokens: int, top_k: int, n_experts: int) -> int | None:
@@ -199,12 +206,39 @@ class GroupedExperts(nn.Module):
         return torch.cat(outs)
 
 
+# ------------------------------------------------------------------------------------------------ aux losses
+class _AttachAuxLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor, grad_scale: float) -> torch.Tensor:
+        ctx.grad_scale, ctx.aux_meta = grad_scale, (aux.shape, aux.dtype)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        shape, dtype = ctx.aux_meta
+        return grad, torch.full(shape, ctx.grad_scale, dtype=dtype, device=grad.device), None
+
+
+def attach_aux_loss(out: torch.Tensor, aux: torch.Tensor, grad_scale: float = 1.0) -> torch.Tensor:
+    """`out` unchanged; its backward also back-propagates `aux` with d(total loss)/d(aux) = `grad_scale`.
+
+    Equivalent to adding `grad_scale * aux` to the loss, wherever the loss lives (Megatron's
+    MoEAuxLossAutoScaler). The trainer sets `grad_scale` = (fp16 loss scale) / (micro-batches per step),
+    the factors its loss gets."""
+    return _AttachAuxLoss.apply(out, aux, grad_scale)
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 # --------------------------------------------------------------------------------------------------------- MoE
 class MoE(nn.Module):
     """Drop-in replacement of the MLP: forward(x [B, T, D]) -> [B, T, D].
 
-    After each forward: `aux_loss` (scalar with graph: aux_loss_weight * load balancing + z_loss_weight * z-loss;
-    add it to the training loss), `last_load` [E] (tokens routed to each expert, before capacity drops) and
+    After each forward: `aux_loss` (scalar: aux_loss_weight * load balancing + z_loss_weight * z-loss; in
+    training its gradient is already attached to the output, see `attach_aux_loss`), `last_load` [E] (tokens
+    routed to each expert, before capacity drops) and
     `last_dropped_fraction` (scalar tensor). In training, `load_since_update` accumulates the load for
     `update_bias()` (aux-loss-free balancing), which the trainer calls after each optimizer step.
     """
@@ -222,6 +256,10 @@ class MoE(nn.Module):
         self.shared = MLP("llama", d_model, n_shared_experts * expert_ffn_dim, False, 0.0) if n_shared_experts else None
         self.dropout = nn.Dropout(dropout)
         self.dispatcher = LocalDispatcher()  # expert parallelism swaps this for an all-to-all dispatcher
+        # Tensor parallelism of the experts swaps these for the region borders around the expert GEMMs.
+        self.expert_in = _identity
+        self.expert_out = _identity
+        self.aux_grad_scale = 1.0  # d(loss)/d(aux_loss) for backward; set by the trainer (see attach_aux_loss)
         self.register_buffer("load_since_update", torch.zeros(n_experts), persistent=False)
         self.aux_loss = torch.zeros(())
         self.last_load = torch.zeros(n_experts)
@@ -254,12 +292,15 @@ class MoE(nn.Module):
         r = self.router(xf)
         capacity = expert_capacity(self.capacity_factor, xf.shape[0], self.top_k, self.n_experts)
         d = self.dispatcher.dispatch(xf, r.weights, r.experts, self.n_experts, capacity)
-        y = self.dispatcher.combine(self.experts(d.x, d.counts), d)
+        y = self.dispatcher.combine(self.expert_out(self.experts(self.expert_in(d.x), d.counts)), d)
         if self.shared is not None:
             y = y + self.shared(xf)
         self._record(r)
         self.last_dropped_fraction = d.dropped.float() / r.experts.numel()
-        return self.dropout(y.to(x.dtype).view(shape))
+        out = self.dropout(y.to(x.dtype).view(shape))
+        if self.aux_loss.requires_grad:
+            out = attach_aux_loss(out, self.aux_loss, self.aux_grad_scale)
+        return out
 
     def _record(self, r: RouterOutput) -> None:
         aux = r.logits.new_zeros(())

@@ -76,6 +76,9 @@ class Transformer(nn.Module):
         self.recompute_layers = 0  # full recomputation of the first N blocks (set by apply_recompute)
         # Hooks that megaloom.parallel replaces (tensor / sequence parallelism); identity on one device.
         self.loss_fn = cross_entropy
+        # Optional fused head + loss, called as head_loss(head, x, labels) instead of loss_fn(head(x), labels)
+        # (train.fused_loss: megaloom.models.fused_ce.fused_head_loss, chunked, never the full logits).
+        self.head_loss = None
         self.seq_scatter = _identity
         self.seq_gather = _identity
         self.reset_parameters()
@@ -135,20 +138,26 @@ class Transformer(nn.Module):
         x = self.seq_gather(self.norm(x))
         if labels is None:
             return self.head(x)
-        loss = self.loss_fn(self.head(x), labels)
-        if self.training and self.moe_layers:  # router auxiliary losses (load balancing, z-loss) join training
-            loss = loss + sum(m.aux_loss for m in self.moe_layers)
-        return loss
+        # Router auxiliary losses are not added here: each MoE layer attached their gradient to its output
+        # (moe.attach_aux_loss), so the value returned is the language-model loss alone.
+        if self.head_loss is not None:
+            return self.head_loss(self.head, x, labels)
+        return self.loss_fn(self.head(x), labels)
 
     @property
     def moe_layers(self) -> list[MoE]:
-        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, MoE)]
+        return moe_layers(self)
 
     def new_caches(self, batch: int, max_len: int, dtype=None) -> list[KVCache]:
         w = self.layers[0].attn.k_proj.weight
         hd = self.cfg.d_model // self.cfg.n_heads
         return [KVCache(batch, layer.attn.k_proj.out_features // hd, max_len, hd, dtype or w.dtype, w.device)
                 for layer in self.layers]
+
+
+def moe_layers(module: nn.Module) -> list[MoE]:
+    """Every MoE layer inside `module` (a Transformer, a pipeline stage, a compiled block ...)."""
+    return [m for m in module.modules() if isinstance(m, MoE)]
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:

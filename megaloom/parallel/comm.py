@@ -389,3 +389,50 @@ def gather_from_seq(x: torch.Tensor, group: Group, recorder: OpRecorder | None =
 def reduce_scatter_to_seq(x: torch.Tensor, group: Group, recorder: OpRecorder | None = None) -> torch.Tensor:
     """Leave a region into sequence shards: reduce-scatter along T forward, all-gather backward."""
     return x if group_size(group) == 1 else _ReduceScatterToSeq.apply(x, group, recorder)
+
+
+# ------------------------------------------------------------------------------ expert-parallel autograd ops
+
+
+class _AllToAll(Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Group,
+                recorder: OpRecorder | None) -> torch.Tensor:
+        ctx.splits, ctx.group, ctx.recorder = (out_splits, in_splits), group, recorder
+        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+        return all_to_all_single(out, x, group, out_splits, in_splits, recorder)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        # The gradient travels the reverse route: what a rank received, it sends back to its source.
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
+        all_to_all_single(back, grad.contiguous(), ctx.group, in_splits, out_splits, ctx.recorder)
+        return back, None, None, None, None
+
+
+def all_to_all(x: torch.Tensor, group: Group, output_split_sizes: list[int], input_split_sizes: list[int],
+               recorder: OpRecorder | None = None) -> torch.Tensor:
+    """Differentiable variable-size all-to-all along dim 0 (expert dispatch): ``input_split_sizes[j]`` rows go
+    to rank j, ``output_split_sizes[i]`` rows arrive from rank i, in rank order."""
+    if group_size(group) == 1:
+        return x
+    return _AllToAll.apply(x, list(output_split_sizes), list(input_split_sizes), group, recorder)
+
+
+class _GatherSplitGrad(Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group, recorder: OpRecorder | None) -> torch.Tensor:
+        ctx.group = group
+        return gather_along_dim(x, 1, group, recorder)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        # Every rank holds the complete (identical) gradient of the gathered sequence: keep our slice.
+        return split_along_dim(grad, 1, ctx.group), None, None
+
+
+def gather_from_seq_replicated(x: torch.Tensor, group: Group, recorder: OpRecorder | None = None) -> torch.Tensor:
+    """All-gather sequence shards into a sequence that the ranks then process identically (an MoE layer's
+    router and dispatch under sequence parallelism): backward keeps this rank's slice instead of summing."""
+    return x if group_size(group) == 1 else _GatherSplitGrad.apply(x, group, recorder)

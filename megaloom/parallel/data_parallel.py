@@ -46,6 +46,7 @@ from torch import nn
 
 from megaloom.config import ConfigError
 from megaloom.parallel import comm
+from megaloom.parallel.expert import is_expert_param
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.tensor import sync_tp_grads, tp_grad_norm
 
@@ -75,13 +76,35 @@ def plan_buckets(numels: list[int], bucket_numel: int, world: int) -> list[tuple
     return buckets
 
 
+def plan_grouped_buckets(numels: list[int], kinds: list[bool], bucket_numel: int,
+                         worlds: dict[bool, int]) -> list[tuple[list[int], list[int], int, bool]]:
+    """`plan_buckets` where parameters of two kinds (dense / expert) never share a bucket: each run of equal
+    kind (in backward order) is planned on its own, padded to its group's size. Returns (indices, offsets,
+    padded, kind) per bucket, still last parameter first."""
+    runs: list[list[int]] = []
+    for i in reversed(range(len(numels))):
+        if runs and kinds[runs[-1][-1]] == kinds[i]:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    out = []
+    for run in runs:
+        ascending = run[::-1]
+        for idx, offs, padded in plan_buckets([numels[i] for i in ascending], bucket_numel, worlds[kinds[run[0]]]):
+            out.append(([ascending[j] for j in idx], offs, padded, kinds[run[0]]))
+    return out
+
+
 @dataclass(eq=False)
 class Bucket:
     index: int
     params: list[nn.Parameter]
     offsets: list[int]  # element offset of each parameter in the bucket
-    padded: int  # elements, a multiple of the data-parallel size
+    padded: int  # elements, a multiple of the reducing group's size
     shard_offset: int  # where this rank's chunk of the bucket lives in `grad_shard` (zero >= 1)
+    group: object = None  # reducing group: the data-parallel group, or edp for expert weights (ep > 1)
+    size: int = 1  # ranks in `group`
+    rank: int = 0  # this rank's index in `group`
     data: torch.Tensor | None = None  # main grads [padded]; None while released (zero 2)
     param_data: torch.Tensor | None = None  # zero >= 1: the parameters' storage [padded]
     pending: int = 0  # parameters still without a gradient in the armed backward
@@ -191,12 +214,19 @@ class DataParallelGrads:
                 raise ValueError(f"data parallelism keeps fp32 main gradients; parameter {name} is {p.dtype}")
         device = self.params[0].device if self.params else mesh.device
         self.bucket_numel = max(1, int(bucket_mb * 2**20) // 4)
-        plan = plan_buckets([p.numel() for p in self.params], self.bucket_numel, self.size)
+        # Expert weights (ep > 1) are reduced over the edp group only: the dp ranks that hold the same experts.
+        kinds = [is_expert_param(p) and mesh.ep > 1 for p in self.params]
+        groups = {False: (self.group, self.size, self.rank),
+                  True: (mesh.edp_group, comm.group_size(mesh.edp_group), comm.group_rank(mesh.edp_group))}
+        plan = plan_grouped_buckets([p.numel() for p in self.params], kinds, self.bucket_numel,
+                                    {k: g[1] for k, g in groups.items()})
         self.buckets: list[Bucket] = []
         shard_offset = 0
-        for i, (idx, offs, padded) in enumerate(plan):
-            self.buckets.append(Bucket(i, [self.params[j] for j in idx], offs, padded, shard_offset))
-            shard_offset += padded // self.size
+        for i, (idx, offs, padded, kind) in enumerate(plan):
+            group, size, rank = groups[kind]
+            self.buckets.append(Bucket(i, [self.params[j] for j in idx], offs, padded, shard_offset, group, size,
+                                       rank))
+            shard_offset += padded // size
         self._where = {p: (b, off) for b in self.buckets for p, off in zip(b.params, b.offsets, strict=True)}
         self.grad_shard = torch.zeros(shard_offset, dtype=torch.float32, device=device) if zero else None
         for b in self.buckets:
@@ -234,11 +264,11 @@ class DataParallelGrads:
                 p.data = view
 
     def _chunk(self, b: Bucket) -> tuple[int, int]:
-        n = b.padded // self.size
-        return self.rank * n, (self.rank + 1) * n
+        n = b.padded // b.size
+        return b.rank * n, (b.rank + 1) * n
 
     def _grad_chunk(self, b: Bucket) -> torch.Tensor:
-        return self.grad_shard[b.shard_offset:b.shard_offset + b.padded // self.size]
+        return self.grad_shard[b.shard_offset:b.shard_offset + b.padded // b.size]
 
     def shard_segments(self) -> list[Segment]:
         """zero>=1: the pieces of parameters whose optimizer state this rank owns (its chunk of each bucket)."""
@@ -293,11 +323,13 @@ class DataParallelGrads:
     def _issue(self, b: Bucket, in_backward: bool) -> None:
         if not self._armed:
             self.stats.issued_unarmed += 1
-        b.data.div_(self.size)  # average over replicas (pre-divided, as Megatron does: no overflow in sums)
+        # Average over the data-parallel size (pre-divided, as Megatron does: no overflow in sums). Expert buckets
+        # too: summed over edp, their gradients already hold every ep peer's tokens (the all-to-all backward).
+        b.data.div_(self.size)
         if self.zero == 0:
-            b.work = comm.all_reduce_async(b.data, self.group, recorder=self.mesh.recorder)
+            b.work = comm.all_reduce_async(b.data, b.group, recorder=self.mesh.recorder)
         else:
-            b.work = comm.reduce_scatter_async(self._grad_chunk(b), b.data, self.group, recorder=self.mesh.recorder)
+            b.work = comm.reduce_scatter_async(self._grad_chunk(b), b.data, b.group, recorder=self.mesh.recorder)
         b.reductions += 1
         (self.stats.in_backward if in_backward else self.stats.in_finish)[-1] += 1
 
@@ -370,7 +402,7 @@ class DataParallelGrads:
         """Global L2 norm of the full gradient (each element counted once); scales gradients in place when it
         exceeds ``max_norm``. Returns the norm before clipping."""
         if self.zero == 0:
-            if self.mesh.tp == 1 and self.mesh.pp == 1:
+            if self.mesh.tp == 1 and self.mesh.pp == 1 and self.mesh.ep == 1:
                 return torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
             total = tp_grad_norm(self.model, self.mesh)
         else:
@@ -398,7 +430,7 @@ class DataParallelGrads:
         chunk), last bucket first: it holds the first layers, which the next forward needs first."""
         for b in reversed(self.buckets):
             lo, hi = self._chunk(b)
-            b.gather = comm.all_gather_into_async(b.param_data, b.param_data[lo:hi], self.group,
+            b.gather = comm.all_gather_into_async(b.param_data, b.param_data[lo:hi], b.group,
                                                   recorder=self.mesh.recorder)
 
     def wait_params(self, params: list[nn.Parameter] | None = None) -> None:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from megaloom.parallel import comm
+from megaloom.parallel.expert import is_expert_param
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.tensor import sync_tp_grads, tp_grad_norm
 
@@ -29,22 +30,32 @@ class GradientSync:
             sync_tp_grads(self.model, self.mesh)
         n = self.mesh.dp * self.mesh.cp
         if n > 1:
-            grads = [p.grad for p in self.params if p.grad is not None]
-            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-            for g in grads:
-                by_dtype.setdefault(g.dtype, []).append(g)
-            for group in by_dtype.values():
-                flat = torch.cat([g.reshape(-1) for g in group])
-                comm.all_reduce(flat, self.mesh.dp_cp_group, recorder=self.mesh.recorder)
-                flat.div_(n)
-                for g, part in zip(group, flat.split([g.numel() for g in group]), strict=True):
-                    g.copy_(part.view_as(g))
+            # Expert weights live on the edp ranks only (each ep rank owns others); every gradient is divided
+            # by the full data-parallel size, because each one sums contributions of all dp ranks' tokens.
+            grads = [p for p in self.params if p.grad is not None]
+            _average([p.grad for p in grads if not is_expert_param(p)], self.mesh.dp_cp_group, n, self.mesh)
+            experts = [p.grad for p in grads if is_expert_param(p)]
+            if experts:
+                _average(experts, self.mesh.edp_group, n, self.mesh)
 
     def clip(self, max_norm: float) -> torch.Tensor:
         """Global L2 norm of the gradient before clipping; scales gradients in place if it exceeds max_norm."""
-        if self.mesh.tp == 1 and self.mesh.pp == 1:
+        if self.mesh.tp == 1 and self.mesh.pp == 1 and self.mesh.ep == 1:
             return torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
         return scale_to_norm(self.params, tp_grad_norm(self.model, self.mesh), max_norm)
+
+
+def _average(grads: list[torch.Tensor], group, n: int, mesh: Mesh) -> None:
+    """Sum over ``group`` and divide by ``n``: one flat all-reduce per dtype, written back in place."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g)
+    for same in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in same])
+        comm.all_reduce(flat, group, recorder=mesh.recorder)
+        flat.div_(n)
+        for g, part in zip(same, flat.split([g.numel() for g in same]), strict=True):
+            g.copy_(part.view_as(g))
 
 
 def scale_to_norm(params: list[torch.Tensor], total: torch.Tensor, max_norm: float) -> torch.Tensor:

@@ -24,6 +24,8 @@ def _optim_name(name: str, p: nn.Parameter) -> str:
 
 def shard_of(full: torch.Tensor, p: nn.Parameter, mesh: Mesh) -> torch.Tensor:
     """This rank's slice of a full tensor shaped like parameter `p`'s full size."""
+    if getattr(p, "_ep_dim", None) is not None and mesh.ep > 1:  # this rank's experts
+        full = full.chunk(mesh.ep, p._ep_dim)[mesh.ep_rank]
     dim = getattr(p, "_tp_dim", None)
     if dim is None or mesh.tp == 1:
         return full

@@ -28,8 +28,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megaloom.models.moe import MoE
 from megaloom.models.transformer import Transformer
 from megaloom.parallel import comm
+from megaloom.parallel.expert import expert_norm_sq, is_expert_param, parallelize_moe
 from megaloom.parallel.mesh import Mesh, check_tp_model
 from megaloom.parallel.random import ForkedCall, ForkedDropout, RNGTracker
 from megaloom.parallel.tp_layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, mark
@@ -86,6 +88,8 @@ def parallelize_tensor(model: Transformer, mesh: Mesh, sp: bool) -> Transformer:
     ``model.seq_scatter`` / ``model.seq_gather``. tp == 1 leaves the model untouched.
     """
     if mesh.tp == 1:
+        for moe in model.moe_layers:
+            parallelize_moe(moe, mesh, sp)  # expert parallelism alone
         return model
     missing = [h for h in ("loss_fn", "seq_scatter", "seq_gather") if not hasattr(model, h)]
     if missing:  # without them the forward would silently compute a loss on this rank's logits only
@@ -111,11 +115,14 @@ def parallelize_tensor(model: Transformer, mesh: Mesh, sp: bool) -> Transformer:
         attn.v_proj = ColumnParallelLinear.from_linear(attn.v_proj, mesh, "none", kv_rows, kv_replicas)
         attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, mesh, out_mode)
         attn.register_forward_pre_hook(_EnterRegion(mesh, sp))
-        if mlp.gated:
-            mlp.gate_proj = ColumnParallelLinear.from_linear(mlp.gate_proj, mesh, "none")
-        mlp.up_proj = ColumnParallelLinear.from_linear(mlp.up_proj, mesh, "none")
-        mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, mesh, out_mode)
-        mlp.register_forward_pre_hook(_EnterRegion(mesh, sp))
+        if isinstance(mlp, MoE):
+            parallelize_moe(mlp, mesh, sp)  # experts split by hidden units (and over ep), see parallel.expert
+        else:
+            if mlp.gated:
+                mlp.gate_proj = ColumnParallelLinear.from_linear(mlp.gate_proj, mesh, "none")
+            mlp.up_proj = ColumnParallelLinear.from_linear(mlp.up_proj, mesh, "none")
+            mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, mesh, out_mode)
+            mlp.register_forward_pre_hook(_EnterRegion(mesh, sp))
         if sp:
             _mark_sequence_parallel(block.attn_norm)
             _mark_sequence_parallel(getattr(block, "mlp_norm", None))
@@ -124,7 +131,8 @@ def parallelize_tensor(model: Transformer, mesh: Mesh, sp: bool) -> Transformer:
             attn._core = ForkedCall(attn._core, tracker)
             if sp:  # the residual stream holds different tokens on each rank; without sp it is replicated
                 attn.resid_dropout = ForkedDropout(cfg.dropout, tracker)
-                mlp.dropout = ForkedDropout(cfg.dropout, tracker)
+                if not isinstance(mlp, MoE):  # an MoE layer drops out on the gathered, replicated sequence
+                    mlp.dropout = ForkedDropout(cfg.dropout, tracker)
 
     tied = model.head.weight is model.tok_emb.weight
     model.tok_emb = VocabParallelEmbedding.from_embedding(model.tok_emb, mesh, "reduce")
@@ -205,8 +213,12 @@ def tp_grad_norm(model: nn.Module, mesh: Mesh) -> torch.Tensor:
     """
     device = next(model.parameters()).device
     total = torch.zeros((), dtype=torch.float32, device=device)
+    experts = []
     for p in model.parameters():  # a tied weight is yielded once
         if p.grad is None:
+            continue
+        if is_expert_param(p):  # different experts on each ep rank: summed over ep first
+            experts.append((p.grad, p))
             continue
         sq = p.grad.float().pow(2).sum()
         if getattr(p, "_tp_dim", None) is None:
@@ -214,6 +226,8 @@ def tp_grad_norm(model: nn.Module, mesh: Mesh) -> torch.Tensor:
         else:
             sq = sq / getattr(p, "_tp_replicas", 1)
         total += sq
+    if mesh.ep > 1:
+        total += expert_norm_sq(experts, mesh).to(device)
     comm.all_reduce(total, mesh.tp_group, recorder=mesh.recorder)
     comm.all_reduce(total, mesh.pp_group, recorder=mesh.recorder)
     return total.sqrt()
@@ -224,6 +238,8 @@ def gather_full_tensor(t: torch.Tensor, p: nn.Parameter, mesh: Mesh,
     """``t`` (shaped like this rank's shard of ``p``: the parameter, its gradient or optimizer state) at full
     size, following ``p._tp_dim``; copies of a replicated KV head are taken once, or summed (gradients that
     `sync_tp_grads` has not completed). Collective over tp."""
+    if is_expert_param(p) and mesh.ep > 1:  # experts of the other ep ranks first, then the tp split
+        t = comm.gather_along_dim(t.detach().contiguous(), p._ep_dim, mesh.ep_group, mesh.recorder)
     dim = getattr(p, "_tp_dim", None)
     if dim is None or mesh.tp == 1:
         return t.detach().clone()

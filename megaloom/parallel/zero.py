@@ -46,6 +46,7 @@ from megaloom.parallel.data_parallel import (
     sharded_grad_norm,
     tp_weight,
 )
+from megaloom.parallel.expert import is_expert_param
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.state import full_model_state, load_full_state, shard_of
 from megaloom.parallel.tensor import gather_full_tensor, sync_tp_grads
@@ -311,7 +312,18 @@ class ShardedOptimizer:
             v = self.inner.state[t][key].reshape(-1)
             a = offsets[s.owner] + s.start
             flat[a:a + v.numel()] = v
-        comm.all_reduce(flat, self.layout.group, recorder=self.mesh.recorder)
+        if self.mesh.ep > 1 and any(is_expert_param(p) for _, p in self.named_params):
+            # Expert pieces are spread over edp only (each ep rank holds other experts at the same offsets): sum
+            # over edp first, then the dense pieces alone over ep, which completes their sum over all of dp.
+            comm.all_reduce(flat, self.mesh.edp_group, recorder=self.mesh.recorder)
+            dense = torch.ones_like(flat, dtype=torch.bool)
+            for i, (_, p) in enumerate(self.named_params):
+                if is_expert_param(p):
+                    dense[offsets[i]:offsets[i + 1]] = False
+            rest = comm.all_reduce(flat * dense, self.mesh.ep_group, recorder=self.mesh.recorder)
+            flat = torch.where(dense, rest, flat)
+        else:
+            comm.all_reduce(flat, self.layout.group, recorder=self.mesh.recorder)
         return [flat[offsets[i]:offsets[i + 1]].view(tuple(p.shape)) for i, (_, p) in enumerate(self.named_params)]
 
     def _step_count(self) -> torch.Tensor:

@@ -177,10 +177,30 @@ def test_aux_free_bias_balances_skewed_router():
     assert moe.router.expert_bias[:2].max() < 0 < moe.router.expert_bias[2:].max()
 
 
+def test_attached_aux_loss_equals_adding_it_to_the_loss():
+    """attach_aux_loss (what lets aux losses work in any pipeline stage) gives the gradients of
+    loss + grad_scale * aux_loss, for the input and every parameter."""
+    x = torch.randn(2, 6, D, dtype=torch.float64)
+    c = torch.randn(2, 6, D, dtype=torch.float64)
+    grads = []
+    for attached in (True, False):
+        moe = make_moe(n_shared_experts=1, aux_loss_weight=0.05, z_loss_weight=1e-2)
+        moe.aux_grad_scale = 0.25 if attached else 0.0  # 0: the attached gradient vanishes
+        xi = x.clone().requires_grad_()
+        loss = (moe(xi) * c).sum()
+        if not attached:
+            loss = loss + 0.25 * moe.aux_loss
+        loss.backward()
+        grads.append([xi.grad] + [p.grad for p in moe.parameters()])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-14)
+    assert grads[0][1].abs().sum() > 0
+
+
 def test_gradients_reach_router_experts_and_shared():
     moe = make_moe(n_shared_experts=1, aux_loss_weight=0.01, z_loss_weight=1e-3)
     x = torch.randn(2, 6, D, dtype=torch.float64, requires_grad=True)
-    (moe(x).square().sum() + moe.aux_loss).backward()
+    moe(x).square().sum().backward()  # the aux losses' gradient rides on the output
     for name, p in moe.named_parameters():
         assert p.grad is not None, name
         assert torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
@@ -226,9 +246,9 @@ def test_plugs_into_transformer_block():
     apply_recompute(m, "selective")
     tokens = torch.randint(0, 64, (2, 8))
     loss = m(tokens, torch.randint(0, 64, (2, 8)))
-    aux = sum(layer.mlp.aux_loss for layer in m.layers if isinstance(layer.mlp, MoE))
-    (loss + aux).backward()
+    loss.backward()  # the language-model loss; the aux loss's gradient is attached to the MoE output
     assert m.layers[1].mlp.experts.w_up.grad.abs().sum() > 0
+    assert m.moe_layers == [m.layers[1].mlp]
 
 
 @pytest.mark.gpu

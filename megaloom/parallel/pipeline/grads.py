@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from megaloom.parallel import comm
+from megaloom.parallel.expert import expert_norm_sq, is_expert_param
 from megaloom.parallel.grads import GradientSync, scale_to_norm
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.pipeline.stage import sync_tied_grads
@@ -24,12 +25,18 @@ def pipeline_grad_norm(model: nn.Module, mesh: Mesh) -> torch.Tensor:
     """L2 norm of the full model's gradient from this stage's (tp-sharded) gradients: each element once."""
     device = next(model.parameters()).device
     total = torch.zeros((), dtype=torch.float32, device=device)
+    experts = []
     for p in model.parameters():
         if p.grad is None or getattr(p, "_pp_tied_copy", False):
+            continue
+        if is_expert_param(p):
+            experts.append((p.grad, p))
             continue
         sq = p.grad.float().pow(2).sum()
         # Replicated over tp: every tp rank holds it, count 1/tp on each; a replicated KV head 1/replicas.
         total += sq / mesh.tp if getattr(p, "_tp_dim", None) is None else sq / getattr(p, "_tp_replicas", 1)
+    if mesh.ep > 1:
+        total += expert_norm_sq(experts, mesh).to(device)
     comm.all_reduce(total, mesh.tp_group, recorder=mesh.recorder)
     comm.all_reduce(total, mesh.pp_group, recorder=mesh.recorder)
     return total.sqrt()

@@ -1,0 +1,179 @@
+"""Expert parallelism (and tensor parallelism inside experts) for megaloom's MoE layers.
+
+`parallelize_experts(model, mesh, sp)` runs after `parallelize_tensor` and changes each MoE layer in place:
+
+- ep > 1: this rank keeps experts [ep_rank * E/ep, (ep_rank + 1) * E/ep) of every MoE layer (the stacked
+  weights are sliced along dim 0, ``p._ep_dim = 0``) and the layer's dispatcher becomes an
+  `AllToAllDispatcher`. The ep group is carved out of the data-parallel group (megaloom.parallel.mesh), so
+  the ranks of an ep group hold *different tokens*: the router runs on local tokens exactly as on one process
+  (same top-k, same capacity drops), and only the expert computation travels.
+- tp > 1: each expert's SwiGLU is split like the dense MLP (gate/up by columns of F, down by rows), with the
+  region borders around the expert GEMMs on the dispatched rows: `copy_to_tp` before (its backward sums the
+  partial input gradients) and `reduce_from_tp` after (the combine then sees complete expert outputs, so the
+  router's gradient is complete and identical on every tp rank). Shared experts become column/row layers.
+  With sequence parallelism the layer first gathers the sequence (backward: keep the own slice, because
+  every tp rank back-propagates the same complete gradient) and scatters its output back to sequence shards.
+
+Gradients: an expert weight exists on the dp ranks that share an ep rank (the edp group). Its gradient there
+already holds the contributions of every token of the ep group (the all-to-all backward brings them home),
+so the data-parallel layer sums it over edp and divides by the full data-parallel size, like every other
+gradient (`is_expert_param`). Norms count expert squares summed over the ep group (`expert_norm_sq`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+from torch import nn
+
+from megaloom.config import ConfigError
+from megaloom.models.moe import Dispatched, LocalDispatcher, MoE
+from megaloom.models.transformer import moe_layers
+from megaloom.parallel import comm
+from megaloom.parallel.mesh import Mesh
+from megaloom.parallel.tp_layers import ColumnParallelLinear, RowParallelLinear, mark
+
+
+def is_expert_param(p: object) -> bool:
+    """An expert-parallel weight: each ep rank holds different experts (reduced over edp, normed over ep)."""
+    return getattr(p, "_ep_dim", None) is not None
+
+
+@dataclass
+class _Route:
+    """How rows travelled, so that combine can send the outputs back the same way."""
+
+    inner: Dispatched  # the local dispatch: rows grouped by global expert
+    send: list[int]  # rows sent to each ep rank
+    recv: list[int]  # rows received from each ep rank
+    order: torch.Tensor  # received rows (by source, then local expert) -> grouped by local expert
+
+
+class AllToAllDispatcher:
+    """Dispatch over the ep group: local permutation (with the capacity limit) by global expert, counts
+    exchanged with one all-to-all, rows with a second (variable sizes), regrouped by local expert. Combine is
+    the inverse route followed by the local weighted sum, so tokens come back in their original order.
+
+    One host synchronisation per dispatch (the split sizes), as in every dropless all-to-all dispatcher.
+    """
+
+    def __init__(self, mesh: Mesh) -> None:
+        self.mesh, self.ep = mesh, mesh.ep
+        self.local = LocalDispatcher()
+
+    def dispatch(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, n_experts: int,
+                 capacity: int | None) -> Dispatched:
+        d = self.local.dispatch(x, weights, experts, n_experts, capacity)
+        n_local = n_experts // self.ep
+        send_counts = d.counts.view(self.ep, n_local)  # [destination rank, its local expert]
+        recv_counts = torch.empty_like(send_counts)  # [source rank, my local expert]
+        comm.all_to_all_single(recv_counts.view(-1), send_counts.reshape(-1), self.mesh.ep_group,
+                               recorder=self.mesh.recorder)
+        sizes = torch.cat([send_counts.sum(1), recv_counts.sum(1)]).tolist()
+        send, recv = sizes[:self.ep], sizes[self.ep:]
+        rows = d.x
+        if torch.is_autocast_enabled(rows.device.type):  # the experts compute in the low precision anyway
+            rows = rows.to(torch.get_autocast_dtype(rows.device.type))
+        rows = comm.all_to_all(rows, self.mesh.ep_group, recv, send, self.mesh.recorder)
+        order = _source_major_to_expert_major(recv_counts)
+        return Dispatched(rows[order], recv_counts.sum(0), d.slot, d.weights, d.n_tokens, d.top_k, d.dropped,
+                          route=_Route(d, send, recv, order))
+
+    def combine(self, y: torch.Tensor, d: Dispatched) -> torch.Tensor:
+        r: _Route = d.route
+        back = torch.empty_like(y).index_copy(0, r.order, y)  # undo the regrouping (a permutation)
+        back = comm.all_to_all(back, self.mesh.ep_group, r.send, r.recv, self.mesh.recorder)
+        return self.local.combine(back, r.inner)
+
+
+def _source_major_to_expert_major(counts: torch.Tensor) -> torch.Tensor:
+    """Gather indices taking rows laid out by (source rank, local expert) to (local expert, source rank).
+
+    ``counts[s, e]`` rows came from source s for local expert e."""
+    flat = counts.reshape(-1)
+    start = (torch.cumsum(flat, 0) - flat).view_as(counts)  # where block (s, e) begins in the received rows
+    block_start, block_len = start.t().reshape(-1), counts.t().reshape(-1)  # blocks in (e, s) order
+    n = int(flat.sum())
+    dest_start = torch.cumsum(block_len, 0) - block_len
+    pos = torch.arange(n, device=counts.device)
+    return torch.repeat_interleave(block_start - dest_start, block_len, output_size=n) + pos
+
+
+def _slice(p: nn.Parameter, dim: int, index: int, parts: int) -> nn.Parameter:
+    n = p.shape[dim] // parts
+    return nn.Parameter(p.detach().narrow(dim, index * n, n).clone())
+
+
+def _scatter_output(mesh: Mesh, module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+    return comm.scatter_to_seq(out, mesh.tp_group, mesh.recorder)
+
+
+def _enter_copy(mesh: Mesh, module: nn.Module, args: tuple) -> tuple:
+    return (comm.copy_to_tp(args[0], mesh.tp_group, mesh.recorder),) + tuple(args[1:])
+
+
+def _gather_input(mesh: Mesh, module: nn.Module, args: tuple) -> tuple:
+    return (comm.gather_from_seq_replicated(args[0], mesh.tp_group, mesh.recorder),) + tuple(args[1:])
+
+
+def check_expert_layout(n_experts: int, mesh: Mesh) -> None:
+    if n_experts % mesh.ep:
+        works = [e for e in range(1, n_experts + 1) if n_experts % e == 0]
+        raise ConfigError(f"parallel.ep={mesh.ep} does not divide model.n_experts={n_experts} (each ep rank "
+                          f"owns whole experts); parallel.ep values that would work: {works}.")
+
+
+def parallelize_moe(moe: MoE, mesh: Mesh, sp: bool) -> MoE:
+    """Split one MoE layer over ``mesh.ep`` (experts) and ``mesh.tp`` (each expert's hidden units)."""
+    check_expert_layout(moe.n_experts, mesh)
+    ex = moe.experts
+    if mesh.ep > 1:
+        for name in ("w_gate", "w_up", "w_down"):
+            setattr(ex, name, _slice(getattr(ex, name), 0, mesh.ep_rank, mesh.ep))
+        moe.dispatcher = AllToAllDispatcher(mesh)
+    if mesh.tp > 1:
+        ffn = ex.w_gate.shape[-1]
+        if ffn % mesh.tp:
+            raise ConfigError(f"parallel.tp={mesh.tp} does not divide the expert width {ffn} "
+                              f"(model.expert_ffn_dim); use a multiple of {mesh.tp}.")
+        ex.w_gate = _slice(ex.w_gate, 2, mesh.tp_rank, mesh.tp)
+        ex.w_up = _slice(ex.w_up, 2, mesh.tp_rank, mesh.tp)
+        ex.w_down = _slice(ex.w_down, 1, mesh.tp_rank, mesh.tp)
+        moe.expert_in = partial(comm.copy_to_tp, group=mesh.tp_group, recorder=mesh.recorder)
+        moe.expert_out = partial(comm.reduce_from_tp, group=mesh.tp_group, recorder=mesh.recorder)
+        if moe.shared is not None:
+            sh = moe.shared
+            sh.gate_proj = ColumnParallelLinear.from_linear(sh.gate_proj, mesh, "none")
+            sh.up_proj = ColumnParallelLinear.from_linear(sh.up_proj, mesh, "none")
+            sh.down_proj = RowParallelLinear.from_linear(sh.down_proj, mesh, "reduce")
+            sh.register_forward_pre_hook(partial(_enter_copy, mesh))  # once for gate and up together
+        if sp:
+            moe.register_forward_pre_hook(partial(_gather_input, mesh))
+            moe.register_forward_hook(partial(_scatter_output, mesh))
+    for name, dim in (("w_gate", 2), ("w_up", 2), ("w_down", 1)):
+        p = mark(getattr(ex, name), dim if mesh.tp > 1 else None)
+        p._ep_dim = 0 if mesh.ep > 1 else None
+    return moe
+
+
+def parallelize_experts(model: nn.Module, mesh: Mesh, sp: bool) -> nn.Module:
+    """Apply `parallelize_moe` to every MoE layer of ``model`` (after `parallelize_tensor`)."""
+    if mesh.ep == 1 and mesh.tp == 1:
+        return model
+    for moe in moe_layers(model):
+        parallelize_moe(moe, mesh, sp)
+    return model
+
+
+def expert_norm_sq(params: list[tuple[torch.Tensor, object]], mesh: Mesh) -> torch.Tensor:
+    """Sum of squares of expert gradients over the ep group (weighted as `tp_grad_norm` weights them): add it
+    to the dense part before the tp / pp reductions."""
+    total = torch.zeros((), dtype=torch.float32, device=mesh.device)
+    for g, p in params:
+        sq = g.float().pow(2).sum()
+        total += sq / mesh.tp if getattr(p, "_tp_dim", None) is None else sq
+    if mesh.ep > 1:
+        comm.all_reduce(total, mesh.ep_group, recorder=mesh.recorder)
+    return total

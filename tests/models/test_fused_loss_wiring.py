@@ -1,0 +1,80 @@
+"""train.fused_loss wired through the config, the Transformer's head_loss hook and the training loop."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from megaloom.config import ConfigError, load_config
+from megaloom.models import Transformer
+from megaloom.models.fused_ce import fused_head_loss
+from megaloom.models.transformer import cross_entropy
+from megaloom.optim import build_optimizer
+from megaloom.step import TrainStep
+from megaloom.train import train
+from tests.conftest import tiny_overrides
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _tiny_model(tie: bool, vocab: int = 160) -> Transformer:
+    cfg = load_config(None, [f"model.vocab_size={vocab}", "model.d_model=64", "model.n_layers=2", "model.n_heads=4",
+                             "model.n_kv_heads=2", "model.ffn_dim=128", "model.max_seq_len=32", "train.seq_len=32",
+                             f"model.tie_embeddings={tie}"])
+    torch.manual_seed(0)
+    return Transformer(cfg.model)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_transformer_training_with_the_hook_matches(tie):
+    """A few AdamW steps of a tiny Transformer: the same losses and weights with and without the fused loss."""
+    torch.manual_seed(5)
+    batches = [torch.randint(0, 160, (4, 33)) for _ in range(4)]
+
+    def run(fused: bool):
+        model = _tiny_model(tie)
+        if fused:
+            model.head_loss = functools.partial(fused_head_loss, chunk_tokens=24)  # 64 tokens: 3 chunks
+        t = load_config(None, ["train.lr=3e-3"]).train
+        opt = build_optimizer(model, t, torch.device("cpu"))
+        step = TrainStep(model, opt, "fp32", torch.device("cpu"), micro_batch_size=2, grad_clip=1.0)
+        losses = [float(step(b).loss) for b in batches]
+        return losses, model
+
+    (ref, m_ref), (out, m_out) = run(False), run(True)
+    for a, b in zip(out, ref, strict=True):
+        assert abs(a - b) <= 1e-6 * abs(b), (out, ref)
+    for (n, p), q in zip(m_out.named_parameters(), m_ref.parameters(), strict=True):
+        assert _rel(p.detach(), q.detach()) < 1e-5, n
+    # eval (no grad) and logits without labels are unchanged
+    x = batches[0][:, :-1]
+    with torch.no_grad():
+        assert m_out(x).shape == (4, 32, 160)
+        assert abs(float(m_out(x, batches[0][:, 1:])) - float(cross_entropy(m_out(x), batches[0][:, 1:]))) < 1e-5
+
+
+def test_train_loop_with_fused_loss_matches(small_corpus, tmp_path, monkeypatch):
+    """`megaloom train` with train.fused_loss=true: the same logged losses (fp32 on CPU) and eval loss."""
+    import megaloom.train as train_mod
+
+    calls = []
+    monkeypatch.setattr(train_mod, "fused_head_loss", lambda *a: calls.append(1) or fused_head_loss(*a))
+    base = ["train.steps=4", "checkpoint.every=0", "train.eval_every=4", "train.device=cpu"]  # fp32: exact
+    ref = train(load_config(None, tiny_overrides(small_corpus, tmp_path / "a", *base)))
+    out = train(load_config(None, tiny_overrides(small_corpus, tmp_path / "b", *base, "train.fused_loss=true")))
+    assert len(calls) == 4 * 2 + 2 * 2  # 4 steps x 2 micro-batches, then 2 eval batches x 2
+    assert sorted(out.losses) == sorted(ref.losses) == [1, 2, 3, 4]
+    for step, loss in ref.losses.items():
+        assert abs(out.losses[step] - loss) <= 1e-6 * loss, (out.losses, ref.losses)
+    assert abs(out.eval_loss - ref.eval_loss) <= 1e-6 * ref.eval_loss
+
+
+def test_config_key_and_tp_refusal():
+    assert load_config(None, []).train.fused_loss is False
+    assert load_config(None, ["train.fused_loss=true"]).train.fused_loss is True
+    with pytest.raises(ConfigError, match=r"train\.fused_loss.*parallel\.tp"):
+        load_config(None, ["train.fused_loss=true", "parallel.tp=2"])
