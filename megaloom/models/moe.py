@@ -211,7 +211,9 @@ class _AttachAuxLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out: torch.Tensor, aux: torch.Tensor, grad_scale: float) -> torch.Tensor:
         ctx.grad_scale, ctx.aux_meta = grad_scale, (aux.shape, aux.dtype)
-        return out.view_as(out)
+        # A copy, not an alias of the input: torch 2.11's compiled autograd.Function can zero the gradient of
+        # an output that aliases an input (seen with fp8's no-op casts, pytorch#180642).
+        return out.clone()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
