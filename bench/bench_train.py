@@ -57,6 +57,8 @@ def main() -> None:
     ap.add_argument("--fp8-keep-first-last", action=argparse.BooleanOptionalAction, default=True,
                     help="fp8: keep the first and last blocks in bf16 (--no-fp8-keep-first-last converts all)")
     ap.add_argument("--recompute", default="none")
+    ap.add_argument("--recompute-layers", type=int, default=0, help="recompute=full: only the first N blocks")
+    ap.add_argument("--offload", action="store_true", help="keep saved activations in pinned CPU memory")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--fused-loss", action="store_true",
                     help="head + cross-entropy fused and chunked (train.fused_loss): never the full fp32 logits")
@@ -83,7 +85,7 @@ def main() -> None:
     model = model.to_empty(device=device)
     model.tie_weights()
     model.reset_parameters()
-    apply_recompute(model, args.recompute)
+    apply_recompute(model, args.recompute, args.recompute_layers or None)
     if args.fused_loss:
         model.head_loss = functools.partial(fused_head_loss, chunk_tokens=args.loss_chunk or None)
     if args.precision == "fp8":
@@ -93,7 +95,7 @@ def main() -> None:
             model.layers[i] = torch.compile(layer)
     optimizer = build_optimizer(model, cfg.train, device)
     step = TrainStep(model, optimizer, args.precision, device, args.micro_batch, grad_clip=1.0,
-                     attention=args.attention)
+                     attention=args.attention, offload=args.offload)
 
     gbs = args.micro_batch * args.grad_accum
     tokens_per_step = gbs * args.seq_len
@@ -136,7 +138,7 @@ def main() -> None:
         "grouped_mm": not args.no_grouped_mm,
         "attention": args.attention,
         "active_params_matmul": matmul_params(model),
-        "recompute": args.recompute,
+        "recompute": args.recompute, "recompute_layers": args.recompute_layers, "offload": args.offload,
         "tokens_per_s": round(tps),
         "mfu": round(fpt * tps / peak, 4),
         "flops_per_token": fpt,

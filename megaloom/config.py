@@ -108,6 +108,10 @@ class TrainConfig:
                          ("tensorwise", "rowwise"))
     fp8_keep_first_last: bool = _f(True, "With precision=fp8: keep the first and last transformer blocks in bf16.")
     recompute: str = _f("none", "Activation recomputation.", ("none", "selective", "full"))
+    recompute_layers: int = _f(0, "With recompute=full: recompute only the first N blocks of each pipeline stage "
+                                  "(of the model without pipeline); 0 = all.")
+    offload_activations: bool = _f(False, "Keep the large tensors saved for backward in pinned CPU memory "
+                                          "(GPU only; trades PCIe traffic for activation memory).")
     compile: bool = _f(False, "torch.compile each transformer block.")
     fused_loss: bool = _f(False, "Compute the output head and cross-entropy fused, in chunks of tokens, never holding "
                                  "the full [tokens, vocab] logits (megaloom.models.fused_ce); needs parallel.tp=1 "
@@ -343,7 +347,8 @@ def validate(cfg: Config) -> None:
     for key, v in [("model.n_kv_heads", m.n_kv_heads), ("model.ffn_dim", m.ffn_dim),
                    ("model.vocab_size", m.vocab_size), ("model.sliding_window", m.sliding_window),
                    ("train.warmup_steps", t.warmup_steps), ("train.lr_decay_steps", t.lr_decay_steps),
-                   ("train.eval_every", t.eval_every), ("parallel.timeline_step", p.timeline_step),
+                   ("train.eval_every", t.eval_every), ("train.recompute_layers", t.recompute_layers),
+                   ("parallel.timeline_step", p.timeline_step),
                    ("checkpoint.every", cfg.checkpoint.every),
                    ("data.num_workers", cfg.data.num_workers), ("train.weight_decay", t.weight_decay),
                    ("train.grad_clip", t.grad_clip), ("train.min_lr", t.min_lr),

@@ -17,6 +17,7 @@ from torch import nn
 from megaloom.models.transformer import moe_layers
 from megaloom.parallel import comm
 from megaloom.precision.loss_scaler import DynamicLossScaler
+from megaloom.precision.offload import offload_saved
 
 # fp8: the converted linear layers run their GEMMs in float8 (megaloom.precision.fp8); all else runs as bf16.
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
@@ -27,6 +28,16 @@ def autocast_ctx(precision: str, device: torch.device):
     if precision in AUTOCAST:
         return torch.autocast(device.type, dtype=AUTOCAST[precision])
     return contextlib.nullcontext()
+
+
+def forward_ctx(precision: str, device: torch.device, offload: bool = False):
+    """Everything a training forward runs under: autocast, and optionally activation offload."""
+    if not offload:
+        return autocast_ctx(precision, device)
+    stack = contextlib.ExitStack()
+    stack.enter_context(autocast_ctx(precision, device))
+    stack.enter_context(offload_saved())
+    return stack
 
 
 def attention_ctx(backend: str, device: torch.device):
@@ -59,7 +70,7 @@ class StepOutput:
 class TrainStep:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, precision: str,
                  device: torch.device, micro_batch_size: int, grad_clip: float, grads=None,
-                 nan_guard: bool = False, pipeline=None, attention: str = "auto"):
+                 nan_guard: bool = False, pipeline=None, attention: str = "auto", offload: bool = False):
         """`grads`: a megaloom.parallel.grads.GradientSync for parallel runs (reduces and clips over all
         groups); None on one process."""
         self.model, self.optimizer = model, optimizer
@@ -73,6 +84,7 @@ class TrainStep:
         # With pipeline parallelism a schedule executor runs the micro-batches across stages instead of the loop.
         self.pipeline = pipeline
         self.attention = attention
+        self.offload = offload  # activation offload (train.offload_activations); pipelines get it via their ctx
         self.moe = moe_layers(model)
         if pipeline is not None and self.scaler is not None:
             pipeline.scale_loss = lambda loss: loss * self.scaler.scale
@@ -90,7 +102,7 @@ class TrainStep:
         for i, (x, y) in enumerate(micro_batches(batch, self.micro)):
             if start_last is not None and i == n_micro - 1:
                 start_last()  # gradient buckets are reduced while this last backward is still running
-            with autocast_ctx(self.precision, self.device), attention_ctx(self.attention, self.device):
+            with forward_ctx(self.precision, self.device, self.offload), attention_ctx(self.attention, self.device):
                 loss = self.model(x, y) / n_micro  # equal tokens per micro-batch: mean of means is the mean
             (loss * scale if scale != 1.0 else loss).backward()
             total += loss.detach().float()

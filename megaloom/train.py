@@ -36,7 +36,7 @@ from megaloom.parallel.zero import ShardedOptimizer, build_data_parallel
 from megaloom.precision.fp8 import convert_to_float8
 from megaloom.resilience.guard import Resilience
 from megaloom.runtime import Runtime, init_runtime, resolve_precision, seed_everything
-from megaloom.step import TrainStep, autocast_ctx, micro_batches
+from megaloom.step import TrainStep, autocast_ctx, forward_ctx, micro_batches
 
 
 @dataclass
@@ -147,7 +147,7 @@ def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
         if rt.is_main:
             print(f"megaloom: {fp8_summary}", flush=True)
     torch.manual_seed(dropout_seed(t.seed, mesh))  # dropout: equal across tp peers, distinct across data
-    apply_recompute(model, t.recompute)
+    apply_recompute(model, t.recompute, t.recompute_layers or None)
     if t.fused_loss:  # head + cross-entropy in chunks, no full logits (validate() refuses it with tp > 1)
         model.head_loss = fused_head_loss
     pipe = eval_pipe = None
@@ -156,7 +156,7 @@ def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
         model = build_stage(model, partition, mesh)
         emb_group = build_embedding_groups(mesh) if cfg.model.tie_embeddings else None  # collective
         m_train, m_eval = n_micro, n_micro
-        auto = lambda: autocast_ctx(precision, device)  # noqa: E731
+        auto = lambda: forward_ctx(precision, device, t.offload_activations)  # noqa: E731
         pipe = PipelineExecutor(model, build_schedule(cfg.parallel.schedule, mesh.pp, cfg.parallel.vpp, m_train),
                                 mesh, t.micro_batch_size, t.seq_len, sp=cfg.parallel.sp, autocast=auto)
         eval_pipe = PipelineExecutor(model, forward_only(mesh.pp, cfg.parallel.vpp, m_eval), mesh,
@@ -178,7 +178,8 @@ def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
     else:
         optimizer = build_optimizer(model, t, device, mesh)
     train_step = TrainStep(model, optimizer, precision, device, t.micro_batch_size, t.grad_clip, grads,
-                           nan_guard=cfg.resilience.nan_guard, pipeline=pipe, attention=t.attention)
+                           nan_guard=cfg.resilience.nan_guard, pipeline=pipe, attention=t.attention,
+                           offload=t.offload_activations)
 
     ckpt_root = run_dir / "checkpoints"
     start_step, resumed_state = _maybe_resume(cfg, model, optimizer, ckpt_root, rt, mesh)

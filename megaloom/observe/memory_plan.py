@@ -551,8 +551,17 @@ def plan_memory(cfg: Config, model: nn.Module | None = None, *, world_size: int 
         keep = getattr(t, "fp8_keep_first_last", True)
         fp8_layers = {i for i in range(m.n_layers) if not (keep and i in (0, m.n_layers - 1))}
 
-    # Activations per block, per stage (one micro-batch).
+    # Activations per block, per stage (one micro-batch). recompute=full with recompute_layers=N: only the first
+    # N blocks of each stage recompute, the others keep everything.
+    position = {i: j for ls in stages.values() for j, i in enumerate(ls)}
+    n_recompute = getattr(t, "recompute_layers", 0) or None
+
+    def recomputed(i: int) -> bool:
+        return t.recompute == "full" and (n_recompute is None or position[i] < n_recompute)
+
     def block(i: int, mode: str | None = None) -> dict[str, int]:
+        if mode is None and t.recompute == "full" and not recomputed(i):
+            mode = "none"
         return block_activation_bytes(cfg, tokens=tokens, batch=batch, layer=i, tp=tp, sp=sp, device=device,
                                       recompute=mode, attention=attention, fp8=i in fp8_layers)
 
@@ -569,16 +578,22 @@ def plan_memory(cfg: Config, model: nn.Module | None = None, *, world_size: int 
     head_cast = 2 * counts.matmul_head if (autocast and has_head and not fused_loss(cfg)) else 0
     lt = loss_transients(cfg, tokens=tokens, tp=tp, device=device)
     n_r = tokens // tp if sp else tokens
-    stage_act, stage_casts, stage_recompute = {}, {}, {}
+    stage_act, stage_casts, stage_saved_casts, stage_recompute = {}, {}, {}, {}
+    # Activation offload: the blocks' saved tensors wait in host memory; one block's come back during its backward.
+    offload = bool(getattr(t, "offload_activations", False)) and device == "cuda"
     for s, ls in stages.items():
-        act = sum(sum(block(i).values()) for i in ls)
+        act = 0 if offload else sum(sum(block(i).values()) for i in ls)
         act += emb if s == 0 else 0
         act += head if s == last else 0
         if pp > 1 and s != last:
             act += 4 * n_r * m.d_model  # the executor keeps the stage output until its backward
         stage_act[s] = act
         stage_casts[s] = sum(casts_of(i) for i in ls)
-        stage_recompute[s] = max((sum(block(i, "none").values()) + casts_of(i) for i in ls), default=0) if full else 0
+        stage_saved_casts[s] = sum(casts_of(i) for i in ls if not recomputed(i))  # recomputed blocks save none
+        stage_recompute[s] = max((sum(block(i, "none").values()) + casts_of(i) for i in ls if recomputed(i)),
+                                 default=0) if full else 0
+        if offload:
+            stage_recompute[s] = max([stage_recompute[s]] + [sum(block(i).values()) for i in ls])
 
     # Persistent state and gradients.
     p_local = counts.local
@@ -619,10 +634,10 @@ def plan_memory(cfg: Config, model: nn.Module | None = None, *, world_size: int 
     for kind, mb, s in events:
         grads = grad_after_backward if backward_done else 0
         if kind == "F":
-            saved_casts = (0 if full else stage_casts[s]) + (head_cast if s == last else 0)
+            saved_casts = stage_saved_casts[s] + (head_cast if s == last else 0)
             live[(mb, s)] = (stage_act[s], saved_casts)
             acts = sum(v[0] for v in live.values())
-            casts = sum(v[1] for v in live.values()) + (stage_casts[s] if full else 0)  # full: cached until exit
+            casts = sum(v[1] for v in live.values()) + stage_casts[s] - stage_saved_casts[s]  # cached until exit
             if acts >= max_act:
                 max_act, max_casts, max_inflight = acts, casts, len(live)
             base = static + grads + acts + casts + fsdp_gather
@@ -638,7 +653,7 @@ def plan_memory(cfg: Config, model: nn.Module | None = None, *, world_size: int 
             if s == last:
                 phases["loss backward"] = max(phases["loss backward"], base + lt["loss backward"])
                 phases["head backward"] = max(phases["head backward"], base + lt["head backward"])
-            if full:
+            if full or offload:
                 phases["recompute"] = max(phases["recompute"], base + stage_recompute[s])
             del live[(mb, s)]
             backward_done = True

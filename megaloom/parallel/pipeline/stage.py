@@ -101,9 +101,9 @@ class StageModule(nn.Module):
         elif seq_len is None:
             raise ValueError("StageModule.forward needs seq_len for a stage after the first")
         rope = Transformer.rope(self, seq_len)
-        for i in self.partition.layers(stage):
+        for j, i in enumerate(self.partition.layers(stage)):
             layer = self.layers[str(i)]
-            if i < self.recompute_layers and torch.is_grad_enabled():
+            if j < self.recompute_layers and torch.is_grad_enabled():  # the first N blocks of each stage
                 x = checkpoint(layer, x, rope, use_reentrant=False)
             else:
                 x = layer(x, rope)
