@@ -64,6 +64,8 @@ def main() -> None:
                     help="head + cross-entropy fused and chunked (train.fused_loss): never the full fp32 logits")
     ap.add_argument("--loss-chunk", type=int, default=0, help="--fused-loss: tokens per chunk (0 = default)")
     ap.add_argument("--results", default=None, help="append one JSON line here")
+    ap.add_argument("--profile", default=None, help="after the timed steps, profile one step into this folder "
+                                                  "(trace.json.gz, breakdown.json; see profile_breakdown.py)")
     ap.add_argument("--run-id", default=None)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--attention", default="auto", help="preferred SDPA kernel: auto, cudnn, flash, efficient")
@@ -148,6 +150,13 @@ def main() -> None:
         "final_loss": losses[-1],
         "commit": git_commit(),
     }
+    if args.profile:
+        from profile_breakdown import profile_step, table
+
+        batch = torch.randint(0, cfg.model.vocab_size, (gbs, args.seq_len + 1), device=device)
+        b = profile_step(lambda: step(batch), Path(args.profile), device.type)
+        print(table(b), flush=True)
+        row["profile"] = b
     print("RESULT " + json.dumps(row), flush=True)
     if args.results:
         with open(args.results, "a") as f:

@@ -139,3 +139,10 @@ def test_expert_parallel_layouts_match_single_process(small_corpus, tmp_path):
     res = train(load_config(None, tiny_overrides(small_corpus, resumed, *base, f"checkpoint.resume={ckpt}")))
     for step in (4, 5):
         assert abs(res.losses[step] - ref.losses[step]) <= 1e-5 * ref.losses[step], step
+    # ... and the single process's checkpoint resumes at ep=2 (each rank keeps its experts of the full tensors).
+    ref_ckpt = tmp_path / "ref" / "checkpoints" / "step_00000003"
+    torchrun(2, tiny_overrides(small_corpus, tmp_path / "to-ep2", *base, "parallel.ep=2",
+                               f"checkpoint.resume={ref_ckpt}"))
+    got = losses(tmp_path / "to-ep2")
+    for step in (4, 5):
+        assert abs(got[step] - ref.losses[step]) <= 1e-5 * ref.losses[step], step

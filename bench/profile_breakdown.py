@@ -1,0 +1,104 @@
+"""Where one training step's time goes: a PyTorch profiler trace split into kinds of work.
+
+`bench_train.py --profile DIR` profiles one step after the timed ones, writes the Chrome trace
+(`DIR/trace.json.gz`, open in Perfetto or chrome://tracing) and `DIR/breakdown.json`, and prints the table.
+Kinds are read from kernel names (CUDA) or operator names (CPU): GEMM (cuBLAS / CUTLASS / nvjet / scaled and
+grouped mm), attention (flash / cuDNN / efficient SDPA kernels), optimizer (multi-tensor Adam), communication
+(NCCL), copies, and everything else (norms, RoPE, SwiGLU, casts, the loss: mostly Triton kernels under
+compile). Idle = the step's wall time minus the union of the device's busy intervals: launch gaps, host syncs.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from pathlib import Path
+
+KINDS = [
+    ("communication", re.compile(r"nccl|all_reduce|allreduce|reduce_scatter|all_gather|alltoall", re.I)),
+    ("attention", re.compile(r"flash|fmha|cudnn.*(attn|sdpa)|sdpa|attention|_efficient_attention", re.I)),
+    ("optimizer", re.compile(r"adam|multi_tensor|foreach|lamb", re.I)),
+    ("gemm", re.compile(r"gemm|cutlass|nvjet|xmma|cublas|_scaled_mm|grouped_mm|\bmm\b|addmm|matmul|bmm|linear",
+                        re.I)),
+    ("copy", re.compile(r"memcpy|memset|copy_|\bcopy\b", re.I)),
+]
+
+
+def kind_of(name: str) -> str:
+    for kind, pattern in KINDS:
+        if pattern.search(name):
+            return kind
+    return "elementwise/norm/other"
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def breakdown(trace_path: Path, device_type: str) -> dict:
+    """Busy time per kind (ms) from a Chrome trace written by `torch.profiler.profile.export_chrome_trace`."""
+    opener = gzip.open if str(trace_path).endswith(".gz") else open
+    with opener(trace_path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    if device_type == "cuda":
+        spans = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    else:  # CPU (a smoke test of the tool more than a measurement): top-level operators of each thread only
+        spans = []
+        ends: dict = {}
+        for e in sorted((e for e in events if e.get("ph") == "X" and e.get("cat") == "cpu_op"),
+                        key=lambda e: (e["ts"], -e.get("dur", 0.0))):
+            if e["ts"] >= ends.get(e.get("tid"), float("-inf")):
+                spans.append(e)
+                ends[e.get("tid")] = e["ts"] + e.get("dur", 0.0)
+    per_kind: dict[str, float] = {}
+    for e in spans:
+        k = kind_of(e.get("name", ""))
+        per_kind[k] = per_kind.get(k, 0.0) + e.get("dur", 0.0) / 1e3
+    step = [e for e in events if e.get("ph") == "X" and e.get("name", "").startswith("ProfilerStep")]
+    wall = sum(e["dur"] for e in step) / 1e3 if step else None
+    busy = _union_us([(e["ts"], e["ts"] + e.get("dur", 0.0)) for e in spans]) / 1e3
+    out = {"wall_ms": wall, "busy_ms": busy, "kinds_ms": dict(sorted(per_kind.items(), key=lambda kv: -kv[1]))}
+    if wall is not None and device_type == "cuda":
+        out["idle_ms"] = max(0.0, wall - busy)
+    return out
+
+
+def table(b: dict) -> str:
+    wall = b.get("wall_ms") or b["busy_ms"]
+    lines = [f"{'kind':<24}{'ms':>10}{'% of step':>11}"]
+    for k, ms in b["kinds_ms"].items():
+        lines.append(f"{k:<24}{ms:>10.2f}{100 * ms / wall:>10.1f}%")
+    if "idle_ms" in b:
+        lines.append(f"{'idle (no kernel)':<24}{b['idle_ms']:>10.2f}{100 * b['idle_ms'] / wall:>10.1f}%")
+    lines.append(f"{'step wall time':<24}{wall:>10.2f}")
+    return "\n".join(lines)
+
+
+def profile_step(run_step, out_dir: Path, device_type: str) -> dict:
+    """Profile one call of `run_step()` (after warm-up), save the trace and the breakdown; return the breakdown."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device_type == "cuda" else [])
+    with profile(activities=acts, schedule=schedule(wait=0, warmup=1, active=1, repeat=1)) as prof:
+        for _ in range(2):
+            run_step()
+            if device_type == "cuda":
+                torch.cuda.synchronize()
+            prof.step()
+    trace = out_dir / "trace.json"
+    prof.export_chrome_trace(str(trace))
+    with open(trace, "rb") as src, gzip.open(out_dir / "trace.json.gz", "wb") as dst:
+        dst.write(src.read())
+    trace.unlink()
+    b = breakdown(out_dir / "trace.json.gz", device_type)
+    (out_dir / "breakdown.json").write_text(json.dumps(b, indent=1))
+    return b

@@ -1,0 +1,41 @@
+#!/bin/bash
+# The speed issue's measurements on one H200 (offline), from the repository root. Two parts, each one device
+# call of under 10 minutes:
+#   bash bench/run_speed.sh ladder   # megaloom llama3-1b-untied, seq 4096: one lever at a time, then a profile
+#   bash bench/run_speed.sh race     # TorchTitan bf16 + float8 (needs bench/.peer) and megaloom's best, back to back
+# Rows land in $OUT/results.jsonl (append them to bench/results.jsonl), all logs in $OUT/$PART.log, the profile
+# in $OUT/profile/ (trace.json.gz, breakdown.json): few files, as the device tool brings back at most eight.
+set -u
+PART=${1:-ladder}
+export OUT=${OUT:-/tmp/megaloom-speed} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+mkdir -p "$OUT"
+RUN_ID=$(date -u +%Y%m%dT%H%M%S)
+export MEGALOOM_COMMIT=${MEGALOOM_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+LOG="$OUT/$PART.log"
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch; print('torch', torch.__version__)"; } > "$LOG" 2>&1
+B="python3 bench/bench_train.py --preset llama3-1b-untied --seq-len 4096 --steps 16 --warmup 6 --compile --results $OUT/results.jsonl --run-id $RUN_ID"
+run() {
+  local name=$1; shift
+  echo "=== $name: $*" >> "$LOG"
+  timeout 150 $B "$@" > /tmp/run_$name.log 2>&1; local rc=$?
+  tail -25 /tmp/run_$name.log >> "$LOG"
+  echo "$name rc=$rc $(grep -o '"tokens_per_s": [0-9]*' /tmp/run_$name.log)"
+}
+BEST="--micro-batch 4 --fused-loss --attention cudnn"
+if [ "$PART" = ladder ]; then
+  run base --micro-batch 4
+  run fused --micro-batch 4 --fused-loss
+  run fused_cudnn $BEST
+  run fused_cudnn_mb6 --micro-batch 6 --fused-loss --attention cudnn
+  run fused_cudnn_fp8 $BEST --precision fp8
+  run profile $BEST --profile "$OUT/profile"
+  grep -A12 "^kind" /tmp/run_profile.log
+else
+  run best_bf16 $BEST
+  run best_fp8 $BEST --precision fp8
+  if [ -d bench/.peer/.whl ]; then
+    OUT=/tmp/peer bash bench/.peer/run_peers.sh > /tmp/peer.log 2>&1
+    { echo "=== TorchTitan (bench/.peer/run_peers.sh)"; cat /tmp/peer.log; } >> "$LOG"
+    grep "^{" /tmp/peer.log > "$OUT/peer_summary.jsonl"; cat "$OUT/peer_summary.jsonl"
+  fi
+fi
