@@ -19,8 +19,6 @@ import argparse
 import datetime
 import gc
 import json
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,16 +33,8 @@ from megaloom.observe.memory_plan import GB, plan_memory  # noqa: E402
 from megaloom.optim import build_optimizer  # noqa: E402
 from megaloom.step import TrainStep  # noqa: E402
 
-
-def git_commit() -> str:
-    if os.environ.get("MEGALOOM_COMMIT"):  # the GPU machine gets a copy of the tree without .git
-        return os.environ["MEGALOOM_COMMIT"]
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True,
-                                       cwd=Path(__file__).parent, stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        return "unknown"
-
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_train import git_commit  # noqa: E402  (one definition of the commit stamp)
 
 DEFAULT_CONFIGS = [
     "llama3-1b-untied seq=4096 mb=2 recompute=none",
