@@ -379,9 +379,6 @@ def validate(cfg: Config) -> None:
         if p.ep > 1:
             _require(p.zero < 3, f"parallel.ep={p.ep} with parallel.zero=3 is not available yet (FSDP2 would shard "
                                  "the expert weights over all of dp); use parallel.zero=0, 1 or 2.")
-            _require(t.optimizer == "adamw", f"parallel.ep={p.ep} with train.optimizer={t.optimizer}: LAMB's "
-                                             "per-tensor trust ratio over expert-parallel shards is not available "
-                                             "yet; use train.optimizer=adamw.")
     _require(not (t.fused_loss and p.tp > 1),
              f"train.fused_loss=true with parallel.tp={p.tp}: tensor parallelism computes its own vocab-parallel "
              "loss over the head's shards; set train.fused_loss=false or parallel.tp=1.")

@@ -22,6 +22,7 @@ import torch
 
 from megaloom.parallel import comm
 from megaloom.parallel.data_parallel import tp_weight
+from megaloom.parallel.expert import is_expert_param
 from megaloom.parallel.mesh import Mesh
 
 NormSync = Callable[[torch.Tensor], torch.Tensor]  # [n_tensors, 2] partial (||w||^2, ||u||^2) -> full per row
@@ -35,13 +36,20 @@ def trust_ratio(w_sq: torch.Tensor, u_sq: torch.Tensor) -> torch.Tensor:
 
 def tp_norm_sync(params: list[torch.Tensor], mesh: Mesh) -> NormSync | None:
     """Full per-parameter squared norms of tensor-parallel parameters (rows in the order of ``params``):
-    weighted local squares summed over tp. None when tp == 1 (every tensor is a whole parameter)."""
-    if mesh.tp == 1:
+    weighted local squares summed over tp, and for expert-parallel stacks (each ep rank holds other experts)
+    over ep first. None when every tensor is a whole parameter (tp == 1, no expert parallelism)."""
+    expert = [mesh.ep > 1 and is_expert_param(p) for p in params]
+    if mesh.tp == 1 and not any(expert):
         return None
     weights = torch.tensor([tp_weight(p, mesh) for p in params], dtype=torch.float32)
+    is_expert = torch.tensor(expert).unsqueeze(1)
 
     def sync(partial: torch.Tensor) -> torch.Tensor:
         full = partial * weights.to(partial.device).unsqueeze(1)
+        if any(expert):
+            mask = is_expert.to(partial.device)
+            over_ep = comm.all_reduce(full * mask, mesh.ep_group, recorder=mesh.recorder)
+            full = torch.where(mask, over_ep, full)
         return comm.all_reduce(full, mesh.tp_group, recorder=mesh.recorder)
 
     return sync
