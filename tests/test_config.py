@@ -65,3 +65,20 @@ def test_yaml_round_trip():
     cfg = load_config(None, ["model.n_layers=3", "data.paths=x"])
     again = config_from_dict(yaml.safe_load(cfg.to_yaml()))
     assert again == cfg
+
+
+@pytest.mark.parametrize("overrides,fragment", [
+    (["model.preset=mixtral-tiny", "parallel.ep=3"], "parallel.ep=3 does not divide model.n_experts=8"),
+    (["model.preset=mixtral-tiny", "parallel.ep=2", "parallel.zero=3"], "parallel.zero=3"),
+    (["model.preset=mixtral-tiny", "model.top_k=9"], "model.top_k (9)"),
+])
+def test_moe_layout_errors_name_the_settings(overrides, fragment):
+    with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        load_config(None, overrides)
+
+
+def test_expert_parallelism_without_experts_is_refused_before_start(tmp_path):
+    from megaloom.train import train
+
+    with pytest.raises(ConfigError, match="model.moe_every=0"):
+        train(load_config(None, ["parallel.ep=2", f"run.dir={tmp_path}"]))
