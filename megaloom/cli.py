@@ -97,6 +97,13 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_memory(args: argparse.Namespace) -> int:
+    from megaloom.observe.memory_fit import memory_command
+
+    print(memory_command(load_config(args.config, args.overrides), args.nproc, args.gpu_gb))
+    return 0
+
+
 def _cmd_config(args: argparse.Namespace) -> int:
     if args.list:
         print(describe_keys())
@@ -169,6 +176,14 @@ def build_parser() -> argparse.ArgumentParser:
     from megaloom.convert.cli import add_convert_parser
 
     add_convert_parser(sub)
+
+    mem = sub.add_parser("memory", help="predicted memory per GPU for a configuration (nothing runs); with "
+                                        "--gpu-gb, the largest micro-batch that fits for each recompute mode")
+    mem.add_argument("--config")
+    mem.add_argument("--nproc", type=int, default=1, help="processes (world size) of the layout")
+    mem.add_argument("--gpu-gb", type=float, default=None, help="memory per GPU, e.g. 141 for an H200")
+    mem.add_argument("overrides", nargs="*")
+    mem.set_defaults(fn=_cmd_memory)
 
     c = sub.add_parser("config", help="print the resolved config, or every key with --list")
     c.add_argument("--config")

@@ -1,0 +1,74 @@
+"""`megaloom memory`: the memory plan of a configuration before anything runs, and what fits a GPU.
+
+For a layout of N processes the plan is made for every pipeline stage (the first usually holds the most
+micro-batches in flight) and the worst one is shown. With ``--gpu-gb`` it also searches, for each
+recomputation mode, the largest micro-batch whose predicted peak stays under the budget (keeping the number of
+micro-batches per step), which is how one picks settings for a new model or GPU without trial and error.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+from megaloom.config import Config
+from megaloom.observe.memory_plan import GB, MemoryPlan, plan_memory
+from megaloom.parallel.mesh import validate_layout
+
+HEADROOM = 0.95  # the caching allocator's fragmentation: keep 5% of the budget free
+
+
+def resolve_for_planning(cfg: Config) -> Config:
+    """A copy with the sizes that follow the tokenizer filled in as `megaloom train` would (the default
+    tokenizer's vocabulary when model.vocab_size = 0)."""
+    from megaloom.train import resolve_model_shape
+
+    cfg = copy.deepcopy(cfg)
+    resolve_model_shape(cfg, cfg.data.default_vocab_size, pad_multiple=math.lcm(64, cfg.parallel.tp))
+    return cfg
+
+
+def worst_stage(cfg: Config, world_size: int, device: str = "cuda") -> tuple[int, MemoryPlan]:
+    """(pipeline rank, plan) of the stage with the highest predicted peak."""
+    plans = [(r, plan_memory(cfg, world_size=world_size, device=device, pp_rank=r)) for r in range(cfg.parallel.pp)]
+    return max(plans, key=lambda rp: rp[1].peak)
+
+
+def fit_micro_batch(cfg: Config, world_size: int, budget_gb: float, modes=("none", "selective", "full"),
+                    max_micro: int = 64) -> list[dict]:
+    """For each recompute mode: the largest micro-batch (<= max_micro) whose worst-stage peak fits
+    ``HEADROOM * budget_gb``, keeping the micro-batches per step of ``cfg``; None when even 1 does not fit."""
+    sizes = validate_layout(cfg, world_size)
+    n_micro = max(1, cfg.train.global_batch_size // (sizes["dp"] * cfg.train.micro_batch_size))
+    budget = HEADROOM * budget_gb * GB
+    rows = []
+    for mode in modes:
+        best = None
+        for mb in range(1, max_micro + 1):
+            trial = copy.deepcopy(cfg)
+            trial.train.recompute, trial.train.micro_batch_size = mode, mb
+            trial.train.global_batch_size = mb * sizes["dp"] * n_micro
+            _, plan = worst_stage(trial, world_size)
+            if plan.peak > budget:
+                break
+            best = (mb, plan.peak)
+        rows.append({"recompute": mode, "micro_batch": best[0] if best else None,
+                     "peak_gb": round(best[1] / GB, 2) if best else None})
+    return rows
+
+
+def memory_command(cfg: Config, world_size: int, gpu_gb: float | None) -> str:
+    cfg = resolve_for_planning(cfg)
+    validate_layout(cfg, world_size)
+    rank, plan = worst_stage(cfg, world_size)
+    lines = [plan.table()]
+    if cfg.parallel.pp > 1:
+        lines.append(f"(pipeline stage {rank} of {cfg.parallel.pp}: the stage with the highest peak)")
+    if gpu_gb:
+        lines.append(f"\nlargest micro-batch under {HEADROOM:.0%} of {gpu_gb:g} GB per GPU "
+                     f"(seq {cfg.train.seq_len}, same micro-batches per step):")
+        for row in fit_micro_batch(cfg, world_size, gpu_gb):
+            fits = (f"micro-batch {row['micro_batch']} (peak {row['peak_gb']} GB)" if row["micro_batch"]
+                    else "does not fit even with micro-batch 1")
+            lines.append(f"  recompute={row['recompute']:<10} {fits}")
+    return "\n".join(lines)
