@@ -378,8 +378,10 @@ def count_model_params(model: nn.Module) -> ParamCounts:
 
 
 def analytic_params(cfg: Config, layers: list[int], has_embedding: bool = True, has_head: bool = True,
-                    tp: int = 1) -> ParamCounts:
-    """The same counts from the config (no module): this rank's blocks ``layers``, embedding and head."""
+                    tp: int = 1, ep: int = 1) -> ParamCounts:
+    """The same counts from the config (no module): this rank's blocks ``layers``, embedding and head. MoE
+    layers hold n_experts / ep experts, each split by hidden units over tp like the shared experts; the router
+    is replicated."""
     m = cfg.model
     kv, ffn, fe, hd = _resolved(m)
     d, bias = m.d_model, m.arch == "gpt2"
@@ -391,7 +393,8 @@ def analytic_params(cfg: Config, layers: list[int], has_embedding: bool = True, 
         attn_mm = d * (d // tp) + 2 * d * hkvl * hd + (d // tp) * d
         attn_b = (d // tp + 2 * hkvl * hd + d) if bias else 0
         if is_moe_layer(m, i):
-            mlp_mm = d * m.n_experts + 3 * m.n_experts * d * fe + 3 * d * m.n_shared_experts * fe
+            mlp_mm = (d * m.n_experts + 3 * (m.n_experts // ep) * d * (fe // tp)
+                      + 3 * d * (m.n_shared_experts * fe // tp))
             mlp_b = 0
         else:
             mlp_mm = (3 if m.arch == "llama" else 2) * d * (ffn // tp)
@@ -399,7 +402,7 @@ def analytic_params(cfg: Config, layers: list[int], has_embedding: bool = True, 
         norms = norm * (1 if m.parallel_block else 2)
         mm_layers[i] = attn_mm + mlp_mm
         blocks[i] = attn_mm + mlp_mm + attn_b + mlp_b + norms
-        largest = max(largest, d * (ffn // tp), m.n_experts * d * fe if is_moe_layer(m, i) else 0)
+        largest = max(largest, d * (ffn // tp), (m.n_experts // ep) * d * (fe // tp) if is_moe_layer(m, i) else 0)
     vocab = m.vocab_size // tp * d
     root = 0
     if has_embedding:
@@ -541,9 +544,9 @@ def plan_memory(cfg: Config, model: nn.Module | None = None, *, world_size: int 
     has_embedding, has_head = 0 in stages, last in stages
     layers = [i for ls in stages.values() for i in ls]
     counts = count_model_params(model) if model is not None else analytic_params(cfg, layers, has_embedding,
-                                                                                   has_head, tp)
+                                                                                   has_head, tp, p.ep)
     if model is not None and not counts.matmul_layers and layers:
-        counts = analytic_params(cfg, layers, has_embedding, has_head, tp)  # a module without named blocks
+        counts = analytic_params(cfg, layers, has_embedding, has_head, tp, p.ep)  # a module without named blocks
 
     # fp8: the blocks' linears save a 1-byte input and no weight copy (first/last block kept in bf16 by default).
     fp8_layers: set[int] = set()
@@ -678,7 +681,8 @@ def plan_memory(cfg: Config, model: nn.Module | None = None, *, world_size: int 
     if not counts.exact:
         notes.append("parameters counted from the config, not the module")
     if p.ep > 1 or cp > 1:
-        notes.append("expert / context parallelism: activations per rank are estimated as without them")
+        notes.append("expert parallelism: MoE activations assume balanced routing (an ep rank receives as many rows "
+                     "as it sends)")
     setup = {"preset": m.preset, "arch": m.arch, "precision": precision, "recompute": t.recompute,
              "micro_batch_size": batch, "seq_len": t.seq_len, "tokens_per_micro_batch": tokens, "n_micro": n_micro,
              "tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "dp": dp, "sp": sp, "zero": zero, "pp_rank": pp_rank,

@@ -286,3 +286,21 @@ if __name__ == "__main__":  # the numbers behind the tests: python tests/observe
             p2, pc2, block = predicted(two, dev)
             print(f"{dev:5} {case[0]:6}{case[1]:6}{case[2]:10} block {block:>9} B | 2-block model: measured "
                   f"{m2:>9} B, predicted {p2:>9} B | weight casts measured {c2:>7}, predicted {pc2:>7}")
+
+
+@pytest.mark.parametrize("tp,ep", [(1, 2), (2, 2), (2, 4)])
+def test_analytic_counts_follow_expert_and_tensor_parallelism(tp, ep):
+    """Counted from the config, a rank of an ep x tp layout holds what parallelize_tensor leaves it (a mesh with
+    sizes but no process groups splits the module without communicating)."""
+    from megaloom.parallel.mesh import Mesh
+    from megaloom.parallel.tensor import parallelize_tensor
+
+    cfg = load_config(None, ["model.preset=mixtral-tiny", "model.vocab_size=50304", "model.n_kv_heads=4",
+                             f"parallel.tp={tp}", f"parallel.ep={ep}"])
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    parallelize_tensor(model, Mesh(tp=tp, ep=ep, dp=ep), sp=False)
+    exact = count_model_params(model)
+    guess = analytic_params(cfg, list(range(cfg.model.n_layers)), tp=tp, ep=ep)
+    assert guess.local == exact.local
+    assert guess.matmul_layers == exact.matmul_layers
