@@ -131,6 +131,7 @@ def test_expert_parallel_layouts_match_single_process(small_corpus, tmp_path):
             "ep2tp2sp": (4, ["parallel.ep=2", "parallel.tp=2", "parallel.sp=true"]),
             "ep2pp2": (4, ["parallel.ep=2", "parallel.pp=2"]),
             "ep2z1": (2, ["parallel.ep=2", "parallel.zero=1"]),
+            "ep2recompute": (2, ["parallel.ep=2", "train.recompute=full"]),  # all-to-all again in backward
             "tp2pp2": (4, ["parallel.tp=2", "parallel.pp=2"]),
             "ep2lamb": (2, ["parallel.ep=2", *lamb]), "ep2z1lamb": (2, ["parallel.ep=2", "parallel.zero=1", *lamb])}
     for name, (nproc, extra) in runs.items():
