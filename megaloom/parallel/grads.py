@@ -32,6 +32,9 @@ class GradientSync:
         if n > 1:
             # Expert weights live on the edp ranks only (each ep rank owns others); every gradient is divided
             # by the full data-parallel size, because each one sums contributions of all dp ranks' tokens.
+            for p in self.params:  # local experts that got no token this step: their peers may have some
+                if p.grad is None and is_expert_param(p):
+                    p.grad = torch.zeros_like(p)
             grads = [p for p in self.params if p.grad is not None]
             _average([p.grad for p in grads if not is_expert_param(p)], self.mesh.dp_cp_group, n, self.mesh)
             experts = [p.grad for p in grads if is_expert_param(p)]
