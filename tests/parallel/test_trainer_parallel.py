@@ -130,7 +130,7 @@ def test_expert_parallel_layouts_match_single_process(small_corpus, tmp_path):
     runs = {"ep2": (2, ["parallel.ep=2"]), "ep4": (4, ["parallel.ep=4"]),
             "ep2tp2sp": (4, ["parallel.ep=2", "parallel.tp=2", "parallel.sp=true"]),
             "ep2pp2": (4, ["parallel.ep=2", "parallel.pp=2"]),
-            "ep2z1": (2, ["parallel.ep=2", "parallel.zero=1"]),
+            "ep2z1": (2, ["parallel.ep=2", "parallel.zero=1"]), "ep2z2dp4": (4, ["parallel.ep=2", "parallel.zero=2"]),
             "ep2recompute": (2, ["parallel.ep=2", "train.recompute=full"]),  # all-to-all again in backward
             "tp2pp2": (4, ["parallel.tp=2", "parallel.pp=2"]),
             "ep2lamb": (2, ["parallel.ep=2", *lamb]), "ep2z1lamb": (2, ["parallel.ep=2", "parallel.zero=1", *lamb])}
