@@ -11,7 +11,7 @@ export OUT=${OUT:-/tmp/megaloom-precision} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLE
 export MEGALOOM_CACHE=${MEGALOOM_CACHE:-/tmp/megaloom-cache}
 mkdir -p "$OUT"
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch; print('torch', torch.__version__)"; } > "$OUT/env.txt" 2>&1
-timeout 170 python3 -m pytest -q -x -p no:cacheprovider tests/precision tests/observe tests/models > "$OUT/gpu_tests.log" 2>&1
+timeout 170 python3 -m pytest -q -p no:cacheprovider tests/precision tests/observe tests/models > "$OUT/gpu_tests.log" 2>&1
 echo "gpu tests rc=$?"
 M="model.arch=llama model.d_model=768 model.n_layers=14 model.n_heads=12 model.n_kv_heads=4 model.ffn_dim=2048
    model.max_seq_len=1024 train.seq_len=1024 train.global_batch_size=32 train.micro_batch_size=32 train.steps=300
