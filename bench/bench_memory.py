@@ -28,7 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megaloom.config import load_config  # noqa: E402
-from megaloom.models import Transformer, apply_recompute  # noqa: E402
+from megaloom.models import apply_recompute  # noqa: E402
+from megaloom.models.transformer import build_on_device  # noqa: E402
 from megaloom.observe.memory_plan import GB, plan_memory  # noqa: E402
 from megaloom.optim import build_optimizer  # noqa: E402
 from megaloom.step import TrainStep  # noqa: E402
@@ -75,11 +76,7 @@ def run_one(spec: str, steps: int, device: torch.device, attention: str) -> dict
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)  # whatever a previous configuration left (should be ~0)
     torch.manual_seed(0)
-    with torch.device("meta"):
-        model = Transformer(cfg.model)
-    model = model.to_empty(device=device)
-    model.tie_weights()
-    model.reset_parameters()
+    model = build_on_device(cfg.model, device)
     apply_recompute(model, c["recompute"])
     if getattr(cfg.train, "fused_loss", False):
         from megaloom.models.fused_ce import fused_head_loss

@@ -26,8 +26,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megaloom.config import load_config  # noqa: E402
-from megaloom.models import Transformer, apply_recompute  # noqa: E402
+from megaloom.models import apply_recompute  # noqa: E402
 from megaloom.models.fused_ce import fused_head_loss  # noqa: E402
+from megaloom.models.transformer import build_on_device  # noqa: E402
 from megaloom.observe.flops import device_peak_flops, flops_per_token, matmul_params  # noqa: E402
 from megaloom.optim import build_optimizer  # noqa: E402
 from megaloom.precision.fp8 import convert_to_float8  # noqa: E402
@@ -82,11 +83,7 @@ def main() -> None:
     cfg = load_config(None, [f"model.preset={args.preset}", f"train.seq_len={args.seq_len}",
                              f"model.max_seq_len={max(args.seq_len, 8192)}", *args.overrides])
     torch.manual_seed(0)
-    with torch.device("meta"):
-        model = Transformer(cfg.model)
-    model = model.to_empty(device=device)
-    model.tie_weights()
-    model.reset_parameters()
+    model = build_on_device(cfg.model, device)
     apply_recompute(model, args.recompute, args.recompute_layers or None)
     if args.fused_loss:
         model.head_loss = functools.partial(fused_head_loss, chunk_tokens=args.loss_chunk or None)

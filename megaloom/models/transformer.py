@@ -155,6 +155,19 @@ class Transformer(nn.Module):
                 for layer in self.layers]
 
 
+def build_on_device(cfg: ModelConfig, device: torch.device | str) -> Transformer:
+    """Build the model directly on ``device`` (no full-size CPU copy first): construct on the meta device,
+    allocate there, re-tie the embedding (`to_empty` unties it) and initialise. The values come from the
+    device's RNG, so they differ from a CPU build with the same seed: the benchmarks use this, the trainer
+    builds on CPU and moves, so that every rank and every layout starts from identical weights."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model = model.to_empty(device=device)
+    model.tie_weights()
+    model.reset_parameters()
+    return model
+
+
 def moe_layers(module: nn.Module) -> list[MoE]:
     """Every MoE layer inside `module` (a Transformer, a pipeline stage, a compiled block ...)."""
     return [m for m in module.modules() if isinstance(m, MoE)]
