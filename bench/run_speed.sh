@@ -3,6 +3,7 @@
 # call of under 10 minutes:
 #   bash bench/run_speed.sh ladder   # megaloom llama3-1b-untied, seq 4096: one lever at a time, then a profile
 #   bash bench/run_speed.sh race     # TorchTitan bf16 + float8 (needs bench/.peer) and megaloom's best, back to back
+#   bash bench/run_speed.sh parity   # `megaloom train` 200 steps on the embedded corpus: plain path vs optimised path
 # Rows land in $OUT/results.jsonl (append them to bench/results.jsonl), all logs in $OUT/$PART.log, the profile
 # in $OUT/profile/ (trace.json.gz, breakdown.json): few files, as the device tool brings back at most eight.
 set -u
@@ -30,6 +31,26 @@ if [ "$PART" = ladder ]; then
   run fused_cudnn_fp8 $BEST --precision fp8
   run profile $BEST --profile "$OUT/profile"
   grep -A12 "^kind" /tmp/run_profile.log
+elif [ "$PART" = parity ]; then
+  # The optimised path must train like the plain one (bf16 noise: final losses within 1%).
+  T="python3 -m megaloom train model.preset=llama3-1b-untied train.seq_len=4096 train.micro_batch_size=4
+     train.global_batch_size=4 train.steps=200 train.lr=3e-4 train.min_lr=3e-5 train.warmup_steps=20
+     train.log_every=10 train.eval_every=0 checkpoint.every=0 run.tensorboard=false"
+  export MEGALOOM_CACHE=/tmp/megaloom-cache
+  # shellcheck disable=SC2086
+  timeout 200 $T run.dir=/tmp/parity-plain >> "$LOG" 2>&1; echo "plain rc=$?"
+  # shellcheck disable=SC2086
+  timeout 220 $T run.dir=/tmp/parity-fast train.compile=true train.fused_loss=true train.attention=cudnn >> "$LOG" 2>&1
+  echo "optimised rc=$?"
+  cp /tmp/parity-plain/metrics.jsonl "$OUT/parity_plain.jsonl"; cp /tmp/parity-fast/metrics.jsonl "$OUT/parity_fast.jsonl"
+  python3 - "$OUT" <<'PY'
+import json, sys
+def tail(path):
+    rows = [json.loads(l) for l in open(path)]
+    return sum(r["loss"] for r in rows[-3:]) / 3, rows[-1]["tokens_per_s"]
+(a, ta), (b, tb) = tail(f"{sys.argv[1]}/parity_plain.jsonl"), tail(f"{sys.argv[1]}/parity_fast.jsonl")
+print(f"final loss plain {a:.4f} ({ta:,.0f} tok/s)  optimised {b:.4f} ({tb:,.0f} tok/s)  gap {100 * (b - a) / a:+.2f}%")
+PY
 else
   run best_bf16 $BEST
   run best_fp8 $BEST --precision fp8
