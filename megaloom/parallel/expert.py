@@ -77,7 +77,7 @@ class AllToAllDispatcher:
         if torch.is_autocast_enabled(rows.device.type):  # the experts compute in the low precision anyway
             rows = rows.to(torch.get_autocast_dtype(rows.device.type))
         rows = comm.all_to_all(rows, self.mesh.ep_group, recv, send, self.mesh.recorder)
-        order = _source_major_to_expert_major(recv_counts)
+        order = _source_major_to_expert_major(recv_counts, sum(recv))
         return Dispatched(rows[order], recv_counts.sum(0), d.slot, d.weights, d.n_tokens, d.top_k, d.dropped,
                           route=_Route(d, send, recv, order))
 
@@ -88,14 +88,13 @@ class AllToAllDispatcher:
         return self.local.combine(back, r.inner)
 
 
-def _source_major_to_expert_major(counts: torch.Tensor) -> torch.Tensor:
+def _source_major_to_expert_major(counts: torch.Tensor, n: int) -> torch.Tensor:
     """Gather indices taking rows laid out by (source rank, local expert) to (local expert, source rank).
 
-    ``counts[s, e]`` rows came from source s for local expert e."""
+    ``counts[s, e]`` rows came from source s for local expert e; ``n`` = counts.sum() (known on the host)."""
     flat = counts.reshape(-1)
     start = (torch.cumsum(flat, 0) - flat).view_as(counts)  # where block (s, e) begins in the received rows
     block_start, block_len = start.t().reshape(-1), counts.t().reshape(-1)  # blocks in (e, s) order
-    n = int(flat.sum())
     dest_start = torch.cumsum(block_len, 0) - block_len
     pos = torch.arange(n, device=counts.device)
     return torch.repeat_interleave(block_start - dest_start, block_len, output_size=n) + pos
