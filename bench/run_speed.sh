@@ -4,6 +4,8 @@
 #   bash bench/run_speed.sh ladder   # megaloom llama3-1b-untied, seq 4096: one lever at a time, then a profile
 #   bash bench/run_speed.sh race     # TorchTitan bf16 + float8 (needs bench/.peer) and megaloom's best, back to back
 #   bash bench/run_speed.sh parity   # `megaloom train` 200 steps on the embedded corpus: plain path vs optimised path
+#   bash bench/run_speed.sh 8b       # llama3-8b at sequence 8192 (full recompute, `megaloom memory` says mb 3 fits)
+#                                      and TorchTitan's 8B flavor with full activation checkpointing beside it
 # Rows land in $OUT/results.jsonl (append them to bench/results.jsonl), all logs in $OUT/$PART.log, the profile
 # in $OUT/profile/ (trace.json.gz, breakdown.json): few files, as the device tool brings back at most eight.
 set -u
@@ -31,6 +33,25 @@ if [ "$PART" = ladder ]; then
   run fused_cudnn_fp8 $BEST --precision fp8
   run profile $BEST --profile "$OUT/profile"
   grep -A12 "^kind" /tmp/run_profile.log
+elif [ "$PART" = 8b ]; then
+  B8="python3 bench/bench_train.py --preset llama3-8b --seq-len 8192 --steps 8 --warmup 3 --compile --fused-loss
+      --attention cudnn --recompute full --results $OUT/results.jsonl --run-id $RUN_ID"
+  for mb in 2 3; do
+    echo "=== llama3-8b mb $mb" >> "$LOG"
+    # shellcheck disable=SC2086
+    timeout 200 $B8 --micro-batch $mb > /tmp/run_8b_$mb.log 2>&1; echo "8b mb$mb rc=$? $(grep -o '"tokens_per_s": [0-9]*' /tmp/run_8b_$mb.log)"
+    tail -12 /tmp/run_8b_$mb.log >> "$LOG"
+  done
+  if [ -d bench/.peer/.whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/peer-site bench/.peer/.whl/*.whl
+    (cd bench/.peer/torchtitan && mkdir -p data/synth && python3 make_data.py data/synth/data.json > /dev/null &&
+     RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29512 PYTHONPATH=/tmp/peer-site HF_HUB_OFFLINE=1 \
+     timeout 240 python3 run_titan.py --model.name llama3 --model.flavor 8B --model.hf_assets_path assets/tokenizer \
+       --training.dataset c4_test --training.dataset_path data/synth --training.seq_len 8192 --training.local_batch_size 1 \
+       --training.steps 10 --metrics.log_freq 1 --metrics.disable_color_printing --lr_scheduler.warmup_steps 2 \
+       --job.dump_folder /tmp/titan_dump8b --activation_checkpoint.mode full --compile.enable) > /tmp/titan8b.log 2>&1
+    echo "titan 8B rc=$?"; { echo "=== TorchTitan 8B"; tail -15 /tmp/titan8b.log; } >> "$LOG"
+  fi
 elif [ "$PART" = parity ]; then
   # The optimised path must train like the plain one (bf16 noise: final losses within 1%).
   T="python3 -m megaloom train model.preset=llama3-1b-untied train.seq_len=4096 train.micro_batch_size=4
