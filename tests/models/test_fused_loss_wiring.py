@@ -8,25 +8,17 @@ import pytest
 import torch
 
 from megaloom.config import ConfigError, load_config
-from megaloom.models import Transformer
 from megaloom.models.fused_ce import fused_head_loss
 from megaloom.models.transformer import cross_entropy
 from megaloom.optim import build_optimizer
 from megaloom.step import TrainStep
 from megaloom.train import train
 from tests.conftest import tiny_overrides
+from tests.models.test_fused_ce import _tiny_model
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
-
-
-def _tiny_model(tie: bool, vocab: int = 160) -> Transformer:
-    cfg = load_config(None, [f"model.vocab_size={vocab}", "model.d_model=64", "model.n_layers=2", "model.n_heads=4",
-                             "model.n_kv_heads=2", "model.ffn_dim=128", "model.max_seq_len=32", "train.seq_len=32",
-                             f"model.tie_embeddings={tie}"])
-    torch.manual_seed(0)
-    return Transformer(cfg.model)
 
 
 @pytest.mark.parametrize("tie", [True, False])

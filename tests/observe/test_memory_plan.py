@@ -72,6 +72,17 @@ def measure_saved(cfg, device: str = "cpu", attention=None) -> tuple[int, int]:
         model.head_loss = fused_head_loss
     x = torch.randint(0, VOCAB, (B, T), device=device)
     y = torch.randint(0, VOCAB, (B, T), device=device)
+    kernel = contextlib.nullcontext()
+    if attention == "math":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        kernel = sdpa_kernel([SDPBackend.MATH])
+    return saved_bytes(model, x, y, cfg.train.precision, device, kernel)
+
+
+def saved_bytes(model, x, y, precision: str, device: str = "cpu", extra=None) -> tuple[int, int]:
+    """(activation bytes, weight-cast bytes) of the distinct storages autograd saves in ``model(x, y)``, the
+    model's own parameters and buffers excluded."""
     own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     seen: dict[int, tuple[int, bool]] = {}
 
@@ -81,19 +92,11 @@ def measure_saved(cfg, device: str = "cpu", attention=None) -> tuple[int, int]:
             seen[s.data_ptr()] = (s.nbytes(), _is_weight_cast(t))
         return t
 
-    auto = (torch.autocast(device, dtype=torch.bfloat16) if cfg.train.precision == "bf16"
-            else contextlib.nullcontext())
-    kernel = contextlib.nullcontext()
-    if attention == "math":
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        kernel = sdpa_kernel([SDPBackend.MATH])
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), auto, kernel:
+    auto = torch.autocast(device, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), auto, extra or contextlib.nullcontext():
         loss = model(x, y)
     assert torch.isfinite(loss)
-    acts = sum(n for n, cast in seen.values() if not cast)
-    casts = sum(n for n, cast in seen.values() if cast)
-    return acts, casts
+    return (sum(n for n, cast in seen.values() if not cast), sum(n for n, cast in seen.values() if cast))
 
 
 def predicted(cfg, device: str = "cpu", attention=None) -> tuple[int, int, int]:

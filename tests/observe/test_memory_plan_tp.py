@@ -32,31 +32,17 @@ def _cfg(arch: str, precision: str, sp: bool, recompute: str, n_layers: int):
 
 
 def _measure(mesh, cfg) -> tuple[int, int]:
-    import contextlib
-
     from megaloom.models import Transformer, apply_recompute
     from megaloom.parallel.tensor import parallelize_tensor
 
-    from .test_memory_plan import _is_weight_cast
+    from .test_memory_plan import saved_bytes
 
     torch.manual_seed(0)
     model = parallelize_tensor(Transformer(cfg.model), mesh, cfg.parallel.sp)
     apply_recompute(model, cfg.train.recompute)
     gen = torch.Generator().manual_seed(1)
     x, y = (torch.randint(0, VOCAB, (B, T), generator=gen) for _ in range(2))
-    own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    seen: dict[int, tuple[int, bool]] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s.data_ptr() not in own and s.data_ptr() not in seen:
-            seen[s.data_ptr()] = (s.nbytes(), _is_weight_cast(t))
-        return t
-
-    auto = torch.autocast("cpu", dtype=torch.bfloat16) if cfg.train.precision == "bf16" else contextlib.nullcontext()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), auto:
-        model(x, y)
-    return (sum(n for n, c in seen.values() if not c), sum(n for n, c in seen.values() if c))
+    return saved_bytes(model, x, y, cfg.train.precision)
 
 
 def rank_suite(rank: int, world: int, device: torch.device) -> dict:
