@@ -17,7 +17,7 @@ from megaloom.data.dataset import build_datasets
 from megaloom.data.loader import StepBatches, make_loader
 from megaloom.models import Transformer, apply_recompute, count_params
 from megaloom.models.fused_ce import fused_head_loss
-from megaloom.models.transformer import moe_layers, resolved_ffn_dim
+from megaloom.models.transformer import resolved_ffn_dim
 from megaloom.observe.flops import device_peak_flops, flops_per_token, matmul_params
 from megaloom.observe.memory import peak_memory_gb
 from megaloom.observe.memory_plan import MemoryReport
@@ -268,7 +268,7 @@ def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
                           "skipped_steps": skipped, "elapsed_s": time.perf_counter() - train_start}
                 if stragglers is not None:
                     record.update(stragglers)
-                moe = moe_layers(model)
+                moe = train_step.moe
                 if moe:  # per MoE layer: the busiest expert's load over the mean (1 = balanced), dropped share
                     record["moe_load_max_over_mean"] = [round(float(m.last_load.max() / m.last_load.float().mean()
                                                                     .clamp(min=1e-9)), 4) for m in moe]
@@ -359,10 +359,9 @@ def _refuse_unbuilt(cfg: Config) -> None:
     if p.ep > 1 and not cfg.model.moe_every:
         raise ConfigError(f"parallel.ep={p.ep} splits MoE experts, but this model has none (model.moe_every=0); "
                           "set parallel.ep=1 or choose an MoE preset (e.g. model.preset=mixtral-tiny).")
-    for key, value, off in [("parallel.cp", p.cp, 1)]:
-        if value != off:
-            raise ConfigError(f"{key}={value} is not available in this build yet (tensor/sequence, pipeline, "
-                              f"expert and data parallelism with ZeRO are); set {key}={off}.")
+    if p.cp != 1:
+        raise ConfigError(f"parallel.cp={p.cp} is not available in this build yet (tensor/sequence, pipeline, "
+                          "expert and data parallelism with ZeRO are); set parallel.cp=1.")
 
 
 def _run_state(cfg: Config, step: int) -> dict:

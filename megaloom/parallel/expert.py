@@ -1,6 +1,6 @@
 """Expert parallelism (and tensor parallelism inside experts) for megaloom's MoE layers.
 
-`parallelize_experts(model, mesh, sp)` runs after `parallelize_tensor` and changes each MoE layer in place:
+`parallelize_moe(moe, mesh, sp)`, which `parallelize_tensor` applies to every MoE layer, changes it in place:
 
 - ep > 1: this rank keeps experts [ep_rank * E/ep, (ep_rank + 1) * E/ep) of every MoE layer (the stacked
   weights are sliced along dim 0, ``p._ep_dim = 0``) and the layer's dispatcher becomes an
@@ -30,7 +30,6 @@ from torch import nn
 
 from megaloom.config import ConfigError
 from megaloom.models.moe import Dispatched, LocalDispatcher, MoE
-from megaloom.models.transformer import moe_layers
 from megaloom.parallel import comm
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.tp_layers import ColumnParallelLinear, RowParallelLinear, mark
@@ -155,15 +154,6 @@ def parallelize_moe(moe: MoE, mesh: Mesh, sp: bool) -> MoE:
         p = mark(getattr(ex, name), dim if mesh.tp > 1 else None)
         p._ep_dim = 0 if mesh.ep > 1 else None
     return moe
-
-
-def parallelize_experts(model: nn.Module, mesh: Mesh, sp: bool) -> nn.Module:
-    """Apply `parallelize_moe` to every MoE layer of ``model`` (after `parallelize_tensor`)."""
-    if mesh.ep == 1 and mesh.tp == 1:
-        return model
-    for moe in moe_layers(model):
-        parallelize_moe(moe, mesh, sp)
-    return model
 
 
 def expert_norm_sq(params: list[tuple[torch.Tensor, object]], mesh: Mesh) -> torch.Tensor:
