@@ -1,6 +1,6 @@
 #!/bin/bash
 # Precision proofs on one H200 (offline), from the repository root:
-#   bash bench/run_precision.sh
+#   bash bench/run_precision.sh [tests] [train] [memory]     (default: all three)
 # 1. the tests of precision, memory plan and models, whose GPU cases run there (fp8 GEMMs, grouped GEMM, fused loss);
 # 2. `megaloom train` of a ~95M-parameter Llama-style model on the embedded corpus for 300 steps, in bf16 and
 #    in fp8 (same seed, same data): the final losses must agree within 1%;
@@ -9,21 +9,28 @@
 set -u
 export OUT=${OUT:-/tmp/megaloom-precision} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export MEGALOOM_CACHE=${MEGALOOM_CACHE:-/tmp/megaloom-cache}
+PARTS=${*:-tests train memory}
 mkdir -p "$OUT"
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch; print('torch', torch.__version__)"; } > "$OUT/env.txt" 2>&1
-timeout 170 python3 -m pytest -q -p no:cacheprovider tests/precision tests/observe tests/models > "$OUT/gpu_tests.log" 2>&1
-echo "gpu tests rc=$?"
+LOG="$OUT/precision.log"  # one log (the device tool brings back at most eight files)
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch; print('torch', torch.__version__)"; } >> "$LOG" 2>&1
+has() { [[ " $PARTS " == *" $1 "* ]]; }
+if has tests; then
+  timeout 170 python3 -m pytest -q -p no:cacheprovider tests/precision tests/observe tests/models > "$OUT/gpu_tests.log" 2>&1
+  echo "gpu tests rc=$?"
+fi
 M="model.arch=llama model.d_model=768 model.n_layers=14 model.n_heads=12 model.n_kv_heads=4 model.ffn_dim=2048
    model.max_seq_len=1024 train.seq_len=1024 train.global_batch_size=32 train.micro_batch_size=32 train.steps=300
    train.lr=1e-3 train.min_lr=1e-4 train.warmup_steps=30 train.eval_every=0 train.log_every=10 checkpoint.every=0
    run.tensorboard=false"
+if has train; then
 for p in bf16 fp8; do
   # shellcheck disable=SC2086
-  timeout 170 python3 -m megaloom train $M train.precision=$p run.dir=/tmp/megaloom-run-$p > "$OUT/train_$p.log" 2>&1
+  timeout 170 python3 -m megaloom train $M train.precision=$p run.dir=/tmp/megaloom-run-$p > "/tmp/train_$p.log" 2>&1
   echo "train $p rc=$?"
+  { echo "=== train $p"; head -40 "/tmp/train_$p.log"; echo ...; tail -15 "/tmp/train_$p.log"; } >> "$LOG"
   cp /tmp/megaloom-run-$p/metrics.jsonl "$OUT/metrics_$p.jsonl" 2>/dev/null
 done
-python3 - "$OUT" <<'EOF'
+python3 - "$OUT" <<'EOF' | tee -a "$LOG"
 import json, sys
 out = sys.argv[1]
 last = {}
@@ -38,6 +45,9 @@ for p in ("bf16", "fp8"):
 if len(last) == 2:
     print("fp8 vs bf16 relative difference", round((last["fp8"] - last["bf16"]) / last["bf16"] * 100, 3), "%")
 EOF
-timeout 200 python3 bench/bench_memory.py --results "$OUT/memory.jsonl" > "$OUT/memory.log" 2>&1
-echo "memory rc=$?"
-grep -h -E "predicted|RESULT|error" "$OUT/memory.log" | tail -12
+fi
+if has memory; then
+  timeout 200 python3 bench/bench_memory.py --results "$OUT/memory.jsonl" > "$OUT/memory.log" 2>&1
+  echo "memory rc=$?"
+  grep -h -E "predicted|RESULT|error" "$OUT/memory.log" | tail -12
+fi

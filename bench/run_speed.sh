@@ -73,7 +73,8 @@ def tail(path):
 print(f"final loss plain {a:.4f} ({ta:,.0f} tok/s)  optimised {b:.4f} ({tb:,.0f} tok/s)  gap {100 * (b - a) / a:+.2f}%")
 PY
 else
-  run best_bf16 $BEST
+  run best_bf16 $BEST --profile "$OUT/profile"
+  grep -A12 "^kind" /tmp/run_best_bf16.log
   run best_fp8 $BEST --precision fp8
   if [ -d bench/.peer/.whl ]; then
     OUT=/tmp/peer bash bench/.peer/run_peers.sh > /tmp/peer.log 2>&1
