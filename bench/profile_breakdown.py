@@ -3,9 +3,9 @@
 `bench_train.py --profile DIR` profiles one step after the timed ones, writes the Chrome trace
 (`DIR/trace.json.gz`, open in Perfetto or chrome://tracing) and `DIR/breakdown.json`, and prints the table.
 Kinds are read from kernel names (CUDA) or operator names (CPU): GEMM (cuBLAS / CUTLASS / nvjet / scaled and
-grouped mm), attention (flash / cuDNN / efficient SDPA kernels), optimizer (multi-tensor Adam), communication
-(NCCL), copies, and everything else (norms, RoPE, SwiGLU, casts, the loss: mostly Triton kernels under
-compile). Idle = the step's wall time minus the union of the device's busy intervals: launch gaps, host syncs.
+grouped mm), attention (flash / cuDNN / efficient SDPA kernels), optimizer (multi-tensor Adam and the clipping
+norm), communication (NCCL), the loss's softmax, copies (memcpy / memset / copy kernels), and everything else
+(norms, RoPE, SwiGLU, residual adds, casts: mostly Triton kernels under compile). Idle = the step's wall time minus the union of the device's busy intervals: launch gaps, host syncs.
 """
 
 from __future__ import annotations
@@ -17,11 +17,15 @@ from pathlib import Path
 
 KINDS = [
     ("communication", re.compile(r"nccl|all_reduce|allreduce|reduce_scatter|all_gather|alltoall", re.I)),
-    ("attention", re.compile(r"flash|fmha|cudnn.*(attn|sdpa)|sdpa|attention|_efficient_attention", re.I)),
+    # cuDNN's attention runs helper kernels beside its fprop/bprop (cudnn::fusion::compute_dot_do_o, ...)
+    ("attention", re.compile(r"flash|fmha|cudnn.*(attn|sdpa)|cudnn::fusion|sdpa|attention|_efficient_attention",
+                             re.I)),
     ("optimizer", re.compile(r"adam|multi_tensor|foreach|lamb", re.I)),
     ("gemm", re.compile(r"gemm|cutlass|nvjet|xmma|cublas|_scaled_mm|grouped_mm|\bmm\b|addmm|matmul|bmm|linear",
                         re.I)),
-    ("copy", re.compile(r"memcpy|memset|copy_|\bcopy\b", re.I)),
+    ("loss", re.compile(r"softmax|cross_entropy|nll_loss", re.I)),
+    # Inductor names fused kernels after their ops ("triton_..._to_copy_..."): those are compute, not copies.
+    ("copy", re.compile(r"^(?!triton_).*(memcpy|memset|copy_kernel|direct_copy)", re.I)),
 ]
 
 
@@ -70,11 +74,21 @@ def breakdown(trace_path: Path, device_type: str) -> dict:
     return out
 
 
-def table(b: dict) -> str:
-    wall = b.get("wall_ms") or b["busy_ms"]
+def table(b: dict, step_ms: float | None = None) -> str:
+    """Busy time per kind, as a share of the step. The profiler's own overhead stretches the profiled step's
+    wall time (launch gaps), so with ``step_ms`` (the unprofiled median step) the shares are of that, and the
+    last line is what is left of it beyond the kernels: host gaps and launch latency."""
+    wall = step_ms or b.get("wall_ms") or b["busy_ms"]
     lines = [f"{'kind':<24}{'ms':>10}{'% of step':>11}"]
     for k, ms in b["kinds_ms"].items():
         lines.append(f"{k:<24}{ms:>10.2f}{100 * ms / wall:>10.1f}%")
+    if step_ms:
+        gap = max(0.0, step_ms - b["busy_ms"])
+        lines.append(f"{'no kernel (host, gaps)':<24}{gap:>10.2f}{100 * gap / wall:>10.1f}%")
+        lines.append(f"{'step (unprofiled median)':<24}{step_ms:>10.2f}")
+        if b.get("wall_ms"):
+            lines.append(f"{'profiled step wall time':<24}{b['wall_ms']:>10.2f}  (profiler overhead included)")
+        return "\n".join(lines)
     if "idle_ms" in b:
         lines.append(f"{'idle (no kernel)':<24}{b['idle_ms']:>10.2f}{100 * b['idle_ms'] / wall:>10.1f}%")
     lines.append(f"{'step wall time':<24}{wall:>10.2f}")

@@ -1,6 +1,6 @@
 #!/bin/bash
 # Precision proofs on one H200 (offline), from the repository root:
-#   bash bench/run_precision.sh [tests] [train] [memory]     (default: all three)
+#   bash bench/run_precision.sh [tests] [train] [rowwise] [seed] [memory]     (default: tests train memory)
 # 1. the tests of precision, memory plan and models, whose GPU cases run there (fp8 GEMMs, grouped GEMM, fused loss);
 # 2. `megaloom train` of a ~95M-parameter Llama-style model on the embedded corpus for 300 steps, in bf16 and
 #    in fp8 (same seed, same data): the final losses must agree within 1%;
@@ -10,6 +10,10 @@ set -u
 export OUT=${OUT:-/tmp/megaloom-precision} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export MEGALOOM_CACHE=${MEGALOOM_CACHE:-/tmp/megaloom-cache}
 PARTS=${*:-tests train memory}
+M="model.arch=llama model.d_model=768 model.n_layers=14 model.n_heads=12 model.n_kv_heads=4 model.ffn_dim=2048
+   model.max_seq_len=1024 train.seq_len=1024 train.global_batch_size=32 train.micro_batch_size=32 train.steps=300
+   train.lr=1e-3 train.min_lr=1e-4 train.warmup_steps=30 train.eval_every=0 train.log_every=10 checkpoint.every=0
+   run.tensorboard=false"
 mkdir -p "$OUT"
 LOG="$OUT/precision.log"  # one log (the device tool brings back at most eight files)
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch; print('torch', torch.__version__)"; } >> "$LOG" 2>&1
@@ -18,18 +22,22 @@ if has tests; then
   timeout 170 python3 -m pytest -q -p no:cacheprovider tests/precision tests/observe tests/models > "$OUT/gpu_tests.log" 2>&1
   echo "gpu tests rc=$?"
 fi
-M="model.arch=llama model.d_model=768 model.n_layers=14 model.n_heads=12 model.n_kv_heads=4 model.ffn_dim=2048
-   model.max_seq_len=1024 train.seq_len=1024 train.global_batch_size=32 train.micro_batch_size=32 train.steps=300
-   train.lr=1e-3 train.min_lr=1e-4 train.warmup_steps=30 train.eval_every=0 train.log_every=10 checkpoint.every=0
-   run.tensorboard=false"
-if has train; then
-for p in bf16 fp8; do
+train() {  # train NAME OVERRIDES...: 300 steps of the model above, metrics to $OUT/metrics_NAME.jsonl
+  local name=$1; shift
   # shellcheck disable=SC2086
-  timeout 170 python3 -m megaloom train $M train.precision=$p run.dir=/tmp/megaloom-run-$p > "/tmp/train_$p.log" 2>&1
-  echo "train $p rc=$?"
-  { echo "=== train $p"; head -40 "/tmp/train_$p.log"; echo ...; tail -15 "/tmp/train_$p.log"; } >> "$LOG"
-  cp /tmp/megaloom-run-$p/metrics.jsonl "$OUT/metrics_$p.jsonl" 2>/dev/null
-done
+  timeout 170 python3 -m megaloom train $M "$@" run.dir=/tmp/megaloom-run-$name > "/tmp/train_$name.log" 2>&1
+  echo "train $name rc=$?"
+  { echo "=== train $name: $*"; head -40 "/tmp/train_$name.log"; echo ...; tail -15 "/tmp/train_$name.log"; } >> "$LOG"
+  cp /tmp/megaloom-run-$name/metrics.jsonl "$OUT/metrics_$name.jsonl" 2>/dev/null
+}
+if has train; then
+  train bf16 train.precision=bf16
+  train fp8 train.precision=fp8
+fi
+# the same with rowwise fp8 scaling; bf16 with another seed (init and data order: the run-to-run noise floor)
+if has rowwise; then train fp8_rowwise train.precision=fp8 train.fp8_recipe=rowwise; fi
+if has seed; then train bf16_seed2 train.precision=bf16 train.seed=2; fi
+if has train; then
 python3 - "$OUT" <<'EOF' | tee -a "$LOG"
 import json, sys
 out = sys.argv[1]

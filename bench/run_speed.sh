@@ -73,9 +73,13 @@ def tail(path):
 print(f"final loss plain {a:.4f} ({ta:,.0f} tok/s)  optimised {b:.4f} ({tb:,.0f} tok/s)  gap {100 * (b - a) / a:+.2f}%")
 PY
 else
+  # the GPU cases of the fused loss (its fp32-output GEMM accumulation) and of the folded gradient clip
+  timeout 90 python3 -m pytest -q -p no:cacheprovider tests/models/test_fused_ce.py tests/test_step.py >> "$LOG" 2>&1
+  echo "gpu tests rc=$?"
   run best_bf16 $BEST --profile "$OUT/profile"
   grep -A12 "^kind" /tmp/run_best_bf16.log
   run best_fp8 $BEST --precision fp8
+  run best_bf16_mb8 --micro-batch 8 --fused-loss --attention cudnn
   if [ -d bench/.peer/.whl ]; then
     OUT=/tmp/peer bash bench/.peer/run_peers.sh > /tmp/peer.log 2>&1
     { echo "=== TorchTitan (bench/.peer/run_peers.sh)"; cat /tmp/peer.log; } >> "$LOG"

@@ -60,6 +60,27 @@ def micro_batches(batch: torch.Tensor, micro: int):
         yield chunk[:, :-1], chunk[:, 1:]
 
 
+def folds_grad_scale(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step()`` divides the gradients by ``optimizer.grad_scale`` inside its kernel: torch's
+    fused Adam/AdamW read that attribute (it is how GradScaler unscales without a pass of its own)."""
+    return isinstance(optimizer, torch.optim.Adam) and all(g.get("fused") for g in optimizer.param_groups)
+
+
+def clip_gradients(model: nn.Module, optimizer: torch.optim.Optimizer, max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_`` on one process; returns the norm before clipping (a device scalar, no host sync).
+
+    With a fused Adam the clip coefficient is not applied by a pass of its own over the gradients (reading and
+    writing 8 bytes per parameter: ~3 ms a step for llama3-1b on an H200) but handed to the optimizer's kernel,
+    which divides each gradient by ``grad_scale`` as it reads it. TrainStep clears it after the step."""
+    if not (math.isfinite(max_norm) and folds_grad_scale(optimizer)):
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, foreach=True)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, foreach=True)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)  # clip_grad_norm_'s coefficient, exactly
+    optimizer.grad_scale = coef.reciprocal()
+    return total
+
+
 @dataclass
 class StepOutput:
     loss: torch.Tensor  # mean loss over the global batch (device scalar)
@@ -131,12 +152,14 @@ class TrainStep:
         if self.grads is not None:
             grad_norm = self.grads.clip(self.grad_clip)
         else:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip, foreach=True)
+            grad_norm = clip_gradients(self.model, self.optimizer, self.grad_clip)
         if self.nan_guard and not bool(torch.isfinite(grad_norm + total).item()):
             # The norm is global (reduced over every group), so every rank takes the same decision.
+            self.optimizer.grad_scale = None
             self.optimizer.zero_grad(set_to_none=True)
             return StepOutput(total, grad_norm, True)
         self.optimizer.step()
+        self.optimizer.grad_scale = None  # a clip folded in by clip_gradients holds for this step only
         self.optimizer.zero_grad(set_to_none=True)
         self._update_router_bias()
         return StepOutput(total, grad_norm, False)

@@ -1,0 +1,35 @@
+"""bench/profile_breakdown.py sorts kernels into kinds by name: checked on names from an H200 trace."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+from profile_breakdown import kind_of, table  # noqa: E402
+
+
+def test_kernel_names_from_an_h200_trace_land_in_their_kinds() -> None:
+    seen = {
+        "nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NTN": "gemm",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x64": "attention",
+        "void cudnn::fusion::compute_dot_do_o_specialized<true, 64>(void const*)": "attention",
+        "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata>":
+            "optimizer",
+        "triton_red_fused__to_copy_arange_div_eq_exp_prepare_softmax_online_scalar_tensor_sub": "loss",
+        "triton_per_fused__fused_rms_norm__fused_rms_norm_backward__to_copy__unsafe_view_add_view_6":
+            "elementwise/norm/other",
+        "triton_poi_fused__to_copy_1": "elementwise/norm/other",
+        "Memset (Device)": "copy",
+        "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda>": "copy",
+        "ncclDevKernel_AllReduce_Sum_f32_RING_LL": "communication",
+    }
+    assert {name: kind_of(name) for name in seen} == seen
+
+
+def test_table_shares_are_of_the_unprofiled_step() -> None:
+    b = {"wall_ms": 500.0, "busy_ms": 90.0, "kinds_ms": {"gemm": 60.0, "attention": 30.0}, "idle_ms": 410.0}
+    lines = table(b, step_ms=100.0).splitlines()
+    assert "60.0%" in lines[1] and "30.0%" in lines[2]
+    assert lines[3].split()[-2:] == ["10.00", "10.0%"]  # 100 ms step - 90 ms of kernels
