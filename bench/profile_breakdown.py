@@ -5,7 +5,8 @@
 Kinds are read from kernel names (CUDA) or operator names (CPU): GEMM (cuBLAS / CUTLASS / nvjet / scaled and
 grouped mm), attention (flash / cuDNN / efficient SDPA kernels), optimizer (multi-tensor Adam and the clipping
 norm), communication (NCCL), the loss's softmax, copies (memcpy / memset / copy kernels), and everything else
-(norms, RoPE, SwiGLU, residual adds, casts: mostly Triton kernels under compile). Idle = the step's wall time minus the union of the device's busy intervals: launch gaps, host syncs.
+(norms, RoPE, SwiGLU, residual adds, casts: mostly Triton kernels under compile). Idle = the step's wall time
+minus the union of the device's busy intervals: launch gaps, host syncs (and the profiler's own overhead).
 """
 
 from __future__ import annotations
