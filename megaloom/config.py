@@ -144,6 +144,8 @@ class CheckpointConfig:
     resume: str = _f("auto", "auto = latest in run.dir if any; none = start fresh; or a checkpoint directory.")
     async_save: bool = _f(True, "Two-stage save: copy to host memory at the step boundary, write in the background "
                                 "(blocking saves are used with pipeline parallelism).")
+    final: bool = _f(True, "Save at the last step. false for throwaway runs (benchmarks, parity checks): a 1B "
+                           "model's 18 GB of weights and optimizer state are not written.")
 
 
 @dataclass

@@ -313,7 +313,7 @@ def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
             due = cfg.checkpoint.every and step % cfg.checkpoint.every == 0
             if due and guard.bad_in_a_row and step != t.steps:
                 due = False  # never checkpoint inside a run of non-finite steps: a rollback must go before it
-            if due or step == t.steps:
+            if due or (step == t.steps and cfg.checkpoint.final):
                 with guard.paused():
                     pending_stall = _save(cfg, model, optimizer, ckpt_root, step, rt, mesh, train_step, data_offset,
                                           saver)

@@ -28,6 +28,14 @@ def test_loss_falls_and_run_dir_contract(small_corpus, tmp_path):
     assert resolved.model.vocab_size == 512 and resolved.train.precision == "fp32"
 
 
+def test_no_final_checkpoint_when_asked(small_corpus, tmp_path):
+    run = tmp_path / "run"
+    res = train(load_config(None, tiny_overrides(small_corpus, run, "train.steps=6", "checkpoint.every=4",
+                                                 "checkpoint.final=false")))
+    assert res.final_step == 6
+    assert [p.name for p in (run / "checkpoints").glob("step_*")] == ["step_00000004"]  # the periodic one only
+
+
 def test_exact_resume_after_stop(small_corpus, tmp_path):
     base = ["train.steps=12", "checkpoint.every=4", "model.dropout=0.1"]
     ref = train(load_config(None, tiny_overrides(small_corpus, tmp_path / "a", *base)))
