@@ -107,6 +107,8 @@ class TrainConfig:
                          "e5m2 gradients) or rowwise (a scale per row, e4m3, weight gradient in bf16).",
                          ("tensorwise", "rowwise"))
     fp8_keep_first_last: bool = _f(True, "With precision=fp8: keep the first and last transformer blocks in bf16.")
+    fp8_fast_accum: bool = _f(True, "With precision=fp8: the forward GEMM accumulates in the tensor cores' fast, "
+                                    "reduced-precision mode (torchao's default); false promotes partial sums to fp32.")
     recompute: str = _f("none", "Activation recomputation.", ("none", "selective", "full"))
     recompute_layers: int = _f(0, "With recompute=full: recompute only the first N blocks of each pipeline stage "
                                   "(of the model without pipeline); 0 = all.")

@@ -56,6 +56,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = mark(weight, 0, replicas)
         self.bias = mark(bias, 0, replicas) if bias is not None else None
         self.fp8_recipe: str | None = None  # set by precision.fp8.convert_to_float8: the local matmul in fp8
+        self.fp8_fast_accum = True
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, mesh: Mesh, input_mode: str = "copy",
@@ -73,7 +74,7 @@ class ColumnParallelLinear(nn.Module):
             x = comm.copy_to_tp(x, g, rec)
         elif self.input_mode == "gather":
             x = comm.gather_from_seq(x, g, rec)
-        return fp8.linear(x, self.weight, self.bias, self.fp8_recipe)
+        return fp8.linear(x, self.weight, self.bias, self.fp8_recipe, self.fp8_fast_accum)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} "
@@ -98,6 +99,7 @@ class RowParallelLinear(nn.Module):
         sp = output_mode == "reduce_scatter"
         self.bias = mark(bias, None, sequence_parallel=sp) if bias is not None else None
         self.fp8_recipe: str | None = None  # set by precision.fp8.convert_to_float8: the local matmul in fp8
+        self.fp8_fast_accum = True
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, mesh: Mesh, output_mode: str = "reduce") -> RowParallelLinear:
@@ -107,7 +109,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g, rec = self.mesh.tp_group, self.mesh.recorder
-        y = fp8.linear(x, self.weight, None, self.fp8_recipe)
+        y = fp8.linear(x, self.weight, None, self.fp8_recipe, self.fp8_fast_accum)
         if self.output_mode == "reduce":
             y = comm.reduce_from_tp(y, g, rec)
         else:

@@ -8,6 +8,11 @@ the GEMM multiplies by the inverse scales in its epilogue, accumulating in fp32.
   tensorwise  e4m3 x e4m3, per tensor  e5m2 x e4m3, per tensor    e5m2 x e4m3, per tensor
   rowwise     e4m3 x e4m3, per row     e4m3 x e4m3, per row       high precision (bf16) GEMM
 
+The forward GEMM uses Hopper's fast fp8 accumulation by default (as torchao does): partial sums stay in the
+tensor cores' reduced-precision accumulator (about 14 bits, per DeepSeek-V3's report) instead of being promoted
+to fp32 every few K-blocks. ``fast_accum=False`` (``train.fp8_fast_accum=false``) promotes them: slower GEMMs,
+more exact sums. The backward GEMMs always promote.
+
 ``rowwise`` scales each row of the left operand and each column of the right operand along the
 contracted dimension (torchao's "rowwise_with_gw_hp": the weight gradient, which sums over all tokens,
 stays in bf16). Only the matmul runs in fp8: master weights stay fp32 (and their gradient comes back
@@ -93,18 +98,19 @@ class _Float8Matmul(torch.autograd.Function):
     """y[M, N] = x[M, K] @ weight[N, K]^T in fp8, returned in ``dtype``; gradients in the inputs' dtypes."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, recipe: str, dtype: torch.dtype) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, recipe: str, dtype: torch.dtype,
+                fast_accum: bool = True) -> torch.Tensor:
         ctx.recipe, ctx.dtype, ctx.x_dtype = recipe, dtype, x.dtype
         if recipe == "tensorwise":
             x8, xs = quantize(x, E4M3)
             w8, ws = quantize(weight, E4M3)
             y = torch._scaled_mm(x8.contiguous(), w8.t(), scale_a=xs.reciprocal(), scale_b=ws.reciprocal(),
-                                 out_dtype=dtype, use_fast_accum=True)
+                                 out_dtype=dtype, use_fast_accum=fast_accum)
             ctx.save_for_backward(x8, xs, weight)
             return y
         x8, xs = quantize(x, E4M3, dim=1)  # [M, 1]
         w8, ws = quantize(weight, E4M3, dim=1)  # [N, 1]: one scale per output feature
-        y = _rowwise_mm(x8.contiguous(), w8.t(), xs.reciprocal(), ws.reciprocal().view(1, -1), fast_accum=True)
+        y = _rowwise_mm(x8.contiguous(), w8.t(), xs.reciprocal(), ws.reciprocal().view(1, -1), fast_accum=fast_accum)
         ctx.save_for_backward(_cast(x, dtype), weight)  # the weight gradient is a high-precision GEMM
         return _cast(y, dtype)
 
@@ -123,7 +129,7 @@ class _Float8Matmul(torch.autograd.Function):
                 dw = torch._scaled_mm(_pad_cols(g8.t()), _col_major(_pad_rows(x8)), scale_a=g_inv,
                                       scale_b=xs.reciprocal(), out_dtype=torch.float32)
                 dw = _cast(dw, weight.dtype)
-            return dx, dw, None, None
+            return dx, dw, None, None, None
         x_hp, weight = ctx.saved_tensors
         dx = dw = None
         if ctx.needs_input_grad[0]:
@@ -132,7 +138,7 @@ class _Float8Matmul(torch.autograd.Function):
             dx = _cast(_rowwise_mm(g8.contiguous(), _col_major(w8), gs.reciprocal(), ws.reciprocal()), ctx.x_dtype)
         if ctx.needs_input_grad[1]:
             dw = _cast(_cast(dy, x_hp.dtype).t() @ x_hp, weight.dtype)
-        return dx, dw, None, None
+        return dx, dw, None, None, None
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -144,50 +150,52 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  recipe: str = "tensorwise") -> torch.Tensor:
+                  recipe: str = "tensorwise", fast_accum: bool = True) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with the matmul in fp8; x is [..., K], weight [N, K] (K, N multiples of 16
     on CUDA). The result has the dtype F.linear would give (bf16 under bf16 autocast)."""
     dtype = compute_dtype(x)
     k, n = weight.shape[1], weight.shape[0]
     with torch.autocast(x.device.type, enabled=False):
-        y = _Float8Matmul.apply(x.reshape(-1, k), weight, recipe, dtype).view(*x.shape[:-1], n)
+        y = _Float8Matmul.apply(x.reshape(-1, k), weight, recipe, dtype, fast_accum).view(*x.shape[:-1], n)
         if bias is not None:
             y = y + bias.to(dtype)
     return y
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           fp8_recipe: str | None = None) -> torch.Tensor:
+           fp8_recipe: str | None = None, fast_accum: bool = True) -> torch.Tensor:
     """F.linear, or `float8_linear` when ``fp8_recipe`` is set (what the tensor-parallel layers call)."""
     if fp8_recipe is None:
         return F.linear(x, weight, bias)
-    return float8_linear(x, weight, bias, fp8_recipe)
+    return float8_linear(x, weight, bias, fp8_recipe, fast_accum)
 
 
 class Float8Linear(nn.Linear):
     """nn.Linear whose matmul runs in fp8 (`float8_linear`); parameters, names and init are nn.Linear's."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None,
-                 recipe: str = "tensorwise") -> None:
+                 recipe: str = "tensorwise", fast_accum: bool = True) -> None:
         super().__init__(in_features, out_features, bias, device, dtype)
         _check_recipe(recipe)
         self.fp8_recipe = recipe
+        self.fp8_fast_accum = fast_accum
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, recipe: str = "tensorwise") -> Float8Linear:
+    def from_linear(cls, linear: nn.Linear, recipe: str = "tensorwise", fast_accum: bool = True) -> Float8Linear:
         """A Float8Linear holding the very same weight / bias Parameter objects as ``linear``."""
         with torch.device("meta"):
-            new = cls(linear.in_features, linear.out_features, bias=False, recipe=recipe)
+            new = cls(linear.in_features, linear.out_features, bias=False, recipe=recipe, fast_accum=fast_accum)
         new.weight = linear.weight
         new.bias = linear.bias
         new.train(linear.training)
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return float8_linear(x, self.weight, self.bias, self.fp8_recipe)
+        return float8_linear(x, self.weight, self.bias, self.fp8_recipe, self.fp8_fast_accum)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, fp8={self.fp8_recipe}"
+        accum = "" if self.fp8_fast_accum else ", fp32 accumulation"
+        return f"{super().extra_repr()}, fp8={self.fp8_recipe}{accum}"
 
 
 def _check_recipe(recipe: str) -> None:
@@ -245,14 +253,15 @@ def _linears(block: nn.Module) -> list[tuple[str, nn.Module, str | None]]:
     return out
 
 
-def convert_to_float8(model: nn.Module, recipe: str = "tensorwise", keep_first_last: bool = True) -> Float8Summary:
+def convert_to_float8(model: nn.Module, recipe: str = "tensorwise", keep_first_last: bool = True,
+                      fast_accum: bool = True) -> Float8Summary:
     """Run the attention and MLP linears of the transformer blocks in fp8, in place.
 
     Works on a `Transformer`, a tensor-parallel one (its local shards are checked for the multiple-of-16
     rule) and a pipeline `StageModule` (``keep_first_last`` refers to the model's global first and last
     blocks). Never touched: embedding, output head, norms, MoE router and grouped experts (a dense shared
-    expert MLP is converted). Parameters keep their objects and names. Returns what was converted and why
-    the rest was kept.
+    expert MLP is converted). Parameters keep their objects and names. ``fast_accum``: the forward GEMM's
+    accumulation (module doc). Returns what was converted and why the rest was kept.
     """
     from megaloom.parallel.tp_layers import ColumnParallelLinear, RowParallelLinear
 
@@ -271,10 +280,10 @@ def convert_to_float8(model: nn.Module, recipe: str = "tensorwise", keep_first_l
                 summary.skipped.append((full, why))
                 continue
             if isinstance(mod, ColumnParallelLinear | RowParallelLinear | Float8Linear):
-                mod.fp8_recipe = recipe
+                mod.fp8_recipe, mod.fp8_fast_accum = recipe, fast_accum
             else:
                 parent_name, _, attr = name.rpartition(".")
                 parent = block.get_submodule(parent_name) if parent_name else block
-                setattr(parent, attr, Float8Linear.from_linear(mod, recipe))
+                setattr(parent, attr, Float8Linear.from_linear(mod, recipe, fast_accum))
             summary.converted.append(full)
     return summary

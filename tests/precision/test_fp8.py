@@ -177,6 +177,25 @@ def test_fp8_model_trains(recipe) -> None:
         assert abs(model(x, batch[:, 1:]).item() - bf16(x, batch[:, 1:]).item()) < 0.05
 
 
+@pytest.mark.parametrize("fast", [True, False])
+def test_fast_accumulation_setting_reaches_the_forward_gemm_only(fast, monkeypatch) -> None:
+    model = tiny_model()
+    convert_to_float8(model, "tensorwise", keep_first_last=False, fast_accum=fast)
+    lin = model.layers[0].mlp.up_proj
+    assert isinstance(lin, Float8Linear) and lin.fp8_fast_accum is fast
+    seen = []
+    real = torch._scaled_mm
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("use_fast_accum", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    x = torch.randn(2, 16, lin.in_features, requires_grad=True)
+    lin(x).sum().backward()
+    assert seen == [fast, False, False]  # forward y, then backward dx and dW (always promoted to fp32)
+
+
 def test_convert_a_pipeline_stage_counts_blocks_globally() -> None:
     from megaloom.parallel.pipeline.partition import partition_layers
     from megaloom.parallel.pipeline.stage import StageModule
