@@ -84,6 +84,11 @@ else
   grep -A12 "^kind" /tmp/run_best_bf16.log
   run best_fp8 $BEST --precision fp8
   run best_bf16_mb8 --micro-batch 8 --fused-loss --attention cudnn
+  if [ -n "${FP8_MORE:-}" ]; then  # fp8 at micro-batch 8, and where an fp8 step's time goes (table in the log)
+    run best_fp8_mb8 --micro-batch 8 --fused-loss --attention cudnn --precision fp8
+    run profile_fp8 $BEST --precision fp8 --profile /tmp/profile_fp8
+    grep -A12 "^kind" /tmp/run_profile_fp8.log
+  fi
   if [ -d bench/.peer/.whl ]; then
     OUT=/tmp/peer bash bench/.peer/run_peers.sh > /tmp/peer.log 2>&1
     { echo "=== TorchTitan (bench/.peer/run_peers.sh)"; cat /tmp/peer.log; } >> "$LOG"
