@@ -31,6 +31,7 @@ if [ "$PART" = ladder ]; then
   run fused_cudnn $BEST
   run fused_cudnn_mb6 --micro-batch 6 --fused-loss --attention cudnn
   run fused_cudnn_fp8 $BEST --precision fp8
+  run offload $BEST --offload  # activation offload to pinned host memory (train.offload_activations)
   run profile $BEST --profile "$OUT/profile"
   grep -A12 "^kind" /tmp/run_profile.log
 elif [ "$PART" = 8b ]; then
@@ -76,6 +77,8 @@ def tail(path):
 (a, ta), (b, tb) = tail(f"{sys.argv[1]}/parity_plain.jsonl"), tail(f"{sys.argv[1]}/parity_fast.jsonl")
 print(f"final loss plain {a:.4f} ({ta:,.0f} tok/s)  optimised {b:.4f} ({tb:,.0f} tok/s)  gap {100 * (b - a) / a:+.2f}%")
 PY
+  # the same step measured by bench_train.py in this call: what the training loop costs beyond TrainStep
+  run loop_ref $BEST
 else
   # the GPU cases of the fused loss (its fp32-output GEMM accumulation) and of the folded gradient clip
   timeout 90 python3 -m pytest -q -p no:cacheprovider tests/models/test_fused_ce.py tests/test_step.py >> "$LOG" 2>&1
