@@ -40,23 +40,7 @@ if has seed; then train bf16_seed2 train.precision=bf16 train.seed=2; fi
 if has seed_fp8; then train fp8_seed2 train.precision=fp8 train.seed=2; fi  # the fp8 partner of bf16_seed2
 if has seed3; then train bf16_seed3 train.precision=bf16 train.seed=3; train fp8_seed3 train.precision=fp8 train.seed=3; fi
 if has precise; then train fp8_precise train.precision=fp8 train.fp8_fast_accum=false; fi
-if has train; then
-python3 - "$OUT" <<'EOF' | tee -a "$LOG"
-import json, sys
-out = sys.argv[1]
-last = {}
-for p in ("bf16", "fp8"):
-    try:
-        rows = [json.loads(l) for l in open(f"{out}/metrics_{p}.jsonl")]
-    except OSError:
-        continue
-    tail = [r["loss"] for r in rows if "loss" in r][-5:]  # the last 50 steps (logged every 10)
-    last[p] = sum(tail) / len(tail)
-    print(p, "final loss (mean of last 5 logs)", round(last[p], 4), "tokens/s", round(rows[-1]["tokens_per_s"]))
-if len(last) == 2:
-    print("fp8 vs bf16 relative difference", round((last["fp8"] - last["bf16"]) / last["bf16"] * 100, 3), "%")
-EOF
-fi
+ls "$OUT"/metrics_*.jsonl > /dev/null 2>&1 && python3 bench/compare_precision.py "$OUT" | tee -a "$LOG"
 if has memory; then
   timeout 200 python3 bench/bench_memory.py --results "$OUT/memory.jsonl" > "$OUT/memory.log" 2>&1
   echo "memory rc=$?"

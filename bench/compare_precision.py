@@ -1,0 +1,83 @@
+"""Compare the loss of precision runs against bf16, pairing runs of the same seed (`run_precision.sh` output).
+
+    python bench/compare_precision.py DIR        # DIR holds metrics_<name>.jsonl files
+
+Names are ``<precision>[_<variant>][_seed<N>]`` as `run_precision.sh` writes them: ``bf16``, ``fp8``,
+``fp8_rowwise``, ``bf16_seed2``, ``fp8_seed2``, ... A run without ``_seed<N>`` used the default seed. Each
+non-bf16 run is compared with the bf16 run of the same seed: the mean training loss over the last
+``--tail`` logged steps, and the eval loss at the end. bf16 runs of different seeds give the noise floor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from pathlib import Path
+
+DEFAULT_SEED = "default"
+
+
+def summarize(path: Path, tail: int) -> dict:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
+    return {"train": sum(losses[-tail:]) / len(losses[-tail:]) if losses else float("nan"),
+            "eval": evals[-1] if evals else float("nan"), "steps": rows[-1]["step"] if rows else 0,
+            "tokens_per_s": rows[-1].get("tokens_per_s") if rows else None}
+
+
+def split_name(name: str) -> tuple[str, str]:
+    """("fp8_rowwise", "2") from "fp8_rowwise_seed2"; the seed is DEFAULT_SEED when absent."""
+    m = re.fullmatch(r"(.+?)_seed(\d+)", name)
+    return (m.group(1), m.group(2)) if m else (name, DEFAULT_SEED)
+
+
+def compare(runs: dict[str, dict]) -> list[dict]:
+    """One row per non-bf16 run that has a bf16 partner of the same seed: relative gaps in percent."""
+    by_key = {split_name(n): s for n, s in runs.items()}
+    out = []
+    for (kind, seed), s in sorted(by_key.items()):
+        ref = by_key.get(("bf16", seed))
+        if kind == "bf16" or ref is None:
+            continue
+        out.append({"run": kind, "seed": seed, "train_gap_pct": 100 * (s["train"] - ref["train"]) / ref["train"],
+                    "eval_gap_pct": 100 * (s["eval"] - ref["eval"]) / ref["eval"]})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("dir", type=Path)
+    ap.add_argument("--tail", type=int, default=5, help="logged steps averaged at the end (5 = the last 50 steps "
+                                                       "at train.log_every=10)")
+    args = ap.parse_args(argv)
+    runs = {p.stem.removeprefix("metrics_"): summarize(p, args.tail) for p in sorted(args.dir.glob("metrics_*.jsonl"))}
+    if not runs:
+        print(f"no metrics_*.jsonl in {args.dir}", file=sys.stderr)
+        return 1
+    print(f"{'run':<22}{'steps':>6}{'train loss':>12}{'eval loss':>11}{'tokens/s':>11}")
+    for name, s in runs.items():
+        tps = f"{s['tokens_per_s']:,.0f}" if s["tokens_per_s"] else "-"
+        print(f"{name:<22}{s['steps']:>6}{s['train']:>12.4f}{s['eval']:>11.4f}{tps:>11}")
+    rows = compare(runs)
+    if rows:
+        print(f"\n{'vs bf16 (same seed)':<22}{'seed':>8}{'train gap':>11}{'eval gap':>10}")
+        for r in rows:
+            print(f"{r['run']:<22}{r['seed']:>8}{r['train_gap_pct']:>+10.2f}%{r['eval_gap_pct']:>+9.2f}%")
+        for kind in sorted({r["run"] for r in rows}):
+            gaps = [r["train_gap_pct"] for r in rows if r["run"] == kind]
+            if len(gaps) > 1:
+                print(f"{kind}: mean train gap over {len(gaps)} seeds {statistics.mean(gaps):+.2f}% "
+                      f"(std {statistics.stdev(gaps):.2f})")
+    bf16 = [s["train"] for (k, _), s in ((split_name(n), s) for n, s in runs.items()) if k == "bf16"]
+    if len(bf16) > 1:
+        spread = 100 * (max(bf16) - min(bf16)) / min(bf16)
+        print(f"bf16 across {len(bf16)} seeds: train loss spread {spread:.2f}% (the run-to-run noise floor)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
