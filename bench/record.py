@@ -1,0 +1,91 @@
+"""Record one benchmark call: append its rows to bench/results.jsonl and print the table for RESULTS.md.
+
+    python bench/record.py OUT_DIR [--results bench/results.jsonl] [--dry-run]
+
+OUT_DIR is what `run_speed.sh` left in $OUT: ``results.jsonl`` (megaloom's rows from `bench_train.py`) and, when the
+peer ran, ``peer_summary.jsonl`` (TorchTitan's runs, one line each, from ../shared/bench's summarize.py). Peer
+lines are turned into rows of the same schema (``run_id``, ``date``, ``gpu``, ``torch`` and ``commit`` taken from
+megaloom's rows of the same call, as both ran on one machine back to back). Rows already in the results file
+(same run_id, framework, model, precision and micro-batch) are not appended twice. The table gives each megaloom
+row's ratio to TorchTitan's row of the same precision from the same call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+PEER = "torchtitan-0.2.2"
+UNTIED_1B_PARAMS = 1_498_482_688  # the peer's "1B" flavor: llama3-1b-untied (../shared/bench/README.md)
+
+
+def _read(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip().startswith("{")]
+
+
+def peer_rows(summaries: list[dict], like: dict) -> list[dict]:
+    """TorchTitan summary lines -> result rows, with the call's identity copied from a megaloom row ``like``."""
+    rows = []
+    for s in summaries:
+        if s.get("err") or not s.get("tps"):
+            continue
+        fp8 = "fp8" in s["run"]
+        rows.append({
+            "run_id": like["run_id"], "date": like["date"], "gpu": like["gpu"], "torch": like.get("torch"),
+            "framework": PEER, "model": "llama3-1b-untied", "params": UNTIED_1B_PARAMS, "seq_len": 4096,
+            "micro_batch": int(s.get("micro_batch", 4)), "precision": "fp8-tensorwise" if fp8 else "bf16",
+            "compile": "compile" in s["run"], "tokens_per_s": s["tps"],
+            "mfu": round(s["mfu_titan_formula_989"] / 100, 4), "peak_mem_gb": None,
+            "peak_reserved_gb": s.get("mem_reserved_gib"), "commit": like.get("commit"), "run": s["run"]})
+    return rows
+
+
+def _key(r: dict) -> tuple:
+    return r.get("run_id"), r.get("framework"), r.get("model"), r.get("precision"), r.get("micro_batch")
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown: one line per row, with the ratio to the peer's row of the same precision (fp8 vs float8)."""
+    peer = {("fp8" if "fp8" in r["precision"] else "bf16"): r["tokens_per_s"] for r in rows if r["framework"] == PEER}
+    lines = ["| framework | model | precision | micro-batch | tokens/s | MFU | peak memory | vs TorchTitan |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        kind = "fp8" if "fp8" in r["precision"] else "bf16"
+        ratio = f"{r['tokens_per_s'] / peer[kind]:.3f}x" if kind in peer else "–"
+        mem = (f"{r['peak_mem_gb']} GB alloc" if r.get("peak_mem_gb") is not None
+               else f"{r.get('peak_reserved_gb')} GiB reserved")
+        lines.append(f"| {r['framework']} | {r['model']} | {r['precision']} | {r.get('micro_batch')} | "
+                     f"{r['tokens_per_s']:,} | {100 * r['mfu']:.1f}% | {mem} | {ratio} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out_dir", type=Path)
+    ap.add_argument("--results", type=Path, default=Path(__file__).parent / "results.jsonl")
+    ap.add_argument("--dry-run", action="store_true", help="print the table, append nothing")
+    args = ap.parse_args(argv)
+    ours = [{k: v for k, v in r.items() if k != "profile"} for r in _read(args.out_dir / "results.jsonl")]
+    if not ours:
+        print(f"no megaloom rows in {args.out_dir / 'results.jsonl'}", file=sys.stderr)
+        return 1
+    rows = ours + peer_rows(_read(args.out_dir / "peer_summary.jsonl"), ours[0])
+    print(f"run {ours[0]['run_id']}, {ours[0]['date']}, {ours[0]['gpu']}, torch {ours[0].get('torch')}, "
+          f"commit {ours[0].get('commit')}\n")
+    print(table(rows))
+    if not args.dry_run:
+        have = {_key(r) for r in _read(args.results)}
+        new = [r for r in rows if _key(r) not in have]
+        with args.results.open("a") as f:
+            for r in new:
+                f.write(json.dumps(r) + "\n")
+        print(f"\nappended {len(new)} rows to {args.results} ({len(rows) - len(new)} already there)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
