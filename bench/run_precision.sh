@@ -10,8 +10,11 @@ set -u
 export OUT=${OUT:-/tmp/megaloom-precision} PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export MEGALOOM_CACHE=${MEGALOOM_CACHE:-/tmp/megaloom-cache}
 PARTS=${*:-tests train memory}
+# GBS: sequences of 1024 tokens per step. The embedded corpus is ~1.3M tokens, so the default 32 makes 300 steps
+# ~7.5 epochs (the late loss is memorisation); GBS=4 keeps the 300 steps within about one epoch.
+GBS=${GBS:-32}
 M="model.arch=llama model.d_model=768 model.n_layers=14 model.n_heads=12 model.n_kv_heads=4 model.ffn_dim=2048
-   model.max_seq_len=1024 train.seq_len=1024 train.global_batch_size=32 train.micro_batch_size=32 train.steps=300
+   model.max_seq_len=1024 train.seq_len=1024 train.global_batch_size=$GBS train.micro_batch_size=$GBS train.steps=300
    train.lr=1e-3 train.min_lr=1e-4 train.warmup_steps=30 train.eval_every=0 train.log_every=10 checkpoint.every=0
    run.tensorboard=false"
 mkdir -p "$OUT"
