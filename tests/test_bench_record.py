@@ -20,15 +20,17 @@ def test_record_appends_once_and_compares_with_the_peer(tmp_path, capsys) -> Non
     (out / "results.jsonl").write_text(json.dumps(ours) + "\n")
     peers = [{"run": "titan_compile_bs4.log", "tps": 60000, "mfu_titan_formula_989": 54.0, "mem_reserved_gib": 50.7,
               "err": ""},
+             {"run": "titan_compile_bs8.log", "tps": 55000, "mfu_titan_formula_989": 50.0, "err": ""},
              {"run": "titan_compile_fp8_nooutput_bs4.log", "tps": 0, "err": "OOM"}]  # failed runs are left out
     (out / "peer_summary.jsonl").write_text("\n".join(json.dumps(p) for p in peers) + "\n")
     results = tmp_path / "results.jsonl"
     assert main([str(out), "--results", str(results)]) == 0
     rows = [json.loads(line) for line in results.read_text().splitlines()]
-    assert [r["framework"] for r in rows] == ["megaloom", "torchtitan-0.2.2"]
+    assert [r["framework"] for r in rows] == ["megaloom", "torchtitan-0.2.2", "torchtitan-0.2.2"]
+    assert [r["micro_batch"] for r in rows[1:]] == [4, 8]
     assert "profile" not in rows[0]
     peer = rows[1]
     assert (peer["run_id"], peer["commit"], peer["gpu"], peer["mfu"]) == ("R1", "abc", "NVIDIA H200", 0.54)
-    assert "| 1.100x |" in capsys.readouterr().out
+    assert "| 1.100x |" in capsys.readouterr().out  # against the peer's best setting (mb 4 here)
     assert main([str(out), "--results", str(results)]) == 0  # the same call recorded again: nothing new
-    assert len(results.read_text().splitlines()) == 2
+    assert len(results.read_text().splitlines()) == 3
