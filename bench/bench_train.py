@@ -59,6 +59,7 @@ def main() -> None:
                     help="fp8: keep the first and last blocks in bf16 (--no-fp8-keep-first-last converts all)")
     ap.add_argument("--fp8-fast-accum", action=argparse.BooleanOptionalAction, default=True,
                     help="fp8: fast (reduced-precision) accumulation in the forward GEMM; --no-fp8-fast-accum = fp32")
+    ap.add_argument("--fp8-keep-attention", action="store_true", help="fp8: attention projections stay bf16")
     ap.add_argument("--recompute", default="none")
     ap.add_argument("--recompute-layers", type=int, default=0, help="recompute=full: only the first N blocks")
     ap.add_argument("--offload", action="store_true", help="keep saved activations in pinned CPU memory")
@@ -90,7 +91,8 @@ def main() -> None:
     if args.fused_loss:
         model.head_loss = functools.partial(fused_head_loss, chunk_tokens=args.loss_chunk or None)
     if args.precision == "fp8":
-        print(convert_to_float8(model, args.fp8_recipe, args.fp8_keep_first_last, args.fp8_fast_accum), flush=True)
+        print(convert_to_float8(model, args.fp8_recipe, args.fp8_keep_first_last, args.fp8_fast_accum,
+                                args.fp8_keep_attention), flush=True)
     if args.compile:
         for i, layer in enumerate(model.layers):
             model.layers[i] = torch.compile(layer)
@@ -134,6 +136,7 @@ def main() -> None:
         "fp8_recipe": args.fp8_recipe if args.precision == "fp8" else None,
         "fp8_keep_first_last": args.fp8_keep_first_last if args.precision == "fp8" else None,
         "fp8_fast_accum": args.fp8_fast_accum if args.precision == "fp8" else None,
+        "fp8_keep_attention": args.fp8_keep_attention if args.precision == "fp8" else None,
         "compile": args.compile,
         "fused_loss": args.fused_loss,
         "loss_chunk": (args.loss_chunk or None) if args.fused_loss else None,

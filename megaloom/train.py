@@ -143,7 +143,8 @@ def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
     fpt = flops_per_token(cfg.model, matmul_params(model), t.seq_len)
     model = parallelize_tensor(model, mesh, cfg.parallel.sp)  # ... then each rank keeps its shards
     if precision == "fp8":  # the blocks' local GEMMs in float8 (tp collectives stay bf16); before stages/compile
-        fp8_summary = convert_to_float8(model, t.fp8_recipe, t.fp8_keep_first_last, t.fp8_fast_accum)
+        fp8_summary = convert_to_float8(model, t.fp8_recipe, t.fp8_keep_first_last, t.fp8_fast_accum,
+                                        t.fp8_keep_attention)
         if rt.is_main:
             print(f"megaloom: {fp8_summary}", flush=True)
     torch.manual_seed(dropout_seed(t.seed, mesh))  # dropout: equal across tp peers, distinct across data

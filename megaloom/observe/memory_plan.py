@@ -168,11 +168,12 @@ def block_activation_bytes(cfg: Config, *, tokens: int, batch: int, layer: int =
     attention = attention or attention_backend(cfg, device, tp)
     moe = is_moe_layer(m, layer)
     lin_in = 1 if fp8 and getattr(t, "fp8_recipe", "tensorwise") == "tensorwise" else 2
+    attn_in = 2 if getattr(t, "fp8_keep_attention", False) else lin_in  # projections kept bf16: 2-byte inputs
     out: dict[str, int] = {}
     n, n_r, d, a = dm.n, dm.n_r, dm.d, dm.a
     out["attn_norm"] = _norm_bytes(m.arch, n_r, d, device)
     # One tensor enters each region; with fp32, sp and a parallel block the attention and MLP gather it twice.
-    out["q/k/v inputs"] = _linear_input_bytes(dm, 3, lin_in)
+    out["q/k/v inputs"] = _linear_input_bytes(dm, 3, attn_in)
     q, kv = a * n * dm.hl * dm.hd, a * n * dm.hkvl * dm.hd
     selective = recompute == "selective"
     if attention in ("flash", "efficient"):
@@ -572,7 +573,9 @@ def plan_memory(cfg: Config, model: nn.Module | None = None, *, world_size: int 
         if not autocast:
             return 0
         if i in fp8_layers:  # converted linears quantise from the fp32 weight: no cached copy
-            return 2 * max(0, counts.matmul_layers.get(i, 0) - _fp8_linear_params(cfg, tp, is_moe_layer(m, i)))
+            return 2 * max(0, counts.matmul_layers.get(i, 0) - _fp8_linear_params(cfg, tp, is_moe_layer(m, i),
+                                                                                    getattr(t, "fp8_keep_attention",
+                                                                                            False)))
         return 2 * counts.matmul_layers.get(i, 0)
 
     full = t.recompute == "full"
@@ -696,12 +699,13 @@ def plan_memory(cfg: Config, model: nn.Module | None = None, *, world_size: int 
                       per_layer=block(first), layers=len(layers), in_flight=max_inflight, setup=setup, notes=notes)
 
 
-def _fp8_linear_params(cfg: Config, tp: int, moe: bool) -> int:
-    """The linear weights of one block that fp8 converts: attention, and the dense MLP (MoE stays bf16)."""
+def _fp8_linear_params(cfg: Config, tp: int, moe: bool, keep_attention: bool = False) -> int:
+    """The linear weights of one block that fp8 converts: attention (unless kept bf16), and the dense MLP (MoE
+    stays bf16)."""
     m = cfg.model
     kv, ffn, _, hd = _resolved(m)
     d = m.d_model
-    attn = 2 * d * (d // tp) + 2 * d * max(kv // tp, 1) * hd
+    attn = 0 if keep_attention else 2 * d * (d // tp) + 2 * d * max(kv // tp, 1) * hd
     return attn + (0 if moe else (3 if m.arch == "llama" else 2) * d * (ffn // tp))
 
 

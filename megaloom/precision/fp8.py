@@ -254,14 +254,15 @@ def _linears(block: nn.Module) -> list[tuple[str, nn.Module, str | None]]:
 
 
 def convert_to_float8(model: nn.Module, recipe: str = "tensorwise", keep_first_last: bool = True,
-                      fast_accum: bool = True) -> Float8Summary:
+                      fast_accum: bool = True, keep_attention: bool = False) -> Float8Summary:
     """Run the attention and MLP linears of the transformer blocks in fp8, in place.
 
     Works on a `Transformer`, a tensor-parallel one (its local shards are checked for the multiple-of-16
     rule) and a pipeline `StageModule` (``keep_first_last`` refers to the model's global first and last
     blocks). Never touched: embedding, output head, norms, MoE router and grouped experts (a dense shared
     expert MLP is converted). Parameters keep their objects and names. ``fast_accum``: the forward GEMM's
-    accumulation (module doc). Returns what was converted and why the rest was kept.
+    accumulation (module doc); ``keep_attention``: the attention projections stay bf16 (only MLPs in fp8).
+    Returns what was converted and why the rest was kept.
     """
     from megaloom.parallel.tp_layers import ColumnParallelLinear, RowParallelLinear
 
@@ -276,6 +277,8 @@ def convert_to_float8(model: nn.Module, recipe: str = "tensorwise", keep_first_l
             full = f"{prefix}.{name}"
             if keep_first_last and edge is not None:
                 why = f"{edge}, train.fp8_keep_first_last"
+            elif keep_attention and why is None and name.startswith("attn."):
+                why = "attention projection, train.fp8_keep_attention"
             if why is not None:
                 summary.skipped.append((full, why))
                 continue

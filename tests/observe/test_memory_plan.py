@@ -307,3 +307,16 @@ def test_analytic_counts_follow_expert_and_tensor_parallelism(tp, ep):
     guess = analytic_params(cfg, list(range(cfg.model.n_layers)), tp=tp, ep=ep)
     assert guess.local == exact.local
     assert guess.matmul_layers == exact.matmul_layers
+
+
+def test_fp8_keep_attention_plans_bf16_projection_inputs_and_casts():
+    fp8 = make_cfg("llama", "fp8", "none", 4)
+    kept = make_cfg("llama", "fp8", "none", 4, "train.fp8_keep_attention=true")
+    a = block_activation_bytes(fp8, tokens=B * T, batch=B, device="cuda", attention="flash", fp8=True)
+    b = block_activation_bytes(kept, tokens=B * T, batch=B, device="cuda", attention="flash", fp8=True)
+    assert b["q/k/v inputs"] == 2 * a["q/k/v inputs"] == 3 * 2 * B * T * 64  # bf16 inputs, not 1-byte fp8
+    assert b["mlp inputs"] == a["mlp inputs"]  # the MLP stays in fp8
+    attn_weights = 2 * 64 * 64 + 2 * 64 * 2 * 16  # q, o [64, 64]; k, v [32, 64] (2 KV heads of 16)
+    extra_casts = 2 * attn_weights * 2  # bf16 copies of the two middle blocks' attention weights
+    pa, pb = (plan_memory(c, device="cuda") for c in (fp8, kept))
+    assert pb.weight_casts - pa.weight_casts == extra_casts

@@ -138,6 +138,11 @@ def test_convert_keeps_first_last_blocks_head_and_names() -> None:
     everything = convert_to_float8(tiny_model(), "rowwise", keep_first_last=False)
     assert len(everything.converted) == 28 and not everything.skipped
 
+    mlp_only = convert_to_float8(tiny_model(), keep_first_last=False, keep_attention=True)
+    mlp = ("gate_proj", "up_proj", "down_proj")
+    assert mlp_only.converted == [f"layers.{i}.mlp.{n}" for i in range(4) for n in mlp]
+    assert {why for _, why in mlp_only.skipped} == {"attention projection, train.fp8_keep_attention"}
+
 
 def test_convert_skips_shapes_fp8_gemms_cannot_take_and_moe_routers() -> None:
     odd = convert_to_float8(tiny_model(4, "model.ffn_dim=72"), keep_first_last=False)
