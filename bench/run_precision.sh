@@ -22,7 +22,7 @@ LOG="$OUT/precision.log"  # one log (the device tool brings back at most eight f
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch; print('torch', torch.__version__)"; } >> "$LOG" 2>&1
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 if has tests; then
-  timeout 170 python3 -m pytest -q -p no:cacheprovider tests/precision tests/observe tests/models > "$OUT/gpu_tests.log" 2>&1
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/precision tests/observe tests/models tests/test_step.py > "$OUT/gpu_tests.log" 2>&1
   echo "gpu tests rc=$?"
 fi
 train() {  # train NAME OVERRIDES...: 300 steps of the model above, metrics to $OUT/metrics_NAME.jsonl
