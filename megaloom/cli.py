@@ -64,9 +64,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
-    from megaloom.plot import plot_run
+    from megaloom.plot import compare_runs, plot_run
 
-    print(f"wrote {plot_run(args.run_dir, args.out)}")
+    if len(args.run_dir) > 1:
+        print(f"wrote {compare_runs(args.run_dir, args.out)}")
+    else:
+        print(f"wrote {plot_run(args.run_dir[0], args.out)}")
     return 0
 
 
@@ -150,8 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-cache", action="store_true", help="recompute the whole prefix each step (slow)")
     g.set_defaults(fn=_cmd_generate)
 
-    pl = sub.add_parser("plot", help="write the loss curve of a run as a PNG")
-    pl.add_argument("run_dir")
+    pl = sub.add_parser("plot", help="write the loss curve of a run as a PNG; several runs: overlaid, with the gap "
+                                     "of each to the first")
+    pl.add_argument("run_dir", nargs="+", help="run directories (or, to compare, metrics .jsonl files)")
     pl.add_argument("--out", default=None)
     pl.set_defaults(fn=_cmd_plot)
 

@@ -1,10 +1,67 @@
-"""`megaloom plot RUN_DIR`: the loss curve (train and validation) as a PNG."""
+"""`megaloom plot RUN_DIR`: the loss curve (train and validation) as a PNG. `megaloom plot A B [C ...]`: several runs
+overlaid, with each one's gap to the first in percent (precision or layout comparisons, e.g. fp8 against bf16)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from megaloom.observe.metrics import read_metrics
+
+
+def _records(source: Path) -> list[dict]:
+    """A run directory's metrics, or a metrics file itself (e.g. one kept under bench/artifacts/)."""
+    if source.is_file():
+        import json
+
+        return [json.loads(line) for line in source.read_text().splitlines() if line.strip()]
+    return read_metrics(source)
+
+
+def _label(source: Path) -> str:
+    return source.stem.removeprefix("metrics_") if source.is_file() else source.name
+
+
+def compare_runs(sources: list[str | Path], out: str | Path | None = None) -> Path:
+    """Train-loss curves of several runs (directories or metrics .jsonl files) on one axis, and below them each
+    run's relative difference to the first at the steps both logged. Writes ``out`` (default: compare.png beside
+    the first run)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = [Path(s) for s in sources]
+    curves = {}
+    for p in paths:
+        train = {r["step"]: r["loss"] for r in _records(p) if "loss" in r}
+        if not train:
+            raise ValueError(f"{p}: no logged training loss to plot (a run directory or a metrics .jsonl file).")
+        curves[_label(p)] = train
+    first = paths[0]
+    out = Path(out) if out else (first.parent if first.is_file() else first) / "compare.png"
+    fig, (ax, gap) = plt.subplots(2, 1, figsize=(8, 6.5), dpi=110, sharex=True, height_ratios=(2, 1))
+    ref_name, ref = next(iter(curves.items()))
+    for name, c in curves.items():
+        steps = sorted(c)
+        (line,) = ax.plot(steps, [c[s] for s in steps], label=name, lw=1.2)
+        if name != ref_name:  # the same colour in both panels
+            common = [s for s in steps if s in ref]
+            gap.plot(common, [100 * (c[s] - ref[s]) / ref[s] for s in common], label=f"{name} vs {ref_name}", lw=1.2,
+                     color=line.get_color())
+    ax.set_ylabel("train loss (nats/token)")
+    ax.set_title("megaloom: " + ", ".join(curves))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    gap.axhline(0, color="black", lw=0.6)
+    gap.set_xlabel("step")
+    gap.set_ylabel(f"gap to {ref_name} (%)")
+    gap.grid(alpha=0.3)
+    if len(curves) > 1:
+        gap.legend()
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
