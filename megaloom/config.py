@@ -89,7 +89,8 @@ class TrainConfig:
     steps: int = _f(600, "Optimizer steps to train for.")
     seed: int = _f(1234, "Seed for initialisation, data order and dropout.")
     global_batch_size: int = _f(16, "Sequences per optimizer step, summed over data-parallel ranks.")
-    micro_batch_size: int = _f(8, "Sequences per forward/backward pass; the rest is gradient accumulation.")
+    micro_batch_size: int = _f(8, "Sequences per forward/backward pass; the rest is gradient accumulation. 0 = auto: "
+                                  "the largest that divides the per-rank batch and fits the GPU per the memory plan.")
     seq_len: int = _f(128, "Tokens per training sequence.")
     lr: float = _f(3e-3, "Peak learning rate.")
     min_lr: float = _f(3e-4, "Learning rate at the end of the cosine decay.")
@@ -343,7 +344,7 @@ def validate(cfg: Config) -> None:
     m, t, p = cfg.model, cfg.train, cfg.parallel
     for key, v in [("model.n_layers", m.n_layers), ("model.d_model", m.d_model), ("model.n_heads", m.n_heads),
                    ("model.max_seq_len", m.max_seq_len), ("train.steps", t.steps),
-                   ("train.global_batch_size", t.global_batch_size), ("train.micro_batch_size", t.micro_batch_size),
+                   ("train.global_batch_size", t.global_batch_size),
                    ("train.seq_len", t.seq_len), ("train.log_every", t.log_every),
                    ("train.eval_batches", t.eval_batches), ("parallel.tp", p.tp), ("parallel.pp", p.pp),
                    ("parallel.vpp", p.vpp), ("parallel.cp", p.cp), ("parallel.ep", p.ep),
@@ -352,6 +353,7 @@ def validate(cfg: Config) -> None:
         _require(v >= 1, f"{key} must be >= 1, got {v}.")
     for key, v in [("model.n_kv_heads", m.n_kv_heads), ("model.ffn_dim", m.ffn_dim),
                    ("model.vocab_size", m.vocab_size), ("model.sliding_window", m.sliding_window),
+                   ("train.micro_batch_size", t.micro_batch_size),
                    ("train.warmup_steps", t.warmup_steps), ("train.lr_decay_steps", t.lr_decay_steps),
                    ("train.eval_every", t.eval_every), ("train.recompute_layers", t.recompute_layers),
                    ("parallel.timeline_step", p.timeline_step),
@@ -391,7 +393,10 @@ def validate(cfg: Config) -> None:
     _require(t.seq_len <= m.max_seq_len,
              f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len}); "
              f"lower train.seq_len or raise model.max_seq_len.")
-    _require(t.global_batch_size % t.micro_batch_size == 0,
+    _require(t.micro_batch_size > 0 or p.pp == 1,
+             f"train.micro_batch_size=0 (auto) with parallel.pp={p.pp}: with pipelines the number of micro-batches "
+             "sets the bubble, so choose it: set train.micro_batch_size (e.g. from `megaloom memory --gpu-gb`).")
+    _require(t.micro_batch_size == 0 or t.global_batch_size % t.micro_batch_size == 0,
              f"train.global_batch_size ({t.global_batch_size}) must be a multiple of train.micro_batch_size "
              f"({t.micro_batch_size}) times the data-parallel size.")
     _require(t.device in ("auto", "cpu", "cuda") or t.device.startswith("cuda:"),

@@ -20,7 +20,8 @@ from megaloom.models.fused_ce import fused_head_loss
 from megaloom.models.transformer import resolved_ffn_dim
 from megaloom.observe.flops import device_peak_flops, flops_per_token, matmul_params
 from megaloom.observe.memory import peak_memory_gb
-from megaloom.observe.memory_plan import MemoryReport
+from megaloom.observe.memory_fit import auto_micro_batch
+from megaloom.observe.memory_plan import GB, MemoryReport
 from megaloom.observe.metrics import MetricsSink, console_line
 from megaloom.optim import build_optimizer, lr_at, set_lr
 from megaloom.parallel import comm
@@ -97,6 +98,22 @@ def _draw_measured_timeline(pipe, mesh: Mesh, run_dir: Path, step: int, is_main:
           f"compute {tl.bubble_ratio:.3f} vs theory (p-1)/(v*m) = {theory:.3f}; wrote {png}", flush=True)
 
 
+def _choose_micro_batch(cfg: Config, rt: Runtime, device: torch.device) -> None:
+    """train.micro_batch_size=0: the largest micro-batch the memory plan fits on this GPU (`auto_micro_batch`);
+    every rank takes the smallest of the ranks' choices, so that all run the same schedule."""
+    budget = torch.cuda.get_device_properties(device).total_memory / GB if device.type == "cuda" else None
+    mb, peak = auto_micro_batch(cfg, rt.world_size, budget)
+    if rt.world_size > 1:
+        agreed = torch.tensor([mb], device=device)
+        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
+        mb = int(agreed.item())
+    cfg.train.micro_batch_size = mb
+    if rt.is_main:
+        why = (f"planned peak {peak:.1f} GB of {budget:.1f} GB" if peak is not None
+               else "the whole per-rank batch: no device memory limit to plan against")
+        print(f"megaloom: train.micro_batch_size=0 (auto) -> {mb} ({why})", flush=True)
+
+
 def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     layers = model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers
     return list(layers)
@@ -126,12 +143,14 @@ def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
 
     # Data first: a missing or corrupt corpus fails before the model is built.
     local_batch = t.global_batch_size // mesh.dp  # this data-parallel rank's share of every global batch
-    n_micro = local_batch // t.micro_batch_size
     train_ds, valid_ds, tokenizer = build_datasets(cfg.data, t.seq_len, t.seed, t.steps * t.global_batch_size,
                                                    t.eval_batches * t.global_batch_size)
     if not cfg.data.tokenizer:
         cfg.data.tokenizer = str(Path(tokenizer.path).resolve())
     resolve_model_shape(cfg, tokenizer.vocab_size, pad_multiple=math.lcm(64, cfg.parallel.tp))
+    if t.micro_batch_size == 0:
+        _choose_micro_batch(cfg, rt, device)
+    n_micro = local_batch // t.micro_batch_size
 
     if rt.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)

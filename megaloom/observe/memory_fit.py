@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import math
 
-from megaloom.config import Config
+from megaloom.config import Config, ConfigError
 from megaloom.observe.memory_plan import GB, MemoryPlan, plan_memory
 from megaloom.parallel.mesh import validate_layout
 
@@ -55,6 +55,29 @@ def fit_micro_batch(cfg: Config, world_size: int, budget_gb: float, modes=("none
         rows.append({"recompute": mode, "micro_batch": best[0] if best else None,
                      "peak_gb": round(best[1] / GB, 2) if best else None})
     return rows
+
+
+def auto_micro_batch(cfg: Config, world_size: int, budget_gb: float | None) -> tuple[int, float | None]:
+    """``train.micro_batch_size=0``: the largest micro-batch that divides this rank's share of the global batch
+    (so the global batch, and with it the training, is unchanged) and whose planned peak stays under
+    ``HEADROOM * budget_gb``. Returns (micro-batch, planned peak in GB). ``budget_gb`` None (no device limit
+    known, e.g. on CPU): the whole per-rank batch in one micro-batch. ``cfg`` has its shapes resolved."""
+    sizes = validate_layout(cfg, world_size)
+    local = cfg.train.global_batch_size // sizes["dp"]
+    candidates = [d for d in range(local, 0, -1) if local % d == 0]
+    if budget_gb is None:
+        return local, None
+    peak = None
+    for mb in candidates:
+        trial = copy.deepcopy(cfg)
+        trial.train.micro_batch_size = mb
+        _, plan = worst_stage(trial, world_size)
+        peak = plan.peak
+        if peak <= HEADROOM * budget_gb * GB:
+            return mb, peak / GB
+    raise ConfigError(f"train.micro_batch_size=0 (auto): even micro-batch 1 is planned at {peak / GB:.1f} GB, over "
+                      f"{HEADROOM:.0%} of this GPU's {budget_gb:.1f} GB; set train.recompute=full (or selective), "
+                      "raise parallel.tp / parallel.zero, or shorten train.seq_len (`megaloom memory` shows the plan).")
 
 
 def memory_command(cfg: Config, world_size: int, gpu_gb: float | None) -> str:

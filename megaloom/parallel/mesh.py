@@ -104,7 +104,7 @@ def validate_layout(cfg: Config, world_size: int) -> dict[str, int]:
         raise ConfigError(f"parallel.ep={p.ep} must divide the data-parallel size {dp} (world {world_size} / "
                           f"(tp*pp*cp = {model_parallel})); ep values that would work: "
                           f"{_fmt(_divisors(dp))}.")
-    per_step = t.micro_batch_size * dp
+    per_step = (t.micro_batch_size or 1) * dp  # micro_batch_size 0 (auto) is chosen later as a divisor of the rest
     if t.global_batch_size % per_step:
         lo = max(per_step, t.global_batch_size // per_step * per_step)
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} must be a multiple of "

@@ -1,9 +1,20 @@
 """`megaloom memory`: the plan of the worst pipeline stage and the largest micro-batch that fits a budget."""
 
+import copy
+
+import pytest
+
 from megaloom.cli import main
-from megaloom.config import load_config
-from megaloom.observe.memory_fit import HEADROOM, fit_micro_batch, resolve_for_planning, worst_stage
+from megaloom.config import ConfigError, load_config
+from megaloom.observe.memory_fit import (
+    HEADROOM,
+    auto_micro_batch,
+    fit_micro_batch,
+    resolve_for_planning,
+    worst_stage,
+)
 from megaloom.observe.memory_plan import GB
+from megaloom.parallel.mesh import validate_layout
 
 
 def test_fit_orders_recompute_modes_and_respects_the_budget():
@@ -31,3 +42,33 @@ def test_cli_prints_the_plan_and_the_fit(capsys):
     assert main(["memory", "model.preset=tiny", "--gpu-gb", "1"]) == 0
     out = capsys.readouterr().out
     assert "memory plan, per rank" in out and "recompute=full" in out and "peak" in out
+
+
+def test_auto_micro_batch_takes_the_largest_divisor_that_fits():
+    cfg = resolve_for_planning(load_config(None, ["model.preset=llama3-1b-untied", "train.seq_len=4096",
+                                                  "train.micro_batch_size=0", "train.global_batch_size=24",
+                                                  "train.precision=bf16"]))
+
+    def peak(mb: int) -> float:
+        trial = copy.deepcopy(cfg)
+        trial.train.micro_batch_size = mb
+        return worst_stage(trial, 1)[1].peak / GB
+
+    # a budget between the plans of micro-batch 6 and 8: 6 (24's largest divisor under it), not 7 (no divisor)
+    budget = (peak(6) + peak(8)) / 2 / HEADROOM
+    mb, planned = auto_micro_batch(cfg, 1, budget)
+    assert (mb, round(planned, 6)) == (6, round(peak(6), 6))
+    assert auto_micro_batch(cfg, 2, None) == (12, None)  # no limit known (CPU): the whole per-rank batch
+    with pytest.raises(ConfigError, match="even micro-batch 1"):
+        auto_micro_batch(cfg, 1, peak(1) * 0.5)
+
+
+def test_auto_micro_batch_config_rules():
+    cfg = load_config(None, ["train.micro_batch_size=0", "train.global_batch_size=6"])
+    assert validate_layout(cfg, 2)["dp"] == 2
+    with pytest.raises(ConfigError, match="global_batch_size=6 must be a multiple"):
+        validate_layout(cfg, 4)
+    with pytest.raises(ConfigError, match="micro_batch_size=0 .auto. with parallel.pp=2"):
+        load_config(None, ["train.micro_batch_size=0", "parallel.pp=2"])
+    with pytest.raises(ConfigError, match="train.micro_batch_size must be >= 0"):
+        load_config(None, ["train.micro_batch_size=-1"])

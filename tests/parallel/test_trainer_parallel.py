@@ -49,7 +49,10 @@ def test_tp_sp_and_tp_dp_match_single_process_then_reshard(small_corpus, tmp_pat
     # tp=2 with sequence parallelism, and tp=2 x dp=2, against the single process (clipping active: gnorm ~1)
     torchrun(2, tiny_overrides(small_corpus, tmp_path / "tp2", *base, "parallel.tp=2", "parallel.sp=true"))
     torchrun(4, tiny_overrides(small_corpus, tmp_path / "tp2dp2", *base, "parallel.tp=2"))
-    torchrun(2, tiny_overrides(small_corpus, tmp_path / "dp2z1", *base, "parallel.zero=1"))
+    # (dp2z1 also lets megaloom pick the micro-batch, train.micro_batch_size=0: the ranks agree on one; on CPU,
+    # with no device limit, the whole per-rank batch of 4 - accumulation-free, still equal to the reference)
+    torchrun(2, tiny_overrides(small_corpus, tmp_path / "dp2z1", *base, "parallel.zero=1", "train.micro_batch_size=0"))
+    assert load_config(tmp_path / "dp2z1" / "config.yaml").train.micro_batch_size == 4
     for run in ("tp2", "tp2dp2", "dp2z1"):
         got = losses(tmp_path / run)
         assert sorted(got) == list(range(1, 11))
