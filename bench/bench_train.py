@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import json
 import os
 import statistics
@@ -26,13 +25,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megaloom.config import load_config  # noqa: E402
-from megaloom.models import apply_recompute  # noqa: E402
-from megaloom.models.fused_ce import fused_head_loss  # noqa: E402
 from megaloom.models.transformer import build_on_device  # noqa: E402
 from megaloom.observe.flops import device_peak_flops, flops_per_token, matmul_params  # noqa: E402
 from megaloom.optim import build_optimizer  # noqa: E402
-from megaloom.precision.fp8 import convert_to_float8  # noqa: E402
 from megaloom.step import TrainStep  # noqa: E402
+from megaloom.train import apply_train_options  # noqa: E402
 
 
 def git_commit() -> str:
@@ -85,14 +82,15 @@ def main() -> None:
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     cfg = load_config(None, [f"model.preset={args.preset}", f"train.seq_len={args.seq_len}",
                              f"model.max_seq_len={max(args.seq_len, 8192)}", *args.overrides])
+    t = cfg.train  # the command line's training options, applied to the model exactly as `megaloom train` does
+    t.precision, t.fp8_recipe, t.fp8_keep_first_last = args.precision, args.fp8_recipe, args.fp8_keep_first_last
+    t.fp8_fast_accum, t.fp8_keep_attention = args.fp8_fast_accum, args.fp8_keep_attention
+    t.recompute, t.recompute_layers, t.fused_loss = args.recompute, args.recompute_layers, args.fused_loss
     torch.manual_seed(0)
     model = build_on_device(cfg.model, device)
-    apply_recompute(model, args.recompute, args.recompute_layers or None)
-    if args.fused_loss:
-        model.head_loss = functools.partial(fused_head_loss, chunk_tokens=args.loss_chunk or None)
-    if args.precision == "fp8":
-        print(convert_to_float8(model, args.fp8_recipe, args.fp8_keep_first_last, args.fp8_fast_accum,
-                                args.fp8_keep_attention), flush=True)
+    fp8_summary = apply_train_options(model, t, loss_chunk=args.loss_chunk or None)
+    if fp8_summary is not None:
+        print(fp8_summary, flush=True)
     if args.compile:
         for i, layer in enumerate(model.layers):
             model.layers[i] = torch.compile(layer)

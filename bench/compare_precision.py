@@ -11,17 +11,20 @@ non-bf16 run is compared with the bf16 run of the same seed: the mean training l
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import statistics
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from megaloom.observe.metrics import read_metrics  # noqa: E402
+
 DEFAULT_SEED = "default"
 
 
 def summarize(path: Path, tail: int) -> dict:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = read_metrics(path)
     losses = [r["loss"] for r in rows if "loss" in r]
     evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
     return {"train": sum(losses[-tail:]) / len(losses[-tail:]) if losses else float("nan"),

@@ -18,14 +18,12 @@ import re
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from megaloom.observe.metrics import read_jsonl  # noqa: E402
+
 PEER = "torchtitan-0.2.2"
 UNTIED_1B_PARAMS = 1_498_482_688  # the peer's "1B" flavor: llama3-1b-untied (../shared/bench/README.md)
-
-
-def _read(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip().startswith("{")]
 
 
 def peer_rows(summaries: list[dict], like: dict) -> list[dict]:
@@ -81,16 +79,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--results", type=Path, default=Path(__file__).parent / "results.jsonl")
     ap.add_argument("--dry-run", action="store_true", help="print the table, append nothing")
     args = ap.parse_args(argv)
-    ours = [{k: v for k, v in r.items() if k != "profile"} for r in _read(args.out_dir / "results.jsonl")]
+    ours = [{k: v for k, v in r.items() if k != "profile"} for r in read_jsonl(args.out_dir / "results.jsonl")]
     if not ours:
         print(f"no megaloom rows in {args.out_dir / 'results.jsonl'}", file=sys.stderr)
         return 1
-    rows = ours + peer_rows(_read(args.out_dir / "peer_summary.jsonl"), ours[0])
+    rows = ours + peer_rows(read_jsonl(args.out_dir / "peer_summary.jsonl"), ours[0])
     print(f"run {ours[0]['run_id']}, {ours[0]['date']}, {ours[0]['gpu']}, torch {ours[0].get('torch')}, "
           f"commit {ours[0].get('commit')}\n")
     print(table(rows))
     if not args.dry_run:
-        have = {_key(r) for r in _read(args.results)}
+        have = {_key(r) for r in read_jsonl(args.results)}
         new = []
         for r in rows:  # once each, also within this call's files
             if _key(r) not in have:

@@ -25,6 +25,17 @@ run() {
   echo "$name rc=$rc $(grep -o '"tokens_per_s": [0-9]*' /tmp/run_$name.log)"
 }
 BEST="--micro-batch 4 --fused-loss --attention cudnn"
+titan() {  # titan LOG TIMEOUT ARGS...: TorchTitan's own trainer from bench/.peer, one process, compiled, offline
+  local log=$1 limit=$2; shift 2
+  [ -d /tmp/peer-site/torchtitan ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target /tmp/peer-site bench/.peer/.whl/*.whl
+  (cd bench/.peer/torchtitan && mkdir -p data/synth && { [ -s data/synth/data.json ] ||
+     python3 make_data.py data/synth/data.json > /dev/null; } &&
+   RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29513 PYTHONPATH=/tmp/peer-site \
+   HF_HUB_OFFLINE=1 timeout "$limit" python3 run_titan.py --model.name llama3 --model.hf_assets_path assets/tokenizer \
+     --training.dataset c4_test --training.dataset_path data/synth --metrics.log_freq 1 \
+     --metrics.disable_color_printing --lr_scheduler.warmup_steps 2 --compile.enable "$@") > "$log" 2>&1
+}
 if [ "$PART" = ladder ]; then
   run base --micro-batch 4
   run fused --micro-batch 4 --fused-loss
@@ -47,13 +58,8 @@ elif [ "$PART" = 8b ]; then
   done
 elif [ "$PART" = 8b-peer ]; then
   if [ -d bench/.peer/.whl ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/peer-site bench/.peer/.whl/*.whl
-    (cd bench/.peer/torchtitan && mkdir -p data/synth && python3 make_data.py data/synth/data.json > /dev/null &&
-     RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29512 PYTHONPATH=/tmp/peer-site HF_HUB_OFFLINE=1 \
-     timeout 240 python3 run_titan.py --model.name llama3 --model.flavor 8B --model.hf_assets_path assets/tokenizer \
-       --training.dataset c4_test --training.dataset_path data/synth --training.seq_len 8192 --training.local_batch_size 1 \
-       --training.steps 10 --metrics.log_freq 1 --metrics.disable_color_printing --lr_scheduler.warmup_steps 2 \
-       --job.dump_folder /tmp/titan_dump8b --activation_checkpoint.mode full --compile.enable) > /tmp/titan8b.log 2>&1
+    titan /tmp/titan8b.log 240 --model.flavor 8B --training.seq_len 8192 --training.local_batch_size 1 \
+      --training.steps 10 --job.dump_folder /tmp/titan_dump8b --activation_checkpoint.mode full
     echo "titan 8B rc=$?"; { echo "=== TorchTitan 8B"; tail -25 /tmp/titan8b.log; } >> "$LOG"
   fi
 elif [ "$PART" = parity ]; then
@@ -92,16 +98,13 @@ else
   if [ -d bench/.peer/.whl ]; then
     OUT=/tmp/peer bash bench/.peer/run_peers.sh > /tmp/peer.log 2>&1
     if [ -n "${PEER_MB8:-}" ]; then  # TorchTitan's largest micro-batch too (its best setting, as the race asks)
-      (cd bench/.peer/torchtitan && export RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29513 \
-         PYTHONPATH=/tmp/peer-site HF_HUB_OFFLINE=1 &&
-       C="--model.name llama3 --model.flavor 1B --model.hf_assets_path assets/tokenizer --training.dataset c4_test
-          --training.dataset_path data/synth --training.seq_len 4096 --metrics.log_freq 1 --metrics.disable_color_printing
-          --lr_scheduler.warmup_steps 2 --job.dump_folder /tmp/titan_dump --activation_checkpoint.mode none
-          --training.steps 20 --training.local_batch_size 8 --compile.enable" &&
-       timeout 150 python3 run_titan.py $C > /tmp/peer/titan_compile_bs8.log 2>&1
-       timeout 150 python3 run_titan.py $C --model.converters quantize.linear.float8 \
-         --quantize.linear.float8.recipe_name tensorwise --quantize.linear.float8.filter_fqns output \
-         > /tmp/peer/titan_compile_fp8_nooutput_bs8.log 2>&1)
+      MB8="--model.flavor 1B --training.seq_len 4096 --training.steps 20 --training.local_batch_size 8
+           --activation_checkpoint.mode none --job.dump_folder /tmp/titan_dump"
+      # shellcheck disable=SC2086
+      titan /tmp/peer/titan_compile_bs8.log 150 $MB8
+      # shellcheck disable=SC2086
+      titan /tmp/peer/titan_compile_fp8_nooutput_bs8.log 150 $MB8 --model.converters quantize.linear.float8 \
+        --quantize.linear.float8.recipe_name tensorwise --quantize.linear.float8.filter_fqns output
       python3 bench/.peer/summarize.py /tmp/peer >> /tmp/peer.log 2>&1
     fi
     { echo "=== TorchTitan (bench/.peer/run_peers.sh)"; cat /tmp/peer.log; } >> "$LOG"

@@ -8,15 +8,6 @@ from pathlib import Path
 from megaloom.observe.metrics import read_metrics
 
 
-def _records(source: Path) -> list[dict]:
-    """A run directory's metrics, or a metrics file itself (e.g. one kept under bench/artifacts/)."""
-    if source.is_file():
-        import json
-
-        return [json.loads(line) for line in source.read_text().splitlines() if line.strip()]
-    return read_metrics(source)
-
-
 def _label(source: Path) -> str:
     return source.stem.removeprefix("metrics_") if source.is_file() else source.name
 
@@ -33,7 +24,7 @@ def compare_runs(sources: list[str | Path], out: str | Path | None = None) -> Pa
     paths = [Path(s) for s in sources]
     curves = {}
     for p in paths:
-        train = {r["step"]: r["loss"] for r in _records(p) if "loss" in r}
+        train = {r["step"]: r["loss"] for r in read_metrics(p) if "loss" in r}
         if not train:
             raise ValueError(f"{p}: no logged training loss to plot (a run directory or a metrics .jsonl file).")
         curves[_label(p)] = train

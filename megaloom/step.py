@@ -13,12 +13,15 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megaloom.models.transformer import moe_layers
 from megaloom.parallel import comm
 from megaloom.precision.loss_scaler import DynamicLossScaler
 from megaloom.precision.offload import offload_saved
 
+SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                 "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}  # train.attention's order
 # fp8: the converted linear layers run their GEMMs in float8 (megaloom.precision.fp8); all else runs as bf16.
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
 
@@ -45,12 +48,8 @@ def attention_ctx(backend: str, device: torch.device):
     (../shared/bench probe: 2.6 ms vs flash 4.2 ms per layer at seq 4096); `auto` leaves PyTorch's choice."""
     if backend == "auto" or device.type != "cuda":
         return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    order = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
-             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
-    first = order[backend]
-    return sdpa_kernel([first] + [b for b in order.values() if b != first], set_priority=True)
+    first = SDPA_BACKENDS[backend]
+    return sdpa_kernel([first] + [b for b in SDPA_BACKENDS.values() if b != first], set_priority=True)
 
 
 def micro_batches(batch: torch.Tensor, micro: int):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -12,7 +13,7 @@ from pathlib import Path
 import torch
 
 from megaloom.checkpoint import AsyncCheckpointer, CheckpointError, load_checkpoint, load_newest, save_checkpoint
-from megaloom.config import Config, ConfigError
+from megaloom.config import Config, ConfigError, TrainConfig
 from megaloom.data.dataset import build_datasets
 from megaloom.data.loader import StepBatches, make_loader
 from megaloom.models import Transformer, apply_recompute, count_params
@@ -98,15 +99,28 @@ def _draw_measured_timeline(pipe, mesh: Mesh, run_dir: Path, step: int, is_main:
           f"compute {tl.bubble_ratio:.3f} vs theory (p-1)/(v*m) = {theory:.3f}; wrote {png}", flush=True)
 
 
+def apply_train_options(model: torch.nn.Module, t: TrainConfig, loss_chunk: int | None = None):
+    """What train.* changes in the built (tensor-parallel) model before pipeline stages and compile: the blocks'
+    linears in float8 (precision=fp8; tp collectives stay bf16), activation recomputation, and the fused
+    head + loss (validate() refuses it with tp > 1). Shared with bench/bench_train.py, so that what is measured is
+    what trains. ``loss_chunk``: tokens per fused-loss chunk (None: the default). Returns the fp8 summary or None."""
+    summary = None
+    if t.precision == "fp8":
+        summary = convert_to_float8(model, t.fp8_recipe, t.fp8_keep_first_last, t.fp8_fast_accum,
+                                    t.fp8_keep_attention)
+    apply_recompute(model, t.recompute, t.recompute_layers or None)
+    if t.fused_loss:  # head + cross-entropy in chunks, never the full logits
+        model.head_loss = functools.partial(fused_head_loss, chunk_tokens=loss_chunk) if loss_chunk else fused_head_loss
+    return summary
+
+
 def _choose_micro_batch(cfg: Config, rt: Runtime, device: torch.device) -> None:
     """train.micro_batch_size=0: the largest micro-batch the memory plan fits on this GPU (`auto_micro_batch`);
     every rank takes the smallest of the ranks' choices, so that all run the same schedule."""
     budget = torch.cuda.get_device_properties(device).total_memory / GB if device.type == "cuda" else None
     mb, peak = auto_micro_batch(cfg, rt.world_size, budget)
-    if rt.world_size > 1:
-        agreed = torch.tensor([mb], device=device)
-        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
-        mb = int(agreed.item())
+    world = torch.distributed.group.WORLD if rt.world_size > 1 else None
+    mb = int(comm.all_reduce(torch.tensor([mb], device=device), world, op="min").item())
     cfg.train.micro_batch_size = mb
     if rt.is_main:
         why = (f"planned peak {peak:.1f} GB of {budget:.1f} GB" if peak is not None
@@ -161,15 +175,10 @@ def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
     n_params = count_params(model)
     fpt = flops_per_token(cfg.model, matmul_params(model), t.seq_len)
     model = parallelize_tensor(model, mesh, cfg.parallel.sp)  # ... then each rank keeps its shards
-    if precision == "fp8":  # the blocks' local GEMMs in float8 (tp collectives stay bf16); before stages/compile
-        fp8_summary = convert_to_float8(model, t.fp8_recipe, t.fp8_keep_first_last, t.fp8_fast_accum,
-                                        t.fp8_keep_attention)
-        if rt.is_main:
-            print(f"megaloom: {fp8_summary}", flush=True)
+    fp8_summary = apply_train_options(model, t)  # before stages and compile
+    if fp8_summary is not None and rt.is_main:
+        print(f"megaloom: {fp8_summary}", flush=True)
     torch.manual_seed(dropout_seed(t.seed, mesh))  # dropout: equal across tp peers, distinct across data
-    apply_recompute(model, t.recompute, t.recompute_layers or None)
-    if t.fused_loss:  # head + cross-entropy in chunks, no full logits (validate() refuses it with tp > 1)
-        model.head_loss = fused_head_loss
     pipe = eval_pipe = None
     if mesh.pp > 1:
         # Pipeline: each rank keeps its stages' layers (names unchanged); a schedule executor runs micro-batches.

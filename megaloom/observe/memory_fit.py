@@ -34,6 +34,14 @@ def worst_stage(cfg: Config, world_size: int, device: str = "cuda") -> tuple[int
     return max(plans, key=lambda rp: rp[1].peak)
 
 
+def planned_peak(cfg: Config, world_size: int, **train) -> float:
+    """Worst-stage planned peak (bytes) of ``cfg`` with some train.* settings replaced (cfg is not changed)."""
+    trial = copy.deepcopy(cfg)
+    for key, value in train.items():
+        setattr(trial.train, key, value)
+    return worst_stage(trial, world_size)[1].peak
+
+
 def fit_micro_batch(cfg: Config, world_size: int, budget_gb: float, modes=("none", "selective", "full"),
                     max_micro: int = 64) -> list[dict]:
     """For each recompute mode: the largest micro-batch (<= max_micro) whose worst-stage peak fits
@@ -45,13 +53,11 @@ def fit_micro_batch(cfg: Config, world_size: int, budget_gb: float, modes=("none
     for mode in modes:
         best = None
         for mb in range(1, max_micro + 1):
-            trial = copy.deepcopy(cfg)
-            trial.train.recompute, trial.train.micro_batch_size = mode, mb
-            trial.train.global_batch_size = mb * sizes["dp"] * n_micro
-            _, plan = worst_stage(trial, world_size)
-            if plan.peak > budget:
+            peak = planned_peak(cfg, world_size, recompute=mode, micro_batch_size=mb,
+                                global_batch_size=mb * sizes["dp"] * n_micro)
+            if peak > budget:
                 break
-            best = (mb, plan.peak)
+            best = (mb, peak)
         rows.append({"recompute": mode, "micro_batch": best[0] if best else None,
                      "peak_gb": round(best[1] / GB, 2) if best else None})
     return rows
@@ -69,10 +75,7 @@ def auto_micro_batch(cfg: Config, world_size: int, budget_gb: float | None) -> t
         return local, None
     peak = None
     for mb in candidates:
-        trial = copy.deepcopy(cfg)
-        trial.train.micro_batch_size = mb
-        _, plan = worst_stage(trial, world_size)
-        peak = plan.peak
+        peak = planned_peak(cfg, world_size, micro_batch_size=mb)
         if peak <= HEADROOM * budget_gb * GB:
             return mb, peak / GB
     raise ConfigError(f"train.micro_batch_size=0 (auto): even micro-batch 1 is planned at {peak / GB:.1f} GB, over "

@@ -57,8 +57,16 @@ def console_line(r: dict[str, Any], total_steps: int, eta_s: float) -> str:
             f"mem {r['mem_gb']:.2f} GB | eta {format_eta(eta_s)}")
 
 
-def read_metrics(run_dir: str | Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
+def read_jsonl(path: str | Path) -> list[dict]:
+    """The objects of a JSON-lines file, one per non-empty line; [] when the file does not exist."""
+    path = Path(path)
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def read_metrics(run: str | Path) -> list[dict]:
+    """A run's records: ``run`` is its directory (``run/metrics.jsonl``) or a metrics file itself (one kept
+    elsewhere, e.g. under bench/artifacts/)."""
+    run = Path(run)
+    return read_jsonl(run if run.is_file() else run / "metrics.jsonl")
