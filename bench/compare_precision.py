@@ -72,9 +72,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['run']:<22}{r['seed']:>8}{r['train_gap_pct']:>+10.2f}%{r['eval_gap_pct']:>+9.2f}%")
         for kind in sorted({r["run"] for r in rows}):
             gaps = [r["train_gap_pct"] for r in rows if r["run"] == kind]
+            evals = [r["eval_gap_pct"] for r in rows if r["run"] == kind]
             if len(gaps) > 1:
-                print(f"{kind}: mean train gap over {len(gaps)} seeds {statistics.mean(gaps):+.2f}% "
-                      f"(std {statistics.stdev(gaps):.2f})")
+                print(f"{kind}: mean over {len(gaps)} seeds: train gap {statistics.mean(gaps):+.2f}% "
+                      f"(std {statistics.stdev(gaps):.2f}), eval gap {statistics.mean(evals):+.2f}% "
+                      f"(std {statistics.stdev(evals):.2f})")
     bf16 = [s["train"] for (k, _), s in ((split_name(n), s) for n, s in runs.items()) if k == "bf16"]
     if len(bf16) > 1:
         spread = 100 * (max(bf16) - min(bf16)) / min(bf16)

@@ -66,12 +66,19 @@ def breakdown(trace_path: Path, device_type: str) -> dict:
     for e in spans:
         k = kind_of(e.get("name", ""))
         per_kind[k] = per_kind.get(k, 0.0) + e.get("dur", 0.0) / 1e3
-    step = [e for e in events if e.get("ph") == "X" and e.get("name", "").startswith("ProfilerStep")]
+    # The step's host-side annotation only: CUDA traces repeat "ProfilerStep#N" as a gpu_user_annotation, and
+    # adding both doubled the wall time (and the "idle" derived from it).
+    step = [e for e in events if e.get("ph") == "X" and e.get("name", "").startswith("ProfilerStep")
+            and e.get("cat", "user_annotation") == "user_annotation"]
     wall = sum(e["dur"] for e in step) / 1e3 if step else None
     busy = _union_us([(e["ts"], e["ts"] + e.get("dur", 0.0)) for e in spans]) / 1e3
     out = {"wall_ms": wall, "busy_ms": busy, "kinds_ms": dict(sorted(per_kind.items(), key=lambda kv: -kv[1]))}
-    if wall is not None and device_type == "cuda":
-        out["idle_ms"] = max(0.0, wall - busy)
+    if spans and device_type == "cuda":
+        # Idle = the device's own span (first kernel start to last kernel end) less its busy time: gaps between
+        # kernels, independent of how far the host ran ahead.
+        span = (max(e["ts"] + e.get("dur", 0.0) for e in spans) - min(e["ts"] for e in spans)) / 1e3
+        out["device_span_ms"] = span
+        out["idle_ms"] = max(0.0, span - busy)
     return out
 
 

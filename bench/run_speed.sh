@@ -3,6 +3,7 @@
 # call of under 10 minutes:
 #   bash bench/run_speed.sh ladder   # megaloom llama3-1b-untied, seq 4096: one lever at a time, then a profile
 #   bash bench/run_speed.sh race     # TorchTitan bf16 + float8 (needs bench/.peer) and megaloom's best, back to back
+#                                    # (FP8_MORE=1: fp8 at mb 8; FP8_PROFILE=1: an fp8 step profile; PEER_MB8=1: TorchTitan mb 8)
 #   bash bench/run_speed.sh parity   # `megaloom train` 200 steps on the embedded corpus: plain path vs optimised path
 #   bash bench/run_speed.sh 8b       # llama3-8b at sequence 8192 (full recompute, `megaloom memory` says mb 3 fits)
 #   bash bench/run_speed.sh 8b-peer  # TorchTitan's 8B flavor, seq 8192, full activation checkpointing (needs bench/.peer)
@@ -90,8 +91,10 @@ else
   grep -A12 "^kind" /tmp/run_best_bf16.log
   run best_fp8 $BEST --precision fp8
   run best_bf16_mb8 --micro-batch 8 --fused-loss --attention cudnn
-  if [ -n "${FP8_MORE:-}" ]; then  # fp8 at micro-batch 8, and where an fp8 step's time goes (table in the log)
+  if [ -n "${FP8_MORE:-}" ]; then  # fp8 at micro-batch 8
     run best_fp8_mb8 --micro-batch 8 --fused-loss --attention cudnn --precision fp8
+  fi
+  if [ -n "${FP8_PROFILE:-}" ]; then  # where an fp8 step's time goes (table in the log)
     run profile_fp8 $BEST --precision fp8 --profile /tmp/profile_fp8
     grep -A12 "^kind" /tmp/run_profile_fp8.log
   fi

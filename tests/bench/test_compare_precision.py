@@ -30,4 +30,4 @@ def test_pairs_by_seed_and_reports_relative_gaps(tmp_path, capsys) -> None:
     assert gaps == {("fp8", "default"): (1.0, 1.0), ("fp8", "2"): (-1.0, 0.0)}
     assert main([str(tmp_path), "--tail", "1"]) == 0
     out = capsys.readouterr().out
-    assert "mean train gap over 2 seeds +0.00%" in out and "bf16 across 2 seeds" in out
+    assert "mean over 2 seeds: train gap +0.00%" in out and "bf16 across 2 seeds" in out

@@ -7,7 +7,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from profile_breakdown import kind_of, table  # noqa: E402
+import json  # noqa: E402
+
+from profile_breakdown import breakdown, kind_of, table  # noqa: E402
 
 
 def test_kernel_names_from_an_h200_trace_land_in_their_kinds() -> None:
@@ -33,3 +35,21 @@ def test_table_shares_are_of_the_unprofiled_step() -> None:
     lines = table(b, step_ms=100.0).splitlines()
     assert "60.0%" in lines[1] and "30.0%" in lines[2]
     assert lines[3].split()[-2:] == ["10.00", "10.0%"]  # 100 ms step - 90 ms of kernels
+
+
+def test_cuda_trace_counts_the_step_once_and_idle_from_the_device_span(tmp_path: Path) -> None:
+    # A CUDA trace repeats ProfilerStep as a gpu_user_annotation: the wall time is the host annotation's alone,
+    # idle is the gap between kernels inside the device's span (here 100-110 us and 150-160 us: 20 us).
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "ts": 0.0, "dur": 300.0},
+        {"ph": "X", "cat": "gpu_user_annotation", "name": "ProfilerStep#1", "ts": 40.0, "dur": 250.0},
+        {"ph": "X", "cat": "kernel", "name": "nvjet_sm90_tst_128x256", "ts": 50.0, "dur": 50.0},
+        {"ph": "X", "cat": "kernel", "name": "triton_poi_fused_add_0", "ts": 110.0, "dur": 40.0},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD", "ts": 160.0, "dur": 10.0},
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    b = breakdown(path, "cuda")
+    assert b["wall_ms"] == 0.3 and b["busy_ms"] == 0.1
+    assert abs(b["device_span_ms"] - 0.12) < 1e-9 and abs(b["idle_ms"] - 0.02) < 1e-9
+    assert b["kinds_ms"] == {"gemm": 0.05, "elementwise/norm/other": 0.04, "copy": 0.01}
