@@ -1,6 +1,6 @@
 #!/bin/bash
 # Precision proofs on one H200 (offline), from the repository root:
-#   bash bench/run_precision.sh [tests] [train] [rowwise] [seed] [seed_fp8] [seed3] [precise] [mlp_only] [memory]     (default: tests train memory)
+#   bash bench/run_precision.sh [tests] [train] [rowwise] [seed] [seed_fp8] [seed3] [precise] [precise_seeds] [mlp_only] [memory]     (default: tests train memory)
 # 1. the tests of precision, memory plan and models, whose GPU cases run there (fp8 GEMMs, grouped GEMM, fused loss);
 # 2. `megaloom train` of a ~95M-parameter Llama-style model on the embedded corpus for 300 steps, in bf16 and
 #    in fp8 (same seed, same data): the final losses must agree within 1%;
@@ -43,6 +43,12 @@ if has seed; then train bf16_seed2 train.precision=bf16 train.seed=2; fi
 if has seed_fp8; then train fp8_seed2 train.precision=fp8 train.seed=2; fi  # the fp8 partner of bf16_seed2
 if has seed3; then train bf16_seed3 train.precision=bf16 train.seed=3; train fp8_seed3 train.precision=fp8 train.seed=3; fi
 if has precise; then train fp8_precise train.precision=fp8 train.fp8_fast_accum=false; fi
+if has precise_seeds; then  # fp32-accumulated fp8 against bf16 at seeds 2 and 3, bf16 partners rerun in the same call
+  for seed in 2 3; do
+    train bf16_seed$seed train.precision=bf16 train.seed=$seed
+    train fp8_precise_seed$seed train.precision=fp8 train.fp8_fast_accum=false train.seed=$seed
+  done
+fi
 if has mlp_only; then train fp8_mlp_only train.precision=fp8 train.fp8_keep_attention=true; fi
 ls "$OUT"/metrics_*.jsonl > /dev/null 2>&1 && python3 bench/compare_precision.py "$OUT" | tee -a "$LOG"
 if has memory; then

@@ -6,6 +6,8 @@
 #                                    # (FP8_MORE=1: fp8 at mb 8; FP8_PROFILE=1: an fp8 step profile; PEER_MB8=1: TorchTitan mb 8)
 #   bash bench/run_speed.sh parity   # `megaloom train` 200 steps on the embedded corpus: plain path vs optimised path
 #   bash bench/run_speed.sh 8b       # llama3-8b at sequence 8192 (full recompute, `megaloom memory` says mb 3 fits)
+#   bash bench/run_speed.sh peer-mb8  # TorchTitan bf16 + float8 at micro-batch 8 alone (needs bench/.peer)
+#   bash bench/run_speed.sh profile-fp8  # a profile of megaloom's fp8 step
 #   bash bench/run_speed.sh 8b-peer  # TorchTitan's 8B flavor, seq 8192, full activation checkpointing (needs bench/.peer)
 # Rows land in $OUT/results.jsonl (append them to bench/results.jsonl), all logs in $OUT/$PART.log, the profile
 # in $OUT/profile/ (trace.json.gz, breakdown.json): few files, as the device tool brings back at most eight.
@@ -37,7 +39,27 @@ titan() {  # titan LOG TIMEOUT ARGS...: TorchTitan's own trainer from bench/.pee
      --training.dataset c4_test --training.dataset_path data/synth --metrics.log_freq 1 \
      --metrics.disable_color_printing --lr_scheduler.warmup_steps 2 --compile.enable "$@") > "$log" 2>&1
 }
-if [ "$PART" = ladder ]; then
+titan_mb8() {  # TorchTitan at micro-batch 8, bf16 and float8 (its largest micro-batch: its best setting, as the race asks)
+  local mb8="--model.flavor 1B --training.seq_len 4096 --training.steps 20 --training.local_batch_size 8
+             --activation_checkpoint.mode none --job.dump_folder /tmp/titan_dump"
+  mkdir -p /tmp/peer
+  # shellcheck disable=SC2086
+  titan /tmp/peer/titan_compile_bs8.log 150 $mb8
+  # shellcheck disable=SC2086
+  titan /tmp/peer/titan_compile_fp8_nooutput_bs8.log 150 $mb8 --model.converters quantize.linear.float8 \
+    --quantize.linear.float8.recipe_name tensorwise --quantize.linear.float8.filter_fqns output
+  python3 bench/.peer/summarize.py /tmp/peer >> /tmp/peer.log 2>&1
+}
+if [ "$PART" = peer-mb8 ]; then  # TorchTitan's micro-batch 8 runs alone (when a race call had no time for them)
+  if [ -d bench/.peer/.whl ]; then
+    titan_mb8
+    { echo "=== TorchTitan mb 8"; cat /tmp/peer.log; } >> "$LOG"
+    grep "^{" /tmp/peer.log | awk '!seen[$0]++' > "$OUT/peer_summary.jsonl"; cat "$OUT/peer_summary.jsonl"
+  fi
+elif [ "$PART" = profile-fp8 ]; then  # where an fp8 step's time goes
+  run profile_fp8 $BEST --precision fp8 --profile "$OUT/profile_fp8"
+  grep -A12 "^kind" /tmp/run_profile_fp8.log
+elif [ "$PART" = ladder ]; then
   run base --micro-batch 4
   run fused --micro-batch 4 --fused-loss
   run fused_cudnn $BEST
@@ -100,16 +122,7 @@ else
   fi
   if [ -d bench/.peer/.whl ]; then
     OUT=/tmp/peer bash bench/.peer/run_peers.sh > /tmp/peer.log 2>&1
-    if [ -n "${PEER_MB8:-}" ]; then  # TorchTitan's largest micro-batch too (its best setting, as the race asks)
-      MB8="--model.flavor 1B --training.seq_len 4096 --training.steps 20 --training.local_batch_size 8
-           --activation_checkpoint.mode none --job.dump_folder /tmp/titan_dump"
-      # shellcheck disable=SC2086
-      titan /tmp/peer/titan_compile_bs8.log 150 $MB8
-      # shellcheck disable=SC2086
-      titan /tmp/peer/titan_compile_fp8_nooutput_bs8.log 150 $MB8 --model.converters quantize.linear.float8 \
-        --quantize.linear.float8.recipe_name tensorwise --quantize.linear.float8.filter_fqns output
-      python3 bench/.peer/summarize.py /tmp/peer >> /tmp/peer.log 2>&1
-    fi
+    if [ -n "${PEER_MB8:-}" ]; then titan_mb8; fi
     { echo "=== TorchTitan (bench/.peer/run_peers.sh)"; cat /tmp/peer.log; } >> "$LOG"
     grep "^{" /tmp/peer.log | awk '!seen[$0]++' > "$OUT/peer_summary.jsonl"; cat "$OUT/peer_summary.jsonl"
   fi
