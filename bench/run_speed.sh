@@ -52,6 +52,7 @@ titan_mb8() {  # TorchTitan at micro-batch 8, bf16 and float8 (its largest micro
 }
 if [ "$PART" = peer-mb8 ]; then  # TorchTitan's micro-batch 8 runs alone (when a race call had no time for them)
   if [ -d bench/.peer/.whl ]; then
+    rm -rf /tmp/peer /tmp/peer.log  # only this call's logs (see the race part)
     titan_mb8
     { echo "=== TorchTitan mb 8"; cat /tmp/peer.log; } >> "$LOG"
     grep "^{" /tmp/peer.log | awk '!seen[$0]++' > "$OUT/peer_summary.jsonl"; cat "$OUT/peer_summary.jsonl"
@@ -121,6 +122,8 @@ else
     grep -A12 "^kind" /tmp/run_profile_fp8.log
   fi
   if [ -d bench/.peer/.whl ]; then
+    # a fresh folder: on a machine kept warm from an earlier call, summarize.py would also read that call's logs
+    rm -rf /tmp/peer /tmp/peer.log
     OUT=/tmp/peer bash bench/.peer/run_peers.sh > /tmp/peer.log 2>&1
     if [ -n "${PEER_MB8:-}" ]; then titan_mb8; fi
     { echo "=== TorchTitan (bench/.peer/run_peers.sh)"; cat /tmp/peer.log; } >> "$LOG"
