@@ -39,7 +39,10 @@ def test_clip_folded_into_fused_adamw_matches_clip_grad_norm(max_norm: float) ->
         torch.testing.assert_close(out.grad_norm, norm, rtol=1e-6, atol=0)
         assert opt_fold.grad_scale is None  # cleared after the step
     for (name, p), q in zip(ref.named_parameters(), fold.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)  # rounding: g / (1/c) vs g * c
+        # Rounding: g / (1/c) vs g * c differ in the last bit, and Adam's m / sqrt(v) magnifies that for elements
+        # with tiny gradients: up to ~1.4e-6 after three steps at lr 1e-2 (varies with the CPU's vector width).
+        # Without the folded clip the weights differ by ~1.5e-2, so atol 1e-5 still tells the two apart.
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5, msg=name)
 
 
 def test_clip_gradients_hands_the_coefficient_to_the_optimizer() -> None:
