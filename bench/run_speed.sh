@@ -50,16 +50,22 @@ titan_mb8() {  # TorchTitan at micro-batch 8, bf16 and float8 (its largest micro
     --quantize.linear.float8.recipe_name tensorwise --quantize.linear.float8.filter_fqns output
   python3 bench/.peer/summarize.py /tmp/peer >> /tmp/peer.log 2>&1
 }
+profile_fp8() {  # profile_fp8 DIR: one fp8 step profiled into DIR, its table of kernel time by kind to stdout
+  run profile_fp8 $BEST --precision fp8 --profile "$1"
+  grep -A12 "^kind" /tmp/run_profile_fp8.log
+}
+peer_collect() {  # peer_collect TITLE: TorchTitan's log into $LOG, its summary lines (once each) into $OUT
+  { echo "=== $1"; cat /tmp/peer.log; } >> "$LOG"
+  grep "^{" /tmp/peer.log | awk '!seen[$0]++' > "$OUT/peer_summary.jsonl"; cat "$OUT/peer_summary.jsonl"
+}
 if [ "$PART" = peer-mb8 ]; then  # TorchTitan's micro-batch 8 runs alone (when a race call had no time for them)
   if [ -d bench/.peer/.whl ]; then
     rm -rf /tmp/peer /tmp/peer.log  # only this call's logs (see the race part)
     titan_mb8
-    { echo "=== TorchTitan mb 8"; cat /tmp/peer.log; } >> "$LOG"
-    grep "^{" /tmp/peer.log | awk '!seen[$0]++' > "$OUT/peer_summary.jsonl"; cat "$OUT/peer_summary.jsonl"
+    peer_collect "TorchTitan mb 8"
   fi
 elif [ "$PART" = profile-fp8 ]; then  # where an fp8 step's time goes
-  run profile_fp8 $BEST --precision fp8 --profile "$OUT/profile_fp8"
-  grep -A12 "^kind" /tmp/run_profile_fp8.log
+  profile_fp8 "$OUT/profile_fp8"
 elif [ "$PART" = ladder ]; then
   run base --micro-batch 4
   run fused --micro-batch 4 --fused-loss
@@ -117,16 +123,12 @@ else
   if [ -n "${FP8_MORE:-}" ]; then  # fp8 at micro-batch 8
     run best_fp8_mb8 --micro-batch 8 --fused-loss --attention cudnn --precision fp8
   fi
-  if [ -n "${FP8_PROFILE:-}" ]; then  # where an fp8 step's time goes (table in the log)
-    run profile_fp8 $BEST --precision fp8 --profile /tmp/profile_fp8
-    grep -A12 "^kind" /tmp/run_profile_fp8.log
-  fi
+  if [ -n "${FP8_PROFILE:-}" ]; then profile_fp8 /tmp/profile_fp8; fi  # where an fp8 step's time goes (table in the log)
   if [ -d bench/.peer/.whl ]; then
     # a fresh folder: on a machine kept warm from an earlier call, summarize.py would also read that call's logs
     rm -rf /tmp/peer /tmp/peer.log
     OUT=/tmp/peer bash bench/.peer/run_peers.sh > /tmp/peer.log 2>&1
     if [ -n "${PEER_MB8:-}" ]; then titan_mb8; fi
-    { echo "=== TorchTitan (bench/.peer/run_peers.sh)"; cat /tmp/peer.log; } >> "$LOG"
-    grep "^{" /tmp/peer.log | awk '!seen[$0]++' > "$OUT/peer_summary.jsonl"; cat "$OUT/peer_summary.jsonl"
+    peer_collect "TorchTitan (bench/.peer/run_peers.sh)"
   fi
 fi

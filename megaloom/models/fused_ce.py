@@ -117,18 +117,17 @@ def _fp32_out_mm(device: torch.device) -> bool:
     return _FP32_OUT_MM[device.type]
 
 
-def _accumulate(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, acc_dtype: torch.dtype) -> torch.Tensor:
-    """acc + a @ b in ``acc_dtype`` (acc None: the first chunk, a @ b alone). With fp32-output GEMMs the product
-    is accumulated by the GEMM's epilogue, in place: no zero fill, no copy of the [V, D] accumulator (an
+def _accumulate(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """fp32 acc + a @ b (acc None: the first chunk, a @ b alone). With fp32-output GEMMs the product is
+    accumulated by the GEMM's epilogue, in place: no zero fill, no copy of the [V, D] accumulator (an
     out-of-place addmm copied it, ~0.5 ms per chunk for llama3-1b's head on an H200). Otherwise the
     low-precision product, then an fp32 add (a [V, D] pass more, ~1 ms per chunk)."""
-    if a.dtype == acc_dtype:
+    f32 = torch.float32
+    if a.dtype == f32:
         return a @ b if acc is None else acc.addmm_(a, b)
     if not torch.compiler.is_compiling() and _fp32_out_mm(a.device):
-        if acc is None:
-            return torch.mm(a, b, out_dtype=acc_dtype)
-        return torch.addmm(acc, a, b, out_dtype=acc_dtype, out=acc)
-    return (a @ b).to(acc_dtype) if acc is None else acc.add_(a @ b)
+        return torch.mm(a, b, out_dtype=f32) if acc is None else torch.addmm(acc, a, b, out_dtype=f32, out=acc)
+    return (a @ b).to(f32) if acc is None else acc.add_(a @ b)
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -157,7 +156,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 if need_grad_x:
                     grad_x[s:e] = g @ wc
                 if need_grad_w:
-                    grad_w = _accumulate(grad_w, g.t(), xc, torch.float32)
+                    grad_w = _accumulate(grad_w, g.t(), xc)
                 del g
             if need_grad_w and grad_w is None:  # no tokens at all
                 grad_w = torch.zeros_like(weight, dtype=torch.float32)
