@@ -37,6 +37,9 @@ def _entry(rank: int, world_size: int, backend: str, tmp: str, fn: Callable, arg
     try:
         result = fn(rank, world_size, device, *args)
         torch.save(result, os.path.join(tmp, f"result{rank}.pt"))
+        # Every rank done before any tears down: gloo aborts a process ("terminate called without an active
+        # exception", seen once in CI) when a peer closes its connections while it still has traffic in flight.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
