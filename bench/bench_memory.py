@@ -79,9 +79,9 @@ def run_one(spec: str, steps: int, device: torch.device, attention: str) -> dict
     model = build_on_device(cfg.model, device)
     apply_recompute(model, c["recompute"])
     if getattr(cfg.train, "fused_loss", False):
-        from megaloom.models.fused_ce import fused_head_loss
+        from megaloom.models.fused_ce import FusedHeadLoss
 
-        model.head_loss = fused_head_loss
+        model.loss = FusedHeadLoss()
     optimizer = build_optimizer(model, cfg.train, device)
     step = TrainStep(model, optimizer, c["precision"], device, c["mb"], grad_clip=1.0, attention=attention)
     plan = plan_memory(cfg, model, world_size=1, device="cuda")

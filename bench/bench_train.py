@@ -92,8 +92,8 @@ def main() -> None:
     if fp8_summary is not None:
         print(fp8_summary, flush=True)
     if args.compile:
-        for i, layer in enumerate(model.layers):
-            model.layers[i] = torch.compile(layer)
+        for k, layer in model.layers.items():
+            model.layers[k] = torch.compile(layer)
     optimizer = build_optimizer(model, cfg.train, device)
     step = TrainStep(model, optimizer, args.precision, device, args.micro_batch, grad_clip=1.0,
                      attention=args.attention, offload=args.offload)

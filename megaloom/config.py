@@ -23,6 +23,27 @@ class ConfigError(ValueError):
     """A user-facing configuration error: names the key, what was found and what would work."""
 
 
+def _families() -> tuple[str, ...]:
+    from megaloom.models.registry import FAMILIES
+
+    return tuple(FAMILIES)
+
+
+def _family(name: str):
+    from megaloom.models.registry import get_family
+
+    try:
+        return get_family(name)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _choices(f: dataclasses.Field) -> tuple | None:
+    """A field's allowed values; a callable is asked (model.arch: the registered families)."""
+    ch = f.metadata.get("choices")
+    return ch() if callable(ch) else ch
+
+
 def _f(default: Any, help: str, choices: tuple | None = None) -> Any:
     """A dataclass field with a docstring (``help``) and, optionally, the values it may take."""
     meta = {"help": help, "choices": choices}
@@ -34,8 +55,9 @@ def _f(default: Any, help: str, choices: tuple | None = None) -> Any:
 @dataclass
 class ModelConfig:
     preset: str = _f("tiny", "Named model shape (see megaloom.models.presets); other model keys override it.")
-    arch: str = _f("llama", "gpt2: LayerNorm, GeLU, learned positions, biases. llama: RMSNorm, SwiGLU, RoPE, GQA.",
-                   ("gpt2", "llama"))
+    arch: str = _f("llama", "Model family: a folder megaloom/models/<family>/ listed in megaloom/models/registry.py "
+                            "(gpt2: LayerNorm, GeLU, learned positions, biases; llama: RMSNorm, SwiGLU, RoPE, GQA).",
+                   lambda: _families())
     n_layers: int = _f(4, "Number of transformer blocks.")
     d_model: int = _f(128, "Hidden size.")
     n_heads: int = _f(4, "Attention (query) heads.")
@@ -45,7 +67,9 @@ class ModelConfig:
     max_seq_len: int = _f(1024, "Longest sequence the position embedding / RoPE tables cover.")
     tie_embeddings: bool = _f(True, "Share the input embedding and the output head weights.")
     norm_eps: float = _f(1e-5, "Epsilon of LayerNorm / RMSNorm.")
-    rope_theta: float = _f(10000.0, "RoPE base frequency (llama arch).")
+    rope_theta: float = _f(10000.0, "RoPE base frequency (families with rotary positions).")
+    qkv_bias: bool = _f(False, "Biases on the q/k/v projections only (Qwen style); families with biases everywhere "
+                               "(gpt2) have them anyway.")
     dropout: float = _f(0.0, "Dropout on attention probabilities and residual branches.")
     init_std: float = _f(0.02, "Std of the normal init; output projections use init_std/sqrt(2*n_layers).")
     parallel_block: bool = _f(False, "MegaScale/GPT-J parallel block: attention and MLP read the same normed input.")
@@ -336,7 +360,7 @@ def validate(cfg: Config) -> None:
     for section, cls in _SECTION_TYPES.items():
         obj = getattr(cfg, section)
         for f in fields(cls):
-            choices = f.metadata.get("choices")
+            choices = _choices(f)
             if choices and getattr(obj, f.name) not in choices:
                 v = getattr(obj, f.name)
                 raise ConfigError(f"{section}.{f.name}: {v!r} is not one of {', '.join(map(str, choices))}."
@@ -376,8 +400,12 @@ def validate(cfg: Config) -> None:
     _require(m.n_heads % kv == 0,
              f"model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({kv}); "
              f"n_kv_heads that would work: {_divisors(m.n_heads)}.")
-    if m.arch == "llama":
-        _require((m.d_model // m.n_heads) % 2 == 0, "llama arch: head dim (d_model/n_heads) must be even for RoPE.")
+    family = _family(m.arch)
+    if family.traits.positions == "rope":
+        _require((m.d_model // m.n_heads) % 2 == 0,
+                 f"{m.arch} arch: head dim (d_model/n_heads) must be even for RoPE.")
+    if family.validate is not None:
+        family.validate(m)
     if m.moe_every:
         _require(1 <= m.top_k <= m.n_experts, f"model.top_k ({m.top_k}) must be between 1 and model.n_experts "
                                               f"({m.n_experts}).")
@@ -424,7 +452,7 @@ def describe_keys() -> str:
         lines.append(f"[{section}]")
         inst = cls()
         for f in fields(cls):
-            ch = f.metadata.get("choices")
+            ch = _choices(f)
             extra = f" (one of: {', '.join(map(str, ch))})" if ch else ""
             lines.append(f"  {section}.{f.name} = {getattr(inst, f.name)!r}  # {f.metadata['help']}{extra}")
     return "\n".join(lines)

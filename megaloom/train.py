@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 import os
@@ -17,7 +16,7 @@ from megaloom.config import Config, ConfigError, TrainConfig
 from megaloom.data.dataset import build_datasets
 from megaloom.data.loader import StepBatches, make_loader
 from megaloom.models import Transformer, apply_recompute, count_params
-from megaloom.models.fused_ce import fused_head_loss
+from megaloom.models.fused_ce import FusedHeadLoss
 from megaloom.models.transformer import resolved_ffn_dim
 from megaloom.observe.flops import device_peak_flops, flops_per_token, matmul_params
 from megaloom.observe.memory import peak_memory_gb
@@ -110,7 +109,7 @@ def apply_train_options(model: torch.nn.Module, t: TrainConfig, loss_chunk: int 
                                     t.fp8_keep_attention)
     apply_recompute(model, t.recompute, t.recompute_layers or None)
     if t.fused_loss:  # head + cross-entropy in chunks, never the full logits
-        model.head_loss = functools.partial(fused_head_loss, chunk_tokens=loss_chunk) if loss_chunk else fused_head_loss
+        model.loss = FusedHeadLoss(loss_chunk)
     return summary
 
 
@@ -129,8 +128,7 @@ def _choose_micro_batch(cfg: Config, rt: Runtime, device: torch.device) -> None:
 
 
 def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    layers = model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers
-    return list(layers)
+    return list(model.layers.values())
 
 
 def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
@@ -182,15 +180,15 @@ def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
     pipe = eval_pipe = None
     if mesh.pp > 1:
         # Pipeline: each rank keeps its stages' layers (names unchanged); a schedule executor runs micro-batches.
-        model = build_stage(model, partition, mesh)
+        stage = build_stage(model, partition, mesh)  # model is pruned to this rank's stages in place
         emb_group = build_embedding_groups(mesh) if cfg.model.tie_embeddings else None  # collective
         m_train, m_eval = n_micro, n_micro
         auto = lambda: forward_ctx(precision, device, t.offload_activations)  # noqa: E731
-        pipe = PipelineExecutor(model, build_schedule(cfg.parallel.schedule, mesh.pp, cfg.parallel.vpp, m_train),
+        pipe = PipelineExecutor(stage, build_schedule(cfg.parallel.schedule, mesh.pp, cfg.parallel.vpp, m_train),
                                 mesh, t.micro_batch_size, t.seq_len, sp=cfg.parallel.sp, autocast=auto)
-        eval_pipe = PipelineExecutor(model, forward_only(mesh.pp, cfg.parallel.vpp, m_eval), mesh,
+        eval_pipe = PipelineExecutor(stage, forward_only(mesh.pp, cfg.parallel.vpp, m_eval), mesh,
                                      t.micro_batch_size, t.seq_len, sp=cfg.parallel.sp, autocast=auto)
-        grads = PipelineGradientSync(model, mesh, emb_group)
+        grads = PipelineGradientSync(stage, mesh, emb_group)
     # Data parallelism: gradient buckets reduced during the last backward (zero 0), reduce-scattered into a
     # sharded optimizer (zero 1/2), or FSDP2-sharded parameters (zero 3). Built before compile: FSDP2 wraps blocks.
     elif rt.world_size > 1:

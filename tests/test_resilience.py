@@ -16,7 +16,7 @@ def test_nan_guard_skips_the_step_and_training_continues():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     step = TrainStep(model, opt, "fp32", torch.device("cpu"), 2, 1.0, nan_guard=True)
     poison = {"on": True}
-    model.layers[0].attn.q_proj.weight.register_hook(
+    model.layers[str(0)].attn.q_proj.weight.register_hook(
         lambda g: torch.full_like(g, float("nan")) if poison["on"] else g)
     batch = torch.randint(0, 128, (4, 17))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}

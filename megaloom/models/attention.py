@@ -39,12 +39,16 @@ def attention_mask(q_len: int, k_len: int, pos: int, window: int, device) -> tor
 
 
 class Attention(nn.Module):
-    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, bias: bool, dropout: float, window: int):
+    def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, bias: bool, dropout: float, window: int,
+                 qkv_bias: bool | None = None, norm_eps: float = 1e-5):
+        """``bias``: biases on all four projections; ``qkv_bias``: on q/k/v only (Qwen2/3 style; default
+        ``bias``). ``norm_eps`` is for subclasses with norms inside attention (QK-norm)."""
         super().__init__()
         self.head_dim = d_model // n_heads
-        self.q_proj = nn.Linear(d_model, n_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=bias)
+        qkv_bias = bias if qkv_bias is None else qkv_bias
+        self.q_proj = nn.Linear(d_model, n_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=bias)
         self.attn_dropout = dropout
         self.resid_dropout = nn.Dropout(dropout)

@@ -211,7 +211,20 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, labels: torch.Te
 
 def fused_head_loss(head: nn.Linear, x: torch.Tensor, labels: torch.Tensor,
                     chunk_tokens: int | None = None) -> torch.Tensor:
-    """The ``Transformer.head_loss`` hook: ``cross_entropy(head(x), labels)`` fused and chunked."""
+    """``cross_entropy(head(x), labels)`` fused and chunked."""
     if head.bias is not None:
         raise ValueError("fused_head_loss: the output head has a bias; the fused loss supports bias-free heads")
     return linear_cross_entropy(x, head.weight, labels, chunk_tokens)
+
+
+class FusedHeadLoss(nn.Module):
+    """The model's loss slot (``Transformer.loss``) with head and cross-entropy fused in chunks
+    (train.fused_loss): the full logits never exist. ``chunk_tokens``: tokens per chunk (None: ~1 GiB of
+    logits)."""
+
+    def __init__(self, chunk_tokens: int | None = None) -> None:
+        super().__init__()
+        self.chunk_tokens = chunk_tokens
+
+    def forward(self, head: nn.Linear, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return fused_head_loss(head, x, labels, self.chunk_tokens)

@@ -7,10 +7,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+NORMS = ("layernorm", "rmsnorm")
 
-def make_norm(arch: str, dim: int, eps: float) -> nn.Module:
-    """LayerNorm with bias for GPT-2, RMSNorm for Llama (both PyTorch's own fused kernels)."""
-    return nn.LayerNorm(dim, eps=eps) if arch == "gpt2" else nn.RMSNorm(dim, eps=eps)
+
+def make_norm(kind: str, dim: int, eps: float) -> nn.Module:
+    """``layernorm`` (with bias, GPT-2) or ``rmsnorm`` (Llama): both PyTorch's own fused kernels."""
+    if kind not in NORMS:
+        raise ValueError(f"unknown norm {kind!r}; one of {NORMS}")
+    return nn.LayerNorm(dim, eps=eps) if kind == "layernorm" else nn.RMSNorm(dim, eps=eps)
 
 
 def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,11 +35,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class MLP(nn.Module):
-    """SwiGLU (llama: down(silu(gate x) * up x)) or GeLU (gpt2: down(gelu(up x)))."""
+    """SwiGLU if ``gated`` (down(silu(gate x) * up x), Llama) or GeLU (down(gelu(up x)), GPT-2)."""
 
-    def __init__(self, arch: str, d_model: int, ffn_dim: int, bias: bool, dropout: float):
+    def __init__(self, gated: bool, d_model: int, ffn_dim: int, bias: bool, dropout: float):
         super().__init__()
-        self.gated = arch == "llama"
+        self.gated = gated
         if self.gated:
             self.gate_proj = nn.Linear(d_model, ffn_dim, bias=bias)
         self.up_proj = nn.Linear(d_model, ffn_dim, bias=bias)

@@ -1,49 +1,8 @@
-"""Named model shapes. A preset sets model.* keys; explicit model.* overrides win over it.
-
-`tiny` trains on a two-core laptop CPU in minutes; the others are the published shapes, for GPU runs
-and for planning sharded layouts. vocab_size 0 means "take the tokenizer's vocabulary".
-"""
+"""Named model shapes, gathered from the families (megaloom/models/<family>/presets.py). A preset sets model.*
+keys (its family as ``arch``); explicit model.* overrides win over it."""
 
 from __future__ import annotations
 
-PRESETS: dict[str, dict] = {
-    # A small Llama-style model for CPU runs and tests.
-    "tiny": dict(arch="llama", n_layers=4, d_model=128, n_heads=4, n_kv_heads=2, ffn_dim=384, vocab_size=0,
-                 max_seq_len=1024, tie_embeddings=True, rope_theta=10000.0, norm_eps=1e-5),
-    # The same size in GPT-2 style (LayerNorm, GeLU, learned positions).
-    "tiny-gpt2": dict(arch="gpt2", n_layers=4, d_model=128, n_heads=4, n_kv_heads=0, ffn_dim=512, vocab_size=0,
-                      max_seq_len=1024, tie_embeddings=True, norm_eps=1e-5),
-    # Mixture-of-Experts (Mixtral style): MoE in every other block, 8 experts, top-2, one shared expert.
-    "mixtral-tiny": dict(arch="llama", n_layers=4, d_model=128, n_heads=4, n_kv_heads=2, ffn_dim=384, vocab_size=0,
-                         max_seq_len=1024, tie_embeddings=True, rope_theta=10000.0, norm_eps=1e-5, moe_every=2,
-                         n_experts=8, top_k=2, n_shared_experts=1, expert_ffn_dim=128, router_score="softmax",
-                         aux_loss_weight=0.01, z_loss_weight=0.001),
-    # DeepSeek-V3 style: sigmoid router, aux-loss-free balancing, a shared expert, MoE in every block.
-    "deepseek-v3-tiny": dict(arch="llama", n_layers=4, d_model=128, n_heads=4, n_kv_heads=2, ffn_dim=384,
-                             vocab_size=0, max_seq_len=1024, tie_embeddings=True, rope_theta=10000.0, norm_eps=1e-5,
-                             moe_every=1, n_experts=16, top_k=4, n_shared_experts=1, expert_ffn_dim=64,
-                             router_score="sigmoid", aux_loss_weight=0.0, aux_free_bias_rate=1e-3),
-    # For planning: Mixtral 8x7B's shape.
-    "mixtral-8x7b": dict(arch="llama", n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, ffn_dim=14336,
-                         vocab_size=32000, max_seq_len=8192, tie_embeddings=False, rope_theta=1e6, norm_eps=1e-5,
-                         moe_every=1, n_experts=8, top_k=2, n_shared_experts=0, expert_ffn_dim=14336,
-                         router_score="softmax", aux_loss_weight=0.01),
-    "gpt2-124m": dict(arch="gpt2", n_layers=12, d_model=768, n_heads=12, n_kv_heads=0, ffn_dim=3072,
-                      vocab_size=50304, max_seq_len=1024, tie_embeddings=True, norm_eps=1e-5),
-    "gpt2-350m": dict(arch="gpt2", n_layers=24, d_model=1024, n_heads=16, n_kv_heads=0, ffn_dim=4096,
-                      vocab_size=50304, max_seq_len=1024, tie_embeddings=True, norm_eps=1e-5),
-    # Llama-3.2-1B shape (tied embeddings). RoPE frequency scaling of the 3.2 release is not applied.
-    "llama3-1b": dict(arch="llama", n_layers=16, d_model=2048, n_heads=32, n_kv_heads=8, ffn_dim=8192,
-                      vocab_size=128256, max_seq_len=8192, tie_embeddings=True, rope_theta=500000.0,
-                      norm_eps=1e-5),
-    # The same shape untied: what TorchTitan's "1B" flavour in ../shared/bench trains (1,498,482,688 params).
-    "llama3-1b-untied": dict(arch="llama", n_layers=16, d_model=2048, n_heads=32, n_kv_heads=8, ffn_dim=8192,
-                             vocab_size=128256, max_seq_len=8192, tie_embeddings=False, rope_theta=500000.0,
-                             norm_eps=1e-5),
-    "llama3-8b": dict(arch="llama", n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, ffn_dim=14336,
-                      vocab_size=128256, max_seq_len=8192, tie_embeddings=False, rope_theta=500000.0,
-                      norm_eps=1e-5),
-    "llama3-70b": dict(arch="llama", n_layers=80, d_model=8192, n_heads=64, n_kv_heads=8, ffn_dim=28672,
-                       vocab_size=128256, max_seq_len=8192, tie_embeddings=False, rope_theta=500000.0,
-                       norm_eps=1e-5),
-}
+from megaloom.models.registry import all_presets
+
+PRESETS: dict[str, dict] = all_presets()

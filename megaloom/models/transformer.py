@@ -1,12 +1,18 @@
-"""The decoder-only transformer: a plain PyTorch module, GPT-2 or Llama style by config.
+"""The decoder-only transformer shared by the families: a plain PyTorch module, shaped by a family's traits.
 
 Nothing here knows about parallelism. Tensor / pipeline / data parallelism are applied afterwards by
-`megaloom.parallel`, which swaps layers in place and keeps every parameter name unchanged.
+`megaloom.parallel`, which reads the family's plan, swaps layers in place and keeps every parameter name
+unchanged. A pipeline stage is this same module with the other stages' parts removed (`prune`): the embedding
+only on the first stage, the final norm, head and loss only on the last, and ``layers`` keyed by the global
+block index, so names (and checkpoints) never depend on the layout.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -18,34 +24,41 @@ from megaloom.models.attention import Attention, KVCache
 from megaloom.models.layers import MLP, make_norm, rope_tables
 from megaloom.models.moe import MoE
 
+if TYPE_CHECKING:
+    from megaloom.models.family import Family
+
+
+def family_of(cfg: ModelConfig) -> Family:
+    from megaloom.models.registry import get_family
+
+    return get_family(cfg.arch)
+
 
 def resolved_ffn_dim(cfg: ModelConfig) -> int:
-    if cfg.ffn_dim:
-        return cfg.ffn_dim
-    if cfg.arch == "gpt2":
-        return 4 * cfg.d_model
-    return 256 * math.ceil(int(8 * cfg.d_model / 3) / 256)
+    return cfg.ffn_dim or family_of(cfg).traits.default_ffn_dim(cfg.d_model)
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int = 0):
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0, family: Family | None = None):
         super().__init__()
-        bias = cfg.arch == "gpt2"
+        tr = (family or family_of(cfg)).traits
         self.parallel = cfg.parallel_block
-        self.attn_norm = make_norm(cfg.arch, cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads, bias, cfg.dropout,
-                              cfg.sliding_window)
+        self.attn_norm = make_norm(tr.norm, cfg.d_model, cfg.norm_eps)
+        attention = tr.attention or Attention
+        self.attn = attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads, tr.bias, cfg.dropout,
+                              cfg.sliding_window, qkv_bias=tr.bias or cfg.qkv_bias, norm_eps=cfg.norm_eps)
         if not self.parallel:  # the parallel block reads one normed input for both branches
-            self.mlp_norm = make_norm(cfg.arch, cfg.d_model, cfg.norm_eps)
+            self.mlp_norm = make_norm(tr.norm, cfg.d_model, cfg.norm_eps)
+        ffn = cfg.ffn_dim or tr.default_ffn_dim(cfg.d_model)
         if cfg.moe_every and (layer_idx + 1) % cfg.moe_every == 0:
-            self.mlp = MoE(cfg.d_model, cfg.n_experts, cfg.top_k, cfg.expert_ffn_dim or resolved_ffn_dim(cfg),
+            self.mlp = MoE(cfg.d_model, cfg.n_experts, cfg.top_k, cfg.expert_ffn_dim or ffn,
                            n_shared_experts=cfg.n_shared_experts, score_fn=cfg.router_score,
                            aux_loss_weight=cfg.aux_loss_weight, z_loss_weight=cfg.z_loss_weight,
                            capacity_factor=cfg.capacity_factor, aux_free_bias_rate=cfg.aux_free_bias_rate,
                            dropout=cfg.dropout, init_std=cfg.init_std,
                            out_std=cfg.init_std / math.sqrt(2 * cfg.n_layers))
         else:
-            self.mlp = MLP(cfg.arch, cfg.d_model, resolved_ffn_dim(cfg), bias, cfg.dropout)
+            self.mlp = MLP(tr.gated_mlp, cfg.d_model, ffn, tr.bias, cfg.dropout)
 
     def forward(self, x: torch.Tensor, rope, cache: KVCache | None = None, pos: int = 0) -> torch.Tensor:
         if self.parallel:
@@ -55,38 +68,63 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+class CrossEntropyLoss(nn.Module):
+    """The loss slot of the model: ``loss(head, x, labels)`` = mean token cross-entropy of ``head(x)`` in fp32.
+    Parallel and fused variants replace this module (vocabulary-parallel: `parallel.vocab_ce.VocabParallelLoss`;
+    chunked head + loss: `models.fused_ce.FusedHeadLoss`)."""
+
+    def forward(self, head: nn.Module, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return cross_entropy(head(x), labels)
+
+
+@dataclass(frozen=True)
+class Span:
+    """Which part of the model one forward runs: the blocks ``layers`` (global indices, in order), preceded
+    by the embedding if ``embed`` and followed by the final norm, head and loss if ``head``. A pipeline chunk
+    is one span; the whole model is the span of all blocks with both ends."""
+
+    layers: tuple[int, ...]
+    embed: bool = True
+    head: bool = True
+
+
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, family: Family | None = None):
         super().__init__()
         if cfg.vocab_size <= 0:
             raise ValueError("model.vocab_size must be resolved (> 0) before building the model")
-        self.cfg = cfg
+        family = family or family_of(cfg)
+        self.cfg, self.family = cfg, family
+        tr = family.traits
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        if cfg.arch == "gpt2":
+        if tr.positions == "learned":
             self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model)
         self.drop = nn.Dropout(cfg.dropout)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
-        self.norm = make_norm(cfg.arch, cfg.d_model, cfg.norm_eps)
+        # Keyed by the global block index: a pipeline stage keeps its blocks under the same names.
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i, family) for i in range(cfg.n_layers)})
+        self.norm = make_norm(tr.norm, cfg.d_model, cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.loss = CrossEntropyLoss()
         self.tie_weights()
-        if cfg.arch == "llama":
+        if tr.positions == "rope":
             cos, sin = rope_tables(cfg.d_model // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
-        self.recompute_layers = 0  # full recomputation of the first N blocks (set by apply_recompute)
-        # Hooks that megaloom.parallel replaces (tensor / sequence parallelism); identity on one device.
-        self.loss_fn = cross_entropy
-        # Optional fused head + loss, called as head_loss(head, x, labels) instead of loss_fn(head(x), labels)
-        # (train.fused_loss: megaloom.models.fused_ce.fused_head_loss, chunked, never the full logits).
-        self.head_loss = None
-        self.seq_scatter = _identity
-        self.seq_gather = _identity
+        self.recompute_layers = 0  # full recomputation of the first N blocks of each span (apply_recompute)
         self.reset_parameters()
+
+    @property
+    def plan(self):
+        """The family's parallel plan (what `megaloom.parallel.tensor.parallelize_tensor` applies)."""
+        return self.family.plan
 
     def tie_weights(self) -> None:
         """Share the head with the token embedding. Call again after `to_empty()`, which unties them."""
-        if self.cfg.tie_embeddings:
+        if self.cfg.tie_embeddings and self.head is not None and self.tok_emb is not None:
             self.head.weight = self.tok_emb.weight
+
+    def tie_embeddings_active(self) -> bool:
+        return self.head is not None and self.tok_emb is not None and self.head.weight is self.tok_emb.weight
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -105,54 +143,74 @@ class Transformer(nn.Module):
                 module.reset_parameters()
             elif isinstance(module, MoE):  # stacked expert weights are not nn.Linear
                 module.reset_parameters(std, out_std)
-        if self.cfg.arch == "llama":
+        if hasattr(self, "rope_cos"):
             cos, sin = rope_tables(self.cfg.d_model // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta)
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
     def embed(self, tokens: torch.Tensor, pos: int = 0) -> torch.Tensor:
         x = self.tok_emb(tokens)
-        if self.cfg.arch == "gpt2":
+        if hasattr(self, "pos_emb"):
             x = x + self.pos_emb(torch.arange(pos, pos + tokens.shape[1], device=tokens.device))
         return self.drop(x)
 
     def rope(self, t: int, pos: int = 0):
-        if self.cfg.arch != "llama":
+        if not hasattr(self, "rope_cos"):
             return None
         return self.rope_cos[pos:pos + t], self.rope_sin[pos:pos + t]
 
-    def forward(self, tokens: torch.Tensor, labels: torch.Tensor | None = None,
-                caches: list[KVCache] | None = None, pos: int = 0) -> torch.Tensor:
-        """Logits [B, T, V] or, given labels [B, T], the mean next-token cross-entropy (fp32)."""
-        t = tokens.shape[1]
-        if pos + t > self.cfg.max_seq_len:
-            raise ValueError(f"sequence of {pos + t} tokens exceeds model.max_seq_len={self.cfg.max_seq_len}")
-        x = self.seq_scatter(self.embed(tokens, pos))
-        rope = self.rope(t, pos)
-        for i, layer in enumerate(self.layers):
-            cache = caches[i] if caches is not None else None
-            if i < self.recompute_layers and torch.is_grad_enabled():
-                x = checkpoint(layer, x, rope, use_reentrant=False)
-            else:
-                x = layer(x, rope, cache, pos)
-        x = self.seq_gather(self.norm(x))
+    def full_span(self) -> Span:
+        return Span(tuple(int(i) for i in self.layers), self.tok_emb is not None, self.head is not None)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, caches: list[KVCache] | None = None,
+                pos: int = 0, span: Span | None = None, seq_len: int | None = None) -> torch.Tensor:
+        """Tokens [B, T] -> logits [B, T(/tp), V(/tp)] or, given labels [B, T], the mean next-token
+        cross-entropy (fp32). ``span`` runs part of the model (a pipeline chunk): without the embedding ``x``
+        is hidden states [B, T(/tp with sp), D] and ``seq_len`` the full sequence length; without the head
+        the hidden states are returned."""
+        span = span or self.full_span()
+        if span.embed:
+            seq_len = x.shape[1]
+            if pos + seq_len > self.cfg.max_seq_len:
+                raise ValueError(f"sequence of {pos + seq_len} tokens exceeds model.max_seq_len="
+                                 f"{self.cfg.max_seq_len}")
+            x = self.embed(x, pos)
+        elif seq_len is None:
+            raise ValueError("Transformer.forward: a span without the embedding needs seq_len (for RoPE)")
+        x = self.run_layers(x, self.rope(seq_len, pos), span.layers, caches, pos)
+        if not span.head:
+            return x
+        x = self.norm(x)
         if labels is None:
             return self.head(x)
         # Router auxiliary losses are not added here: each MoE layer attached their gradient to its output
         # (moe.attach_aux_loss), so the value returned is the language-model loss alone.
-        if self.head_loss is not None:
-            return self.head_loss(self.head, x, labels)
-        return self.loss_fn(self.head(x), labels)
+        return self.loss(self.head, x, labels)
+
+    def run_layers(self, x: torch.Tensor, rope, layers: Sequence[int], caches: list[KVCache] | None = None,
+                   pos: int = 0) -> torch.Tensor:
+        for j, i in enumerate(layers):
+            layer = self.layers[str(i)]
+            if j < self.recompute_layers and torch.is_grad_enabled():
+                x = checkpoint(layer, x, rope, use_reentrant=False)
+            else:
+                x = layer(x, rope, caches[i] if caches is not None else None, pos)
+        return x
+
+    def blocks(self) -> list[tuple[int, Block]]:
+        """(global index, block) of the blocks this module holds, in order."""
+        return [(int(i), b) for i, b in self.layers.items()]
 
     @property
     def moe_layers(self) -> list[MoE]:
         return moe_layers(self)
 
     def new_caches(self, batch: int, max_len: int, dtype=None) -> list[KVCache]:
-        w = self.layers[0].attn.k_proj.weight
+        first = next(iter(self.layers.values()))
+        w = first.attn.k_proj.weight
         hd = self.cfg.d_model // self.cfg.n_heads
         return [KVCache(batch, layer.attn.k_proj.out_features // hd, max_len, hd, dtype or w.dtype, w.device)
-                for layer in self.layers]
+                for layer in self.layers.values()]
 
 
 def build_on_device(cfg: ModelConfig, device: torch.device | str) -> Transformer:
@@ -173,10 +231,6 @@ def moe_layers(module: nn.Module) -> list[MoE]:
     return [m for m in module.modules() if isinstance(m, MoE)]
 
 
-def _identity(x: torch.Tensor) -> torch.Tensor:
-    return x
-
-
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean token cross-entropy computed in fp32 (bf16 logits lose too much precision in log-softmax)."""
     return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1))
@@ -186,7 +240,7 @@ def apply_recompute(model: Transformer, mode: str, n_layers: int | None = None) 
     """`full`: recompute whole blocks (the first n_layers, default all); `selective`: only attention core
     and MLP activation, whose saved tensors are large but cheap to recompute (Korthikanti et al. 2022)."""
     model.recompute_layers = (n_layers if n_layers is not None else len(model.layers)) if mode == "full" else 0
-    for layer in model.layers:
+    for layer in model.layers.values():
         layer.attn.recompute_core = mode == "selective"
         layer.mlp.recompute_activation = mode == "selective"
 

@@ -47,6 +47,7 @@ from torch import nn
 from megaloom.config import ConfigError
 from megaloom.parallel import comm
 from megaloom.parallel.expert import is_expert_param
+from megaloom.parallel.layout import copy_layout, layout_of
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.tensor import sync_tp_grads, tp_grad_norm
 
@@ -151,9 +152,7 @@ class GradView:
 
     def __init__(self, grad: torch.Tensor, p: nn.Parameter) -> None:
         self.grad = grad
-        self._tp_dim = getattr(p, "_tp_dim", None)
-        self._tp_replicas = getattr(p, "_tp_replicas", 1)
-        self._sequence_parallel = getattr(p, "_sequence_parallel", False)
+        copy_layout(p, self)
 
 
 class GradViews:
@@ -170,9 +169,7 @@ class GradViews:
 def tp_weight(p: object, mesh: Mesh) -> float:
     """How much of this rank's copy of ``p`` counts towards a sum over the full model (tp_grad_norm's rule):
     a tp-sharded tensor fully, one replicated on all tp ranks 1/tp, a replicated KV head 1/replicas."""
-    if getattr(p, "_tp_dim", None) is None:
-        return 1.0 / mesh.tp
-    return 1.0 / getattr(p, "_tp_replicas", 1)
+    return layout_of(p).norm_weight(mesh.tp)
 
 
 def sharded_grad_norm(views: list[GradView], mesh: Mesh) -> torch.Tensor:

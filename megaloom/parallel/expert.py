@@ -3,7 +3,7 @@
 `parallelize_moe(moe, mesh, sp)`, which `parallelize_tensor` applies to every MoE layer, changes it in place:
 
 - ep > 1: this rank keeps experts [ep_rank * E/ep, (ep_rank + 1) * E/ep) of every MoE layer (the stacked
-  weights are sliced along dim 0, ``p._ep_dim = 0``) and the layer's dispatcher becomes an
+  weights are sliced along dim 0, their `Layout` has ``ep_dim=0``) and the layer's dispatcher becomes an
   `AllToAllDispatcher`. The ep group is carved out of the data-parallel group (megaloom.parallel.mesh), so
   the ranks of an ep group hold *different tokens*: the router runs on local tokens exactly as on one process
   (same top-k, same capacity drops), and only the expert computation travels.
@@ -31,13 +31,14 @@ from torch import nn
 from megaloom.config import ConfigError
 from megaloom.models.moe import Dispatched, LocalDispatcher, MoE
 from megaloom.parallel import comm
+from megaloom.parallel.layout import Layout, layout_of, set_layout
 from megaloom.parallel.mesh import Mesh
-from megaloom.parallel.tp_layers import ColumnParallelLinear, RowParallelLinear, mark
+from megaloom.parallel.tp_layers import ColumnParallelLinear, RowParallelLinear
 
 
 def is_expert_param(p: object) -> bool:
     """An expert-parallel weight: each ep rank holds different experts (reduced over edp, normed over ep)."""
-    return getattr(p, "_ep_dim", None) is not None
+    return layout_of(p).expert
 
 
 @dataclass
@@ -151,8 +152,7 @@ def parallelize_moe(moe: MoE, mesh: Mesh, sp: bool) -> MoE:
             moe.register_forward_pre_hook(partial(_gather_input, mesh))
             moe.register_forward_hook(partial(_scatter_output, mesh))
     for name, dim in (("w_gate", 2), ("w_up", 2), ("w_down", 1)):
-        p = mark(getattr(ex, name), dim if mesh.tp > 1 else None)
-        p._ep_dim = 0 if mesh.ep > 1 else None
+        set_layout(getattr(ex, name), Layout(tp_dim=dim if mesh.tp > 1 else None, ep_dim=0 if mesh.ep > 1 else None))
     return moe
 
 
@@ -162,7 +162,7 @@ def expert_norm_sq(params: list[tuple[torch.Tensor, object]], mesh: Mesh) -> tor
     total = torch.zeros((), dtype=torch.float32, device=mesh.device)
     for g, p in params:
         sq = g.float().pow(2).sum()
-        total += sq / mesh.tp if getattr(p, "_tp_dim", None) is None else sq
+        total += sq * layout_of(p).norm_weight(mesh.tp)
     if mesh.ep > 1:
         comm.all_reduce(total, mesh.ep_group, recorder=mesh.recorder)
     return total

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megaloom.parallel.layout import layout_of
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.tensor import _gather_full
 
@@ -19,18 +20,12 @@ from megaloom.parallel.tensor import _gather_full
 def _optim_name(name: str, p: nn.Parameter) -> str:
     """Optimizer state is stored under the single model's names: the last pipeline stage's copy of a tied
     embedding is `tok_emb.weight` there (named_parameters lists a tied weight once)."""
-    return "tok_emb.weight" if getattr(p, "_pp_tied_copy", False) else name
+    return "tok_emb.weight" if layout_of(p).tied_copy else name
 
 
 def shard_of(full: torch.Tensor, p: nn.Parameter, mesh: Mesh) -> torch.Tensor:
     """This rank's slice of a full tensor shaped like parameter `p`'s full size."""
-    if getattr(p, "_ep_dim", None) is not None and mesh.ep > 1:  # this rank's experts
-        full = full.chunk(mesh.ep, p._ep_dim)[mesh.ep_rank]
-    dim = getattr(p, "_tp_dim", None)
-    if dim is None or mesh.tp == 1:
-        return full
-    reps = getattr(p, "_tp_replicas", 1)
-    return full.chunk(mesh.tp // reps, dim)[mesh.tp_rank // reps]
+    return layout_of(p).shard(full, mesh.tp_rank, mesh.tp, mesh.ep_rank, mesh.ep)
 
 
 def full_model_state(model: nn.Module, mesh: Mesh) -> dict[str, torch.Tensor]:

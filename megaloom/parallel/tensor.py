@@ -1,20 +1,17 @@
-"""Tensor (+ sequence) parallelism for megaloom's Transformer, applied to a built, initialised model.
+"""Tensor (+ sequence) parallelism, applied to a built, initialised model by reading its family's plan.
 
-`parallelize_tensor` swaps the linear layers and the embedding for their tensor-parallel versions in place.
-Each shard lives under the original parameter name (``layers.0.attn.q_proj.weight`` is this rank's rows),
-and shards are copied from the already-initialised full weights, so the same seed gives the same model as
-a single process. Layout per block (Megatron):
+`parallelize_tensor` walks the model's submodules, looks each name up in the plan (`megaloom.parallel.styles`,
+e.g. `megaloom.models.plan.DECODER_PLAN`) and applies the style in place: linear layers and the embedding are
+swapped for their tensor-parallel versions (`tp_layers.py`), region entries become forward pre-hooks, and each
+parameter gets its `Layout` (`layout.py`). Shards live under the original parameter names
+(``layers.0.attn.q_proj.weight`` is this rank's rows) and are copied from the already-initialised full
+weights, so the same seed gives the same model as a single process.
 
-  attention: enter region once -> q/k/v column-parallel (whole heads per rank) -> SDPA on local heads ->
-             o_proj row-parallel -> reduce (or reduce-scatter with sp)
-  MLP:       enter region once -> gate/up column-parallel -> activation -> down_proj row-parallel -> reduce
-
-"Enter region" is a forward pre-hook on the attention / MLP module: identity forward + all-reduce backward
-(copy_to_tp), or with sequence parallelism an all-gather of the sequence shards (gather_from_seq), done once
-for q, k and v together. The embedding and output head are split by vocabulary rows and the loss is the
-vocab-parallel cross-entropy, so full logits never exist. With sp, the residual stream between regions holds
-T/tp tokens per rank: `model.seq_scatter` splits it after the embedding, `model.seq_gather` re-assembles it
-after the final norm for the column-parallel head.
+"Enter region" (style `Region`) is a forward pre-hook on the attention / MLP module: identity forward +
+all-reduce backward (copy_to_tp), or with sequence parallelism an all-gather of the sequence shards
+(gather_from_seq), done once for q, k and v together. With sp the embedding reduce-scatters its partial
+lookups into sequence shards, the residual stream holds T/tp tokens per rank, and the head's input is
+all-gathered again (`VocabHead`); the loss is the vocab-parallel cross-entropy, so full logits never exist.
 
 When tp > n_kv_heads, each rank holds one KV head (rank r: head r // (tp / n_kv_heads)), which serves its
 local query heads exactly as grouped-query attention maps them (q head h uses kv head h // (n_heads /
@@ -25,16 +22,21 @@ After backward (and before the data-parallel reduction and clipping) call `sync_
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+
 import torch
 from torch import nn
 
+from megaloom.config import ModelConfig
 from megaloom.models.moe import MoE
-from megaloom.models.transformer import Transformer
 from megaloom.parallel import comm
+from megaloom.parallel import styles as st
 from megaloom.parallel.expert import expert_norm_sq, is_expert_param, parallelize_moe
+from megaloom.parallel.layout import layout_of, set_layout
 from megaloom.parallel.mesh import Mesh, check_tp_model
 from megaloom.parallel.random import ForkedCall, ForkedDropout, RNGTracker
-from megaloom.parallel.tp_layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, mark
+from megaloom.parallel.tp_layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from megaloom.parallel.vocab_ce import VocabParallelLoss, gather_vocab_logits, vocab_parallel_cross_entropy
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "VocabParallelLoss",
@@ -54,102 +56,129 @@ class _EnterRegion:
         return (enter(args[0], self.mesh.tp_group, self.mesh.recorder),) + tuple(args[1:])
 
 
-class _SeqScatter:
-    """model.seq_scatter with sp: keep this rank's T/tp tokens of the embedded sequence."""
+class SequencePositionEmbedding(nn.Module):
+    """A learned position embedding under sp: the rows of this rank's sequence shard (same Parameter, so the
+    name ``pos_emb.weight`` and checkpoints are unchanged; its gradient is a partial sum over tp)."""
 
-    def __init__(self, mesh: Mesh) -> None:
-        self.mesh = mesh
+    def __init__(self, emb: nn.Embedding, mesh: Mesh) -> None:
+        super().__init__()
+        self.weight, self.mesh = set_layout(emb.weight, tp_partial=True), mesh
+        self.num_embeddings, self.embedding_dim = emb.weight.shape
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return comm.scatter_to_seq(x, self.mesh.tp_group, self.mesh.recorder)
-
-
-class _SeqGather:
-    """model.seq_gather with sp: re-assemble the sequence for the column-parallel head."""
-
-    def __init__(self, mesh: Mesh) -> None:
-        self.mesh = mesh
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return comm.gather_from_seq(x, self.mesh.tp_group, self.mesh.recorder)
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        n = positions.shape[-1] // self.mesh.tp
+        return nn.functional.embedding(positions[..., self.mesh.tp_rank * n:(self.mesh.tp_rank + 1) * n],
+                                       self.weight)
 
 
-def _mark_sequence_parallel(module: nn.Module | None) -> None:
-    # Replicated weights applied to this rank's tokens only: their gradient is a partial sum over tp.
-    if module is not None:
-        for p in module.parameters():
-            mark(p, None, sequence_parallel=True)
+@dataclass
+class _Context:
+    """What the styles need to split one model: the mesh, sp, the model's shape, the dropout RNG streams."""
+
+    mesh: Mesh
+    sp: bool
+    cfg: ModelConfig
+    tracker: RNGTracker
+
+    @property
+    def kv_rows(self) -> tuple[tuple[int, int] | None, int]:
+        """(rows, replicas) of a k/v projection: this rank's single KV head when tp > n_kv_heads."""
+        n_kv = self.cfg.n_kv_heads or self.cfg.n_heads
+        if self.mesh.tp <= n_kv:
+            return None, 1
+        reps, head_dim = self.mesh.tp // n_kv, self.cfg.d_model // self.cfg.n_heads
+        return ((self.mesh.tp_rank // reps) * head_dim, head_dim), reps
 
 
-def parallelize_tensor(model: Transformer, mesh: Mesh, sp: bool) -> Transformer:
-    """Split ``model`` over ``mesh.tp`` ranks in place (parameter names unchanged) and return it.
+def _accepts(style: st.Style, module: nn.Module) -> bool:
+    if isinstance(style, st.Experts):
+        return isinstance(module, MoE)
+    if isinstance(style, st.Region):  # an MoE layer enters and leaves its regions itself (parallel/expert.py)
+        return not isinstance(module, MoE)
+    return True
 
-    Relies on the Transformer hooks ``model.loss_fn`` (set to the vocab-parallel loss) and, with ``sp``,
-    ``model.seq_scatter`` / ``model.seq_gather``. tp == 1 leaves the model untouched.
-    """
+
+def _mark_partial(module: nn.Module) -> None:
+    for p in module.parameters():
+        set_layout(p, tp_partial=True)
+
+
+def _apply(style: st.Style, module: nn.Module, ctx: _Context) -> nn.Module | None:
+    """Apply one style to ``module``; returns the module that replaces it, or None (changed in place)."""
+    mesh, sp = ctx.mesh, ctx.sp
+    match style:
+        case st.Colwise(kv_heads=True):
+            rows, reps = ctx.kv_rows
+            return ColumnParallelLinear.from_linear(module, mesh, "none", rows, reps)
+        case st.Colwise():
+            return ColumnParallelLinear.from_linear(module, mesh, "none")
+        case st.Rowwise():
+            return RowParallelLinear.from_linear(module, mesh, "reduce_scatter" if sp else "reduce")
+        case st.Region():
+            module.register_forward_pre_hook(_EnterRegion(mesh, sp))
+        case st.LocalHeads() if ctx.cfg.dropout > 0:  # attention probabilities of this rank's heads
+            module._core = ForkedCall(module._core, ctx.tracker)
+        case st.VocabEmbedding():
+            return VocabParallelEmbedding.from_embedding(module, mesh, "reduce_scatter" if sp else "reduce")
+        case st.SequencePositions() if sp:
+            return SequencePositionEmbedding(module, mesh)
+        case st.VocabHead():
+            return ColumnParallelLinear.from_linear(module, mesh, "gather" if sp else "copy")
+        case st.VocabLoss():
+            return VocabParallelLoss(mesh)
+        case st.SequenceParallel() if sp:
+            _mark_partial(module)
+        case st.PartialGrad():
+            _mark_partial(module)
+        case st.SequenceDropout() if sp and ctx.cfg.dropout > 0:  # ranks hold different tokens
+            return ForkedDropout(ctx.cfg.dropout, ctx.tracker)
+        case st.Experts():
+            parallelize_moe(module, mesh, sp)
+    return None
+
+
+def _plan_entry(plan: st.Plan, name: str) -> tuple[st.Style, ...]:
+    for pattern, styles in plan.items():
+        if fnmatchcase(name, pattern):
+            return styles if isinstance(styles, tuple) else (styles,)
+    return ()
+
+
+def apply_plan(model: nn.Module, plan: st.Plan, ctx: _Context) -> None:
+    """Walk ``model``'s submodules (parents first) and apply each one's styles from ``plan``."""
+    owned: list[str] = []  # subtrees a style split whole (MoE layers)
+    for name, module in list(model.named_modules()):
+        if not name or any(name.startswith(o + ".") for o in owned):
+            continue
+        for style in _plan_entry(plan, name):
+            if not _accepts(style, module):
+                continue
+            new = _apply(style, module, ctx)
+            if new is not None:
+                parent, _, leaf = name.rpartition(".")
+                setattr(model.get_submodule(parent) if parent else model, leaf, new)
+                module = new
+            if style.owns_subtree:
+                owned.append(name)
+
+
+def parallelize_tensor(model: nn.Module, mesh: Mesh, sp: bool, plan: st.Plan | None = None) -> nn.Module:
+    """Split ``model`` over ``mesh.tp`` (and its MoE experts over ``mesh.ep``) in place, parameter names
+    unchanged, following ``plan`` (default: the plan of the model's family, ``model.plan``)."""
+    plan = plan if plan is not None else model.plan
     if mesh.tp == 1:
-        for moe in model.moe_layers:
-            parallelize_moe(moe, mesh, sp)  # expert parallelism alone
+        if mesh.ep > 1:  # expert parallelism alone
+            only_experts = {k: v for k, v in plan.items()
+                            if any(isinstance(s, st.Experts) for s in (v if isinstance(v, tuple) else (v,)))}
+            apply_plan(model, only_experts, _Context(mesh, False, model.cfg, RNGTracker.for_mesh(mesh)))
         return model
-    missing = [h for h in ("loss_fn", "seq_scatter", "seq_gather") if not hasattr(model, h)]
-    if missing:  # without them the forward would silently compute a loss on this rank's logits only
-        raise RuntimeError(f"tensor parallelism needs the Transformer hooks {', '.join(missing)}")
-    if isinstance(model.tok_emb, VocabParallelEmbedding):
+    if isinstance(getattr(model, "tok_emb", None), VocabParallelEmbedding):
         raise ValueError("parallelize_tensor: this model is already tensor-parallel")
-    cfg = model.cfg
-    check_tp_model(cfg, mesh.tp)
-    tp, n_kv = mesh.tp, cfg.n_kv_heads or cfg.n_heads
-    head_dim = cfg.d_model // cfg.n_heads
-    out_mode = "reduce_scatter" if sp else "reduce"
-    tracker = RNGTracker.for_mesh(mesh)
-    if tp > n_kv:
-        kv_replicas = tp // n_kv
-        kv_rows: tuple[int, int] | None = ((mesh.tp_rank // kv_replicas) * head_dim, head_dim)
-    else:
-        kv_replicas, kv_rows = 1, None
-
-    for block in model.layers:
-        attn, mlp = block.attn, block.mlp
-        attn.q_proj = ColumnParallelLinear.from_linear(attn.q_proj, mesh, "none")
-        attn.k_proj = ColumnParallelLinear.from_linear(attn.k_proj, mesh, "none", kv_rows, kv_replicas)
-        attn.v_proj = ColumnParallelLinear.from_linear(attn.v_proj, mesh, "none", kv_rows, kv_replicas)
-        attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, mesh, out_mode)
-        attn.register_forward_pre_hook(_EnterRegion(mesh, sp))
-        if isinstance(mlp, MoE):
-            parallelize_moe(mlp, mesh, sp)  # experts split by hidden units (and over ep), see parallel.expert
-        else:
-            if mlp.gated:
-                mlp.gate_proj = ColumnParallelLinear.from_linear(mlp.gate_proj, mesh, "none")
-            mlp.up_proj = ColumnParallelLinear.from_linear(mlp.up_proj, mesh, "none")
-            mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, mesh, out_mode)
-            mlp.register_forward_pre_hook(_EnterRegion(mesh, sp))
-        if sp:
-            _mark_sequence_parallel(block.attn_norm)
-            _mark_sequence_parallel(getattr(block, "mlp_norm", None))
-        if cfg.dropout > 0:
-            # Attention probabilities belong to the local heads: independent masks per tp rank.
-            attn._core = ForkedCall(attn._core, tracker)
-            if sp:  # the residual stream holds different tokens on each rank; without sp it is replicated
-                attn.resid_dropout = ForkedDropout(cfg.dropout, tracker)
-                if not isinstance(mlp, MoE):  # an MoE layer drops out on the gathered, replicated sequence
-                    mlp.dropout = ForkedDropout(cfg.dropout, tracker)
-
-    tied = model.head.weight is model.tok_emb.weight
-    model.tok_emb = VocabParallelEmbedding.from_embedding(model.tok_emb, mesh, "reduce")
-    if tied:
-        model.head = ColumnParallelLinear(model.tok_emb.weight, None, mesh, "none" if sp else "copy")
-    else:
-        model.head = ColumnParallelLinear.from_linear(model.head, mesh, "none" if sp else "copy")
-    model.loss_fn = VocabParallelLoss(mesh)
-    if sp:
-        # The embedding (with gpt2's positions) is reduced to a full, replicated sequence and then split;
-        # the final norm runs on the shards and the head on the re-gathered sequence.
-        model.seq_scatter = _SeqScatter(mesh)
-        model.seq_gather = _SeqGather(mesh)
-        _mark_sequence_parallel(model.norm)
-    for p in model.parameters():
-        if not hasattr(p, "_tp_dim"):
-            mark(p, None)
+    check_tp_model(model.cfg, mesh.tp)
+    tied = model.tie_embeddings_active()
+    apply_plan(model, plan, _Context(mesh, sp, model.cfg, RNGTracker.for_mesh(mesh)))
+    if tied:  # the head shares the embedding's (vocabulary-split) rows
+        model.head.weight = model.tok_emb.weight
     return model
 
 
@@ -169,8 +198,7 @@ def allreduce_sequence_parallel_grads(model: nn.Module, mesh: Mesh) -> None:
     """Sum over tp the gradients of replicated weights that saw only this rank's tokens (sp norms, biases)."""
     if mesh.tp == 1:
         return
-    grads = [p.grad for p in model.parameters()
-             if getattr(p, "_sequence_parallel", False) and p.grad is not None]
+    grads = [p.grad for p in model.parameters() if layout_of(p).tp_partial and p.grad is not None]
     if grads:
         _allreduce_flat(grads, mesh)
 
@@ -181,11 +209,11 @@ def allreduce_kv_replica_grads(model: nn.Module, mesh: Mesh) -> None:
     Done with one all-reduce over the tp group of a [tp / replicas, n] buffer where each rank fills only the
     row of its head, which needs no extra process group.
     """
-    params = [p for p in model.parameters() if getattr(p, "_tp_replicas", 1) > 1 and p.grad is not None]
+    params = [p for p in model.parameters() if layout_of(p).tp_replicas > 1 and p.grad is not None]
     if not params or mesh.tp == 1:
         return
-    reps = params[0]._tp_replicas
-    if any(p._tp_replicas != reps for p in params):
+    reps = layout_of(params[0]).tp_replicas
+    if any(layout_of(p).tp_replicas != reps for p in params):
         raise ValueError("all replicated KV-head parameters must have the same replica count")
     grads = [p.grad for p in params]
     flat = torch.cat([g.reshape(-1) for g in grads])
@@ -220,12 +248,7 @@ def tp_grad_norm(model: nn.Module, mesh: Mesh) -> torch.Tensor:
         if is_expert_param(p):  # different experts on each ep rank: summed over ep first
             experts.append((p.grad, p))
             continue
-        sq = p.grad.float().pow(2).sum()
-        if getattr(p, "_tp_dim", None) is None:
-            sq = sq / mesh.tp
-        else:
-            sq = sq / getattr(p, "_tp_replicas", 1)
-        total += sq
+        total += p.grad.float().pow(2).sum() * layout_of(p).norm_weight(mesh.tp)
     if mesh.ep > 1:
         total += expert_norm_sq(experts, mesh).to(device)
     comm.all_reduce(total, mesh.tp_group, recorder=mesh.recorder)
@@ -236,15 +259,16 @@ def tp_grad_norm(model: nn.Module, mesh: Mesh) -> torch.Tensor:
 def gather_full_tensor(t: torch.Tensor, p: nn.Parameter, mesh: Mesh,
                        sum_replicas: bool = False) -> torch.Tensor:
     """``t`` (shaped like this rank's shard of ``p``: the parameter, its gradient or optimizer state) at full
-    size, following ``p._tp_dim``; copies of a replicated KV head are taken once, or summed (gradients that
+    size, following its `Layout`; copies of a replicated KV head are taken once, or summed (gradients that
     `sync_tp_grads` has not completed). Collective over tp."""
-    if is_expert_param(p) and mesh.ep > 1:  # experts of the other ep ranks first, then the tp split
-        t = comm.gather_along_dim(t.detach().contiguous(), p._ep_dim, mesh.ep_group, mesh.recorder)
-    dim = getattr(p, "_tp_dim", None)
+    layout = layout_of(p)
+    if layout.expert and mesh.ep > 1:  # experts of the other ep ranks first, then the tp split
+        t = comm.gather_along_dim(t.detach().contiguous(), layout.ep_dim, mesh.ep_group, mesh.recorder)
+    dim = layout.tp_dim
     if dim is None or mesh.tp == 1:
         return t.detach().clone()
     full = comm.gather_along_dim(t.detach().contiguous(), dim, mesh.tp_group, mesh.recorder)
-    reps = getattr(p, "_tp_replicas", 1)
+    reps = layout.tp_replicas
     if reps == 1:
         return full
     chunks = full.chunk(mesh.tp, dim)
@@ -267,7 +291,7 @@ def gather_full_grads(model: nn.Module, mesh: Mesh, synced: bool = True) -> dict
     out: dict[str, torch.Tensor | None] = {}
     for name, p in model.named_parameters():
         g = p.grad
-        if g is not None and not synced and getattr(p, "_sequence_parallel", False):
+        if g is not None and not synced and layout_of(p).tp_partial:
             g = comm.all_reduce(g.detach().clone(), mesh.tp_group, recorder=mesh.recorder)
         # A gradient is None on all tp ranks or on none (same graph), so the collectives stay matched.
         out[name] = None if g is None else gather_full_tensor(g, p, mesh, sum_replicas=not synced)

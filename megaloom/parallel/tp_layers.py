@@ -6,10 +6,9 @@ The pair (column then row) costs one all-reduce forward and one backward. With s
 activations outside the region are split along the sequence instead of replicated, and the all-reduce
 becomes an all-gather on entry plus a reduce-scatter on exit (same bytes, 1/tp the activation memory).
 
-Every parameter carries how it is split, for gradient sync, checkpoints and `gather_full_params`:
-``p._tp_dim`` (0: rows, 1: columns, None: replicated), ``p._tp_replicas`` (>1 when groups of tp ranks hold
-copies of the same slice) and ``p._sequence_parallel`` (replicated, but its gradient is a partial sum over
-this rank's tokens and must be all-reduced over tp).
+Every parameter carries how it is split, for gradient sync, checkpoints and `gather_full_params`, as its
+`Layout` (megaloom/parallel/layout.py): rows (``tp_dim=0``), columns (``tp_dim=1``) or replicated, copies
+of one slice over groups of tp ranks (``tp_replicas``), or replicated with a partial gradient (``tp_partial``).
 """
 
 from __future__ import annotations
@@ -19,19 +18,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from megaloom.parallel import comm
+from megaloom.parallel.layout import Layout, set_layout
 from megaloom.parallel.mesh import Mesh
 from megaloom.precision import fp8
 
 INPUT_MODES = ("copy", "gather", "none")
 OUTPUT_MODES = ("reduce", "reduce_scatter")
-
-
-def mark(p: nn.Parameter, tp_dim: int | None, replicas: int = 1,
-         sequence_parallel: bool = False) -> nn.Parameter:
-    p._tp_dim = tp_dim
-    p._tp_replicas = replicas
-    p._sequence_parallel = sequence_parallel
-    return p
 
 
 def _shard(t: torch.Tensor, dim: int, start: int, length: int) -> nn.Parameter:
@@ -53,8 +45,8 @@ class ColumnParallelLinear(nn.Module):
             raise ValueError(f"input_mode must be one of {INPUT_MODES}, got {input_mode!r}")
         self.mesh, self.input_mode = mesh, input_mode
         self.out_features, self.in_features = weight.shape  # local: what the attention reads head counts from
-        self.weight = mark(weight, 0, replicas)
-        self.bias = mark(bias, 0, replicas) if bias is not None else None
+        self.weight = set_layout(weight, Layout(tp_dim=0, tp_replicas=replicas))
+        self.bias = set_layout(bias, Layout(tp_dim=0, tp_replicas=replicas)) if bias is not None else None
         self.fp8_recipe: str | None = None  # set by precision.fp8.convert_to_float8: the local matmul in fp8
         self.fp8_fast_accum = True
 
@@ -95,9 +87,9 @@ class RowParallelLinear(nn.Module):
             raise ValueError(f"output_mode must be one of {OUTPUT_MODES}, got {output_mode!r}")
         self.mesh, self.output_mode = mesh, output_mode
         self.out_features, self.in_features = weight.shape
-        self.weight = mark(weight, 1)
+        self.weight = set_layout(weight, Layout(tp_dim=1))
         sp = output_mode == "reduce_scatter"
-        self.bias = mark(bias, None, sequence_parallel=sp) if bias is not None else None
+        self.bias = set_layout(bias, Layout(tp_partial=sp)) if bias is not None else None
         self.fp8_recipe: str | None = None  # set by precision.fp8.convert_to_float8: the local matmul in fp8
         self.fp8_fast_accum = True
 
@@ -132,7 +124,7 @@ class VocabParallelEmbedding(nn.Module):
         self.mesh, self.output_mode = mesh, output_mode
         self.num_embeddings, self.embedding_dim = weight.shape  # local rows
         self.vocab_start = mesh.tp_rank * self.num_embeddings
-        self.weight = mark(weight, 0)
+        self.weight = set_layout(weight, Layout(tp_dim=0))
 
     @classmethod
     def from_embedding(cls, emb: nn.Embedding, mesh: Mesh,

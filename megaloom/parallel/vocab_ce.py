@@ -10,6 +10,7 @@ known on the local shard. All math is fp32 whatever the logits' dtype.
 from __future__ import annotations
 
 import torch
+from torch import nn
 from torch.autograd import Function
 
 from megaloom.parallel import comm
@@ -64,14 +65,16 @@ def vocab_parallel_cross_entropy(local_logits: torch.Tensor, labels: torch.Tenso
     return per_token.sum() / (labels != ignore_index).sum().clamp(min=1)
 
 
-class VocabParallelLoss:
-    """``model.loss_fn`` for a tensor-parallel model: (local logits, labels) -> mean loss."""
+class VocabParallelLoss(nn.Module):
+    """The model's loss slot (``Transformer.loss``) under tensor parallelism: the vocabulary-split head's
+    local logits -> the mean loss over the full vocabulary."""
 
     def __init__(self, mesh: Mesh) -> None:
+        super().__init__()
         self.mesh = mesh
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits, labels, self.mesh.tp_group, self.mesh.recorder)
+    def forward(self, head: nn.Module, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(head(x), labels, self.mesh.tp_group, self.mesh.recorder)
 
 
 def gather_vocab_logits(local_logits: torch.Tensor, tp_group: Group,

@@ -47,12 +47,12 @@ from megaloom.parallel.data_parallel import (
     tp_weight,
 )
 from megaloom.parallel.expert import is_expert_param
+from megaloom.parallel.layout import copy_layout
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.state import full_model_state, load_full_state, shard_of
 from megaloom.parallel.tensor import gather_full_tensor, sync_tp_grads
 
 OPTIMIZERS = ("adamw", "lamb")
-_TP_MARKS = ("_tp_dim", "_tp_replicas", "_sequence_parallel")
 
 
 class ShardLayout(Protocol):
@@ -101,15 +101,14 @@ class FullyShardedGrads:
             raise ConfigError("parallel.zero=3 shards parameters over data-parallel ranks, but there is only one "
                               "(world size / (tp*pp*cp) = 1); set parallel.zero=0 or add ranks.")
         self.model, self.mesh, self.zero = model, mesh, 3
-        marks = {n: {k: getattr(p, k) for k in _TP_MARKS if hasattr(p, k)} for n, p in model.named_parameters()}
+        layouts = dict(model.named_parameters())
         self.device_mesh = DeviceMesh.from_group(self.group, mesh.device.type)
-        for block in getattr(model, "layers", []):
+        for block in getattr(model, "layers", {}).values():
             fully_shard(block, mesh=self.device_mesh)
         fully_shard(model, mesh=self.device_mesh)
         self.named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        for n, p in self.named_params:  # the sharded parameters are new objects: carry the tp marks over
-            for k, v in marks[n].items():
-                setattr(p, k, v)
+        for n, p in self.named_params:  # the sharded parameters are new objects: carry the layouts over
+            copy_layout(layouts[n], p)
         self.params = [p for _, p in self.named_params]
         model.set_requires_gradient_sync(False)
         self.stats = ReductionStats()

@@ -225,12 +225,9 @@ class Float8Summary:
 
 
 def _blocks(model: nn.Module) -> list[tuple[int, str, nn.Module]]:
-    """(global block index, qualified name, block) of a Transformer (ModuleList) or a pipeline StageModule
-    (ModuleDict keyed by global index)."""
-    layers = model.layers
-    if isinstance(layers, nn.ModuleDict):
-        return [(int(k), f"layers.{k}", b) for k, b in layers.items()]
-    return [(i, f"layers.{i}", b) for i, b in enumerate(layers)]
+    """(global block index, qualified name, block) of a Transformer or a pipeline stage of one (``layers`` is
+    keyed by the global block index)."""
+    return [(int(k), f"layers.{k}", b) for k, b in model.layers.items()]
 
 
 def _linears(block: nn.Module) -> list[tuple[str, nn.Module, str | None]]:
@@ -258,7 +255,7 @@ def convert_to_float8(model: nn.Module, recipe: str = "tensorwise", keep_first_l
     """Run the attention and MLP linears of the transformer blocks in fp8, in place.
 
     Works on a `Transformer`, a tensor-parallel one (its local shards are checked for the multiple-of-16
-    rule) and a pipeline `StageModule` (``keep_first_last`` refers to the model's global first and last
+    rule) and a pipeline stage (``keep_first_last`` refers to the model's global first and last
     blocks). Never touched: embedding, output head, norms, MoE router and grouped experts (a dense shared
     expert MLP is converted). Parameters keep their objects and names. ``fast_accum``: the forward GEMM's
     accumulation (module doc); ``keep_attention``: the attention projections stay bf16 (only MLPs in fp8).

@@ -14,11 +14,11 @@ from torch.utils._pytree import tree_flatten
 import megaloom.models.fused_ce as fused_ce
 from megaloom.config import load_config
 from megaloom.models import Transformer
-from megaloom.models.fused_ce import default_chunk_tokens, fused_head_loss, linear_cross_entropy
+from megaloom.models.fused_ce import FusedHeadLoss, default_chunk_tokens, linear_cross_entropy
 from megaloom.models.transformer import cross_entropy
 from megaloom.parallel.pipeline.partition import partition_layers
 from megaloom.parallel.pipeline.split_backward import backward_input
-from megaloom.parallel.pipeline.stage import StageModule
+from megaloom.parallel.pipeline.stage import PipelineStage
 
 N, D, V = 50, 24, 300
 
@@ -214,10 +214,10 @@ def _tiny_model(tie: bool, vocab: int = 160) -> Transformer:
 
 def test_pipeline_last_stage_uses_the_hook_and_split_backward():
     full = _tiny_model(tie=True)
-    ref_stage = StageModule(_tiny_model(tie=True), partition_layers(2, 2), 1)
-    full.head_loss = functools.partial(fused_head_loss, chunk_tokens=10)
-    stage = StageModule(full, partition_layers(2, 2), 1)  # layer 1, norm, head (a tied copy), loss
-    assert stage.head_loss is full.head_loss
+    ref_stage = PipelineStage(_tiny_model(tie=True), partition_layers(2, 2), 1)
+    full.loss = FusedHeadLoss(chunk_tokens=10)
+    stage = PipelineStage(full, partition_layers(2, 2), 1)  # layer 1, norm, head (a tied copy), loss
+    assert isinstance(stage.model.loss, FusedHeadLoss)
     x, y = torch.randn(2, 32, 64), torch.randint(0, 160, (2, 32))
     xa, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
     loss = stage(xa, 0, y, 32)
@@ -226,16 +226,16 @@ def test_pipeline_last_stage_uses_the_hook_and_split_backward():
     loss.backward()
     ref.backward()
     assert _rel(xa.grad, xr.grad) < 1e-6
-    grads = {n: p.grad.clone() for n, p in stage.named_parameters()}
-    for n, p in ref_stage.named_parameters():
+    grads = {n: p.grad.clone() for n, p in stage.model.named_parameters()}
+    for n, p in ref_stage.model.named_parameters():
         assert _rel(grads[n], p.grad) < 1e-6, n
     # zero-bubble's split: input gradient first, weight gradients later, same values
-    stage.zero_grad(set_to_none=True)
+    stage.model.zero_grad(set_to_none=True)
     xb = x.clone().requires_grad_()
     dx, pending = backward_input(stage(xb, 0, y, 32), None, xb, stage.chunk_parameters(0))
     pending.run()
     assert _rel(dx, xa.grad) < 1e-6
-    for n, p in stage.named_parameters():
+    for n, p in stage.model.named_parameters():
         assert _rel(p.grad, grads[n]) < 1e-6, n
 
 

@@ -1,14 +1,12 @@
-"""train.fused_loss wired through the config, the Transformer's head_loss hook and the training loop."""
+"""train.fused_loss wired through the config, the Transformer's loss slot and the training loop."""
 
 from __future__ import annotations
-
-import functools
 
 import pytest
 import torch
 
 from megaloom.config import ConfigError, load_config
-from megaloom.models.fused_ce import fused_head_loss
+from megaloom.models.fused_ce import FusedHeadLoss, fused_head_loss
 from megaloom.models.transformer import cross_entropy
 from megaloom.optim import build_optimizer
 from megaloom.step import TrainStep
@@ -30,7 +28,7 @@ def test_transformer_training_with_the_hook_matches(tie):
     def run(fused: bool):
         model = _tiny_model(tie)
         if fused:
-            model.head_loss = functools.partial(fused_head_loss, chunk_tokens=24)  # 64 tokens: 3 chunks
+            model.loss = FusedHeadLoss(chunk_tokens=24)  # 64 tokens: 3 chunks
         t = load_config(None, ["train.lr=3e-3"]).train
         opt = build_optimizer(model, t, torch.device("cpu"))
         step = TrainStep(model, opt, "fp32", torch.device("cpu"), micro_batch_size=2, grad_clip=1.0)
@@ -51,10 +49,10 @@ def test_transformer_training_with_the_hook_matches(tie):
 
 def test_train_loop_with_fused_loss_matches(small_corpus, tmp_path, monkeypatch):
     """`megaloom train` with train.fused_loss=true: the same logged losses (fp32 on CPU) and eval loss."""
-    import megaloom.train as train_mod
+    import megaloom.models.fused_ce as fused_mod
 
     calls = []
-    monkeypatch.setattr(train_mod, "fused_head_loss", lambda *a: calls.append(1) or fused_head_loss(*a))
+    monkeypatch.setattr(fused_mod, "fused_head_loss", lambda *a: calls.append(1) or fused_head_loss(*a))
     base = ["train.steps=4", "checkpoint.every=0", "train.eval_every=4", "train.device=cpu"]  # fp32: exact
     ref = train(load_config(None, tiny_overrides(small_corpus, tmp_path / "a", *base)))
     out = train(load_config(None, tiny_overrides(small_corpus, tmp_path / "b", *base, "train.fused_loss=true")))

@@ -242,13 +242,13 @@ def test_plugs_into_transformer_block():
                              "model.max_seq_len=32", "train.seq_len=16"])
     torch.manual_seed(0)
     m = Transformer(cfg.model)
-    m.layers[1].mlp = MoE(32, 4, 2, 16, n_shared_experts=1, aux_loss_weight=0.01)
+    m.layers[str(1)].mlp = MoE(32, 4, 2, 16, n_shared_experts=1, aux_loss_weight=0.01)
     apply_recompute(m, "selective")
     tokens = torch.randint(0, 64, (2, 8))
     loss = m(tokens, torch.randint(0, 64, (2, 8)))
     loss.backward()  # the language-model loss; the aux loss's gradient is attached to the MoE output
-    assert m.layers[1].mlp.experts.w_up.grad.abs().sum() > 0
-    assert m.moe_layers == [m.layers[1].mlp]
+    assert m.layers[str(1)].mlp.experts.w_up.grad.abs().sum() > 0
+    assert m.moe_layers == [m.layers[str(1)].mlp]
 
 
 @pytest.mark.gpu

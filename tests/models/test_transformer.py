@@ -72,8 +72,8 @@ def test_tied_embeddings_and_param_count():
 def test_megatron_init_scales_output_projections():
     cfg_layers = 2
     m = tiny()
-    std_q = m.layers[0].attn.q_proj.weight.std().item()
-    std_o = m.layers[0].attn.o_proj.weight.std().item()
+    std_q = m.layers[str(0)].attn.q_proj.weight.std().item()
+    std_o = m.layers[str(0)].attn.o_proj.weight.std().item()
     assert abs(std_q - 0.02) < 0.004
     assert abs(std_o - 0.02 / (2 * cfg_layers) ** 0.5) < 0.003
 

@@ -67,9 +67,9 @@ def measure_saved(cfg, device: str = "cpu", attention=None) -> tuple[int, int]:
     model = Transformer(cfg.model).to(device)
     apply_recompute(model, cfg.train.recompute)
     if getattr(cfg.train, "fused_loss", False):
-        from megaloom.models.fused_ce import fused_head_loss
+        from megaloom.models.fused_ce import FusedHeadLoss
 
-        model.head_loss = fused_head_loss
+        model.loss = FusedHeadLoss()
     x = torch.randint(0, VOCAB, (B, T), device=device)
     y = torch.randint(0, VOCAB, (B, T), device=device)
     kernel = contextlib.nullcontext()

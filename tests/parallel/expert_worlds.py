@@ -10,6 +10,7 @@ import torch.distributed as dist
 from megaloom.models.moe import LocalDispatcher, MoE
 from megaloom.parallel import comm
 from megaloom.parallel.expert import AllToAllDispatcher, parallelize_moe
+from megaloom.parallel.layout import layout_of
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.tensor import gather_full_tensor
 
@@ -82,9 +83,9 @@ def layer_case(mesh: Mesh, sp: bool, capacity_factor: float) -> dict:
         g = p.grad.detach().clone()
         # The full model's gradient sums every dp rank's tokens: experts are summed over edp (their ep peers'
         # tokens arrived through the all-to-all), replicated weights over all of dp.
-        group = mesh.edp_group if getattr(p, "_ep_dim", None) is not None else mesh.dp_group
+        group = mesh.edp_group if layout_of(p).expert else mesh.dp_group
         comm.all_reduce(g, group)
-        if getattr(p, "_sequence_parallel", False):
+        if layout_of(p).tp_partial:
             comm.all_reduce(g, mesh.tp_group)
         full = gather_full_tensor(g, p, mesh)
         grads[name] = (_err(full, ref_grads[name].grad), ref_grads[name].grad.abs().max().item(),

@@ -72,7 +72,7 @@ def test_parallelize_twice_is_refused() -> None:
     model = Transformer(tiny_config("llama").model)
     mesh = Mesh(tp=2)  # shapes only: without a process group the collectives are identities
     parallelize_tensor(model, mesh, sp=False)
-    assert model.layers[0].attn.q_proj.weight.shape == (32, 64)
+    assert model.layers[str(0)].attn.q_proj.weight.shape == (32, 64)
     with pytest.raises(ValueError, match="already tensor-parallel"):
         parallelize_tensor(model, mesh, sp=False)
 

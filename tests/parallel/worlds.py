@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from megaloom.config import Config, load_config
 from megaloom.models import Transformer, apply_recompute
 from megaloom.parallel import comm
+from megaloom.parallel.layout import layout_of
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.random import RNGTracker, dropout_seed
 from megaloom.parallel.tensor import (
@@ -231,7 +232,7 @@ def parity_case(mesh: Mesh, arch: str, sp: bool, tie: bool = True, steps: int = 
             ref_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in ref_grads.values()]))
             out["norm"] = (tp_grad_norm(model, mesh).item(), ref_norm.item())
             full = gather_full_params(model, mesh)
-            out["numel"] = {n: (p.numel(), full[n].numel(), p._tp_dim, p._tp_replicas)
+            out["numel"] = {n: (p.numel(), full[n].numel(), layout_of(p).tp_dim, layout_of(p).tp_replicas)
                             for n, p in model.named_parameters()}
             out["tied"] = model.head.weight is model.tok_emb.weight
         opt_ref.step()
@@ -291,7 +292,7 @@ def dropout_case(mesh: Mesh, sp: bool) -> dict:
     plain = grads("none")
     replay = {mode: max(_err(g, plain[n]) for n, g in grads(mode).items()) for mode in ("selective", "full")}
     params = dict(model.named_parameters())
-    replicated = {n: g for n, g in plain.items() if params[n]._tp_dim is None}
+    replicated = {n: g for n, g in plain.items() if layout_of(params[n]).tp_dim is None}
     return dict(replicated=replicated, replay=replay)
 
 

@@ -21,7 +21,7 @@ def test_fp16_overflow_skips_step_halves_scale_and_training_goes_on():
     step = TrainStep(model, opt, "fp16", torch.device("cpu"), micro_batch_size=2, grad_clip=1.0)
     batch = torch.randint(0, 128, (4, 17))
     poison = {"on": True}
-    model.layers[1].mlp.down_proj.weight.register_hook(
+    model.layers[str(1)].mlp.down_proj.weight.register_hook(
         lambda g: torch.full_like(g, float("inf")) if poison["on"] else g)
 
     before = {n: p.detach().clone() for n, p in model.named_parameters()}

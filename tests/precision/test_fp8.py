@@ -125,7 +125,7 @@ def test_convert_keeps_first_last_blocks_head_and_names() -> None:
     assert all("first block" in why or "last block" in why for _, why in summary.skipped)
     for i in range(4):
         for n in LINEARS:
-            assert isinstance(model.layers[i].get_submodule(n), Float8Linear) == (i in (1, 2))
+            assert isinstance(model.layers[str(i)].get_submodule(n), Float8Linear) == (i in (1, 2))
     assert type(model.head) is nn.Linear and type(model.tok_emb) is nn.Embedding
     sd = model.state_dict()
     assert sd.keys() == keys.keys() and all(torch.equal(sd[k], keys[k]) for k in keys)
@@ -156,7 +156,7 @@ def test_convert_skips_shapes_fp8_gemms_cannot_take_and_moe_routers() -> None:
     s = convert_to_float8(moe, keep_first_last=False)
     assert "layers.1.mlp.router.proj" in [n for n, why in s.skipped if "MoE" in why]
     assert "layers.1.mlp.shared.up_proj" in s.converted  # a dense shared expert is an ordinary MLP
-    assert type(moe.layers[1].mlp.router.proj) is nn.Linear
+    assert type(moe.layers[str(1)].mlp.router.proj) is nn.Linear
     assert all(p is expert_weights[n] for n, p in moe.named_parameters() if ".experts." in n)
 
     with pytest.raises(ValueError, match="recipe"):
@@ -186,7 +186,7 @@ def test_fp8_model_trains(recipe) -> None:
 def test_fast_accumulation_setting_reaches_the_forward_gemm_only(fast, monkeypatch) -> None:
     model = tiny_model()
     convert_to_float8(model, "tensorwise", keep_first_last=False, fast_accum=fast)
-    lin = model.layers[0].mlp.up_proj
+    lin = model.layers[str(0)].mlp.up_proj
     assert isinstance(lin, Float8Linear) and lin.fp8_fast_accum is fast
     seen = []
     real = torch._scaled_mm
@@ -203,10 +203,10 @@ def test_fast_accumulation_setting_reaches_the_forward_gemm_only(fast, monkeypat
 
 def test_convert_a_pipeline_stage_counts_blocks_globally() -> None:
     from megaloom.parallel.pipeline.partition import partition_layers
-    from megaloom.parallel.pipeline.stage import StageModule
+    from megaloom.parallel.pipeline.stage import prune_to_stages
 
     part = partition_layers(4, 2)  # stage 0: blocks 0-1, stage 1: blocks 2-3
-    first, last = StageModule(tiny_model(), part, 0), StageModule(tiny_model(), part, 1)
+    first, last = prune_to_stages(tiny_model(), part, 0), prune_to_stages(tiny_model(), part, 1)
     s0, s1 = convert_to_float8(first), convert_to_float8(last)
     assert s0.converted == [f"layers.1.{n}" for n in LINEARS] and s1.converted == [f"layers.2.{n}" for n in LINEARS]
     assert isinstance(last.layers["2"].mlp.up_proj, Float8Linear) and type(last.head) is nn.Linear
@@ -247,8 +247,8 @@ def test_convert_a_tensor_parallel_model_sets_the_local_matmuls() -> None:
     parallelize_tensor(model, Mesh(tp=2), sp=True)  # shapes only: no process group, identity collectives
     s = convert_to_float8(model, keep_first_last=True)
     assert len(s.converted) == 14
-    assert model.layers[1].attn.k_proj.fp8_recipe == "tensorwise"  # local shard [16, 64]
-    assert model.layers[0].attn.q_proj.fp8_recipe is None and model.head.fp8_recipe is None
+    assert model.layers[str(1)].attn.k_proj.fp8_recipe == "tensorwise"  # local shard [16, 64]
+    assert model.layers[str(0)].attn.q_proj.fp8_recipe is None and model.head.fp8_recipe is None
 
 
 def _tp2_fp8_world(rank: int, world: int, device: torch.device) -> dict:

@@ -2,7 +2,7 @@
 micro-batches flowing through them by a schedule that is data, proven before it runs.
 
   partition.py       which layers each (virtual) stage holds; micro-batch / schedule checks (ConfigError)
-  stage.py           StageModule (this rank's layers, embedding / head), tied-embedding group and sync
+  stage.py           PipelineStage (the model pruned to its stages, a span per chunk), tied-embedding sync
   schedules.py       Action / Schedule and the generators: gpipe, 1f1b, interleaved, zb (ZB-H1), forward_only
   checker.py         check_schedule (dependencies, message order, deadlock) and simulate (planned timeline)
   split_backward.py  the zero-bubble BI / BW split of a backward pass

@@ -30,7 +30,7 @@ from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.pipeline.checker import check_schedule, peer_of
 from megaloom.parallel.pipeline.schedules import Action, Kind, Schedule
 from megaloom.parallel.pipeline.split_backward import PendingWeightGrad, backward_input
-from megaloom.parallel.pipeline.stage import StageModule
+from megaloom.parallel.pipeline.stage import PipelineStage
 from megaloom.parallel.pipeline.timing import TimedAction, Timeline
 
 
@@ -86,7 +86,7 @@ class _StepState:
 
 
 class PipelineExecutor:
-    def __init__(self, stage: StageModule, schedule: Schedule, mesh: Mesh, micro_batch_size: int, seq_len: int,
+    def __init__(self, stage: PipelineStage, schedule: Schedule, mesh: Mesh, micro_batch_size: int, seq_len: int,
                  sp: bool = False, dtype: torch.dtype | None = None,
                  autocast: Callable[[], AbstractContextManager] = contextlib.nullcontext,
                  scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None, timing: bool = False) -> None:

@@ -2,7 +2,7 @@
 
 Each case trains the same tiny model twice on every rank: the reference in this process (the full model,
 gradient accumulation over the micro-batches as megaloom.step.TrainStep does it, clip_grad_norm_, AdamW) and
-the pipeline (stage module + executor + PipelineGradientSync, same optimizer), for a few steps.
+the pipeline (pipeline stage + executor + PipelineGradientSync, same optimizer), for a few steps.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def pipeline_case(mesh: Mesh, emb_group, schedule: str, m: int, vpp: int = 1, n_
         if split_data:  # report the global-batch mean, as train.py's _dp_mean does
             loss = comm.all_reduce(loss.clone(), mesh.dp_group) / mesh.dp
         if step == 0:
-            grads = gather_full_grads(stage, mesh)
+            grads = gather_full_grads(stage.model, mesh)
             out["grad_err"] = {}
             for name, g in grads.items():
                 ref_name = name if name in ref_grads else "tok_emb.weight"  # the tied head's copy
@@ -88,7 +88,7 @@ def pipeline_case(mesh: Mesh, emb_group, schedule: str, m: int, vpp: int = 1, n_
                                          torch.allclose(g, r, rtol=1e-4, atol=1e-5))
             out["names"] = sorted(grads)
             out["ref_names"] = sorted(ref_grads)
-            out["param_names"] = [n for n, _ in stage.named_parameters()]
+            out["param_names"] = [n for n, _ in stage.model.named_parameters()]
         out["norm"].append(sync.clip(CLIP).item())
         out["peak"].append(ex.peak_activations)
         opt_ref.step()
@@ -97,7 +97,7 @@ def pipeline_case(mesh: Mesh, emb_group, schedule: str, m: int, vpp: int = 1, n_
         opt.zero_grad(set_to_none=True)
         out["loss_ref"].append(total.item())
         out["loss"].append(loss.item())
-    tied = stage.tok_emb.weight if stage.has_embedding else stage.head.weight if stage.has_head else None
+    tied = stage.model.tok_emb.weight if stage.has_embedding else stage.model.head.weight if stage.has_head else None
     out["tied_weight"] = tied.detach().clone() if tie and tied is not None else None
     if timing:
         out["events"] = [(a.kind, a.microbatch, a.stage, a.start, a.end) for a in ex.events]

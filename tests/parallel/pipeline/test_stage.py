@@ -1,4 +1,4 @@
-"""Stage modules, the split backward and the executor on one process (pp = 1, chunks passing data locally)."""
+"""Pipeline stages, the split backward and the executor on one process (pp = 1, chunks passing data locally)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from megaloom.config import load_config
 from megaloom.models import Transformer, apply_recompute
+from megaloom.parallel.layout import layout_of
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.pipeline.executor import PipelineExecutor
 from megaloom.parallel.pipeline.partition import partition_layers
 from megaloom.parallel.pipeline.schedules import build_schedule, forward_only
 from megaloom.parallel.pipeline.split_backward import backward_input
-from megaloom.parallel.pipeline.stage import StageModule, checkpoint_name
+from megaloom.parallel.pipeline.stage import PipelineStage, checkpoint_name
 from megaloom.step import micro_batches
 
 SEQ, VOCAB = 16, 128
@@ -35,8 +36,8 @@ def _model(arch: str = "llama", n_layers: int = 4, tie: bool = True) -> Transfor
 def test_stages_keep_single_model_names_and_compose(arch: str) -> None:
     full = _model(arch, n_layers=8)
     part = partition_layers(8, pp=2, vpp=2)
-    stages = [StageModule(copy.deepcopy(full), part, r) for r in range(2)]
-    names = [dict(s.named_parameters()) for s in stages]
+    stages = [PipelineStage(copy.deepcopy(full), part, r) for r in range(2)]
+    names = [dict(s.model.named_parameters()) for s in stages]
     assert sorted(n.split(".")[1] for n in names[0] if n.startswith("layers.") and n.endswith("attn_norm.weight")) \
         == ["0", "1", "4", "5"]  # chunks 0 and 2 of the ring
     single = dict(full.named_parameters())
@@ -44,11 +45,11 @@ def test_stages_keep_single_model_names_and_compose(arch: str) -> None:
     for rank_names in names:
         for n, p in rank_names.items():
             assert torch.equal(p, single.get(n, single["tok_emb.weight"]))
-    head = stages[1].head.weight
-    assert head is not stages[0].tok_emb.weight and head._pp_tied_copy  # tied: an equal, separate copy
+    head = stages[1].model.head.weight
+    assert head is not stages[0].model.tok_emb.weight and layout_of(head).tied_copy  # tied: an equal, separate copy
     assert checkpoint_name("head.weight", head) == "tok_emb.weight"  # its optimizer state's single-model name
-    assert checkpoint_name("norm.weight", stages[1].norm.weight) == "norm.weight"
-    assert "head.weight" in stages[1].state_dict() and "rope_cos" not in stages[1].state_dict()
+    assert checkpoint_name("norm.weight", stages[1].model.norm.weight) == "norm.weight"
+    assert "head.weight" in stages[1].model.state_dict() and "rope_cos" not in stages[1].model.state_dict()
 
     x = torch.randint(0, VOCAB, (2, SEQ + 1))
     h = x[:, :-1]
@@ -61,15 +62,15 @@ def test_stages_keep_single_model_names_and_compose(arch: str) -> None:
 def test_split_backward_is_the_full_backward(recompute: str) -> None:
     full = _model()
     apply_recompute(full, recompute)
-    stage = StageModule(full, partition_layers(4, 2), 1)  # the last stage: layers 2, 3, norm, head, loss
+    stage = PipelineStage(full, partition_layers(4, 2), 1)  # the last stage: layers 2, 3, norm, head, loss
     x, y = torch.randn(2, SEQ, 64), torch.randint(0, VOCAB, (2, SEQ))
     xa = x.clone().requires_grad_()
     stage(xa, 0, y, SEQ).backward()
-    ref = {n: p.grad.clone() for n, p in stage.named_parameters()}
-    stage.zero_grad(set_to_none=True)
+    ref = {n: p.grad.clone() for n, p in stage.model.named_parameters()}
+    stage.model.zero_grad(set_to_none=True)
 
     fired: list[int] = []  # gradient buckets (data parallelism) hook weights' accumulation: BW must trigger it
-    stage.norm.weight.register_post_accumulate_grad_hook(lambda p: fired.append(1))
+    stage.model.norm.weight.register_post_accumulate_grad_hook(lambda p: fired.append(1))
     xb = x.clone().requires_grad_()
     out = stage(xb, 0, y, SEQ)
     # FlopCounterMode hooks the modules that recomputation re-runs inside autograd.grad: count without it only.
@@ -81,7 +82,7 @@ def test_split_backward_is_the_full_backward(recompute: str) -> None:
     assert all(p.grad is None for p in stage.parameters())  # BI computed no weight gradient
     with FlopCounterMode(display=False) if count else contextlib.nullcontext() as bw_flops:
         pending.run()
-    for n, p in stage.named_parameters():
+    for n, p in stage.model.named_parameters():
         assert torch.allclose(p.grad, ref[n], rtol=1e-6, atol=1e-9), n
     assert fired == [1]
     if count:  # the weight matmuls are half of the backward and all of BW
@@ -102,7 +103,7 @@ def _reference_step(model: Transformer, batch: torch.Tensor, micro: int) -> floa
 def test_executor_on_one_process(schedule: str, vpp: int) -> None:
     """pp = 1: the chunks of one rank hand activations and gradients to each other without messages."""
     ref = _model()
-    stage = StageModule(copy.deepcopy(ref), partition_layers(4, 1, vpp), 0)
+    stage = PipelineStage(copy.deepcopy(ref), partition_layers(4, 1, vpp), 0)
     mesh = Mesh.single()
     ex = PipelineExecutor(stage, build_schedule(schedule, 1, vpp, 3), mesh, micro_batch_size=2, seq_len=SEQ,
                           timing=True)
@@ -121,7 +122,7 @@ def test_executor_on_one_process(schedule: str, vpp: int) -> None:
         assert all(k == "BW" for k in later[1:])
         assert loss == pytest.approx(loss_ref, rel=1e-6)
         grads_ref = {n: p.grad for n, p in ref.named_parameters()}
-        for n, p in stage.named_parameters():
+        for n, p in stage.model.named_parameters():
             assert torch.allclose(p.grad, grads_ref[n], rtol=1e-5, atol=1e-7), n
         for opt_ in (opt_ref, opt):
             opt_.step()
@@ -135,7 +136,7 @@ def test_executor_on_one_process(schedule: str, vpp: int) -> None:
 
 
 def test_executor_refuses_a_wrong_batch() -> None:
-    stage = StageModule(_model(), partition_layers(4, 1), 0)
+    stage = PipelineStage(_model(), partition_layers(4, 1), 0)
     ex = PipelineExecutor(stage, build_schedule("1f1b", 1, 1, 2), Mesh.single(), 2, SEQ)
     with pytest.raises(ValueError, match="needs a batch of 2 x 2 rows"):
         ex.run(torch.zeros(3, SEQ + 1, dtype=torch.long))

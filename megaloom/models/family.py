@@ -1,0 +1,72 @@
+"""What a model family is: everything the rest of megaloom may know about one architecture, in one object.
+
+A family lives in its own folder, ``megaloom/models/<name>/``, and exports ``FAMILY``: the traits its module is
+built from, its parallel plan (data, read by `megaloom.parallel.tensor`), its presets and its Hugging Face
+mapping. `megaloom/models/registry.py` lists the families, one line each. Parallel code, fp8, checkpoints,
+conversion and the memory plan ask the family (or the built module) and never test ``model.arch`` strings.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from megaloom.config import ModelConfig
+    from megaloom.parallel.styles import Plan
+
+
+@dataclass(frozen=True)
+class Traits:
+    """How a family's decoder differs from the others (read by the shared decoder, megaloom/models/transformer.py,
+    and by the memory plan and FLOP counter instead of the family's name).
+
+    ``norm``: "layernorm" (with bias) or "rmsnorm". ``gated_mlp``: SwiGLU (gate, up, down) rather than GeLU
+    (up, down). ``bias``: biases in every linear layer. ``positions``: "learned" (an embedding table) or "rope".
+    ``default_ffn_dim``: the MLP width from d_model when model.ffn_dim is 0. ``attention``: the attention module
+    class (constructor as `megaloom.models.attention.Attention`). ``qk_norm``: RMSNorm over each query/key head
+    before RoPE (Qwen3, OLMo-2): parameters ``attn.q_norm`` / ``attn.k_norm``."""
+
+    norm: str
+    gated_mlp: bool
+    bias: bool
+    positions: str
+    default_ffn_dim: Callable[[int], int]
+    attention: type | None = None  # None: megaloom.models.attention.Attention
+    qk_norm: bool = False
+
+
+@dataclass(frozen=True)
+class HFMapping:
+    """A family's Hugging Face conversion: tensor names both ways and the config both ways.
+
+    ``to_hf_names(state_dict, cfg) -> hf tensors``; ``from_hf_names(hf tensors, cfg, where) -> state_dict``
+    (raises ConversionError naming what is missing or unexpected); ``to_hf_config(cfg) -> dict`` (config.json);
+    ``from_hf_config(hf dict) -> model.* values``; ``model_types``: the config.json ``model_type`` values it reads."""
+
+    to_hf_names: Callable[..., dict]
+    from_hf_names: Callable[..., dict]
+    to_hf_config: Callable[..., dict]
+    from_hf_config: Callable[..., dict]
+    model_types: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    description: str
+    traits: Traits
+    plan: Plan
+    presets: dict[str, dict] = field(default_factory=dict)
+    hf: HFMapping | None = None
+    validate: Callable[[ModelConfig], None] | None = None  # family-specific config rules (raise ConfigError)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def build(self, cfg: ModelConfig) -> nn.Module:
+        """The family's module on the current default device (use ``torch.device("meta")`` to build no storage)."""
+        from megaloom.models.transformer import Transformer
+
+        return Transformer(cfg, self)

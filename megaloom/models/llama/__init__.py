@@ -1,0 +1,21 @@
+"""Llama (Meta's Llama 2/3 line): RMSNorm, SwiGLU, RoPE, grouped-query attention, no biases. With
+``model.moe_every`` its MLPs become Mixture-of-Experts layers (Mixtral / DeepSeek-V3 style presets)."""
+
+from __future__ import annotations
+
+import math
+
+from megaloom.models.family import Family, Traits
+from megaloom.models.llama.presets import PRESETS
+from megaloom.models.plan import DECODER_PLAN
+
+
+def llama_ffn_dim(d_model: int) -> int:
+    """Llama's MLP width: 8/3 * d_model rounded up to a multiple of 256."""
+    return 256 * math.ceil(int(8 * d_model / 3) / 256)
+
+
+TRAITS = Traits(norm="rmsnorm", gated_mlp=True, bias=False, positions="rope", default_ffn_dim=llama_ffn_dim)
+
+FAMILY = Family(name="llama", description="RMSNorm, SwiGLU, RoPE, GQA (Llama 2/3; MoE presets: Mixtral, DeepSeek-V3)",
+                traits=TRAITS, plan=DECODER_PLAN, presets=PRESETS)
