@@ -9,6 +9,9 @@
 #   bash bench/run_speed.sh peer-mb8  # TorchTitan bf16 + float8 at micro-batch 8 alone (needs bench/.peer)
 #   bash bench/run_speed.sh profile-fp8  # a profile of megaloom's fp8 step
 #   bash bench/run_speed.sh 8b-peer  # TorchTitan's 8B flavor, seq 8192, full activation checkpointing (needs bench/.peer)
+#   bash bench/run_speed.sh ab       # this tree against an older megaloom in bench/.old (a `git archive` of the commit,
+#                                    # carried to the machine): best bf16 mb 4, alternated new/old/new/old
+#                                    # (a refactor's speed check: the same step, two commits, one call)
 # Rows land in $OUT/results.jsonl (append them to bench/results.jsonl), all logs in $OUT/$PART.log, the profile
 # in $OUT/profile/ (trace.json.gz, breakdown.json): few files, as the device tool brings back at most eight.
 set -u
@@ -64,6 +67,13 @@ if [ "$PART" = peer-mb8 ]; then  # TorchTitan's micro-batch 8 runs alone (when a
     titan_mb8
     peer_collect "TorchTitan mb 8"
   fi
+elif [ "$PART" = ab ]; then
+  OLD_COMMIT=$(cat bench/.old/COMMIT 2>/dev/null || echo old)
+  for round in 1 2; do
+    run "new$round" $BEST
+    PYTHONPATH=bench/.old MEGALOOM_COMMIT=$OLD_COMMIT B="${B/bench\/bench_train.py/bench/.old/bench/bench_train.py}" \
+      run "old$round" $BEST
+  done
 elif [ "$PART" = profile-fp8 ]; then  # where an fp8 step's time goes
   profile_fp8 "$OUT/profile_fp8"
 elif [ "$PART" = ladder ]; then
