@@ -255,7 +255,7 @@ class MoE(nn.Module):
         self.capacity_factor, self.aux_free_bias_rate = capacity_factor, aux_free_bias_rate
         self.router = Router(d_model, n_experts, top_k, score_fn, normalize_weights)
         self.experts = GroupedExperts(n_experts, d_model, expert_ffn_dim)
-        self.shared = MLP("llama", d_model, n_shared_experts * expert_ffn_dim, False, 0.0) if n_shared_experts else None
+        self.shared = MLP(True, d_model, n_shared_experts * expert_ffn_dim, False, 0.0) if n_shared_experts else None
         self.dropout = nn.Dropout(dropout)
         self.dispatcher = LocalDispatcher()  # expert parallelism swaps this for an all-to-all dispatcher
         # Tensor parallelism of the experts swaps these for the region borders around the expert GEMMs.

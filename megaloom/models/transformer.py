@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megaloom.config import ModelConfig
 from megaloom.models.attention import Attention, KVCache
+from megaloom.models.init import ONES, ZEROS, InitRule, draw_init_seed, fill_slice
 from megaloom.models.layers import MLP, make_norm, rope_tables
 from megaloom.models.moe import MoE
 
@@ -95,6 +96,10 @@ class Transformer(nn.Module):
             raise ValueError("model.vocab_size must be resolved (> 0) before building the model")
         family = family or family_of(cfg)
         self.cfg, self.family = cfg, family
+        # Initial values are a function of this seed, each parameter's name and the element's position
+        # (models/init.py), so any layout can initialise its shards alone. Drawn first, before the submodules'
+        # own default inits touch the generator (which they do on a real device and not on meta).
+        self.init_seed = draw_init_seed()
         tr = family.traits
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         if tr.positions == "learned":
@@ -126,24 +131,35 @@ class Transformer(nn.Module):
     def tie_embeddings_active(self) -> bool:
         return self.head is not None and self.tok_emb is not None and self.head.weight is self.tok_emb.weight
 
+    def init_rule(self, name: str) -> InitRule:
+        """Megatron-style init of parameter ``name``: N(0, std) for weights and embeddings, output projections
+        (o_proj, down_proj, the experts' w_down) N(0, std / sqrt(2 * n_layers)), norms 1, biases 0."""
+        module_name, _, leaf = name.rpartition(".")
+        module = dict(self.named_modules()).get(module_name)  # None for a pruned stage's tied embedding copy
+        if isinstance(module, nn.LayerNorm | nn.RMSNorm):
+            return ONES if leaf == "weight" else ZEROS
+        if leaf == "bias":
+            return ZEROS
+        std = self.cfg.init_std
+        if module_name.endswith(("o_proj", "down_proj")) or leaf == "w_down":
+            std /= math.sqrt(2 * self.cfg.n_layers)
+        return InitRule("normal", std)
+
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Megatron-style init: N(0, std) everywhere, output projections scaled by 1/sqrt(2 * n_layers)."""
-        std = self.cfg.init_std
-        out_std = std / math.sqrt(2 * self.cfg.n_layers)
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                is_out = name.endswith("o_proj") or name.endswith("down_proj")
-                nn.init.normal_(module.weight, 0.0, out_std if is_out else std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, 0.0, std)
-            elif isinstance(module, nn.LayerNorm | nn.RMSNorm):
-                module.reset_parameters()
-            elif isinstance(module, MoE):  # stacked expert weights are not nn.Linear
-                module.reset_parameters(std, out_std)
-        if hasattr(self, "rope_cos"):
+        """Initialise every (full-size) parameter by `init_rule` from ``init_seed``, and the buffers. A sharded
+        model is initialised by `megaloom.parallel.materialize`, which gives each shard the same values."""
+        for name, p in self.named_parameters():
+            fill_slice(p, p.shape, [0] * p.dim(), self.init_rule(name), self.init_seed, name)
+        self.reset_buffers()
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """RoPE tables from the config; every other buffer (MoE balancing state) zero."""
+        for name, b in self.named_buffers():
+            if b.device.type != "meta" and name not in ("rope_cos", "rope_sin"):
+                b.zero_()
+        if hasattr(self, "rope_cos") and self.rope_cos.device.type != "meta":
             cos, sin = rope_tables(self.cfg.d_model // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta)
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)

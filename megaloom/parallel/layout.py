@@ -15,6 +15,7 @@ library needs them (FSDP2 already wraps the local shards as DTensors over the dp
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -54,6 +55,20 @@ class Layout:
         if self.tp_dim is None or tp == 1:
             return full
         return full.chunk(tp // self.tp_replicas, self.tp_dim)[tp_rank // self.tp_replicas]
+
+
+    def box(self, local_shape: Sequence[int], tp_rank: int, tp: int, ep_rank: int = 0,
+            ep: int = 1) -> tuple[list[int], list[int]]:
+        """(full shape, start offsets) of this rank's slice of shape ``local_shape``: the inverse of `shard`."""
+        full, starts = list(local_shape), [0] * len(local_shape)
+        if self.ep_dim is not None and ep > 1:
+            full[self.ep_dim] *= ep
+            starts[self.ep_dim] = ep_rank * local_shape[self.ep_dim]
+        if self.tp_dim is not None and tp > 1:
+            slices = tp // self.tp_replicas
+            full[self.tp_dim] *= slices
+            starts[self.tp_dim] = (tp_rank // self.tp_replicas) * local_shape[self.tp_dim]
+        return full, starts
 
 
 REPLICATED = Layout()

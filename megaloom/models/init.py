@@ -1,0 +1,81 @@
+"""Initial values that do not depend on the layout: each element is a function of (seed, name, position).
+
+A rank that holds a slice of a parameter (a tensor-parallel shard, a pipeline stage's layers, an expert-parallel
+rank's experts, a ZeRO-3 shard) must start from exactly the values the single process starts from, without ever
+building the whole model. So random parameters are drawn in fixed tiles: the tensor, viewed as rows of its last
+dimension, is cut into tiles of about 2^20 elements, and tile t of parameter ``name`` comes from a generator
+seeded by (the model's init seed, name, t). A slice generates only the tiles it overlaps (all of them, one at a
+time, for a slice of columns), so a rank's work and memory are its shard plus one tile. The same tiles on the
+same device type give the same numbers; a GPU's generator differs from the CPU's, as before.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+TILE_ELEMENTS = 1 << 20  # 4 MB of fp32 per tile: the only buffer beyond the shard itself
+
+
+@dataclass(frozen=True)
+class InitRule:
+    """``normal`` (mean 0, ``std``), ``zeros`` or ``ones``."""
+
+    kind: str
+    std: float = 0.0
+
+
+ZEROS, ONES = InitRule("zeros"), InitRule("ones")
+
+
+def draw_init_seed() -> int:
+    """One number from the global generator: seeding (``torch.manual_seed``) fixes a model's initial values,
+    and two models built one after the other still differ."""
+    return int(torch.randint(0, 2**62, (1,), device="cpu").item())
+
+
+def _tile_seed(base: int, name: str, tile: int) -> int:
+    return (base * 1_000_003 + zlib.crc32(name.encode()) * 65_537 + tile) % (2**63 - 1)
+
+
+@torch.no_grad()
+def fill_slice(out: torch.Tensor, full_shape: Sequence[int], starts: Sequence[int], rule: InitRule, seed: int,
+               name: str) -> None:
+    """Fill ``out`` with the values of the box ``[starts, starts + out.shape)`` of the full tensor ``name``.
+
+    ``out`` is contiguous, on any device but meta, shaped like the box. The full tensor is never built."""
+    if out.device.type == "meta":
+        return
+    if rule.kind == "zeros":
+        out.zero_()
+        return
+    if rule.kind == "ones":
+        out.fill_(1.0)
+        return
+    if rule.kind != "normal":
+        raise ValueError(f"unknown init rule {rule.kind!r} for {name}")
+    full = list(full_shape) if full_shape else [1]
+    lead, cols = full[:-1], full[-1]
+    c0, nc = (starts[-1] if starts else 0), (out.shape[-1] if out.dim() else 1)
+    rows_per_tile = max(1, TILE_ELEMENTS // cols)
+    n_rows = math.prod(lead)
+    # The global row ids of the box, in the box's own row-major order (ascending).
+    rows = torch.zeros((), dtype=torch.long)
+    for size, start, length in zip(lead, starts[:-1], out.shape[:-1], strict=True):
+        rows = rows.unsqueeze(-1) * size + torch.arange(start, start + length)
+    rows = rows.reshape(-1)
+    dest = out.view(-1, nc)
+    tiles = rows // rows_per_tile
+    bounds = torch.searchsorted(tiles, torch.unique(tiles), right=False).tolist() + [rows.numel()]
+    gen = torch.Generator(device=out.device)
+    for i, t in enumerate(torch.unique(tiles).tolist()):
+        lo, hi = bounds[i], bounds[i + 1]
+        t_rows = min(rows_per_tile, n_rows - t * rows_per_tile)
+        gen.manual_seed(_tile_seed(seed, name, t))
+        tile = torch.randn(t_rows, cols, generator=gen, device=out.device, dtype=torch.float32)
+        local = (rows[lo:hi] - t * rows_per_tile).to(out.device)
+        dest[lo:hi] = (tile[local, c0:c0 + nc] * rule.std).to(out.dtype)
