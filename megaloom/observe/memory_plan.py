@@ -15,9 +15,10 @@ Persistent state (megaloom keeps fp32 parameters and runs bf16/fp16 under autoca
   optimizer    AdamW / LAMB: exp_avg + exp_avg_sq, 8 bytes per parameter (divided by dp under zero>=1)
 
 Activations, saved for backward per micro-batch, enumerated from what megaloom's own modules save (verified
-tensor by tensor with saved-tensor hooks, tests/observe/test_memory_plan.py). Per block, with n tokens per
-micro-batch on this rank (micro_batch x seq_len / cp), n_r = n / tp in sequence-parallel regions, a = 2 bytes
-under autocast (4 in fp32):
+tensor by tensor with saved-tensor hooks, tests/observe/test_memory_plan.py). The model's shape comes from its
+family's traits (`megaloom.models.family.Traits`: norm kind, gated MLP, biases, positions), never from its
+name. Per block, with n tokens per micro-batch on this rank (micro_batch x seq_len / cp), n_r = n / tp in
+sequence-parallel regions, a = 2 bytes under autocast (4 in fp32):
 
   norms        the fp32 residual input + 1/rms (+ mean for LayerNorm); RMSNorm on CPU is PyTorch's composite
                and also keeps the normalised x (4 bytes x n_r x d more); CUDA runs the fused kernel
@@ -73,6 +74,13 @@ _ATTN_NAMES = {"flash": "flash/cuDNN", "efficient": "mem-efficient", "math": "ma
 # an H200, torch 2.11): the training thread and autograd's backward thread.
 CUBLAS_WORKSPACE = 2 * 32 * 2**20
 PHASES = ("forward", "loss forward", "loss backward", "head backward", "recompute", "optimizer step")
+
+
+def _traits(m: ModelConfig):
+    """The family's `megaloom.models.family.Traits`: what the plan asks instead of testing ``model.arch``."""
+    from megaloom.models.registry import get_family
+
+    return get_family(m.arch).traits
 
 
 def _resolved(m: ModelConfig) -> tuple[int, int, int, int]:
@@ -139,9 +147,12 @@ def _dims(cfg: ModelConfig, tokens: int, batch: int, precision: str, tp: int, sp
                  a=2 if autocast else 4, autocast=autocast, tp=tp, sp=sp and tp > 1)
 
 
-def _norm_bytes(arch: str, n: int, d: int, device: str) -> int:
-    if arch == "gpt2":
+def _norm_bytes(norm: str, n: int, d: int, device: str) -> int:
+    """Saved by one norm of kind ``norm`` (Traits.norm) over an fp32 [n, d] input."""
+    if norm == "layernorm":
         return 4 * n * d + 8 * n  # native_layer_norm: input, mean, rstd
+    if norm != "rmsnorm":
+        raise ValueError(f"memory plan: no save-set known for norm {norm!r} (layernorm, rmsnorm)")
     if device == "cuda":
         return 4 * n * d + 4 * n  # fused RMSNorm: input, rstd
     return 8 * n * d + 4 * n  # composite RMSNorm (CPU): input, rsqrt, x * rsqrt
@@ -171,7 +182,8 @@ def block_activation_bytes(cfg: Config, *, tokens: int, batch: int, layer: int =
     attn_in = 2 if getattr(t, "fp8_keep_attention", False) else lin_in  # projections kept bf16: 2-byte inputs
     out: dict[str, int] = {}
     n, n_r, d, a = dm.n, dm.n_r, dm.d, dm.a
-    out["attn_norm"] = _norm_bytes(m.arch, n_r, d, device)
+    tr = _traits(m)
+    out["attn_norm"] = _norm_bytes(tr.norm, n_r, d, device)
     # One tensor enters each region; with fp32, sp and a parallel block the attention and MLP gather it twice.
     out["q/k/v inputs"] = _linear_input_bytes(dm, 3, attn_in)
     q, kv = a * n * dm.hl * dm.hd, a * n * dm.hkvl * dm.hd
@@ -198,12 +210,12 @@ def block_activation_bytes(cfg: Config, *, tokens: int, batch: int, layer: int =
                 out["attention dropout (math)"] = (_mask_bytes(device, e) + e) * dm.b * dm.hl * dm.t * dm.t
         out["o_proj input (math)"] = a * n * dm.hl * dm.hd
     if not m.parallel_block:
-        out["mlp_norm"] = _norm_bytes(m.arch, n_r, d, device)
+        out["mlp_norm"] = _norm_bytes(tr.norm, n_r, d, device)
     shares_input = not dm.autocast and m.parallel_block and not dm.sp  # fp32: one normed x for both branches
     if moe:
         out.update(_moe_bytes(cfg, dm, device, grouped_mm, selective, shares_input))
     else:
-        gated = m.arch == "llama"
+        gated = tr.gated_mlp
         out["mlp inputs"] = 0 if shares_input else _linear_input_bytes(dm, 2 if gated else 1, lin_in)
         if gated:
             out["gate, up, silu, product"] = (3 if selective else 4) * a * n * dm.fl
@@ -258,7 +270,7 @@ def embedding_activation_bytes(cfg: Config, *, tokens: int, batch: int, tp: int 
     out = {"token ids": 8 * tokens}
     if tp > 1:
         out["vocab-parallel mask"] = tokens
-    if m.arch == "gpt2":
+    if _traits(m).positions == "learned":
         out["position ids"] = 8 * (tokens // batch)
     if m.dropout > 0:
         out["embedding dropout mask"] = _mask_bytes(device, 4) * tokens * m.d_model
@@ -286,7 +298,7 @@ def head_activation_bytes(cfg: Config, *, tokens: int, tp: int = 1, sp: bool = F
     autocast = compute_precision(cfg, device) != "fp32"
     n_r = tokens // tp if (sp and tp > 1) else tokens
     v = m.vocab_size // tp
-    out = {"final norm": _norm_bytes(m.arch, n_r, m.d_model, device)}
+    out = {"final norm": _norm_bytes(_traits(m).norm, n_r, m.d_model, device)}
     if fused_loss(cfg):  # the gradients are computed in the forward and kept for backward (fp32, as x and W)
         out["fused loss: grad of head input"] = 4 * tokens * m.d_model
         out["fused loss: grad of head weight"] = 4 * v * m.d_model + 4
@@ -385,9 +397,10 @@ def analytic_params(cfg: Config, layers: list[int], has_embedding: bool = True, 
     is replicated."""
     m = cfg.model
     kv, ffn, fe, hd = _resolved(m)
-    d, bias = m.d_model, m.arch == "gpt2"
+    tr = _traits(m)
+    d, bias = m.d_model, tr.bias
     hkvl = max(kv // tp, 1)
-    norm = 2 * d if m.arch == "gpt2" else d
+    norm = 2 * d if tr.norm == "layernorm" else d  # LayerNorm: weight and bias
     mm_layers, blocks = {}, {}
     largest = 0
     for i in layers:
@@ -398,7 +411,7 @@ def analytic_params(cfg: Config, layers: list[int], has_embedding: bool = True, 
                       + 3 * d * (m.n_shared_experts * fe // tp))
             mlp_b = 0
         else:
-            mlp_mm = (3 if m.arch == "llama" else 2) * d * (ffn // tp)
+            mlp_mm = (3 if tr.gated_mlp else 2) * d * (ffn // tp)
             mlp_b = (ffn // tp + d) if bias else 0
         norms = norm * (1 if m.parallel_block else 2)
         mm_layers[i] = attn_mm + mlp_mm
@@ -407,7 +420,7 @@ def analytic_params(cfg: Config, layers: list[int], has_embedding: bool = True, 
     vocab = m.vocab_size // tp * d
     root = 0
     if has_embedding:
-        root += vocab + (m.max_seq_len * d if m.arch == "gpt2" else 0)
+        root += vocab + (m.max_seq_len * d if tr.positions == "learned" else 0)
     head_mm = 0
     if has_head:
         root += norm
@@ -706,7 +719,7 @@ def _fp8_linear_params(cfg: Config, tp: int, moe: bool, keep_attention: bool = F
     kv, ffn, _, hd = _resolved(m)
     d = m.d_model
     attn = 0 if keep_attention else 2 * d * (d // tp) + 2 * d * max(kv // tp, 1) * hd
-    return attn + (0 if moe else (3 if m.arch == "llama" else 2) * d * (ffn // tp))
+    return attn + (0 if moe else (3 if _traits(m).gated_mlp else 2) * d * (ffn // tp))
 
 
 def _step_transient(cfg: Config, device: str, p_opt: int, largest: int, tp: int, pp: int, dp: int,
