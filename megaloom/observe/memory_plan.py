@@ -15,13 +15,16 @@ Persistent state (megaloom keeps fp32 parameters and runs bf16/fp16 under autoca
   optimizer    AdamW / LAMB: exp_avg + exp_avg_sq, 8 bytes per parameter (divided by dp under zero>=1)
 
 Activations, saved for backward per micro-batch, enumerated from what megaloom's own modules save (verified
-tensor by tensor with saved-tensor hooks, tests/observe/test_memory_plan.py). The model's shape comes from its
-family's traits (`megaloom.models.family.Traits`: norm kind, gated MLP, biases, positions), never from its
-name. Per block, with n tokens per micro-batch on this rank (micro_batch x seq_len / cp), n_r = n / tp in
+tensor by tensor with saved-tensor hooks, tests/observe/test_memory_plan.py; one block of every registered
+family, tests/observe/test_family_memory_plan.py). The model's shape comes from its family's traits
+(`megaloom.models.family.Traits`: norm kind, gated MLP, biases, positions, QK-norm), never from its name. Per
+block, with n tokens per micro-batch on this rank (micro_batch x seq_len / cp), n_r = n / tp in
 sequence-parallel regions, a = 2 bytes under autocast (4 in fp32):
 
   norms        the fp32 residual input + 1/rms (+ mean for LayerNorm); RMSNorm on CPU is PyTorch's composite
                and also keeps the normalised x (4 bytes x n_r x d more); CUDA runs the fused kernel
+  QK-norm      per-head RMSNorms of q and k (Traits.qk_norm): bf16 heads with an fp32 weight take the composite
+               in fp32 on CPU and CUDA (8 bytes x n x (h + h_kv)/tp x head_dim + 1/rms)
   linears      under autocast every linear casts its fp32 input to bf16 and saves that cast: q, k, v read the
                same normed x but each saves its own copy (3 x 2nd), gate/up two more; in fp32 they share it
   attention    flash / cuDNN / efficient (GPU) and the CPU flash kernel: q, k, v, out (o_proj reads `out`
@@ -158,6 +161,17 @@ def _norm_bytes(norm: str, n: int, d: int, device: str) -> int:
     return 8 * n * d + 4 * n  # composite RMSNorm (CPU): input, rsqrt, x * rsqrt
 
 
+def _qk_norm_bytes(rows: int, hd: int, device: str, autocast: bool) -> int:
+    """Saved by the per-head q and k RMSNorms (Traits.qk_norm) over ``rows`` = tokens x (q + kv heads) of ``hd``.
+    Their input is the projection's output in the compute dtype, their weight fp32 (measured: torch 2.13 on CPU,
+    2.11 on an H200). A bf16 input with the fp32 weight cannot take the fused kernel, on CPU or CUDA: the
+    composite runs in fp32 and keeps the input's fp32 upcast, rsqrt and x * rsqrt; so does fp32 on CPU (its input
+    is the projection's output itself). fp32 on CUDA: the fused kernel, input and rstd."""
+    if device == "cuda" and not autocast:
+        return 4 * rows * hd + 4 * rows
+    return 8 * rows * hd + 4 * rows
+
+
 def _linear_input_bytes(dm: _Dims, n_linears: int, in_bytes: int = 2) -> int:
     """Saved inputs of ``n_linears`` linears reading one [n, d] fp32 tensor: a cast each under autocast
     (``in_bytes``: 2 for bf16, 1 for tensorwise fp8), the shared fp32 tensor otherwise."""
@@ -186,6 +200,8 @@ def block_activation_bytes(cfg: Config, *, tokens: int, batch: int, layer: int =
     out["attn_norm"] = _norm_bytes(tr.norm, n_r, d, device)
     # One tensor enters each region; with fp32, sp and a parallel block the attention and MLP gather it twice.
     out["q/k/v inputs"] = _linear_input_bytes(dm, 3, attn_in)
+    if tr.qk_norm:  # an RMSNorm over each query and key head of the projections' outputs, before RoPE
+        out["q/k norms"] = _qk_norm_bytes(n * (dm.hl + dm.hkvl), dm.hd, device, dm.autocast)
     q, kv = a * n * dm.hl * dm.hd, a * n * dm.hkvl * dm.hd
     selective = recompute == "selective"
     if attention in ("flash", "efficient"):
@@ -399,13 +415,15 @@ def analytic_params(cfg: Config, layers: list[int], has_embedding: bool = True, 
     kv, ffn, fe, hd = _resolved(m)
     tr = _traits(m)
     d, bias = m.d_model, tr.bias
+    qkv_bias = tr.bias or m.qkv_bias  # q/k/v biases (model.qkv_bias) without the others
     hkvl = max(kv // tp, 1)
     norm = 2 * d if tr.norm == "layernorm" else d  # LayerNorm: weight and bias
+    qk_norm = 2 * hd if tr.qk_norm else 0  # q_norm, k_norm: one weight of head_dim each (replicated over tp)
     mm_layers, blocks = {}, {}
     largest = 0
     for i in layers:
         attn_mm = d * (d // tp) + 2 * d * hkvl * hd + (d // tp) * d
-        attn_b = (d // tp + 2 * hkvl * hd + d) if bias else 0
+        attn_b = ((d // tp + 2 * hkvl * hd) if qkv_bias else 0) + (d if bias else 0)
         if is_moe_layer(m, i):
             mlp_mm = (d * m.n_experts + 3 * (m.n_experts // ep) * d * (fe // tp)
                       + 3 * d * (m.n_shared_experts * fe // tp))
@@ -415,7 +433,7 @@ def analytic_params(cfg: Config, layers: list[int], has_embedding: bool = True, 
             mlp_b = (ffn // tp + d) if bias else 0
         norms = norm * (1 if m.parallel_block else 2)
         mm_layers[i] = attn_mm + mlp_mm
-        blocks[i] = attn_mm + mlp_mm + attn_b + mlp_b + norms
+        blocks[i] = attn_mm + mlp_mm + attn_b + mlp_b + norms + qk_norm
         largest = max(largest, d * (ffn // tp), (m.n_experts // ep) * d * (fe // tp) if is_moe_layer(m, i) else 0)
     vocab = m.vocab_size // tp * d
     root = 0
