@@ -15,12 +15,16 @@ Persistent state (megaloom keeps fp32 parameters and runs bf16/fp16 under autoca
   optimizer    AdamW / LAMB: exp_avg + exp_avg_sq, 8 bytes per parameter (divided by dp under zero>=1)
 
 Activations, saved for backward per micro-batch, enumerated from what megaloom's own modules save (verified
-tensor by tensor with saved-tensor hooks, tests/observe/test_memory_plan.py). Per block, with n tokens per
-micro-batch on this rank (micro_batch x seq_len / cp), n_r = n / tp in sequence-parallel regions, a = 2 bytes
-under autocast (4 in fp32):
+tensor by tensor with saved-tensor hooks, tests/observe/test_memory_plan.py; one block of every registered
+family, tests/observe/test_family_memory_plan.py). The model's shape comes from its family's traits
+(`megaloom.models.family.Traits`: norm kind, gated MLP, biases, positions, QK-norm), never from its name. Per
+block, with n tokens per micro-batch on this rank (micro_batch x seq_len / cp), n_r = n / tp in
+sequence-parallel regions, a = 2 bytes under autocast (4 in fp32):
 
   norms        the fp32 residual input + 1/rms (+ mean for LayerNorm); RMSNorm on CPU is PyTorch's composite
                and also keeps the normalised x (4 bytes x n_r x d more); CUDA runs the fused kernel
+  QK-norm      per-head RMSNorms of q and k (Traits.qk_norm): bf16 heads with an fp32 weight take the composite
+               in fp32 on CPU and CUDA (8 bytes x n x (h + h_kv)/tp x head_dim + 1/rms)
   linears      under autocast every linear casts its fp32 input to bf16 and saves that cast: q, k, v read the
                same normed x but each saves its own copy (3 x 2nd), gate/up two more; in fp32 they share it
   attention    flash / cuDNN / efficient (GPU) and the CPU flash kernel: q, k, v, out (o_proj reads `out`
@@ -73,6 +77,13 @@ _ATTN_NAMES = {"flash": "flash/cuDNN", "efficient": "mem-efficient", "math": "ma
 # an H200, torch 2.11): the training thread and autograd's backward thread.
 CUBLAS_WORKSPACE = 2 * 32 * 2**20
 PHASES = ("forward", "loss forward", "loss backward", "head backward", "recompute", "optimizer step")
+
+
+def _traits(m: ModelConfig):
+    """The family's `megaloom.models.family.Traits`: what the plan asks instead of testing ``model.arch``."""
+    from megaloom.models.registry import get_family
+
+    return get_family(m.arch).traits
 
 
 def _resolved(m: ModelConfig) -> tuple[int, int, int, int]:
@@ -139,12 +150,26 @@ def _dims(cfg: ModelConfig, tokens: int, batch: int, precision: str, tp: int, sp
                  a=2 if autocast else 4, autocast=autocast, tp=tp, sp=sp and tp > 1)
 
 
-def _norm_bytes(arch: str, n: int, d: int, device: str) -> int:
-    if arch == "gpt2":
+def _norm_bytes(norm: str, n: int, d: int, device: str) -> int:
+    """Saved by one norm of kind ``norm`` (Traits.norm) over an fp32 [n, d] input."""
+    if norm == "layernorm":
         return 4 * n * d + 8 * n  # native_layer_norm: input, mean, rstd
+    if norm != "rmsnorm":
+        raise ValueError(f"memory plan: no save-set known for norm {norm!r} (layernorm, rmsnorm)")
     if device == "cuda":
         return 4 * n * d + 4 * n  # fused RMSNorm: input, rstd
     return 8 * n * d + 4 * n  # composite RMSNorm (CPU): input, rsqrt, x * rsqrt
+
+
+def _qk_norm_bytes(rows: int, hd: int, device: str, autocast: bool) -> int:
+    """Saved by the per-head q and k RMSNorms (Traits.qk_norm) over ``rows`` = tokens x (q + kv heads) of ``hd``.
+    Their input is the projection's output in the compute dtype, their weight fp32 (measured: torch 2.13 on CPU,
+    2.11 on an H200). A bf16 input with the fp32 weight cannot take the fused kernel, on CPU or CUDA: the
+    composite runs in fp32 and keeps the input's fp32 upcast, rsqrt and x * rsqrt; so does fp32 on CPU (its input
+    is the projection's output itself). fp32 on CUDA: the fused kernel, input and rstd."""
+    if device == "cuda" and not autocast:
+        return 4 * rows * hd + 4 * rows
+    return 8 * rows * hd + 4 * rows
 
 
 def _linear_input_bytes(dm: _Dims, n_linears: int, in_bytes: int = 2) -> int:
@@ -171,9 +196,12 @@ def block_activation_bytes(cfg: Config, *, tokens: int, batch: int, layer: int =
     attn_in = 2 if getattr(t, "fp8_keep_attention", False) else lin_in  # projections kept bf16: 2-byte inputs
     out: dict[str, int] = {}
     n, n_r, d, a = dm.n, dm.n_r, dm.d, dm.a
-    out["attn_norm"] = _norm_bytes(m.arch, n_r, d, device)
+    tr = _traits(m)
+    out["attn_norm"] = _norm_bytes(tr.norm, n_r, d, device)
     # One tensor enters each region; with fp32, sp and a parallel block the attention and MLP gather it twice.
     out["q/k/v inputs"] = _linear_input_bytes(dm, 3, attn_in)
+    if tr.qk_norm:  # an RMSNorm over each query and key head of the projections' outputs, before RoPE
+        out["q/k norms"] = _qk_norm_bytes(n * (dm.hl + dm.hkvl), dm.hd, device, dm.autocast)
     q, kv = a * n * dm.hl * dm.hd, a * n * dm.hkvl * dm.hd
     selective = recompute == "selective"
     if attention in ("flash", "efficient"):
@@ -198,12 +226,12 @@ def block_activation_bytes(cfg: Config, *, tokens: int, batch: int, layer: int =
                 out["attention dropout (math)"] = (_mask_bytes(device, e) + e) * dm.b * dm.hl * dm.t * dm.t
         out["o_proj input (math)"] = a * n * dm.hl * dm.hd
     if not m.parallel_block:
-        out["mlp_norm"] = _norm_bytes(m.arch, n_r, d, device)
+        out["mlp_norm"] = _norm_bytes(tr.norm, n_r, d, device)
     shares_input = not dm.autocast and m.parallel_block and not dm.sp  # fp32: one normed x for both branches
     if moe:
         out.update(_moe_bytes(cfg, dm, device, grouped_mm, selective, shares_input))
     else:
-        gated = m.arch == "llama"
+        gated = tr.gated_mlp
         out["mlp inputs"] = 0 if shares_input else _linear_input_bytes(dm, 2 if gated else 1, lin_in)
         if gated:
             out["gate, up, silu, product"] = (3 if selective else 4) * a * n * dm.fl
@@ -258,7 +286,7 @@ def embedding_activation_bytes(cfg: Config, *, tokens: int, batch: int, tp: int 
     out = {"token ids": 8 * tokens}
     if tp > 1:
         out["vocab-parallel mask"] = tokens
-    if m.arch == "gpt2":
+    if _traits(m).positions == "learned":
         out["position ids"] = 8 * (tokens // batch)
     if m.dropout > 0:
         out["embedding dropout mask"] = _mask_bytes(device, 4) * tokens * m.d_model
@@ -286,7 +314,7 @@ def head_activation_bytes(cfg: Config, *, tokens: int, tp: int = 1, sp: bool = F
     autocast = compute_precision(cfg, device) != "fp32"
     n_r = tokens // tp if (sp and tp > 1) else tokens
     v = m.vocab_size // tp
-    out = {"final norm": _norm_bytes(m.arch, n_r, m.d_model, device)}
+    out = {"final norm": _norm_bytes(_traits(m).norm, n_r, m.d_model, device)}
     if fused_loss(cfg):  # the gradients are computed in the forward and kept for backward (fp32, as x and W)
         out["fused loss: grad of head input"] = 4 * tokens * m.d_model
         out["fused loss: grad of head weight"] = 4 * v * m.d_model + 4
@@ -385,29 +413,32 @@ def analytic_params(cfg: Config, layers: list[int], has_embedding: bool = True, 
     is replicated."""
     m = cfg.model
     kv, ffn, fe, hd = _resolved(m)
-    d, bias = m.d_model, m.arch == "gpt2"
+    tr = _traits(m)
+    d, bias = m.d_model, tr.bias
+    qkv_bias = tr.bias or m.qkv_bias  # q/k/v biases (model.qkv_bias) without the others
     hkvl = max(kv // tp, 1)
-    norm = 2 * d if m.arch == "gpt2" else d
+    norm = 2 * d if tr.norm == "layernorm" else d  # LayerNorm: weight and bias
+    qk_norm = 2 * hd if tr.qk_norm else 0  # q_norm, k_norm: one weight of head_dim each (replicated over tp)
     mm_layers, blocks = {}, {}
     largest = 0
     for i in layers:
         attn_mm = d * (d // tp) + 2 * d * hkvl * hd + (d // tp) * d
-        attn_b = (d // tp + 2 * hkvl * hd + d) if bias else 0
+        attn_b = ((d // tp + 2 * hkvl * hd) if qkv_bias else 0) + (d if bias else 0)
         if is_moe_layer(m, i):
             mlp_mm = (d * m.n_experts + 3 * (m.n_experts // ep) * d * (fe // tp)
                       + 3 * d * (m.n_shared_experts * fe // tp))
             mlp_b = 0
         else:
-            mlp_mm = (3 if m.arch == "llama" else 2) * d * (ffn // tp)
+            mlp_mm = (3 if tr.gated_mlp else 2) * d * (ffn // tp)
             mlp_b = (ffn // tp + d) if bias else 0
         norms = norm * (1 if m.parallel_block else 2)
         mm_layers[i] = attn_mm + mlp_mm
-        blocks[i] = attn_mm + mlp_mm + attn_b + mlp_b + norms
+        blocks[i] = attn_mm + mlp_mm + attn_b + mlp_b + norms + qk_norm
         largest = max(largest, d * (ffn // tp), (m.n_experts // ep) * d * (fe // tp) if is_moe_layer(m, i) else 0)
     vocab = m.vocab_size // tp * d
     root = 0
     if has_embedding:
-        root += vocab + (m.max_seq_len * d if m.arch == "gpt2" else 0)
+        root += vocab + (m.max_seq_len * d if tr.positions == "learned" else 0)
     head_mm = 0
     if has_head:
         root += norm
@@ -706,7 +737,7 @@ def _fp8_linear_params(cfg: Config, tp: int, moe: bool, keep_attention: bool = F
     kv, ffn, _, hd = _resolved(m)
     d = m.d_model
     attn = 0 if keep_attention else 2 * d * (d // tp) + 2 * d * max(kv // tp, 1) * hd
-    return attn + (0 if moe else (3 if m.arch == "llama" else 2) * d * (ffn // tp))
+    return attn + (0 if moe else (3 if _traits(m).gated_mlp else 2) * d * (ffn // tp))
 
 
 def _step_transient(cfg: Config, device: str, p_opt: int, largest: int, tp: int, pp: int, dp: int,

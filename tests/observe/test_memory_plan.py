@@ -31,6 +31,7 @@ from megaloom.observe.memory_plan import (
     head_activation_bytes,
     plan_memory,
 )
+from megaloom.observe.saved_tensors import SavedStorages
 
 B, T, VOCAB = 4, 64, 512
 SHAPE = ["model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
@@ -47,18 +48,6 @@ def make_cfg(arch: str, precision: str, recompute: str, n_layers: int, *extra: s
     kv = ["model.n_kv_heads=0"] if arch == "gpt2" else []
     return load_config(None, [*head, *SHAPE, *kv, f"model.n_layers={n_layers}", f"train.precision={precision}",
                               f"train.recompute={recompute}", *extra])
-
-
-def _is_weight_cast(t: torch.Tensor) -> bool:
-    """A bf16 copy of a parameter made by autocast (or an explicit .to): ToCopy of a leaf, through views."""
-    base = t._base if t._base is not None else t
-    fn = base.grad_fn
-    if fn is None or fn.name() != "ToCopyBackward0":
-        return False
-    nxt = fn.next_functions[0][0]
-    while nxt is not None and nxt.name() in ("SelectBackward0", "TBackward0", "ViewBackward0"):
-        nxt = nxt.next_functions[0][0]
-    return nxt is not None and hasattr(nxt, "variable")
 
 
 def measure_saved(cfg, device: str = "cpu", attention=None) -> tuple[int, int]:
@@ -83,20 +72,11 @@ def measure_saved(cfg, device: str = "cpu", attention=None) -> tuple[int, int]:
 def saved_bytes(model, x, y, precision: str, device: str = "cpu", extra=None) -> tuple[int, int]:
     """(activation bytes, weight-cast bytes) of the distinct storages autograd saves in ``model(x, y)``, the
     model's own parameters and buffers excluded."""
-    own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    seen: dict[int, tuple[int, bool]] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        s = t.untyped_storage()
-        if s.data_ptr() not in own and s.data_ptr() not in seen:
-            seen[s.data_ptr()] = (s.nbytes(), _is_weight_cast(t))
-        return t
-
     auto = torch.autocast(device, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), auto, extra or contextlib.nullcontext():
+    with SavedStorages([*model.parameters(), *model.buffers()]) as saved, auto, extra or contextlib.nullcontext():
         loss = model(x, y)
     assert torch.isfinite(loss)
-    return (sum(n for n, cast in seen.values() if not cast), sum(n for n, cast in seen.values() if cast))
+    return saved.activations, saved.weight_casts
 
 
 def predicted(cfg, device: str = "cpu", attention=None) -> tuple[int, int, int]:
