@@ -1,16 +1,16 @@
 """Two-stage checkpoint saving: a short blocking copy to host memory, then writing in a background thread.
 
-Stage 1 (in the training loop, every rank): gather the layout-free full state (a collective over the
-tensor-parallel group, so it must run in the loop's thread), copy it into host buffers that are reused
-across saves (pinned when the state lives on a GPU, so the copy is a fast DMA), write this rank's RNG file.
-Stage 2 (a thread on global rank 0 only): DCP-write the host copy with no collective, then commit exactly
-like the blocking save (state.json, checksummed manifest, fsync, atomic rename, `latest`, prune).
+Stage 1 (in the training loop, every rank): copy the slices this rank holds (checkpoint/sharded.py: its
+tensor-parallel shards, pipeline stage, ZeRO segments; no collective, nothing gathered) into host buffers that
+are reused across saves (pinned when the state lives on a GPU, so the copy is a fast DMA), write this rank's
+RNG file. Stage 2 (a thread on every rank): DCP-write the host copy, every rank its own slices in parallel,
+then rank 0 commits exactly like the blocking save (state.json, checksummed manifest, fsync, atomic rename,
+`latest`, prune).
 
-Why only rank 0 writes: with tensor and data parallelism every rank holds the same full tensors after
-stage 1, so one writer loses nothing, and a writer that needs no collective cannot deadlock or reorder the
-loop's own NCCL/gloo collectives (DCP's collective save from a second thread could). The price is that rank
-0's host memory holds the full model and optimizer state (about 12 bytes per parameter for fp32 AdamW) and
-one process's write bandwidth bounds the write; see docs/checkpoints.md.
+DCP's save is collective (it plans who writes which replicated slice, and rank 0 writes the metadata). From a
+second thread it runs on a process group of its own, a gloo group created once, so its messages can never
+interleave with the training loop's NCCL/gloo collectives on the default group. Each rank's host memory holds
+its own share of the state only.
 """
 
 from __future__ import annotations
@@ -23,8 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from megaloom.checkpoint.sharded import Slices, SlicesSavePlanner, sharded_state
 from megaloom.checkpoint.store import (
     OPTIMIZER_FLAG,
     CheckpointError,
@@ -36,7 +39,6 @@ from megaloom.checkpoint.store import (
     write_tensors,
 )
 from megaloom.parallel.mesh import Mesh
-from megaloom.parallel.state import full_model_state, full_optim_state
 
 
 @dataclass
@@ -47,7 +49,7 @@ class SaveRecord:
     path: Path
     stall_s: float  # stage 1: time the training loop was blocked (includes waiting for the previous write)
     wait_s: float  # the part of stall_s spent waiting for the previous save's write to finish
-    write_s: float | None = None  # stage 2: DCP write + checksums + commit, in the background (rank 0)
+    write_s: float | None = None  # stage 2: DCP write (+ on rank 0 checksums and commit), in the background
     error: BaseException | None = None
 
 
@@ -59,20 +61,29 @@ class _HostBuffers:
 
     def copy(self, tree: dict, prefix: str = "") -> dict:
         """Same nesting as `tree`, every tensor copied into its host buffer (async for CUDA sources)."""
-        out: dict = {}
         seen: dict[tuple, torch.Tensor] = {}  # tied weights appear under two names: copy (and hold) them once
+        return self._copy(tree, prefix, seen)
+
+    def _copy(self, tree: dict, prefix: str, seen: dict) -> dict:
+        out: dict = {}
         for key, value in tree.items():
             name = f"{prefix}{key}"
             if isinstance(value, dict):
-                out[key] = self.copy(value, name + ".")
+                out[key] = self._copy(value, name + ".", seen)
+            elif isinstance(value, Slices):
+                out[key] = Slices(value.shape, [(off, self._copy_once(f"{name}@{tuple(off)}", t, seen))
+                                                for off, t in value.pieces])
             elif torch.is_tensor(value):
-                same = (value.device, value.data_ptr(), value.shape, value.stride(), value.dtype)
-                if same not in seen:
-                    seen[same] = self._buffer(name, value).copy_(value.detach(), non_blocking=value.is_cuda)
-                out[key] = seen[same]
+                out[key] = self._copy_once(name, value, seen)
             else:
                 out[key] = value
         return out
+
+    def _copy_once(self, name: str, value: torch.Tensor, seen: dict) -> torch.Tensor:
+        same = (value.device, value.data_ptr(), value.shape, value.stride(), value.dtype)
+        if same not in seen:
+            seen[same] = self._buffer(name, value).copy_(value.detach(), non_blocking=value.is_cuda)
+        return seen[same]
 
     def _buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
         buf = self._bufs.get(name)
@@ -90,10 +101,12 @@ class AsyncCheckpointer:
     """Saves overlap training: `save` blocks only for the host copy; call `wait()` before the process ends.
 
     At most one save is in flight: the next `save` first waits for the previous one (that wait counts as
-    stall). Errors of the background write are raised by the next `save` or `wait` on rank 0.
+    stall). Errors of the background write are raised by the next `save` or `wait` of the rank that hit them.
     `on_written(record)` runs in the writer thread after each commit (e.g. to print the write time)."""
 
     def __init__(self, on_written: Callable[[SaveRecord], None] | None = None) -> None:
+        # Collective over the world when distributed: the writer threads' own process group (module doc).
+        self._group = dist.new_group(backend="gloo") if dist.is_available() and dist.is_initialized() else None
         self._buffers = _HostBuffers()
         self._thread: threading.Thread | None = None
         self._pending: SaveRecord | None = None
@@ -106,41 +119,32 @@ class AsyncCheckpointer:
         """Stage 1 now, stage 2 in the background. Every rank calls this. Returns this save's record
         (stall_s filled in; write_s once the writer has finished, see `wait`)."""
         mesh = mesh or Mesh.single()
-        if mesh.pp > 1:
-            raise CheckpointError("asynchronous checkpoints need the full state on rank 0, but with parallel.pp="
-                                  f"{mesh.pp} each pipeline stage holds only its layers; use the blocking save.")
         t0 = time.perf_counter()
         self._finish_previous()
         wait_s = time.perf_counter() - t0
         tmp = begin_save(ckpt_root, step, rank)
         barrier()  # tmp exists (and no stale save is being removed) before any rank writes into it
-        state: dict = {"model": full_model_state(model, mesh)}
-        if optimizer is not None:
-            state["optim"] = full_optim_state(model, optimizer, mesh)
-        writer = rank == 0
-        snapshot = self._buffers.copy(state) if writer else None
-        del state  # non-writers took part in the gathers only; drop the full tensors now
-        if snapshot is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        snapshot = self._buffers.copy(sharded_state(model, optimizer, mesh))
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # the non-blocking device-to-host copies must land before the thread reads
         if optimizer is not None:
             write_rng(tmp, rank, rng_state())
         barrier()  # every rank's RNG file is in tmp before rank 0's manifest lists them
         record = SaveRecord(step=step, path=ckpt_root / step_name(step), stall_s=0.0, wait_s=wait_s)
-        if writer:
-            run_state = {**run_state, OPTIMIZER_FLAG: optimizer is not None}
-            self._pending = record
-            self._thread = threading.Thread(target=self._write, name=f"megaloom-ckpt-{step}", daemon=False,
-                                            args=(record, ckpt_root, tmp, snapshot, run_state, keep))
-            # DCP warns on every no-collective save that it "assumes a single process": intended here. Set
-            # once from this thread: warnings.catch_warnings() inside the writer would not be thread-safe.
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            self._thread.start()
+        run_state = {**run_state, OPTIMIZER_FLAG: optimizer is not None}
+        self._pending = record
+        self._thread = threading.Thread(target=self._write, name=f"megaloom-ckpt-{step}", daemon=False,
+                                        args=(record, ckpt_root, tmp, snapshot, run_state, keep, rank == 0))
+        # DCP warns on a no-collective save that it "assumes a single process": intended with one process. Set
+        # once from this thread: warnings.catch_warnings() inside the writer would not be thread-safe.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        self._thread.start()
         record.stall_s = time.perf_counter() - t0
         self.history.append(record)
         return record
 
     def wait(self, barrier: Callable[[], None] = lambda: None) -> SaveRecord | None:
-        """Block until the save in flight is committed (rank 0), then barrier so every rank knows it is.
+        """Block until this rank's write (and on rank 0 the commit) is done, then barrier so every rank knows.
         Returns the last save's record (None if nothing was saved); raises if its write failed."""
         self._finish_previous()
         barrier()
@@ -148,7 +152,7 @@ class AsyncCheckpointer:
 
     @property
     def host_buffer_bytes(self) -> int:
-        """Host memory held for the snapshot (rank 0): the price of the short stall."""
+        """Host memory this rank holds for its snapshot: the price of the short stall."""
         return self._buffers.nbytes
 
     def _finish_previous(self) -> None:
@@ -161,11 +165,15 @@ class AsyncCheckpointer:
                                   "The previous checkpoint and `latest` are unchanged.") from record.error
 
     def _write(self, record: SaveRecord, ckpt_root: Path, tmp: Path, snapshot: dict, run_state: dict,
-               keep: int) -> None:
+               keep: int, commit: bool) -> None:
         t0 = time.perf_counter()
         try:
-            write_tensors(tmp, snapshot, no_dist=True)
-            commit_save(ckpt_root, tmp, record.step, run_state, keep)
+            if self._group is None:
+                write_tensors(tmp, snapshot, no_dist=True)
+            else:  # every rank its slices; returns once all have written (DCP's finish step is collective)
+                dcp.save(snapshot, checkpoint_id=str(tmp), process_group=self._group, planner=SlicesSavePlanner())
+            if commit:
+                commit_save(ckpt_root, tmp, record.step, run_state, keep)
         except BaseException as e:  # reported to the training loop by the next save()/wait()
             record.error = e
             return

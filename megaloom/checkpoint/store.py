@@ -35,8 +35,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from megaloom.checkpoint.sharded import SlicesLoadPlanner, SlicesSavePlanner, after_load, sharded_state
 from megaloom.parallel.mesh import Mesh
-from megaloom.parallel.state import full_model_state, full_optim_state, full_optim_template, load_full_state
+from megaloom.parallel.state import ensure_optimizer_state
 
 MANIFEST = "manifest.json"
 STATE = "state.json"
@@ -99,16 +100,14 @@ def save_checkpoint(ckpt_root: Path, step: int, model: nn.Module, optimizer: tor
                     barrier: Callable[[], None] = lambda: None, mesh: Mesh | None = None) -> Path:
     """Write checkpoint `step_<step>` atomically; every rank calls this. Returns the final directory.
 
-    Tensors are stored full-size under parameter names (tensor-parallel shards gathered), so the files do
-    not depend on the parallel layout. With optimizer=None only the model is stored, without RNG states
-    (e.g. weights imported from Hugging Face); loading such a checkpoint leaves the optimizer fresh."""
+    Each rank writes only the slices it holds, under the single model's names and full shapes
+    (checkpoint/sharded.py), so the files do not depend on the parallel layout and nothing is gathered. With
+    optimizer=None only the model is stored, without RNG states (e.g. weights imported from Hugging Face);
+    loading such a checkpoint leaves the optimizer fresh."""
     mesh = mesh or Mesh.single()
     tmp = begin_save(ckpt_root, step, rank)
     barrier()
-    state: dict = {"model": full_model_state(model, mesh)}
-    if optimizer is not None:
-        state["optim"] = full_optim_state(model, optimizer, mesh)
-    write_tensors(tmp, state)
+    write_tensors(tmp, sharded_state(model, optimizer, mesh))
     if optimizer is not None:  # a model-only checkpoint is a starting point: the trainer's own seeding stands
         write_rng(tmp, rank, rng_state())
     barrier()
@@ -143,10 +142,10 @@ def write_tensors(tmp: Path, state: dict, no_dist: bool = False) -> None:
     the training loop's collectives on the same process group. (That caller silences DCP's single-process
     warning itself: warnings.catch_warnings() is not thread-safe.)"""
     if no_dist:
-        dcp.save(state, checkpoint_id=str(tmp), no_dist=True)
+        dcp.save(state, checkpoint_id=str(tmp), no_dist=True, planner=SlicesSavePlanner())
         return
     with _quiet_single_process():
-        dcp.save(state, checkpoint_id=str(tmp))
+        dcp.save(state, checkpoint_id=str(tmp), planner=SlicesSavePlanner())
 
 
 def write_rng(tmp: Path, rank: int, rng: dict[str, torch.Tensor]) -> None:
@@ -242,12 +241,13 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     state = verify_checkpoint(path)
     if model_cfg is not None and "model" in state:
         check_compatible(state["model"], model_cfg)
-    sd: dict = {"model": {k: v.clone() for k, v in full_model_state(model, mesh).items()}}
-    if optimizer is not None and state.get(OPTIMIZER_FLAG, True):
-        sd["optim"] = full_optim_template(model, optimizer, mesh)
-    with _quiet_single_process():
-        dcp.load(sd, checkpoint_id=str(path))
-    load_full_state(model, optimizer, sd["model"], sd.get("optim"), mesh)
+    with_optim = optimizer is not None and state.get(OPTIMIZER_FLAG, True)
+    if with_optim:
+        ensure_optimizer_state(model, optimizer)
+    sd = sharded_state(model, optimizer if with_optim else None, mesh)  # views of the live tensors
+    with torch.no_grad(), _quiet_single_process():
+        dcp.load(sd, checkpoint_id=str(path), planner=SlicesLoadPlanner())
+    after_load(optimizer if with_optim else None, sd)
     rng_file = path / f"rng_rank{rank}.pt"
     if rng_file.is_file():
         set_rng_state(torch.load(rng_file, weights_only=True))

@@ -54,13 +54,21 @@ def full_optim_state(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: M
     return {"state": state}
 
 
+def ensure_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Create a fresh optimizer's state (zeros), so that a checkpoint can be loaded into it in place. A ZeRO
+    optimizer creates its state when it is built."""
+    if hasattr(optimizer, "segments"):
+        return
+    for p in model.parameters():
+        if p.requires_grad and p not in optimizer.state:
+            _init_adam_state(optimizer, p)
+
+
 def full_optim_template(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh) -> dict:
     """Full-size placeholders for loading (optimizer state is created first if the optimizer is fresh)."""
     if hasattr(optimizer, "full_state"):
         return optimizer.full_state()
-    for p in model.parameters():
-        if p.requires_grad and p not in optimizer.state:
-            _init_adam_state(optimizer, p)
+    ensure_optimizer_state(model, optimizer)
     return full_optim_state(model, optimizer, mesh)
 
 

@@ -1,0 +1,227 @@
+"""Checkpoint state as each rank holds it: slices of the single model's tensors, written and read in place.
+
+Every tensor of a checkpoint is stored under its single-model name (``model.layers.3.attn.q_proj.weight``,
+``optim.state.<name>.exp_avg``) with its full shape, as chunks at global offsets. A rank contributes the boxes it
+holds and nothing else: a tensor-parallel shard (its `Layout` gives the box), an expert-parallel rank's experts,
+a pipeline stage's layers, a ZeRO rank's flat segment of the optimizer state (a flat range of a row-major tensor
+is a few boxes: a partial row, whole rows, a partial row), an FSDP2 (ZeRO-3) parameter shard likewise. Copies
+held by several ranks (data-parallel replicas, replicated KV heads) are the same box: DCP's planner writes each
+once, and checks that the boxes of all ranks tile every tensor exactly. Loading asks for this rank's boxes of
+the new layout and DCP reads the overlapping parts of whatever chunks were saved, so a checkpoint written at
+any layout (or an older one of full tensors) loads at any other, and no rank ever holds a tensor it does not own.
+
+The protocol is DCP's own extension point for tensors sharded their own way (``__create_write_items__``,
+``__create_chunk_list__``, ``__get_tensor_shard__``, the one DTensor implements): `Slices` implements it for a
+tensor of megaloom's layouts, and the two planners below (DCP's defaults with their documented lookup hook
+extended) find a `Slices`' chunk by offset.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from megaloom.parallel.layout import layout_of
+from megaloom.parallel.mesh import Mesh
+
+
+@dataclass
+class Slices:
+    """One tensor of the checkpoint as this rank holds it: ``pieces`` are (global offsets, local tensor) boxes of
+    a tensor of ``shape``. The local tensors are views of the live state: loading writes straight into them."""
+
+    shape: torch.Size
+    pieces: list[tuple[torch.Size, torch.Tensor]]
+
+    def size(self) -> torch.Size:
+        return self.shape
+
+    def __create_write_items__(self, fqn: str, obj: object) -> list[WriteItem]:
+        return [WriteItem(index=MetadataIndex(fqn, off), type=WriteItemType.SHARD,
+                          tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=off, sizes=t.size()),
+                                                      properties=TensorProperties.create_from_tensor(t),
+                                                      size=self.shape))
+                for off, t in self.pieces]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return [ChunkStorageMetadata(offsets=off, sizes=t.size()) for off, t in self.pieces]
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        for off, t in self.pieces:
+            if off == index.offset:
+                return t
+        raise ValueError(f"{index.fqn}: this rank holds no chunk at {tuple(index.offset or ())}")
+
+    def map(self, fn) -> Slices:
+        """The same boxes with each local tensor replaced by ``fn(tensor)`` (e.g. a host copy)."""
+        return Slices(self.shape, [(off, fn(t)) for off, t in self.pieces])
+
+
+class SlicesSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner that also finds the chunks of `Slices`."""
+
+    def lookup_object(self, index: MetadataIndex):
+        obj = self.state_dict.get(index.fqn)
+        return obj.__get_tensor_shard__(index) if isinstance(obj, Slices) else super().lookup_object(index)
+
+
+class SlicesLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner that reads into the chunks of `Slices`. Its set-up walks the state dict
+    with a function that knows only tensor types, so `Slices` sit out that walk behind placeholders."""
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        hidden: list[tuple[dict, str, str, Slices]] = []
+
+        def hide(tree: dict, prefix: str) -> None:
+            for key, value in tree.items():
+                if isinstance(value, dict):
+                    hide(value, f"{prefix}{key}.")
+                elif isinstance(value, Slices):
+                    hidden.append((tree, key, f"{prefix}{key}", value))
+                    tree[key] = torch.empty(0)
+
+        hide(state_dict, "")
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        for tree, key, flat, value in hidden:
+            tree[key] = value
+            if flat in self.state_dict:
+                self.state_dict[flat] = value
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        obj = self.state_dict.get(index.fqn)
+        return obj.__get_tensor_shard__(index) if isinstance(obj, Slices) else super().lookup_tensor(index)
+
+
+def flat_range_boxes(shape: Sequence[int], start: int, length: int) -> Iterator[tuple[list[int], list[int], int]]:
+    """The boxes (offsets, sizes, flat start) that elements [start, start + length) of a row-major tensor of
+    ``shape`` consist of, in order; each is a contiguous run of that range."""
+    end = start + length
+    if length <= 0:
+        return
+    if len(shape) <= 1:
+        yield [start], [length], start
+        return
+    row = math.prod(shape[1:])
+    first_full, last_full = -(-start // row), end // row
+    if first_full > last_full:  # inside one row
+        r = start // row
+        for off, size, flat in flat_range_boxes(shape[1:], start - r * row, length):
+            yield [r] + off, [1] + size, r * row + flat
+        return
+    if start < first_full * row:  # the tail of a partial first row
+        r = start // row
+        for off, size, flat in flat_range_boxes(shape[1:], start - r * row, first_full * row - start):
+            yield [r] + off, [1] + size, r * row + flat
+    if last_full > first_full:  # whole rows
+        yield [first_full] + [0] * (len(shape) - 1), [last_full - first_full] + list(shape[1:]), first_full * row
+    if end > last_full * row:  # the head of a partial last row
+        for off, size, flat in flat_range_boxes(shape[1:], 0, end - last_full * row):
+            yield [last_full] + off, [1] + size, last_full * row + flat
+
+
+def _flat_pieces(local: torch.Tensor, local_shape: Sequence[int], start: int, base: Sequence[int]):
+    """Pieces of a flat segment ``local`` (elements [start, start + numel) of a tensor of ``local_shape`` whose
+    global offsets are ``base``)."""
+    flat = local.reshape(-1)
+    out = []
+    for off, size, f in flat_range_boxes(local_shape, start, flat.numel()):
+        view = flat[f - start:f - start + math.prod(size)].view(size)
+        out.append((torch.Size([b + o for b, o in zip(base, off, strict=True)]), view))
+    return out
+
+
+def _param_slices(p: nn.Parameter, mesh: Mesh, segment: tuple[int, torch.Tensor] | None = None,
+                  local: torch.Tensor | None = None) -> Slices:
+    """``p``'s box (tp / ep slice), or with ``segment`` (flat start, data) only that flat range of it; ``local``:
+    the tensor standing for ``p``'s values (an optimizer state tensor shaped like it)."""
+    tp_local_shape = list(p.shape)  # FSDP2: the DTensor's shape is the tp-local tensor's
+    full, starts = layout_of(p).box(tp_local_shape, mesh.tp_rank, mesh.tp, mesh.ep_rank, mesh.ep)
+    if segment is not None:
+        start, data = segment
+        return Slices(torch.Size(full), _flat_pieces(data, tp_local_shape, start, starts))
+    t = local if local is not None else p.detach()
+    return Slices(torch.Size(full), [(torch.Size(starts), t)] if t.numel() else [])
+
+
+def _single_name(name: str, p: nn.Parameter) -> str:
+    return "tok_emb.weight" if layout_of(p).tied_copy else name
+
+
+def sharded_model_state(model: nn.Module, mesh: Mesh, segments: dict[int, tuple[int, torch.Tensor]] | None = None
+                        ) -> dict[str, object]:
+    """The model's state as this rank holds it. ``segments``: for ZeRO-3, parameter index (in
+    ``named_parameters`` order) -> (flat start, local data) of this rank's shard."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    order = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+    out: dict[str, object] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        p = params.get(key)
+        if p is None:  # a buffer: replicated, written once
+            out[key] = value.detach()
+        elif segments is not None and order.get(key) in segments:
+            out[key] = _param_slices(p, mesh, segments[order[key]])
+        elif hasattr(p, "to_local"):  # an FSDP2 parameter of which this rank holds no rows
+            out[key] = Slices(torch.Size(layout_of(p).box(list(p.shape), mesh.tp_rank, mesh.tp, mesh.ep_rank,
+                                                          mesh.ep)[0]), [])
+        else:
+            out[key] = _param_slices(p, mesh)
+    return out
+
+
+def sharded_optim_state(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh) -> dict:
+    """{'state': {single-model name: {'step': tensor, 'exp_avg': Slices, ...}}} as this rank holds it."""
+    if hasattr(optimizer, "segments"):  # ZeRO 1/2/3: flat segments of the tp-local parameters
+        state: dict[str, dict] = {}
+        for t, seg in zip(optimizer.tensors, optimizer.segments, strict=True):
+            name, p = optimizer.named_params[seg.owner]
+            name = _single_name(name, p)
+            st = optimizer.inner.state[t]
+            entry = state.setdefault(name, {"step": st["step"]})
+            for k, v in st.items():
+                if k == "step":
+                    continue
+                pieces = _param_slices(p, mesh, (seg.start, v))
+                if k in entry:
+                    entry[k].pieces.extend(pieces.pieces)
+                else:
+                    entry[k] = pieces
+        return {"state": state}
+    state = {}
+    for name, p in model.named_parameters():
+        st = optimizer.state.get(p)
+        if not st:
+            continue
+        state[_single_name(name, p)] = {
+            k: (_param_slices(p, mesh, local=v) if torch.is_tensor(v) and v.shape == p.shape and v.ndim > 0
+                else v) for k, v in st.items()}
+    return {"state": state}
+
+
+def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: Mesh) -> dict:
+    """{'model': ..., 'optim': ...} as this rank holds it (no collective): what a checkpoint writes and loads."""
+    segments = None
+    if optimizer is not None and type(getattr(optimizer, "layout", None)).__name__ == "FullyShardedGrads":
+        segments = {s.owner: (s.start, s.data) for s in optimizer.segments}  # ZeRO-3: parameters are shards too
+    state: dict = {"model": sharded_model_state(model, mesh, segments)}
+    if optimizer is not None:
+        state["optim"] = sharded_optim_state(model, optimizer, mesh)
+    return state
+
+
+def after_load(optimizer: torch.optim.Optimizer | None, loaded: dict) -> None:
+    """What DCP could not load in place: a ZeRO optimizer keeps one step counter per segment (all equal), and
+    the state dict named one of them per parameter."""
+    if optimizer is None or "optim" not in loaded:
+        return
+    saved = loaded["optim"]["state"]
+    if hasattr(optimizer, "segments"):
+        for t, seg in zip(optimizer.tensors, optimizer.segments, strict=True):
+            name, p = optimizer.named_params[seg.owner]
+            optimizer.inner.state[t]["step"].copy_(saved[_single_name(name, p)]["step"])
