@@ -51,10 +51,10 @@ def test_transformer_training_with_the_hook_matches(tie):
 
 def test_train_loop_with_fused_loss_matches(small_corpus, tmp_path, monkeypatch):
     """`megaloom train` with train.fused_loss=true: the same logged losses (fp32 on CPU) and eval loss."""
-    import megaloom.train as train_mod
+    import megaloom.training.options as options
 
     calls = []
-    monkeypatch.setattr(train_mod, "fused_head_loss", lambda *a: calls.append(1) or fused_head_loss(*a))
+    monkeypatch.setattr(options, "fused_head_loss", lambda *a: calls.append(1) or fused_head_loss(*a))
     base = ["train.steps=4", "checkpoint.every=0", "train.eval_every=4", "train.device=cpu"]  # fp32: exact
     ref = train(load_config(None, tiny_overrides(small_corpus, tmp_path / "a", *base)))
     out = train(load_config(None, tiny_overrides(small_corpus, tmp_path / "b", *base, "train.fused_loss=true")))
