@@ -7,6 +7,7 @@ import pytest
 
 from megaloom import cli
 from megaloom.observe.log import TO_STDERR, configure_logging, console_verbosity, get_logger
+from tests.conftest import tiny_overrides
 
 log = get_logger("megaloom.tests")
 
@@ -78,3 +79,14 @@ def test_quiet_and_verbose_flags_are_exclusive(capsys):
     with pytest.raises(SystemExit):
         cli.main(["train", "--quiet", "--verbose"])
 
+
+def test_train_quiet_prints_no_step_lines_and_verbose_prints_debug(small_corpus, tmp_path, capsys):
+    assert cli.main(["train", "--quiet", *tiny_overrides(small_corpus, tmp_path / "q", "train.steps=2")]) == 0
+    quiet = capsys.readouterr().out
+    assert "step " not in quiet and "params on" not in quiet, quiet
+    assert cli.main(["train", "--verbose", *tiny_overrides(small_corpus, tmp_path / "v", "train.steps=2")]) == 0
+    verbose = capsys.readouterr().out
+    assert "step      2/2" in verbose and "model, parallel wrappers and optimizer built in" in verbose
+    assert cli.main(["train", *tiny_overrides(small_corpus, tmp_path / "n", "train.steps=2")]) == 0
+    normal = capsys.readouterr().out
+    assert "step      2/2" in normal and "optimizer built in" not in normal  # the verbosity did not stick
