@@ -13,14 +13,18 @@ from megaloom.config import ConfigError, describe_keys, load_config
 
 def _cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # validated before anything heavy
+    verbosity = "quiet" if args.quiet else "verbose" if args.verbose else "normal"
     if args.nproc and args.nproc > 1 and "LOCAL_RANK" not in os.environ:
         from megaloom.parallel.launch import torchrun_command
 
-        argv = (["--config", args.config] if args.config else []) + list(args.overrides)
+        flags = {"quiet": ["--quiet"], "verbose": ["--verbose"]}.get(verbosity, [])  # the workers log alike
+        argv = (["--config", args.config] if args.config else []) + flags + list(args.overrides)
         return subprocess.call(torchrun_command(args.nproc, argv, max_restarts=args.max_restarts))
+    from megaloom.observe.log import console_verbosity
     from megaloom.train import train
 
-    train(cfg)
+    with console_verbosity(verbosity):
+        train(cfg)
     return 0
 
 
@@ -123,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--config", help="YAML file with sections model:, parallel:, train:, data:, checkpoint:, run:")
     t.add_argument("--nproc", type=int, default=0, help="run N processes on this node through torchrun")
     t.add_argument("--max-restarts", type=int, default=0, help="with --nproc: restarts torchrun may make")
+    loud = t.add_mutually_exclusive_group()
+    loud.add_argument("--quiet", action="store_true", help="console: warnings and errors only")
+    loud.add_argument("--verbose", action="store_true", help="console: debug lines too, from every rank")
     t.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.steps=50")
     t.set_defaults(fn=_cmd_train)
 

@@ -18,6 +18,9 @@ from megaloom.data.cache import short_hash
 from megaloom.data.errors import DataError
 from megaloom.data.preprocess import preprocess
 from megaloom.data.tokenizer import train_bpe
+from megaloom.observe.log import TO_STDERR, get_logger
+
+log = get_logger(__name__)
 
 TOKENIZER_NAME, PREFIX_NAME = "tokenizer.json", "tokens"
 
@@ -65,8 +68,8 @@ def prepare_default(cache_dir: Path, vocab_size: int, workers: int = 2) -> tuple
     except OSError as e:
         raise DataError(f"cannot create the data cache folder {cache_dir} ({e}); set data.cache_dir or "
                         "$MEGALOOM_CACHE to a writable folder") from e
-    print(f"megaloom: building the default corpus ({len(files)} stdlib files, vocab {vocab_size}) "
-          f"into {target} (first use only, a few seconds)", file=sys.stderr, flush=True)
+    log.info(f"megaloom: building the default corpus ({len(files)} stdlib files, vocab {vocab_size}) "
+             f"into {target} (first use only, a few seconds)", extra=TO_STDERR)  # stderr: not a command's result
     try:
         tok_path, prefix = _artifacts(tmp)
         train_bpe(files, vocab_size, tok_path, show_progress=False)

@@ -21,7 +21,7 @@ HEADROOM = 0.95  # the caching allocator's fragmentation: keep 5% of the budget 
 def resolve_for_planning(cfg: Config) -> Config:
     """A copy with the sizes that follow the tokenizer filled in as `megaloom train` would (the default
     tokenizer's vocabulary when model.vocab_size = 0)."""
-    from megaloom.train import resolve_model_shape
+    from megaloom.training.resolve import resolve_model_shape
 
     cfg = copy.deepcopy(cfg)
     resolve_model_shape(cfg, cfg.data.default_vocab_size, pad_multiple=math.lcm(64, cfg.parallel.tp))

@@ -70,7 +70,9 @@ from dataclasses import asdict, dataclass, field
 from torch import nn
 
 from megaloom.config import Config, ModelConfig
+from megaloom.observe.log import get_logger
 
+log = get_logger(__name__)
 GB = 1e9  # the report's unit, as megaloom.observe.memory.peak_memory_gb
 _ATTN_NAMES = {"flash": "flash/cuDNN", "efficient": "mem-efficient", "math": "math"}
 # cuBLAS takes its workspace from PyTorch's allocator, 32 MiB per thread that runs matmuls (Hopper; measured on
@@ -789,10 +791,10 @@ class MemoryReport:
             plan = plan_memory(cfg, model, world_size=world_size, device=device.type, pp_rank=pp_rank,
                                n_micro=n_micro)
         except Exception as e:  # a report must not stop the run
-            print(f"memory plan: not available ({type(e).__name__}: {e})", flush=True)
+            log.warning(f"memory plan: not available ({type(e).__name__}: {e})")
             return None
         report = cls(plan, Path(run_dir) / "memory.json", device)
-        print(plan.table(), flush=True)
+        log.info(plan.table())
         report.write()
         return report
 
@@ -802,7 +804,7 @@ class MemoryReport:
         try:
             self.path.write_text(json.dumps(d, indent=1) + "\n")
         except OSError as e:
-            print(f"memory plan: could not write {self.path} ({e})", flush=True)
+            log.warning(f"memory plan: could not write {self.path} ({e})")
 
     def after_step(self, step: int, total_steps: int) -> str | None:
         """Call after a logged step; reports once, at the first one with step >= 2 (or the last step)."""
@@ -827,6 +829,6 @@ class MemoryReport:
             line = (f"memory: predicted peak {predicted_gb:.2f} GB, measured {measured_gb:.2f} GB (CPU: the "
                     "process's peak RSS, which also holds data, libraries and allocator caches; not compared)")
             extra["measured_rss_gb"] = measured_gb
-        print(line, flush=True)
+        log.info(line)
         self.write(extra)
         return line

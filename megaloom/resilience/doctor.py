@@ -17,8 +17,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from megaloom.observe.log import get_logger
 from megaloom.parallel import comm
 from megaloom.resilience.faults import FaultPlan
+
+log = get_logger(__name__)
 
 
 def _time(fn, repeats: int, sync) -> float:
@@ -77,16 +80,16 @@ def doctor(factor: float = 2.0, matmul_n: int = 512, comm_mb: float = 4.0, repea
         res = run_checks(device, matmul_n, comm_mb, repeats, FaultPlan.from_env(rank))
         mine = torch.tensor([res[k] for k in keys] + [0.0], dtype=torch.float64)
     except Exception as e:  # a failing rank reports instead of hanging the others
-        print(f"rank {rank}: self-check failed: {e!r}", flush=True)
+        log.error(f"rank {rank}: self-check failed: {e!r}")
         mine = torch.tensor([0.0] * len(keys) + [1.0], dtype=torch.float64)
     table = torch.zeros(world * (len(keys) + 1), dtype=torch.float64)
     comm.all_gather_into(table, mine, dist.group.WORLD)
     rows = table.view(world, len(keys) + 1).tolist()
     code = 0
     if rank == 0:
-        print(f"megaloom doctor: {world} ranks on {device.type}; slow = more than {factor:g}x the median time "
-              "of the other ranks")
-        print(f"{'rank':>4}  " + "  ".join(f"{k:>14}" for k in keys) + "  verdict")
+        log.info(f"megaloom doctor: {world} ranks on {device.type}; slow = more than {factor:g}x the median time "
+                 "of the other ranks")
+        log.info(f"{'rank':>4}  " + "  ".join(f"{k:>14}" for k in keys) + "  verdict")
         for r, row in enumerate(rows):
             others = [o for j, o in enumerate(rows) if j != r and not o[-1]]
             medians = [statistics.median(o[i] for o in others) if others else 0.0 for i in range(len(keys))]
@@ -94,8 +97,8 @@ def doctor(factor: float = 2.0, matmul_n: int = 512, comm_mb: float = 4.0, repea
             verdict = "FAILED" if row[-1] else (f"SLOW: {', '.join(bad)}" if bad else "ok")
             if verdict != "ok":
                 code = 1
-            print(f"{r:>4}  " + "  ".join(f"{v * 1e3:>12.2f}ms" for v in row[:-1]) + f"  {verdict}")
-        print("doctor: all ranks healthy" if code == 0 else "doctor: unhealthy ranks found (see above)", flush=True)
+            log.info(f"{r:>4}  " + "  ".join(f"{v * 1e3:>12.2f}ms" for v in row[:-1]) + f"  {verdict}")
+        log.info("doctor: all ranks healthy" if code == 0 else "doctor: unhealthy ranks found (see above)")
     flag = torch.tensor([float(code)])
     comm.broadcast(flag, 0, dist.group.WORLD)
     dist.destroy_process_group()

@@ -20,6 +20,9 @@ import traceback
 from pathlib import Path
 
 from megaloom.observe.heartbeat import Heartbeat, read_heartbeats
+from megaloom.observe.log import TO_STDERR, get_logger
+
+log = get_logger(__name__)
 
 
 class Watchdog:
@@ -98,5 +101,5 @@ class Watchdog:
         out.mkdir(parents=True, exist_ok=True)
         path = out / f"rank{self.rank}-{int(time.time())}.txt"
         path.write_text(text)
-        print(text.split("\n\nPython stacks")[0] + f"\n(full report: {path})", file=sys.stderr, flush=True)
+        log.error(text.split("\n\nPython stacks")[0] + f"\n(full report: {path})", extra=TO_STDERR)
         os._exit(self.exit_code)  # the main thread is stuck; only a hard exit gets torchrun to restart us

@@ -18,11 +18,11 @@ def test_fp8_config_keys() -> None:
 
 
 def test_train_loop_converts_and_trains_in_fp8(small_corpus, tmp_path, monkeypatch, capsys) -> None:
-    """megaloom.train's fp8 path end to end on CPU (the FP8-GPU check bypassed; bf16 autocast on CPU)."""
+    """The trainer's fp8 path end to end on CPU (the FP8-GPU check bypassed; bf16 autocast on CPU)."""
     from megaloom.train import train
     from tests.conftest import tiny_overrides
 
-    monkeypatch.setattr("megaloom.train.resolve_precision", lambda cfg, device: "fp8")
+    monkeypatch.setattr("megaloom.training.trainer.resolve_precision", lambda cfg, device: "fp8")
     cfg = load_config(None, tiny_overrides(small_corpus, tmp_path / "run", "model.n_layers=4", "train.steps=16",
                                            "checkpoint.every=0", "train.fp8_recipe=rowwise"))
     res = train(cfg)

@@ -1,0 +1,101 @@
+"""The run's checkpoints: resume at start, periodic (blocking or background) saves, and rollback restores."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from megaloom.checkpoint import AsyncCheckpointer, CheckpointError, load_checkpoint, load_newest, save_checkpoint
+from megaloom.config import Config
+from megaloom.observe.log import get_logger
+from megaloom.parallel.mesh import Mesh
+from megaloom.runtime import Runtime
+from megaloom.step import TrainStep
+
+log = get_logger(__name__)
+
+
+class RunCheckpoints:
+    """run.dir/checkpoints of one run, for every rank: `resume`, `save`, `rollback`, and `wait` at the end."""
+
+    def __init__(self, cfg: Config, run_dir: Path, rt: Runtime, mesh: Mesh) -> None:
+        self.cfg, self.root, self.rt, self.mesh = cfg, run_dir / "checkpoints", rt, mesh
+        self.saver: AsyncCheckpointer | None = None
+
+    def start_background_saves(self) -> None:
+        """checkpoint.async_save (not with pipelines): saves copy to host and write in a background thread."""
+        if self.cfg.checkpoint.async_save:  # every rank writes its own slices, pipeline stages included
+            report = (lambda r: log.info(f"checkpoint {r.path.name} written in {r.write_s:.2f}s (background)"))
+            self.saver = AsyncCheckpointer(on_written=report if self.rt.is_main else None)
+
+    def _warn(self, msg: str) -> None:
+        if self.rt.is_main:  # every rank verifies the same files: one warning for the job
+            log.warning(msg)
+
+    def resume(self, model, optimizer) -> tuple[int, dict]:
+        """Load the requested checkpoint; with resume=auto, the newest one that verifies. Returns (step, state)."""
+        cfg, rt, mesh = self.cfg, self.rt, self.mesh
+        choice = cfg.checkpoint.resume
+        if choice == "none":
+            return 0, {}
+        if choice == "auto":
+            found = load_newest(self.root, model, optimizer, rank=rt.rank, model_cfg=cfg.model.__dict__, mesh=mesh,
+                                warn=self._warn)
+            if found is None:
+                return 0, {}
+            path, state = found
+        else:
+            path = Path(choice)
+            if not path.is_dir():
+                raise CheckpointError(f"checkpoint.resume: directory '{choice}' not found.")
+            state = load_checkpoint(path, model, optimizer, rank=rt.rank, model_cfg=cfg.model.__dict__, mesh=mesh)
+        _check_data_compatible(state, cfg)
+        log.info(f"resumed from {path} at step {state['step']}")
+        return int(state["step"]), state
+
+    def save(self, step: int, model, optimizer, train_step: TrainStep, data_offset: int) -> float:
+        """Checkpoint `step`; returns the seconds the training loop was blocked."""
+        cfg, rt, mesh = self.cfg, self.rt, self.mesh
+        t0 = time.perf_counter()
+        state = run_state(cfg, step)
+        state["data_offset"] = data_offset
+        if train_step.scaler is not None:
+            state["loss_scaler"] = train_step.scaler.state_dict()
+        if self.saver is not None:
+            rec = self.saver.save(self.root, step, model, optimizer, state, cfg.checkpoint.keep, rank=rt.rank,
+                                  barrier=rt.barrier, mesh=mesh)
+            log.info(f"checkpoint step {step}: training paused {rec.stall_s:.3f}s (copy to host; "
+                     f"{rec.wait_s:.3f}s of it waiting for the previous write), writing in the background")
+            return rec.stall_s
+        path = save_checkpoint(self.root, step, model, optimizer, state, cfg.checkpoint.keep,
+                               rank=rt.rank, barrier=rt.barrier, mesh=mesh)
+        stall = time.perf_counter() - t0
+        log.info(f"saved checkpoint {path} in {stall:.2f}s")
+        return stall
+
+    def rollback(self, model, optimizer) -> int:
+        """Restore the newest checkpoint that verifies (model, optimizer, RNG); returns its step."""
+        self.wait()
+        found = load_newest(self.root, model, optimizer, rank=self.rt.rank, model_cfg=self.cfg.model.__dict__,
+                            mesh=self.mesh, warn=self._warn)
+        if found is None:
+            raise RuntimeError("non-finite steps in a row and no checkpoint to roll back to; set checkpoint.every "
+                               "lower, lower train.lr, or check the data.")
+        optimizer.zero_grad(set_to_none=True)
+        return int(found[1]["step"])
+
+    def wait(self) -> None:
+        """The background write in flight (if any) is on disk when this returns, on every rank."""
+        if self.saver is not None:
+            self.saver.wait(self.rt.barrier)
+
+
+def run_state(cfg: Config, step: int) -> dict:
+    return {"consumed_samples": step * cfg.train.global_batch_size, "model": cfg.model.__dict__.copy(),
+            "seq_len": cfg.train.seq_len, "seed": cfg.train.seed}
+
+
+def _check_data_compatible(state: dict, cfg: Config) -> None:
+    if state.get("seq_len") not in (None, cfg.train.seq_len):
+        raise CheckpointError(f"checkpoint was trained with train.seq_len={state['seq_len']} but the config says "
+                              f"{cfg.train.seq_len}; exact data resume needs the same value.")

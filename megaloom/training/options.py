@@ -1,0 +1,26 @@
+"""What train.* changes in the built model: fp8 linears, activation recomputation, the fused head + loss."""
+
+from __future__ import annotations
+
+import torch
+
+from megaloom.config import TrainConfig
+from megaloom.models import apply_recompute
+from megaloom.models.fused_ce import FusedHeadLoss
+from megaloom.precision.fp8 import convert_to_float8
+
+
+def apply_train_options(model: torch.nn.Module, t: TrainConfig, loss_chunk: int | None = None):
+    """What train.* changes in the built (tensor-parallel) model before pipeline stages and compile: the blocks'
+    linears in float8 (precision=fp8; tp collectives stay bf16), activation recomputation, and the fused
+    head + loss (validate() refuses it with tp > 1). Shared with bench/bench_train.py, so that what is measured is
+    what trains. ``loss_chunk``: tokens per fused-loss chunk (None: the default). Returns the fp8 summary or None."""
+    summary = None
+    if t.precision == "fp8":
+        summary = convert_to_float8(model, t.fp8_recipe, t.fp8_keep_first_last, t.fp8_fast_accum,
+                                    t.fp8_keep_attention)
+    apply_recompute(model, t.recompute, t.recompute_layers or None)
+    if t.fused_loss:  # head + cross-entropy in chunks, never the full logits
+        model.loss = FusedHeadLoss(loss_chunk)
+    return summary
+

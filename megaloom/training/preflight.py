@@ -1,0 +1,60 @@
+"""Preflight: every refusal of a config that needs no process group, data or model, before any heavy work.
+
+`preflight` runs first of all (it needs only the world size); `preflight_vocab` is its one check that needs
+the tokenizer, run as soon as the tokenizer is known and before the model is built. `load_config`'s
+`validate()` has already checked each value on its own; these are the checks of how values fit together
+with the world size, the pipeline partition and this build's features.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from megaloom.config import Config, ConfigError, ModelConfig
+from megaloom.parallel.mesh import validate_layout
+from megaloom.parallel.pipeline.partition import Partition, validate_pipeline
+
+
+@dataclass(frozen=True)
+class Checked:
+    """What preflight established: the parallel sizes (tp, pp, dp, cp, ep, world) and the pipeline partition."""
+    sizes: dict[str, int]
+    partition: Partition | None  # the layers of each pipeline stage (parallel.pp > 1), else None
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def preflight(cfg: Config, world_size: int) -> Checked:
+    """Refuse what cannot run, before any process group, data or model exists; return the layout."""
+    refuse_unbuilt(cfg)
+    sizes = validate_layout(cfg, world_size)
+    partition = validate_pipeline(cfg, sizes["dp"], cfg.parallel.pp_first_stage_layers or None,
+                                  cfg.parallel.pp_last_stage_layers or None) if cfg.parallel.pp > 1 else None
+    if cfg.parallel.zero and cfg.parallel.pp > 1:
+        raise ConfigError("parallel.zero>=1 together with parallel.pp>1 is not available yet (the tied-embedding "
+                          "sum must precede the reduce-scatter); use parallel.zero=0 with pipelines.")
+    if cfg.parallel.zero and sizes["dp"] == 1:
+        raise ConfigError(f"parallel.zero={cfg.parallel.zero} shards over data-parallel ranks, but dp=1 (world "
+                          f"{sizes['world']} = tp*pp*cp); set parallel.zero=0 or run more processes.")
+    return Checked(sizes=sizes, partition=partition)
+
+
+def preflight_vocab(m: ModelConfig, tokenizer_vocab: int) -> None:
+    """The tokenizer's ids must fit the embedding: model.vocab_size is 0 (follow the tokenizer) or large enough."""
+    if m.vocab_size and tokenizer_vocab > m.vocab_size:
+        raise ConfigError(f"the tokenizer has {tokenizer_vocab} tokens but model.vocab_size={m.vocab_size}; set "
+                          f"model.vocab_size>={tokenizer_vocab} (or 0 to follow the tokenizer).")
+
+
+def refuse_unbuilt(cfg: Config) -> None:
+    """Say plainly which parallel features this build does not have yet, instead of ignoring the setting."""
+    p = cfg.parallel
+    if p.ep > 1 and not cfg.model.moe_every:
+        raise ConfigError(f"parallel.ep={p.ep} splits MoE experts, but this model has none (model.moe_every=0); "
+                          "set parallel.ep=1 or choose an MoE preset (e.g. model.preset=mixtral-tiny).")
+    if p.cp != 1:
+        raise ConfigError(f"parallel.cp={p.cp} is not available in this build yet (tensor/sequence, pipeline, "
+                          "expert and data parallelism with ZeRO are); set parallel.cp=1.")

@@ -1,0 +1,77 @@
+"""The resolved config: every "auto" value filled in, as a new object, before run.dir/config.yaml is written.
+
+Resolved here: model.vocab_size (0: the tokenizer's, padded), model.n_kv_heads (0: n_heads), model.ffn_dim
+(0: the architecture's rule), train.precision (auto: by device), data.tokenizer (empty: the default
+tokenizer's path) and train.micro_batch_size (0: the largest that the memory plan fits). The config given to
+`megaloom.train.train` is never changed, and nothing changes the resolved one after config.yaml is written.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+from pathlib import Path
+
+import torch
+
+from megaloom.config import Config, ModelConfig
+from megaloom.models.transformer import resolved_ffn_dim
+from megaloom.observe.log import get_logger
+from megaloom.observe.memory_fit import auto_micro_batch
+from megaloom.observe.memory_plan import GB
+from megaloom.parallel import comm
+from megaloom.runtime import Runtime
+from megaloom.training.preflight import preflight_vocab
+
+log = get_logger(__name__)
+
+
+def vocab_pad_multiple(cfg: Config) -> int:
+    """model.vocab_size=0 pads the tokenizer's vocabulary to a multiple of 64 that tensor parallelism divides."""
+    return math.lcm(64, cfg.parallel.tp)
+
+
+def resolved_model(m: ModelConfig, tokenizer_vocab: int, pad_multiple: int = 64) -> ModelConfig:
+    """A copy of `m` with the sizes left at 0 ("auto") filled in; refuses a vocabulary the tokenizer overflows."""
+    preflight_vocab(m, tokenizer_vocab)
+    vocab = m.vocab_size or pad_multiple * math.ceil(tokenizer_vocab / pad_multiple)
+    m = dataclasses.replace(m, vocab_size=vocab, n_kv_heads=m.n_kv_heads or m.n_heads)
+    return dataclasses.replace(m, ffn_dim=resolved_ffn_dim(m))
+
+
+def resolve_model_shape(cfg: Config, tokenizer_vocab: int, pad_multiple: int = 64) -> None:
+    """Fill in the model sizes left at 0 ("auto") of `cfg` in place (for planning copies, e.g. `megaloom
+    memory`); training uses `resolve_config`, which leaves its argument alone."""
+    resolved = resolved_model(cfg.model, tokenizer_vocab, pad_multiple)
+    for f in dataclasses.fields(ModelConfig):
+        setattr(cfg.model, f.name, getattr(resolved, f.name))
+
+
+def resolve_config(cfg: Config, *, precision: str, tokenizer_path: str | Path, tokenizer_vocab: int) -> Config:
+    """A new Config: `cfg` with the model shape, precision and tokenizer path resolved (`cfg` is not changed).
+    train.micro_batch_size=0 stays 0 here: its choice needs this resolved shape (`with_micro_batch`)."""
+    cfg = copy.deepcopy(cfg)
+    return dataclasses.replace(
+        cfg,
+        model=resolved_model(cfg.model, tokenizer_vocab, vocab_pad_multiple(cfg)),
+        train=dataclasses.replace(cfg.train, precision=precision),
+        data=dataclasses.replace(cfg.data, tokenizer=cfg.data.tokenizer or str(Path(tokenizer_path).resolve())))
+
+
+def with_micro_batch(cfg: Config, micro_batch_size: int) -> Config:
+    """A new Config with train.micro_batch_size set."""
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=micro_batch_size))
+
+
+def choose_micro_batch(cfg: Config, rt: Runtime, device: torch.device) -> int:
+    """train.micro_batch_size=0: the largest micro-batch the memory plan fits on this GPU (`auto_micro_batch`);
+    every rank takes the smallest of the ranks' choices, so that all run the same schedule. A collective."""
+    budget = torch.cuda.get_device_properties(device).total_memory / GB if device.type == "cuda" else None
+    mb, peak = auto_micro_batch(cfg, rt.world_size, budget)
+    world = torch.distributed.group.WORLD if rt.world_size > 1 else None
+    mb = int(comm.all_reduce(torch.tensor([mb], device=device), world, op="min").item())
+    why = (f"planned peak {peak:.1f} GB of {budget:.1f} GB" if peak is not None
+           else "the whole per-rank batch: no device memory limit to plan against")
+    log.info(f"megaloom: train.micro_batch_size=0 (auto) -> {mb} ({why})")
+    return mb

@@ -1,0 +1,353 @@
+"""The Trainer: build once (preflight, runtime, data, resolved config, model, optimizer, resume), then step, log,
+evaluate and checkpoint until the last step, rolling back past runs of non-finite steps.
+
+    trainer = Trainer(cfg).build()
+    result = trainer.fit()
+
+`self.cfg` is the resolved config: written to run.dir/config.yaml by `build`, never changed afterwards.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from megaloom.config import Config
+from megaloom.data.dataset import build_datasets
+from megaloom.data.loader import StepBatches, make_loader
+from megaloom.models import count_params
+from megaloom.models.registry import get_family
+from megaloom.observe.flops import device_peak_flops, flops_per_token, matmul_params
+from megaloom.observe.log import get_logger
+from megaloom.observe.memory import peak_memory_gb
+from megaloom.observe.memory_plan import MemoryReport
+from megaloom.observe.metrics import MetricsSink, console_line
+from megaloom.optim import build_optimizer, lr_at, set_lr
+from megaloom.parallel.materialize import materialize
+from megaloom.parallel.mesh import Mesh
+from megaloom.parallel.pipeline.executor import PipelineExecutor
+from megaloom.parallel.pipeline.grads import PipelineGradientSync
+from megaloom.parallel.pipeline.schedules import build_schedule, forward_only
+from megaloom.parallel.pipeline.stage import build_embedding_groups, build_stage
+from megaloom.parallel.random import dropout_seed
+from megaloom.parallel.tensor import parallelize_tensor
+from megaloom.parallel.zero import ShardedOptimizer, build_data_parallel
+from megaloom.resilience.guard import Resilience
+from megaloom.runtime import init_runtime, resolve_precision, seed_everything
+from megaloom.step import TrainStep, forward_ctx
+from megaloom.training.checkpoints import RunCheckpoints
+from megaloom.training.evaluate import eval_batches, evaluate, evaluate_pipeline
+from megaloom.training.options import apply_train_options
+from megaloom.training.preflight import Checked, preflight, preflight_vocab, world_size_from_env
+from megaloom.training.records import Interval, dp_mean, moe_fields
+from megaloom.training.resolve import choose_micro_batch, resolve_config, with_micro_batch
+from megaloom.training.timeline import draw_measured_timeline
+
+log = get_logger(__name__)
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    final_step: int
+    losses: dict[int, float] = field(default_factory=dict)  # step -> logged (interval-mean) loss
+    eval_loss: float | None = None
+
+
+class Trainer:
+    def __init__(self, cfg: Config) -> None:
+        self.requested = cfg  # as given: never changed
+        self.cfg: Config | None = None  # the resolved config, set by build()
+
+    # ------------------------------------------------------------------------------------------------ build
+
+    def build(self) -> Trainer:
+        """Everything before the first step, each failure as early as it can be known."""
+        checked = preflight(self.requested, world_size_from_env())  # before any process group or data
+        self._start_runtime()
+        self._load_data()  # data first: a missing or corrupt corpus fails before the model is built
+        preflight_vocab(self.requested.model, self.tokenizer.vocab_size)  # the tokenizer is known: before the model
+        self.cfg = self._resolve()
+        self._write_run_config()
+        t0 = time.perf_counter()
+        self._build_model_and_optimizer(checked)
+        log.debug(f"model, parallel wrappers and optimizer built in {time.perf_counter() - t0:.2f}s")
+        self._resume()
+        self._start_observers()
+        return self
+
+    def _start_runtime(self) -> None:
+        cfg = self.requested
+        self.rt = rt = init_runtime(cfg)
+        self.device = rt.device
+        self.mesh = mesh = (Mesh.build(cfg, rt.world_size, rt.rank, self.device) if rt.world_size > 1
+                            else Mesh.single(self.device))
+        if rt.world_size > 1:
+            log.info(f"megaloom: mesh of {rt.world_size} ranks (tp={mesh.tp} pp={mesh.pp} dp={mesh.dp} cp={mesh.cp} "
+                     f"ep={mesh.ep}) built in {mesh.init_seconds:.3f}s")
+        log.debug(f"mesh: {mesh.describe()} on {self.device}")
+        self.precision = resolve_precision(cfg, self.device)
+        self.run_dir = Path(cfg.run.dir)
+
+    def _load_data(self) -> None:
+        t = self.requested.train
+        self.local_batch = t.global_batch_size // self.mesh.dp  # this data-parallel rank's share of a global batch
+        self.train_ds, self.valid_ds, self.tokenizer = build_datasets(
+            self.requested.data, t.seq_len, t.seed, t.steps * t.global_batch_size,
+            t.eval_batches * t.global_batch_size)
+        log.debug(f"data: {len(self.train_ds)} training and {len(self.valid_ds)} validation samples; tokenizer "
+                  f"{self.tokenizer.path} ({self.tokenizer.vocab_size} tokens)")
+
+    def _resolve(self) -> Config:
+        """The resolved config (a new object): sizes, precision, tokenizer path, and the micro-batch."""
+        cfg = resolve_config(self.requested, precision=self.precision, tokenizer_path=self.tokenizer.path,
+                             tokenizer_vocab=self.tokenizer.vocab_size)
+        if cfg.train.micro_batch_size == 0:
+            cfg = with_micro_batch(cfg, choose_micro_batch(cfg, self.rt, self.device))  # a collective
+        self.n_micro = self.local_batch // cfg.train.micro_batch_size
+        return cfg
+
+    def _write_run_config(self) -> None:
+        if self.rt.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(self.cfg.to_yaml())
+
+    def _build_model_and_optimizer(self, checked: Checked) -> None:
+        """This rank's model (built shard by shard), its pipeline executors or data-parallel gradients, compile,
+        the optimizer and the step."""
+        cfg, t, rt, mesh, device = self.cfg, self.cfg.train, self.rt, self.mesh, self.device
+        model, stage = self._build_model(checked)
+        pipe = eval_pipe = None
+        if stage is not None:  # a schedule executor runs the micro-batches across stages
+            emb_group = build_embedding_groups(mesh) if cfg.model.tie_embeddings else None  # collective
+            auto = lambda: forward_ctx(self.precision, device, t.offload_activations)  # noqa: E731
+            pipe = PipelineExecutor(stage, build_schedule(cfg.parallel.schedule, mesh.pp, cfg.parallel.vpp,
+                                                          self.n_micro),
+                                    mesh, t.micro_batch_size, t.seq_len, sp=cfg.parallel.sp, autocast=auto)
+            eval_pipe = PipelineExecutor(stage, forward_only(mesh.pp, cfg.parallel.vpp, self.n_micro), mesh,
+                                         t.micro_batch_size, t.seq_len, sp=cfg.parallel.sp, autocast=auto)
+            grads = PipelineGradientSync(stage, mesh, emb_group)
+        # Data parallelism: gradient buckets reduced during the last backward (zero 0), reduce-scattered into a
+        # sharded optimizer (zero 1/2), or FSDP2-sharded parameters (zero 3). Built before compile: FSDP2 wraps blocks.
+        elif rt.world_size > 1:
+            grads = build_data_parallel(model, mesh, cfg.parallel.zero, cfg.parallel.bucket_mb)
+        else:
+            grads = None
+        if t.compile:
+            for layer in model.layers.values():
+                layer.compile()  # in place: parameter names (and so checkpoints) stay the same
+        if cfg.parallel.zero >= 1:
+            optimizer = ShardedOptimizer(grads, t.optimizer, lr=t.lr, betas=(t.beta1, t.beta2),
+                                         eps=1e-8 if t.optimizer == "adamw" else 1e-6, weight_decay=t.weight_decay,
+                                         overlap_param_gather=not t.compile)
+        else:
+            optimizer = build_optimizer(model, t, device, mesh)
+        self.train_step = TrainStep(model, optimizer, self.precision, device, t.micro_batch_size, t.grad_clip, grads,
+                                    nan_guard=cfg.resilience.nan_guard, pipeline=pipe, attention=t.attention,
+                                    offload=t.offload_activations)
+        self.model, self.optimizer, self.pipe, self.eval_pipe = model, optimizer, pipe, eval_pipe
+
+    def _build_model(self, checked: Checked):
+        """The model of the config's family on the meta device (no storage), split by its parallel plan, changed
+        by train.* options and cut to this rank's pipeline stages there; then only this rank's slices are
+        allocated and initialised, with the values the single process has in them (parallel/materialize.py).
+        Returns (model, pipeline stage or None)."""
+        cfg, t, mesh = self.cfg, self.cfg.train, self.mesh
+        seed_everything(t.seed)  # the model's init seed: the same on every rank
+        with torch.device("meta"):
+            model = get_family(cfg.model.arch).build(cfg.model)
+        self.n_params = count_params(model)
+        self.flops_per_token = flops_per_token(cfg.model, matmul_params(model), t.seq_len)
+        parallelize_tensor(model, mesh, cfg.parallel.sp)
+        fp8_summary = apply_train_options(model, t)  # before stages and compile
+        if fp8_summary is not None:
+            log.info(f"megaloom: {fp8_summary}")
+        stage = build_stage(model, checked.partition, mesh) if mesh.pp > 1 else None  # prunes the model
+        materialize(model, self.device, mesh)
+        torch.manual_seed(dropout_seed(t.seed, mesh))  # dropout: equal across tp peers, distinct across data
+        return model, stage
+
+    def _resume(self) -> None:
+        self.ckpt = RunCheckpoints(self.cfg, self.run_dir, self.rt, self.mesh)
+        self.step, resumed_state = self.ckpt.resume(self.model, self.optimizer)
+        if self.train_step.scaler is not None and "loss_scaler" in resumed_state:
+            self.train_step.scaler.load_state_dict(resumed_state["loss_scaler"])
+        # After a rollback the data stream skips the window that produced non-finite steps: step s then reads
+        # the batch of s + data_offset. Saved with every checkpoint, so resume stays exact.
+        self.data_offset = int(resumed_state.get("data_offset", 0))
+
+    def _start_observers(self) -> None:
+        """Start-up lines and memory plan, evaluation batches, metrics sink, resilience, background saves."""
+        cfg, t, rt, mesh = self.cfg, self.cfg.train, self.rt, self.mesh
+        self.peak_flops = device_peak_flops(self.device)
+        log.info(f"megaloom: {cfg.model.preset} ({cfg.model.arch}) {self.n_params / 1e6:.2f}M params on "
+                 f"{self.device}, {self.precision}, {t.steps} steps x {t.global_batch_size} x {t.seq_len} tokens "
+                 f"({self.n_micro} micro-batches of {t.micro_batch_size}); run dir {self.run_dir}")
+        # Predicted bytes per rank (weights, gradients, optimizer, activations), printed and written to memory.json;
+        # compared with the measured peak after the first steps. Rank 0 plans its own stage; no forward is run.
+        self.memory_report = MemoryReport.start(cfg, self.model, world_size=rt.world_size, device=self.device,
+                                                pp_rank=mesh.pp_rank, n_micro=self.n_micro, run_dir=self.run_dir,
+                                                enabled=rt.is_main)
+        # Only the ranks that need tokens read them (MegaScale): the first pipeline stage (inputs) and the last
+        # (labels); middle stages get None. Tensor-parallel peers read the same rows.
+        self.reads_data = mesh.pp == 1 or mesh.is_first_stage or mesh.is_last_stage
+        self.eval_batches = eval_batches(self.valid_ds, t.eval_batches, t.global_batch_size, self.local_batch, mesh,
+                                         self.reads_data)
+        self.sink = MetricsSink(self.run_dir, cfg.run.tensorboard, enabled=rt.is_main)
+        self.result = TrainResult(run_dir=self.run_dir, final_step=self.step)
+        self.guard = Resilience(cfg, self.run_dir, rt.rank, rt.world_size, mesh)
+        self.ckpt.start_background_saves()
+        self.pending_stall: float | None = None  # the last save's stall, reported in the next metric record
+        self.interval = Interval(loss_sum=torch.zeros((), device=self.device))
+        self.skipped = 0
+
+    # ------------------------------------------------------------------------------------------------- loop
+
+    def fit(self, stop_after: int | None = None) -> TrainResult:
+        """Train to train.steps. `stop_after` ends the work after that step as a preemption would (tests)."""
+        if self.cfg is None:
+            self.build()
+        self.train_start = time.perf_counter()
+        while self.step < self.cfg.train.steps:
+            if not self._run_until_rollback(stop_after):
+                break
+        self.ckpt.wait()  # the last checkpoint is on disk before fit() returns
+        self.guard.close()
+        self.result.final_step = self.step
+        self.sink.close()
+        return self.result
+
+    def _run_until_rollback(self, stop_after: int | None) -> bool:
+        """Step through the data from `self.step` on; True when a rollback restored an earlier step."""
+        for batch in self._loader():
+            if self._train_one_step(batch):
+                self._roll_back()
+                return True
+            self._maybe_checkpoint()
+            if stop_after is not None and self.step >= stop_after:
+                break
+        return False
+
+    def _loader(self):
+        """The batches of steps `self.step + 1 ...` (shifted by the data offset), or Nones on middle stages."""
+        cfg, t, step = self.cfg, self.cfg.train, self.step
+        if self.data_offset and len(self.train_ds) < (t.steps + self.data_offset) * t.global_batch_size:
+            self.train_ds, _, _ = build_datasets(cfg.data, t.seq_len, t.seed,
+                                                 (t.steps + self.data_offset) * t.global_batch_size,
+                                                 t.eval_batches * t.global_batch_size)
+        batches = StepBatches(self.train_ds, t.global_batch_size, rank_offset=self.mesh.dp_rank * self.local_batch,
+                              rank_size=self.local_batch, start_step=step + self.data_offset, n_steps=t.steps - step)
+        if not self.reads_data:
+            return itertools.repeat(None, t.steps - step)
+        return make_loader(batches, cfg.data.num_workers, cfg.data.prefetch, pin_memory=self.device.type == "cuda")
+
+    def _train_one_step(self, batch: torch.Tensor | None) -> bool:
+        """One optimizer step, then its metric line if due; True when the run must roll back."""
+        t, step_t0 = self.cfg.train, time.perf_counter()
+        self.guard.before_step(self.step + 1, self.model, data_step=self.step + 1 + self.data_offset)
+        batch = batch.to(self.device, non_blocking=True) if batch is not None else None
+        lr = lr_at(self.step, t)
+        set_lr(self.optimizer, lr)
+        timed = self.pipe is not None and self.step + 1 == self.cfg.parallel.timeline_step
+        if timed:
+            self.pipe.timing = True
+        out = self.train_step(batch)
+        if timed:
+            self.pipe.timing = False
+            draw_measured_timeline(self.pipe, self.mesh, self.run_dir, self.step + 1, self.rt.is_main)
+        self.interval.loss_sum += out.loss
+        self.skipped += int(out.skipped)
+        self.step += 1
+        self.interval.steps += 1
+        if self.device.type == "cuda" and self.step % t.log_every == 0:
+            torch.cuda.synchronize(self.device)  # so the interval's timing covers the GPU work it queued
+        wall = time.perf_counter() - step_t0
+        self.interval.compute_s += wall
+        rollback = self.guard.after_step(self.step, out.skipped, wall)
+        self._log(lr, out.grad_norm, self._check_stragglers())
+        return rollback
+
+    def _check_stragglers(self) -> dict | None:
+        if not self.guard.stragglers_due(self.step):
+            return None
+        slow, times = self.guard.straggler.check()
+        if slow and self.rt.is_main:
+            log.warning(f"WARNING: straggler rank(s) {slow} at step {self.step}: compute s/step per rank "
+                        f"{[round(x, 4) for x in times]}")
+        return {"stragglers": slow, "compute_s_per_rank": times}
+
+    # -------------------------------------------------------------------------------- log, evaluate, checkpoint
+
+    def _log(self, lr: float, grad_norm: torch.Tensor, stragglers: dict | None) -> None:
+        """The metric record of the interval (and the evaluation, when due): metrics.jsonl, TensorBoard, console."""
+        t, step = self.cfg.train, self.step
+        do_eval = (t.eval_every and step % t.eval_every == 0) or step == t.steps
+        if not (step % t.log_every == 0 or do_eval or stragglers is not None):
+            return
+        record = self._record(lr, grad_norm)
+        if stragglers is not None:
+            record.update(stragglers)
+        record.update(moe_fields(self.train_step.moe))
+        if self.pending_stall is not None:
+            record["ckpt_stall_s"], self.pending_stall = self.pending_stall, None
+        if do_eval:
+            record.update(self._evaluate())
+        self.sink.log(record)
+        self.result.losses[step] = record["loss"]
+        eta = (t.steps - step) * self.interval.compute_s / self.interval.steps
+        line = console_line(record, t.steps, eta)
+        if do_eval:
+            line += f" | eval {record['eval_loss']:.4f} (ppl {record['eval_ppl']:.1f})"
+        log.info(line)
+        if self.memory_report is not None:
+            self.memory_report.after_step(step, t.steps)
+        self.interval.reset()
+
+    def _record(self, lr: float, grad_norm: torch.Tensor) -> dict:
+        t, step, iv = self.cfg.train, self.step, self.interval
+        tps = iv.steps * t.global_batch_size * t.seq_len / max(iv.compute_s, 1e-9)
+        peak = self.peak_flops
+        return {"step": step, "loss": dp_mean(iv.loss_sum / iv.steps, self.mesh), "lr": lr,
+                "grad_norm": float(grad_norm), "tokens_per_s": tps,
+                "mfu": (self.flops_per_token * tps / (peak * self.rt.world_size)) if peak else None,
+                "mem_gb": peak_memory_gb(self.device), "tokens": step * t.global_batch_size * t.seq_len,
+                "skipped_steps": self.skipped, "elapsed_s": time.perf_counter() - self.train_start}
+
+    def _evaluate(self) -> dict:
+        """Mean validation loss over the data-parallel replicas (the watchdog paused: evaluation is no step)."""
+        t = self.cfg.train
+        with self.guard.paused():
+            ev = (evaluate(self.model, self.eval_batches, t.micro_batch_size, self.precision, self.device)
+                  if self.eval_pipe is None else evaluate_pipeline(self.eval_pipe, self.eval_batches))
+        loss = dp_mean(torch.tensor(ev, device=self.device), self.mesh)
+        self.result.eval_loss = loss
+        return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
+
+    def _maybe_checkpoint(self) -> None:
+        c, step = self.cfg.checkpoint, self.step
+        last = step == self.cfg.train.steps
+        due = c.every and step % c.every == 0
+        if due and self.guard.bad_in_a_row and not last:
+            due = False  # never checkpoint inside a run of non-finite steps: a rollback must go before it
+        if due or (last and c.final):
+            with self.guard.paused():
+                self.pending_stall = self.ckpt.save(step, self.model, self.optimizer, self.train_step,
+                                                    self.data_offset)
+
+    def _roll_back(self) -> None:
+        """resilience.max_bad_steps non-finite steps in a row: restore the newest good checkpoint and skip the
+        data window that produced them (it is never seen again)."""
+        step = self.step
+        back_to = self.ckpt.rollback(self.model, self.optimizer)
+        self.data_offset += step - back_to
+        if self.rt.is_main:
+            log.warning(f"ROLLBACK: {self.cfg.resilience.max_bad_steps} non-finite steps in a row up to step {step}; "
+                        f"restored step {back_to} and skipping the data of steps {back_to + 1}..{step} "
+                        f"(data offset now {self.data_offset} steps)")
+        self.step, self.guard.bad_in_a_row = back_to, 0
+        self.interval.reset()

@@ -1,0 +1,63 @@
+"""The Trainer's contract beyond the loss: preflight refuses before heavy work, the resolved config is a new
+object that config.yaml records and nothing changes afterwards, and the given config is never touched."""
+
+from __future__ import annotations
+
+import pytest
+
+import megaloom.training.trainer as trainer_mod
+from megaloom.config import ConfigError, load_config
+from megaloom.training.trainer import Trainer
+from tests.conftest import tiny_overrides
+
+
+def test_resolved_config_is_new_and_unchanged_after_config_yaml(small_corpus, tmp_path, monkeypatch, capsys):
+    run = tmp_path / "run"
+    auto = ["model.vocab_size=0", "model.n_kv_heads=0", "model.ffn_dim=0", "train.precision=auto",
+            "train.micro_batch_size=0", "train.device=cpu"]
+    # a save, an evaluation, a skipped step and a rollback: every path of the loop that reads the config
+    extra = ["train.steps=8", "checkpoint.every=3", "train.eval_every=4", "resilience.max_bad_steps=2"]
+    cfg = load_config(None, tiny_overrides(small_corpus, run, *auto, *extra))
+    given = cfg.to_yaml()
+    monkeypatch.setenv("MEGALOOM_FAULT", "nan:step=5:count=2")
+    trainer = Trainer(cfg).build()
+    written = (run / "config.yaml").read_text()
+    assert trainer.cfg is not cfg and trainer.cfg.to_yaml() == written
+    resolved = trainer.cfg
+    m, t = resolved.model, resolved.train
+    assert (m.vocab_size, m.n_kv_heads, m.ffn_dim, t.precision, t.micro_batch_size) == (512, 4, 256, "fp32", 8)
+    result = trainer.fit()
+    assert result.final_step == 8 and result.eval_loss is not None and "ROLLBACK" in capsys.readouterr().out
+    assert trainer.cfg is resolved and resolved.to_yaml() == written  # nothing wrote to it after config.yaml
+    assert cfg.to_yaml() == given  # and the config given to the trainer was never changed
+
+
+@pytest.mark.parametrize("world,overrides,fragment", [
+    (1, ["parallel.cp=2"], "parallel.cp=2 is not available"),
+    (1, ["parallel.ep=2"], "model.moe_every=0"),
+    (1, ["parallel.zero=1"], "but dp=1"),
+    (2, ["parallel.pp=2", "parallel.zero=1"], "parallel.zero>=1 together with parallel.pp>1"),
+    (3, ["parallel.tp=2"], "parallel.tp"),  # validate_layout: the world does not fit
+])
+def test_preflight_refuses_before_any_process_group_or_data(world, overrides, fragment, tmp_path, monkeypatch):
+    def heavy(*a, **k):
+        raise AssertionError("heavy work started before preflight refused")
+
+    for name in ("init_runtime", "build_datasets", "Transformer"):
+        monkeypatch.setattr(trainer_mod, name, heavy)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    cfg = load_config(None, [f"run.dir={tmp_path / 'r'}", *overrides])
+    with pytest.raises(ConfigError, match=fragment):
+        Trainer(cfg).build()
+    assert not (tmp_path / "r").exists()
+
+
+def test_vocab_check_runs_after_the_tokenizer_and_before_the_model(small_corpus, tmp_path, monkeypatch):
+    def no_model(*a, **k):
+        raise AssertionError("the model was built before the vocabulary check")
+
+    monkeypatch.setattr(trainer_mod, "Transformer", no_model)
+    cfg = load_config(None, tiny_overrides(small_corpus, tmp_path / "r", "model.vocab_size=256"))
+    with pytest.raises(ConfigError, match="the tokenizer has 512 tokens but model.vocab_size=256"):
+        Trainer(cfg).build()
+    assert not (tmp_path / "r" / "config.yaml").exists()
