@@ -22,8 +22,8 @@ from megaloom.parallel.styles import PartialGrad
 
 
 def qwen3_ffn_dim(d_model: int) -> int:
-    """The MLP width when model.ffn_dim is 0: 3 * d_model (Qwen3-0.6B, -1.7B, -8B; -4B, -14B and -32B are wider,
-    their presets set it), rounded up to a multiple of 256."""
+    """The MLP width when model.ffn_dim is 0: 3 * d_model as in Qwen3-0.6B, -1.7B and -8B (-4B, -14B and -32B
+    are wider; every preset sets its own), rounded up to a multiple of 256."""
     return 256 * math.ceil(3 * d_model / 256)
 
 
