@@ -1,12 +1,15 @@
 """Hugging Face interchange: a megaloom checkpoint -> an HF model directory, and back into a megaloom run.
 
     to_hf(run_or_ckpt_dir, out_dir)   config.json + model.safetensors (+ tokenizer.json) for transformers'
-                                      LlamaForCausalLM / GPT2LMHeadModel.from_pretrained
+                                      AutoModelForCausalLM.from_pretrained (the family's class, e.g.
+                                      LlamaForCausalLM, GPT2LMHeadModel, Qwen3ForCausalLM)
     from_hf(hf_dir, out_run_dir)      run_dir/config.yaml + checkpoints/step_00000000 (model only), so
                                       `megaloom train --config out_run_dir/config.yaml` fine-tunes it
 
 Both directions read no pickles: megaloom checkpoints through DCP (checksums verified first), HF weights
-through safetensors. Names, layouts and refused settings: hf_names.py, hf_config.py, docs/checkpoints.md.
+through safetensors. What is family-specific (names, layouts, config fields, refused settings) is the family's
+HF mapping, ``get_family(model.arch).hf`` (megaloom/models/<family>/hf.py); the family of an HF directory is
+the one whose mapping reads its config.json's model_type. See hf_names.py, hf_config.py, docs/checkpoints.md.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from megaloom.checkpoint.store import (
 )
 from megaloom.config import Config, ConfigError, ModelConfig, config_from_dict, validate
 from megaloom.convert.errors import ConversionError
-from megaloom.convert.hf_config import DTYPES, check_exportable, hf_config, model_settings
+from megaloom.convert.hf_config import DTYPES, hf_config, model_settings
 from megaloom.convert.hf_names import from_hf_names, to_hf_names
 from megaloom.convert.safetensors_io import DEFAULT_SHARD_BYTES, INDEX, SINGLE, load_weights, save_weights
 from megaloom.models import Transformer
@@ -45,15 +48,15 @@ def to_hf(run_or_ckpt_dir: str | Path, out_dir: str | Path, show_progress: bool 
         raise ConversionError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}.")
     ckpt, run_dir, state = _resolve_checkpoint(Path(run_or_ckpt_dir))
     model_cfg = _model_config(run_dir, state, ckpt)
-    check_exportable(model_cfg)
+    tokenizer, eos_id = _tokenizer_of_run(run_dir)
+    config_json = hf_config(model_cfg, dtype, eos_id)  # refuses what the family's HF class cannot express
     sd = _read_model_tensors(ckpt, model_cfg)
-    tensors = to_hf_names(model_cfg.arch, sd, model_cfg.n_layers, model_cfg.tie_embeddings)
+    tensors = to_hf_names(model_cfg, sd)
     tensors = {k: v.to(DTYPES[dtype]) for k, v in tensors.items()}
 
     out = Path(out_dir)
     _refuse_existing(out, ("config.json", SINGLE, INDEX), "the HF output directory")
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer, eos_id = _tokenizer_of_run(run_dir)
     save_weights(tensors, out, max_shard_bytes, show_progress)
     if tokenizer is not None:
         shutil.copyfile(tokenizer, out / "tokenizer.json")
@@ -61,12 +64,13 @@ def to_hf(run_or_ckpt_dir: str | Path, out_dir: str | Path, show_progress: bool 
         tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_cfg.max_seq_len}
         (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
     # config.json last: a directory with a config.json is a finished export
-    (out / "config.json").write_text(json.dumps(hf_config(model_cfg, dtype, eos_id), indent=2))
+    (out / "config.json").write_text(json.dumps(config_json, indent=2))
     return out
 
 
 def from_hf(hf_dir: str | Path, out_run_dir: str | Path) -> Path:
-    """Import an HF LlamaForCausalLM / GPT2LMHeadModel directory as a new megaloom run. Returns the checkpoint.
+    """Import an HF model directory (a model_type some family's HF mapping reads, e.g. LlamaForCausalLM,
+    GPT2LMHeadModel, Qwen3ForCausalLM) as a new megaloom run. Returns the checkpoint.
 
     The checkpoint is model-only (no optimizer state, no RNG): training from it starts the optimizer fresh at
     step 0. tokenizer.json, if present, is copied into the run and set as data.tokenizer."""
@@ -83,8 +87,7 @@ def from_hf(hf_dir: str | Path, out_run_dir: str | Path) -> Path:
     run_dir = Path(out_run_dir).resolve()
     _refuse_existing(run_dir, ("config.yaml", "checkpoints"), "the output run directory")
     cfg = _run_config(settings, run_dir, str(cfg_path))
-    tensors = from_hf_names(cfg.model.arch, load_weights(src), cfg.model.n_layers, cfg.model.tie_embeddings,
-                            str(src))
+    tensors = from_hf_names(cfg.model, load_weights(src), str(src))
     model = Transformer(cfg.model)
     try:
         model.load_state_dict(tensors, strict=True)
@@ -186,7 +189,7 @@ def _tokenizer_of_run(run_dir: Path) -> tuple[Path | None, int | None]:
 
 
 def _run_config(settings: dict, run_dir: Path, where: str) -> Config:
-    """A full run config: the preset of the arch, overridden by every model field of the HF config."""
+    """A full run config: the preset the family's mapping names, overridden by every model field of the HF config."""
     cfg = Config()
     for k, v in PRESETS[settings["preset"]].items():
         setattr(cfg.model, k, v)

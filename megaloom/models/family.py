@@ -41,17 +41,32 @@ class Traits:
 
 @dataclass(frozen=True)
 class HFMapping:
-    """A family's Hugging Face conversion: tensor names both ways and the config both ways.
+    """A family's Hugging Face conversion (``megaloom/models/<family>/hf.py``), the only place that knows how its
+    tensors and settings are spelled in `transformers`. `megaloom.convert` asks ``get_family(arch).hf`` on export
+    and finds the family by config.json's ``model_type`` on import; it adds what every causal LM shares (vocab
+    size, tying, dtype, token ids, ``lm_head``) and refuses tensors the family did not read.
 
-    ``to_hf_names(state_dict, cfg) -> hf tensors``; ``from_hf_names(hf tensors, cfg, where) -> state_dict``
-    (raises ConversionError naming what is missing or unexpected); ``to_hf_config(cfg) -> dict`` (config.json);
-    ``from_hf_config(hf dict) -> model.* values``; ``model_types``: the config.json ``model_type`` values it reads."""
+    ``architecture``: the transformers class (config.json ``architectures``). ``model_types``: the config.json
+    ``model_type`` values it reads; the first one is written.
+    ``to_hf_config(m: ModelConfig) -> dict``: the family's config.json fields; raises ConversionError naming a
+    ``model.*`` setting the HF class cannot express.
+    ``from_hf_config(hf: dict, where: str) -> dict``: ``model.*`` values, with ``arch`` and the ``preset`` to
+    start from; raises ConversionError naming an HF field megaloom's model would compute differently (a missing
+    required field may raise KeyError, reported by the caller).
+    ``to_hf_names(sd, m: ModelConfig) -> tensors``: a full megaloom state dict -> HF tensors, all but the head
+    (``head.weight`` <-> ``lm_head.weight`` is the same in every family: convert/ maps it, or ties it).
+    ``from_hf_names(hf: HFTensors, m: ModelConfig) -> state dict``: the same, the other way, reading each tensor
+    with ``hf.take(name)`` (`megaloom.convert.hf_common.HFTensors` refuses missing and unread tensors by name).
+    ``normalize``: optional ``tensors -> tensors`` applied on import before reading (drop buffers some exports
+    contain, add prefixes old checkpoints lack)."""
 
-    to_hf_names: Callable[..., dict]
-    from_hf_names: Callable[..., dict]
+    architecture: str
+    model_types: tuple[str, ...]
     to_hf_config: Callable[..., dict]
     from_hf_config: Callable[..., dict]
-    model_types: tuple[str, ...] = ()
+    to_hf_names: Callable[..., dict]
+    from_hf_names: Callable[..., dict]
+    normalize: Callable[[dict], dict] | None = None
 
 
 @dataclass(frozen=True)

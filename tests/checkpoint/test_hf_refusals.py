@@ -63,11 +63,27 @@ def saved_run(tmp_path, *overrides: str):
 
 
 @pytest.mark.parametrize("override,field", [("model.parallel_block=true", "model.parallel_block"),
-                                            ("model.sliding_window=8", "model.sliding_window")])
+                                            ("model.sliding_window=8", "model.sliding_window"),
+                                            ("model.moe_every=1", "model.moe_every"),
+                                            ("model.qkv_bias=true", "model.qkv_bias")])  # Llama's bias is on o too
 def test_models_hf_cannot_express_are_refused(tmp_path, override, field):
     run = saved_run(tmp_path, override)
     with pytest.raises(ConversionError, match=field):
         to_hf(run, tmp_path / "out", show_progress=False)
+    assert not (tmp_path / "out").exists()  # refused before anything is written
+
+
+def test_a_family_without_hf_mapping_is_refused_by_name(tmp_path, monkeypatch):
+    import dataclasses
+
+    from megaloom.models import registry
+
+    run = saved_run(tmp_path)
+    monkeypatch.setitem(registry.FAMILIES, "llama", dataclasses.replace(registry.FAMILIES["llama"], hf=None))
+    with pytest.raises(ConversionError, match="model.arch='llama' has no Hugging Face conversion"):
+        to_hf(run, tmp_path / "out", show_progress=False)
+    with pytest.raises(ConversionError, match="model_type='llama'.*cannot be imported"):
+        from_hf(hf_dir(tmp_path, LLAMA), tmp_path / "run2")
 
 
 def test_export_never_overwrites_and_needs_a_checkpoint(tmp_path):

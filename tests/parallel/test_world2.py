@@ -9,7 +9,7 @@ from .harness import run_world
 from .worlds import suite_world2
 
 PARITY = ["parity-llama-tp2-sp0", "parity-llama-tp2-sp1", "parity-gpt2-tp2-sp0", "parity-gpt2-tp2-sp1",
-          "parity-gpt2-tp2-sp0-untied"]
+          "parity-qwen3-tp2-sp0", "parity-qwen3-tp2-sp1", "parity-gpt2-tp2-sp0-untied"]
 
 
 @pytest.fixture(scope="module")

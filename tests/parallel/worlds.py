@@ -315,6 +315,8 @@ def suite_world4(rank: int, world: int, device: torch.device) -> dict:
         for sp in (False, True):
             res[f"parity-{arch}-tp4-sp{int(sp)}"] = parity_case(mesh, arch, sp)
     res["parity-llama-tp4-sp1-untied"] = parity_case(mesh, "llama", True, tie=False, steps=3)
+    # QK-norm with each KV head replicated on two ranks: k_norm's gradient is partial over heads and replicas.
+    res["parity-qwen3-tp4-sp1"] = parity_case(mesh, "qwen3", True)
     res["decode"] = {arch: decode_case(mesh, arch) for arch in ("llama", "gpt2")}
     for sp in (False, True):
         res[f"dropout-sp{int(sp)}"] = dropout_case(mesh, sp)
@@ -327,9 +329,9 @@ def suite_world2(rank: int, world: int, device: torch.device) -> dict:
     res["regions"] = check_regions(mesh)
     res["vocab_ce"] = check_vocab_ce(mesh)
     res["collectives"] = check_collectives(mesh)
-    for arch in ("llama", "gpt2"):
+    for arch in ("llama", "gpt2", "qwen3"):
         for sp in (False, True):
             res[f"parity-{arch}-tp2-sp{int(sp)}"] = parity_case(mesh, arch, sp)
     res["parity-gpt2-tp2-sp0-untied"] = parity_case(mesh, "gpt2", False, tie=False, steps=3)
-    res["decode"] = {arch: decode_case(mesh, arch) for arch in ("llama", "gpt2")}
+    res["decode"] = {arch: decode_case(mesh, arch) for arch in ("llama", "gpt2", "qwen3")}
     return res

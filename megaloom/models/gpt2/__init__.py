@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from megaloom.models.family import Family, Traits
+from megaloom.models.gpt2.hf import HF
 from megaloom.models.gpt2.presets import PRESETS
 from megaloom.models.plan import DECODER_PLAN
 
 TRAITS = Traits(norm="layernorm", gated_mlp=False, bias=True, positions="learned", default_ffn_dim=lambda d: 4 * d)
 
 FAMILY = Family(name="gpt2", description="LayerNorm, GeLU, learned positions, biases (GPT-2)",
-                traits=TRAITS, plan=DECODER_PLAN, presets=PRESETS)
+                traits=TRAITS, plan=DECODER_PLAN, presets=PRESETS, hf=HF)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 from megaloom.models.family import Family, Traits
+from megaloom.models.llama.hf import HF
 from megaloom.models.llama.presets import PRESETS
 from megaloom.models.plan import DECODER_PLAN
 
@@ -18,4 +19,4 @@ def llama_ffn_dim(d_model: int) -> int:
 TRAITS = Traits(norm="rmsnorm", gated_mlp=True, bias=False, positions="rope", default_ffn_dim=llama_ffn_dim)
 
 FAMILY = Family(name="llama", description="RMSNorm, SwiGLU, RoPE, GQA (Llama 2/3; MoE presets: Mixtral, DeepSeek-V3)",
-                traits=TRAITS, plan=DECODER_PLAN, presets=PRESETS)
+                traits=TRAITS, plan=DECODER_PLAN, presets=PRESETS, hf=HF)

@@ -243,6 +243,7 @@ def suite_dp2(rank: int, world: int, device: torch.device) -> dict:
     for zero in (0, 1, 2, 3):
         res[f"z{zero}-lamb"] = dp_case(mesh, zero, "lamb", cache=cache)
     res["z1-gpt2"] = dp_case(mesh, 1, arch="gpt2", cache=cache)
+    res["z1-qwen3"] = dp_case(mesh, 1, arch="qwen3", cache=cache)
     res["z1-roundtrip"] = dp_case(mesh, 1, roundtrip=True, cache=cache)
     res["z3-roundtrip"] = dp_case(mesh, 3, roundtrip=True, cache=cache)
     res["z2-lamb-roundtrip"] = dp_case(mesh, 2, "lamb", roundtrip=True, cache=cache)

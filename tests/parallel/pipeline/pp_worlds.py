@@ -132,6 +132,7 @@ def suite_pipeline_world4(rank: int, world: int, device: torch.device) -> dict:
         res[f"pp2-interleaved-v2-m{m}"] = pipeline_case(mesh, group, "interleaved", m, vpp=2)
     res["pp2-dp2-1f1b-m4"] = pipeline_case(mesh, group, "1f1b", 4, split_data=True)
     res["pp2-dp2-zb-m2-gpt2"] = pipeline_case(mesh, group, "zb", 2, arch="gpt2", split_data=True)
+    res["pp2-1f1b-m4-qwen3"] = pipeline_case(mesh, group, "1f1b", 4, arch="qwen3")
 
     mesh = Mesh.build(pp_config(pp=2, tp=2), world, rank, device)
     group = build_embedding_groups(mesh)
@@ -139,5 +140,6 @@ def suite_pipeline_world4(rank: int, world: int, device: torch.device) -> dict:
     res["pp2-tp2-sp-zb-m4"] = pipeline_case(mesh, group, "zb", 4, sp=True)
     res["pp2-tp2-sp-interleaved-v2-m2-gpt2"] = pipeline_case(mesh, group, "interleaved", 2, vpp=2, sp=True,
                                                              arch="gpt2")
+    res["pp2-tp2-sp-1f1b-m4-qwen3"] = pipeline_case(mesh, group, "1f1b", 4, sp=True, arch="qwen3")
     res["coords"] = dict(pp=mesh.pp_rank, tp=mesh.tp_rank)
     return res
