@@ -160,8 +160,11 @@ def sharded_model_state(model: nn.Module, mesh: Mesh, segments: dict[int, tuple[
     ``named_parameters`` order) -> (flat start, local data) of this rank's shard."""
     params = dict(model.named_parameters(remove_duplicate=False))
     order = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+    aliases = model.tied_aliases() if hasattr(model, "tied_aliases") else {}
     out: dict[str, object] = {}
     for key, value in model.state_dict(keep_vars=True).items():
+        if key in aliases:
+            continue
         p = params.get(key)
         if p is None:  # a buffer: replicated, written once
             out[key] = value.detach()
@@ -172,6 +175,8 @@ def sharded_model_state(model: nn.Module, mesh: Mesh, segments: dict[int, tuple[
                                                           mesh.ep)[0]), [])
         else:
             out[key] = _param_slices(p, mesh)
+    for alias, name in aliases.items():  # the same slices under both names, as the single model's state dict
+        out[alias] = out[name]
     return out
 
 

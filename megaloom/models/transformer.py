@@ -128,6 +128,12 @@ class Transformer(nn.Module):
         if self.cfg.tie_embeddings and self.head is not None and self.tok_emb is not None:
             self.head.weight = self.tok_emb.weight
 
+    def tied_aliases(self) -> dict[str, str]:
+        """State-dict names that are another name's tensor: the tied head is the embedding. (Wrappers such as
+        FSDP2 may register a separate, unsharded tensor under the alias, so consumers go by this map.)"""
+        both = self.head is not None and self.tok_emb is not None
+        return {"head.weight": "tok_emb.weight"} if self.cfg.tie_embeddings and both else {}
+
     def tie_embeddings_active(self) -> bool:
         return self.head is not None and self.tok_emb is not None and self.head.weight is self.tok_emb.weight
 

@@ -123,6 +123,7 @@ class Trainer:
         cfg, t, rt, mesh, device = self.cfg, self.cfg.train, self.rt, self.mesh, self.device
         model, stage = self._build_model(checked)
         pipe = eval_pipe = None
+        materialize(model, device, mesh)  # this rank's slices only, initialised as the single process's
         if stage is not None:  # a schedule executor runs the micro-batches across stages
             emb_group = build_embedding_groups(mesh) if cfg.model.tie_embeddings else None  # collective
             auto = lambda: forward_ctx(self.precision, device, t.offload_activations)  # noqa: E731
@@ -135,6 +136,9 @@ class Trainer:
         # Data parallelism: gradient buckets reduced during the last backward (zero 0), reduce-scattered into a
         # sharded optimizer (zero 1/2), or FSDP2-sharded parameters (zero 3). Built before compile: FSDP2 wraps blocks.
         elif rt.world_size > 1:
+            # (ZeRO-3: FSDP2 shards the materialised tp-local parameters over dp here. Wrapping on meta first
+            # would save that transient, but FSDP2's lazy init re-allocates the local shards after to_empty,
+            # invalidating the views ShardedOptimizer keeps: not done yet.)
             grads = build_data_parallel(model, mesh, cfg.parallel.zero, cfg.parallel.bucket_mb)
         else:
             grads = None
@@ -154,9 +158,9 @@ class Trainer:
 
     def _build_model(self, checked: Checked):
         """The model of the config's family on the meta device (no storage), split by its parallel plan, changed
-        by train.* options and cut to this rank's pipeline stages there; then only this rank's slices are
-        allocated and initialised, with the values the single process has in them (parallel/materialize.py).
-        Returns (model, pipeline stage or None)."""
+        by train.* options and cut to this rank's pipeline stages there. The caller then allocates and
+        initialises only this rank's slices, with the values the single process has in them
+        (parallel/materialize.py). Returns (model, pipeline stage or None)."""
         cfg, t, mesh = self.cfg, self.cfg.train, self.mesh
         seed_everything(t.seed)  # the model's init seed: the same on every rank
         with torch.device("meta"):
@@ -168,7 +172,6 @@ class Trainer:
         if fp8_summary is not None:
             log.info(f"megaloom: {fp8_summary}")
         stage = build_stage(model, checked.partition, mesh) if mesh.pp > 1 else None  # prunes the model
-        materialize(model, self.device, mesh)
         torch.manual_seed(dropout_seed(t.seed, mesh))  # dropout: equal across tp peers, distinct across data
         return model, stage
 

@@ -53,14 +53,16 @@ def test_tp_sp_and_tp_dp_match_single_process_then_reshard(small_corpus, tmp_pat
     # with no device limit, the whole per-rank batch of 4 - accumulation-free, still equal to the reference)
     torchrun(2, tiny_overrides(small_corpus, tmp_path / "dp2z1", *base, "parallel.zero=1", "train.micro_batch_size=0"))
     assert load_config(tmp_path / "dp2z1" / "config.yaml").train.micro_batch_size == 4
-    for run in ("tp2", "tp2dp2", "dp2z1"):
+    # ZeRO-3 x tp: FSDP2 wraps the model on the meta device; each rank allocates its dim-0 share of its tp shard
+    torchrun(4, tiny_overrides(small_corpus, tmp_path / "tp2z3", *base, "parallel.tp=2", "parallel.zero=3"))
+    for run in ("tp2", "tp2dp2", "dp2z1", "tp2z3"):
         got = losses(tmp_path / run)
         assert sorted(got) == list(range(1, 11))
         for step, ref in reference.items():
             assert abs(got[step] - ref) <= 1e-5 * abs(ref), (run, step, got[step], ref)
 
-    # The tp=2 and the ZeRO-1 runs' checkpoints (step 5) resume in one process: steps 6..10 match.
-    for run in ("tp2", "dp2z1"):
+    # The tp=2, ZeRO-1 and ZeRO-3 runs' checkpoints (step 5) resume in one process: steps 6..10 match.
+    for run in ("tp2", "dp2z1", "tp2z3"):
         resumed = tmp_path / f"resumed-{run}"
         resumed.mkdir()
         ckpt = tmp_path / run / "checkpoints" / "step_00000005"

@@ -1,0 +1,93 @@
+"""Rank functions for the sharded-checkpoint tests (module level, so spawned workers can import them)."""
+
+from __future__ import annotations
+
+import gc
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from megaloom.checkpoint.store import load_checkpoint, save_checkpoint
+from megaloom.config import load_config
+from megaloom.models import Transformer
+from megaloom.parallel.mesh import Mesh
+from megaloom.parallel.state import full_model_state
+from megaloom.parallel.tensor import parallelize_tensor
+from megaloom.parallel.zero import ShardedOptimizer, build_data_parallel
+
+# ~34M parameters: big enough that a gathered state stands out from allocator noise, small enough for CI.
+SETTINGS = ["model.vocab_size=8192", "model.d_model=512", "model.n_layers=8", "model.n_heads=8", "model.n_kv_heads=8",
+            "model.ffn_dim=2048", "train.seq_len=16", "model.max_seq_len=16", "parallel.tp=2", "parallel.zero=1"]
+
+
+def _status(key: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+class PeakGrowth:
+    """Peak resident memory above the start of a phase (Linux: VmHWM is reset through /proc/self/clear_refs)."""
+
+    def __enter__(self) -> PeakGrowth:
+        gc.collect()
+        Path("/proc/self/clear_refs").write_text("5")
+        self.start = _status("VmRSS")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.bytes = _status("VmHWM") - self.start
+
+
+def _build(rank: int, world: int, device):
+    cfg = load_config(None, SETTINGS)
+    mesh = Mesh.build(cfg, world, rank, device)
+    torch.manual_seed(0)
+    model = parallelize_tensor(Transformer(cfg.model), mesh, sp=False)
+    grads = build_data_parallel(model, mesh, zero=1)
+    opt = ShardedOptimizer(grads, "adamw", lr=1e-3)
+    return cfg, model, opt, mesh
+
+
+def _held_bytes(model, opt) -> int:
+    """What this rank holds of the checkpoint: its parameter shards and its ZeRO share of the Adam state."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return params + sum(v.numel() * v.element_size() for st in opt.inner.state.values() for v in st.values())
+
+
+def save_load_peak(rank: int, world: int, device, root: str) -> dict:
+    """Peak resident growth of a sharded save, a sharded load, and (last, since the peak only rises) the old
+    way of gathering full tensors, against what the rank holds."""
+    torch.set_num_threads(1)
+    _, model, opt, mesh = _build(rank, world, device)
+    x = torch.randint(0, 8192, (2, 17), generator=torch.Generator().manual_seed(rank))
+    model(x[:, :-1], x[:, 1:]).backward()
+    opt.layout.finish()
+    opt.step()
+    held = _held_bytes(model, opt)
+    ckpt_root = Path(root) / "checkpoints"
+    t0 = time.perf_counter()
+    with PeakGrowth() as save:
+        path = save_checkpoint(ckpt_root, 1, model, opt, {}, keep=2, rank=rank, barrier=dist.barrier, mesh=mesh)
+    save_s = time.perf_counter() - t0
+    _, model2, opt2, _ = _build(rank, world, device)
+    with PeakGrowth() as load:
+        load_checkpoint(path, model2, opt2, rank=rank, mesh=mesh)
+    same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values(),
+                                                 strict=True))
+    same_opt = all(torch.equal(opt.inner.state[a][k], opt2.inner.state[b][k])
+                   for a, b in zip(opt.tensors, opt2.tensors, strict=True) for k in ("exp_avg", "exp_avg_sq", "step"))
+    del model2, opt2
+    t0 = time.perf_counter()
+    with PeakGrowth() as old, tempfile.TemporaryDirectory(dir=root) as old_dir:  # the gathered save this replaced
+        gathered = {"model": full_model_state(model, mesh), "optim": opt.full_state()}
+        dcp.save(gathered, checkpoint_id=old_dir)
+        del gathered
+    gathered_s = time.perf_counter() - t0
+    return {"held": held, "save": save.bytes, "load": load.bytes, "gathered": old.bytes, "same": same and same_opt,
+            "save_s": save_s, "gathered_s": gathered_s}
