@@ -67,11 +67,16 @@ class Attention(nn.Module):
         mask = attention_mask(q_len, k_len, pos, self.window, q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, enable_gqa=gqa)
 
+    def per_head_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries and keys [B, T, H, D] after the projections, before RoPE: unchanged here; a family's
+        attention overrides it (QK-norm)."""
+        return q, k
+
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 cache: KVCache | None = None, pos: int = 0) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, -1, self.head_dim)
-        k = self.k_proj(x).view(b, t, -1, self.head_dim)
+        q, k = self.per_head_qk(self.q_proj(x).view(b, t, -1, self.head_dim),
+                                self.k_proj(x).view(b, t, -1, self.head_dim))
         v = self.v_proj(x).view(b, t, -1, self.head_dim)
         if rope is not None:
             cos, sin = rope

@@ -21,7 +21,8 @@ from megaloom.parallel.zero import ShardedOptimizer, build_data_parallel
 
 # ~34M parameters: big enough that a gathered state stands out from allocator noise, small enough for CI.
 SETTINGS = ["model.vocab_size=8192", "model.d_model=512", "model.n_layers=8", "model.n_heads=8", "model.n_kv_heads=8",
-            "model.ffn_dim=2048", "train.seq_len=16", "model.max_seq_len=16", "parallel.tp=2", "parallel.zero=1"]
+            "model.ffn_dim=2048", "train.seq_len=16", "model.max_seq_len=16", "parallel.tp=2", "parallel.zero=1",
+            "train.global_batch_size=64", "train.micro_batch_size=2"]
 
 
 def _status(key: str) -> int:

@@ -9,7 +9,6 @@ import torch
 
 from megaloom.cli import main
 from megaloom.config import load_config
-from megaloom.generate import generate
 from megaloom.models import Transformer, apply_recompute
 from megaloom.models.layers import apply_rope
 from megaloom.models.plan import DECODER_PLAN
@@ -17,6 +16,7 @@ from megaloom.models.qwen3.model import Qwen3Attention
 from megaloom.models.registry import get_family
 from megaloom.parallel.styles import PartialGrad
 from tests.conftest import tiny_overrides
+from tests.models.test_transformer import check_kv_cache_matches_full_recompute
 
 VOCAB = 96
 
@@ -66,18 +66,7 @@ def test_qk_norm_is_per_head_and_before_rope():
 
 
 def test_kv_cache_generation_matches_full_recompute():
-    m = tiny().eval()
-    prompt = torch.randint(0, VOCAB, (2, 7))
-    a = generate(m, prompt, 20, temperature=0.0, use_cache=True)
-    b = generate(m, prompt, 20, temperature=0.0, use_cache=False)
-    assert torch.equal(a, b)
-    caches = m.new_caches(2, 27)
-    with torch.no_grad():
-        inc = [m(a[:, :7], caches=caches, pos=0)[:, -1]]
-        for i in range(7, 26):
-            inc.append(m(a[:, i:i + 1], caches=caches, pos=i)[:, -1])
-        full = m(a[:, :26])[:, 6:]
-    torch.testing.assert_close(torch.stack(inc, 1), full, atol=1e-5, rtol=1e-5)
+    check_kv_cache_matches_full_recompute(tiny().eval(), VOCAB)
 
 
 @pytest.mark.parametrize("mode", ["selective", "full"])

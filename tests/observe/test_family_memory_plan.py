@@ -19,13 +19,12 @@ import dataclasses
 import pytest
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from megaloom.config import ConfigError, load_config
 from megaloom.models import llama
 from megaloom.models.attention import Attention
 from megaloom.models.family import Family
-from megaloom.models.layers import apply_rope, rope_tables
+from megaloom.models.layers import rope_tables
 from megaloom.models.registry import FAMILIES
 from megaloom.models.transformer import Block, Transformer
 from megaloom.observe.memory_plan import analytic_params, block_activation_bytes, count_model_params
@@ -44,21 +43,8 @@ class QKNormAttention(Attention):
         self.q_norm = nn.RMSNorm(self.head_dim, eps=norm_eps)
         self.k_norm = nn.RMSNorm(self.head_dim, eps=norm_eps)
 
-    def forward(self, x, rope, cache=None, pos=0):
-        b, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, t, -1, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(b, t, -1, self.head_dim))
-        v = self.v_proj(x).view(b, t, -1, self.head_dim)
-        if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if cache is not None:
-            k, v = cache.update(k, v, pos)
-        if self.recompute_core and torch.is_grad_enabled():
-            y = checkpoint(self._core, q, k, v, pos, use_reentrant=False)
-        else:
-            y = self._core(q, k, v, pos)
-        return self.resid_dropout(self.o_proj(y.transpose(1, 2).reshape(b, t, -1)))
+    def per_head_qk(self, q, k):
+        return self.q_norm(q), self.k_norm(k)
 
 
 QK_NORM = Family(name="qk-norm-stand-in", description="llama with QK-norm (test stand-in)",

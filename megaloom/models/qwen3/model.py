@@ -5,17 +5,15 @@ Face's Qwen3Attention does.
 The projections keep the decoder's names (q_proj, k_proj, v_proj, o_proj), so the decoder plan's column /
 row-parallel entries apply unchanged; under tensor parallelism each rank normalises its own heads, which is
 why the qwen3 plan marks q_norm / k_norm as `PartialGrad`. The KV cache stores keys after norm and RoPE, and
-selective recomputation / dropout streams act on the same `_core` as in the base class.
+selective recomputation / dropout streams are the base class's: only `per_head_qk` differs.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-from megaloom.models.attention import Attention, KVCache
-from megaloom.models.layers import apply_rope
+from megaloom.models.attention import Attention
 
 
 class Qwen3Attention(Attention):
@@ -25,21 +23,5 @@ class Qwen3Attention(Attention):
         self.q_norm = nn.RMSNorm(self.head_dim, eps=norm_eps)
         self.k_norm = nn.RMSNorm(self.head_dim, eps=norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                cache: KVCache | None = None, pos: int = 0) -> torch.Tensor:
-        b, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, t, -1, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(b, t, -1, self.head_dim))
-        v = self.v_proj(x).view(b, t, -1, self.head_dim)
-        if rope is not None:
-            cos, sin = rope
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D]
-        if cache is not None:
-            k, v = cache.update(k, v, pos)
-        if self.recompute_core and torch.is_grad_enabled():
-            y = checkpoint(self._core, q, k, v, pos, use_reentrant=False)
-        else:
-            y = self._core(q, k, v, pos)
-        y = y.transpose(1, 2).reshape(b, t, -1)
-        return self.resid_dropout(self.o_proj(y))
+    def per_head_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.q_norm(q), self.k_norm(k)
