@@ -20,11 +20,6 @@ VOCAB = 128
 pytestmark = pytest.mark.filterwarnings("ignore:.*has no tokenizer.json")
 
 
-@pytest.fixture(autouse=True)
-def _quiet_transformers():
-    transformers.logging.set_verbosity_error()
-
-
 def hf_model(arch: str, tied: bool):
     """A tiny randomly initialised HF model; norms are randomised too, so a swapped norm would show."""
     torch.manual_seed(0)

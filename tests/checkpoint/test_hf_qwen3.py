@@ -21,11 +21,6 @@ VOCAB = 256
 pytestmark = pytest.mark.filterwarnings("ignore:.*has no tokenizer.json")
 
 
-@pytest.fixture(autouse=True)
-def _quiet_transformers():
-    transformers.logging.set_verbosity_error()
-
-
 def hf_config(tied: bool, **changes) -> transformers.Qwen3Config:
     return transformers.Qwen3Config(**{**dict(
         hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=16,

@@ -6,6 +6,9 @@ vocab_size 0 means "take the tokenizer's vocabulary".
 
 from __future__ import annotations
 
+LLAMA3_1B = dict(n_layers=16, d_model=2048, n_heads=32, n_kv_heads=8, ffn_dim=8192, vocab_size=128256,
+                 max_seq_len=8192, tie_embeddings=True, rope_theta=500000.0, norm_eps=1e-5)
+
 PRESETS: dict[str, dict] = {
     # A small Llama-style model for CPU runs and tests.
     "tiny": dict(n_layers=4, d_model=128, n_heads=4, n_kv_heads=2, ffn_dim=384, vocab_size=0,
@@ -26,13 +29,9 @@ PRESETS: dict[str, dict] = {
                          moe_every=1, n_experts=8, top_k=2, n_shared_experts=0, expert_ffn_dim=14336,
                          router_score="softmax", aux_loss_weight=0.01),
     # Llama-3.2-1B shape (tied embeddings). RoPE frequency scaling of the 3.2 release is not applied.
-    "llama3-1b": dict(n_layers=16, d_model=2048, n_heads=32, n_kv_heads=8, ffn_dim=8192,
-                      vocab_size=128256, max_seq_len=8192, tie_embeddings=True, rope_theta=500000.0,
-                      norm_eps=1e-5),
+    "llama3-1b": LLAMA3_1B,
     # The same shape untied: what TorchTitan's "1B" flavour in ../shared/bench trains (1,498,482,688 params).
-    "llama3-1b-untied": dict(n_layers=16, d_model=2048, n_heads=32, n_kv_heads=8, ffn_dim=8192,
-                             vocab_size=128256, max_seq_len=8192, tie_embeddings=False, rope_theta=500000.0,
-                             norm_eps=1e-5),
+    "llama3-1b-untied": {**LLAMA3_1B, "tie_embeddings": False},
     "llama3-8b": dict(n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, ffn_dim=14336,
                       vocab_size=128256, max_seq_len=8192, tie_embeddings=False, rope_theta=500000.0,
                       norm_eps=1e-5),
