@@ -172,9 +172,12 @@ class CheckpointConfig:
     keep: int = _f(3, "Most recent checkpoints kept; older ones are deleted.")
     resume: str = _f("auto", "auto = latest in run.dir if any; none = start fresh; or a checkpoint directory.")
     async_save: bool = _f(True, "Two-stage save: copy to host memory at the step boundary, write in the background "
-                                "(blocking saves are used with pipeline parallelism).")
+                                "(every rank its own slices).")
     final: bool = _f(True, "Save at the last step. false for throwaway runs (benchmarks, parity checks): a 1B "
                            "model's 18 GB of weights and optimizer state are not written.")
+    timeout_s: float = _f(3600.0, "Timeout of the checkpoint process group (save barriers, checksum gathering, the "
+                                  "vote on which checkpoint verified): slow storage must not trip the training "
+                                  "collectives' timeout.")
 
 
 @dataclass

@@ -23,16 +23,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from megaloom.checkpoint.group import CheckpointGroup
 from megaloom.checkpoint.sharded import Slices, SlicesSavePlanner, sharded_state
 from megaloom.checkpoint.store import (
     OPTIMIZER_FLAG,
     CheckpointError,
     begin_save,
     commit_save,
+    gather_own_checksums,
     rng_state,
     step_name,
     write_rng,
@@ -104,9 +105,11 @@ class AsyncCheckpointer:
     stall). Errors of the background write are raised by the next `save` or `wait` of the rank that hit them.
     `on_written(record)` runs in the writer thread after each commit (e.g. to print the write time)."""
 
-    def __init__(self, on_written: Callable[[SaveRecord], None] | None = None) -> None:
-        # Collective over the world when distributed: the writer threads' own process group (module doc).
-        self._group = dist.new_group(backend="gloo") if dist.is_available() and dist.is_initialized() else None
+    def __init__(self, on_written: Callable[[SaveRecord], None] | None = None,
+                 group: CheckpointGroup | None = None) -> None:
+        # The writer threads' own process group (module doc): the trainer's checkpoint group, or one made here
+        # (collective over the world when distributed).
+        self._ckpt = group if group is not None else CheckpointGroup()
         self._buffers = _HostBuffers()
         self._thread: threading.Thread | None = None
         self._pending: SaveRecord | None = None
@@ -168,12 +171,14 @@ class AsyncCheckpointer:
                keep: int, commit: bool) -> None:
         t0 = time.perf_counter()
         try:
-            if self._group is None:
+            if self._ckpt.group is None:
                 write_tensors(tmp, snapshot, no_dist=True)
             else:  # every rank its slices; returns once all have written (DCP's finish step is collective)
-                dcp.save(snapshot, checkpoint_id=str(tmp), process_group=self._group, planner=SlicesSavePlanner())
+                dcp.save(snapshot, checkpoint_id=str(tmp), process_group=self._ckpt.group,
+                         planner=SlicesSavePlanner())
+            hashed = gather_own_checksums(tmp, self._ckpt)  # each writer hashes its own files
             if commit:
-                commit_save(ckpt_root, tmp, record.step, run_state, keep)
+                commit_save(ckpt_root, tmp, record.step, run_state, keep, hashed)
         except BaseException as e:  # reported to the training loop by the next save()/wait()
             record.error = e
             return

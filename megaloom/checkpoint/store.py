@@ -35,6 +35,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from megaloom.checkpoint.group import CheckpointGroup
 from megaloom.checkpoint.sharded import SlicesLoadPlanner, SlicesSavePlanner, after_load, sharded_state
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.state import ensure_optimizer_state
@@ -97,23 +98,28 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
 
 def save_checkpoint(ckpt_root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                     run_state: dict, keep: int, rank: int = 0,
-                    barrier: Callable[[], None] = lambda: None, mesh: Mesh | None = None) -> Path:
+                    barrier: Callable[[], None] = lambda: None, mesh: Mesh | None = None,
+                    group: CheckpointGroup | None = None) -> Path:
     """Write checkpoint `step_<step>` atomically; every rank calls this. Returns the final directory.
 
     Each rank writes only the slices it holds, under the single model's names and full shapes
     (checkpoint/sharded.py), so the files do not depend on the parallel layout and nothing is gathered. With
     optimizer=None only the model is stored, without RNG states (e.g. weights imported from Hugging Face);
-    loading such a checkpoint leaves the optimizer fresh."""
+    loading such a checkpoint leaves the optimizer fresh. With ``group`` (the trainer's), each rank checksums the
+    files it wrote and rank 0 merges them into the manifest; without, rank 0 checksums everything."""
     mesh = mesh or Mesh.single()
+    if group is not None:
+        rank, barrier = group.rank, group.barrier
     tmp = begin_save(ckpt_root, step, rank)
     barrier()
     write_tensors(tmp, sharded_state(model, optimizer, mesh))
     if optimizer is not None:  # a model-only checkpoint is a starting point: the trainer's own seeding stands
         write_rng(tmp, rank, rng_state())
     barrier()
+    hashed = gather_own_checksums(tmp, group)
     if rank == 0:
         run_state = {**run_state, OPTIMIZER_FLAG: optimizer is not None}
-        commit_save(ckpt_root, tmp, step, run_state, keep)
+        commit_save(ckpt_root, tmp, step, run_state, keep, hashed)
     barrier()
     return ckpt_root / step_name(step)
 
@@ -152,15 +158,34 @@ def write_rng(tmp: Path, rank: int, rng: dict[str, torch.Tensor]) -> None:
     torch.save(rng, tmp / f"rng_rank{rank}.pt")
 
 
-def commit_save(ckpt_root: Path, tmp: Path, step: int, run_state: dict, keep: int) -> Path:
-    """Rank 0, once every file is in tmp: state.json, manifest of checksums, fsync, rename into place, move
-    `latest`, prune. A crash anywhere before the rename leaves only a .tmp directory behind."""
+def own_files(tmp: Path, rank: int) -> list[Path]:
+    """The files rank ``rank`` wrote into a checkpoint directory: its DCP data files and its RNG file."""
+    return sorted(p for p in tmp.iterdir()
+                  if p.is_file() and (p.name.startswith(f"__{rank}_") or p.name == f"rng_rank{rank}.pt"))
+
+
+def gather_own_checksums(tmp: Path, group: CheckpointGroup | None) -> dict | None:
+    """Each rank checksums what it wrote, in parallel; rank 0 gets the union (None without a group, or on
+    other ranks): hashing is split across writers instead of rank 0 reading the whole checkpoint."""
+    if group is None:
+        return None
+    mine = {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size} for p in own_files(tmp, group.rank)}
+    parts = group.gather(mine)
+    return None if parts is None else {k: v for part in parts for k, v in part.items()}
+
+
+def commit_save(ckpt_root: Path, tmp: Path, step: int, run_state: dict, keep: int,
+                hashed: dict | None = None) -> Path:
+    """Rank 0, once every file is in tmp: state.json, manifest of checksums (``hashed``: those the writers already
+    computed), fsync, rename into place, move `latest`, prune. A crash anywhere before the rename leaves only a
+    .tmp directory behind."""
     _pause_for_tests()
     name = step_name(step)
     final = ckpt_root / name
     (tmp / STATE).write_text(json.dumps({**run_state, "step": step, "saved_at": time.time()}, indent=1))
     files = sorted(p for p in tmp.iterdir() if p.is_file() and p.name != MANIFEST)
-    manifest = {p.name: {"sha256": _sha256(p), "bytes": p.stat().st_size} for p in files}
+    hashed = hashed or {}
+    manifest = {p.name: hashed.get(p.name) or {"sha256": _sha256(p), "bytes": p.stat().st_size} for p in files}
     _write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
     for p in tmp.iterdir():
         with open(p, "rb") as f:
@@ -188,22 +213,42 @@ def _prune(ckpt_root: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def verify_checkpoint(path: Path) -> dict:
-    """Check that `path` is complete and every file matches its checksum; return its state.json."""
+def verify_checkpoint(path: Path, group: CheckpointGroup | None = None) -> dict:
+    """Check that `path` is complete and every file matches its checksum; return its state.json.
+
+    With ``group`` the files are split over the ranks (each hashes every size-th one) and the verdict is agreed:
+    every rank raises the same CheckpointError or none does, so all ranks load the same checkpoint."""
+    problem = _manifest_problem(path)
+    if problem is None:
+        manifest = json.loads((path / MANIFEST).read_text())
+        names = sorted(manifest)
+        mine = names[group.rank::group.size] if group is not None else names
+        problem = next((p for p in (_file_problem(path, n, manifest[n]) for n in mine) if p), None)
+    if group is not None and not group.all_true(problem is None):
+        problem = next(p for p in group.all_gather(problem) if p)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {path}{problem}")
+    return json.loads((path / STATE).read_text())
+
+
+def _manifest_problem(path: Path) -> str | None:
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
-        raise CheckpointError(f"checkpoint {path} is incomplete: no {MANIFEST} (the save was interrupted).")
+        return f" is incomplete: no {MANIFEST} (the save was interrupted)."
     try:
-        manifest = json.loads(manifest_path.read_text())
+        json.loads(manifest_path.read_text())
     except json.JSONDecodeError as e:
-        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is corrupt ({e}).") from e
-    for fname, info in manifest.items():
-        f = path / fname
-        if not f.is_file():
-            raise CheckpointError(f"checkpoint {path}: file {fname} listed in the manifest is missing.")
-        if f.stat().st_size != info["bytes"] or _sha256(f) != info["sha256"]:
-            raise CheckpointError(f"checkpoint {path}: file {fname} is corrupt (checksum mismatch).")
-    return json.loads((path / STATE).read_text())
+        return f": {MANIFEST} is corrupt ({e})."
+    return None
+
+
+def _file_problem(path: Path, fname: str, info: dict) -> str | None:
+    f = path / fname
+    if not f.is_file():
+        return f": file {fname} listed in the manifest is missing."
+    if f.stat().st_size != info["bytes"] or _sha256(f) != info["sha256"]:
+        return f": file {fname} is corrupt (checksum mismatch)."
+    return None
 
 
 def find_checkpoints(ckpt_root: Path) -> list[Path]:
@@ -232,13 +277,14 @@ def check_compatible(saved: dict, current: dict) -> None:
 
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                    rank: int = 0, model_cfg: dict | None = None, mesh: Mesh | None = None) -> dict:
+                    rank: int = 0, model_cfg: dict | None = None, mesh: Mesh | None = None,
+                    group: CheckpointGroup | None = None) -> dict:
     """Verify and load `path` into model (and optimizer); restore this rank's RNG. Returns state.json.
 
     A model-only checkpoint (state.json has_optimizer_state false) leaves the optimizer untouched, i.e. fresh
     for a fine-tune; the RNG is restored only if the checkpoint has a file for this rank."""
     mesh = mesh or Mesh.single()
-    state = verify_checkpoint(path)
+    state = verify_checkpoint(path, group)
     if model_cfg is not None and "model" in state:
         check_compatible(state["model"], model_cfg)
     with_optim = optimizer is not None and state.get(OPTIMIZER_FLAG, True)
@@ -256,14 +302,18 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
 
 def load_newest(ckpt_root: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, rank: int = 0,
                 model_cfg: dict | None = None, mesh: Mesh | None = None,
-                warn: Callable[[str], None] = print) -> tuple[Path, dict] | None:
+                warn: Callable[[str], None] = print, group: CheckpointGroup | None = None) -> tuple[Path, dict] | None:
     """Load the newest checkpoint under `ckpt_root` that verifies; returns (path, state.json) or None if none does.
 
     A damaged newer checkpoint is reported through `warn` and skipped; an incompatible one (another model
     shape) is an error, since falling back would not help."""
-    for path in find_checkpoints(ckpt_root):
+    candidates = find_checkpoints(ckpt_root)
+    if group is not None:  # one list for the job: rank 0's view of the directory
+        candidates = group.all_gather(candidates)[0]
+    for path in candidates:
         try:
-            return path, load_checkpoint(path, model, optimizer, rank=rank, model_cfg=model_cfg, mesh=mesh)
+            return path, load_checkpoint(path, model, optimizer, rank=rank, model_cfg=model_cfg, mesh=mesh,
+                                         group=group)
         except CheckpointError as e:
             if "incompatible" in str(e):
                 raise

@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 from megaloom.checkpoint import AsyncCheckpointer, CheckpointError, load_checkpoint, load_newest, save_checkpoint
+from megaloom.checkpoint.group import CheckpointGroup
 from megaloom.config import Config
 from megaloom.observe.log import get_logger
 from megaloom.parallel.mesh import Mesh
@@ -20,16 +21,18 @@ class RunCheckpoints:
 
     def __init__(self, cfg: Config, run_dir: Path, rt: Runtime, mesh: Mesh) -> None:
         self.cfg, self.root, self.rt, self.mesh = cfg, run_dir / "checkpoints", rt, mesh
+        # Collective: every rank makes the checkpoint group here (checkpoint/group.py).
+        self.group = CheckpointGroup(cfg.checkpoint.timeout_s)
         self.saver: AsyncCheckpointer | None = None
 
     def start_background_saves(self) -> None:
-        """checkpoint.async_save (not with pipelines): saves copy to host and write in a background thread."""
-        if self.cfg.checkpoint.async_save:  # every rank writes its own slices, pipeline stages included
+        """checkpoint.async_save: saves copy to host and write in a background thread, every rank its slices."""
+        if self.cfg.checkpoint.async_save:
             report = (lambda r: log.info(f"checkpoint {r.path.name} written in {r.write_s:.2f}s (background)"))
-            self.saver = AsyncCheckpointer(on_written=report if self.rt.is_main else None)
+            self.saver = AsyncCheckpointer(on_written=report if self.rt.is_main else None, group=self.group)
 
     def _warn(self, msg: str) -> None:
-        if self.rt.is_main:  # every rank verifies the same files: one warning for the job
+        if self.rt.is_main:  # the ranks agree on every verdict: one warning for the job
             log.warning(msg)
 
     def resume(self, model, optimizer) -> tuple[int, dict]:
@@ -40,7 +43,7 @@ class RunCheckpoints:
             return 0, {}
         if choice == "auto":
             found = load_newest(self.root, model, optimizer, rank=rt.rank, model_cfg=cfg.model.__dict__, mesh=mesh,
-                                warn=self._warn)
+                                warn=self._warn, group=self.group)
             if found is None:
                 return 0, {}
             path, state = found
@@ -48,7 +51,8 @@ class RunCheckpoints:
             path = Path(choice)
             if not path.is_dir():
                 raise CheckpointError(f"checkpoint.resume: directory '{choice}' not found.")
-            state = load_checkpoint(path, model, optimizer, rank=rt.rank, model_cfg=cfg.model.__dict__, mesh=mesh)
+            state = load_checkpoint(path, model, optimizer, rank=rt.rank, model_cfg=cfg.model.__dict__, mesh=mesh,
+                                    group=self.group)
         _check_data_compatible(state, cfg)
         log.info(f"resumed from {path} at step {state['step']}")
         return int(state["step"]), state
@@ -63,12 +67,12 @@ class RunCheckpoints:
             state["loss_scaler"] = train_step.scaler.state_dict()
         if self.saver is not None:
             rec = self.saver.save(self.root, step, model, optimizer, state, cfg.checkpoint.keep, rank=rt.rank,
-                                  barrier=rt.barrier, mesh=mesh)
+                                  barrier=self.group.barrier, mesh=mesh)
             log.info(f"checkpoint step {step}: training paused {rec.stall_s:.3f}s (copy to host; "
                      f"{rec.wait_s:.3f}s of it waiting for the previous write), writing in the background")
             return rec.stall_s
-        path = save_checkpoint(self.root, step, model, optimizer, state, cfg.checkpoint.keep,
-                               rank=rt.rank, barrier=rt.barrier, mesh=mesh)
+        path = save_checkpoint(self.root, step, model, optimizer, state, cfg.checkpoint.keep, mesh=mesh,
+                               group=self.group)
         stall = time.perf_counter() - t0
         log.info(f"saved checkpoint {path} in {stall:.2f}s")
         return stall
@@ -77,7 +81,7 @@ class RunCheckpoints:
         """Restore the newest checkpoint that verifies (model, optimizer, RNG); returns its step."""
         self.wait()
         found = load_newest(self.root, model, optimizer, rank=self.rt.rank, model_cfg=self.cfg.model.__dict__,
-                            mesh=self.mesh, warn=self._warn)
+                            mesh=self.mesh, warn=self._warn, group=self.group)
         if found is None:
             raise RuntimeError("non-finite steps in a row and no checkpoint to roll back to; set checkpoint.every "
                                "lower, lower train.lr, or check the data.")
@@ -87,7 +91,7 @@ class RunCheckpoints:
     def wait(self) -> None:
         """The background write in flight (if any) is on disk when this returns, on every rank."""
         if self.saver is not None:
-            self.saver.wait(self.rt.barrier)
+            self.saver.wait(self.group.barrier)
 
 
 def run_state(cfg: Config, step: int) -> dict:

@@ -92,3 +92,42 @@ def save_load_peak(rank: int, world: int, device, root: str) -> dict:
     gathered_s = time.perf_counter() - t0
     return {"held": held, "save": save.bytes, "load": load.bytes, "gathered": old.bytes, "same": same and same_opt,
             "save_s": save_s, "gathered_s": gathered_s}
+
+
+def agreed_fallback(rank: int, world: int, device, root: str) -> dict:
+    """Two saves over the checkpoint group (tp=2); then one file that only rank 1 wrote is corrupted in the newer
+    one. Both ranks must reject it together and load the older one, each having hashed only its share."""
+    import megaloom.checkpoint.store as store
+    from megaloom.checkpoint.group import CheckpointGroup
+
+    torch.set_num_threads(1)
+    cfg = load_config(None, ["model.vocab_size=64", "model.d_model=32", "model.n_layers=1", "model.n_heads=2",
+                             "model.n_kv_heads=2", "model.ffn_dim=64", "train.seq_len=8", "model.max_seq_len=8",
+                             "parallel.tp=2", "train.global_batch_size=2", "train.micro_batch_size=1"])
+    mesh = Mesh.build(cfg, world, rank, device)
+    group = CheckpointGroup(timeout_s=120)
+    torch.manual_seed(0)
+    model = parallelize_tensor(Transformer(cfg.model), mesh, sp=False)
+    ckpt_root = Path(root) / "checkpoints"
+    for step in (1, 2):
+        with torch.no_grad():
+            model.tok_emb.weight.fill_(float(step))
+        store.save_checkpoint(ckpt_root, step, model, None, {"model": cfg.model.__dict__}, keep=3, mesh=mesh,
+                              group=group)
+    group.barrier()
+    if rank == 1:
+        damaged = sorted((ckpt_root / "step_00000002").glob("__1_*.distcp"))[0]
+        data = bytearray(damaged.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        damaged.write_bytes(bytes(data))
+    group.barrier()
+    hashed: list[str] = []
+    real_sha = store._sha256
+    store._sha256 = lambda p: hashed.append(f"{p.parent.name}/{p.name}") or real_sha(p)
+    warnings: list[str] = []
+    try:
+        found = store.load_newest(ckpt_root, model, None, rank=rank, mesh=mesh, warn=warnings.append, group=group)
+    finally:
+        store._sha256 = real_sha
+    return {"loaded": found[0].name if found else None, "emb": float(model.tok_emb.weight.mean()),
+            "hashed": hashed, "warned": bool(warnings)}

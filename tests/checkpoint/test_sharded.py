@@ -39,3 +39,16 @@ def test_save_and_load_cost_a_rank_its_share_not_the_model() -> None:
         assert r["save"] <= budget, r
         assert r["load"] <= budget, r
         assert r["gathered"] > r["held"], r  # the measurement sees what it is meant to catch
+
+
+def test_ranks_agree_on_which_checkpoint_verifies() -> None:
+    """A file only rank 1 reads is corrupt in the newest checkpoint: both ranks fall back together (rank 0 alone
+    would have found nothing wrong with its share), and the hashing was split between them."""
+    from tests.checkpoint.sharded_worlds import agreed_fallback
+
+    with tempfile.TemporaryDirectory(prefix="megaloom-agree-") as root:
+        results = run_world(2, agreed_fallback, root)
+    assert [r["loaded"] for r in results] == ["step_00000001"] * 2, results
+    assert all(r["emb"] == 1.0 for r in results)
+    newest = [{n for n in r["hashed"] if n.startswith("step_00000002/")} for r in results]
+    assert newest[0] and newest[1] and not newest[0] & newest[1], newest  # each file hashed by one rank
