@@ -119,10 +119,7 @@ def _cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megaloom", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
-
+def _add_train(sub: argparse._SubParsersAction) -> None:
     t = sub.add_parser("train", help="train a model (also under torchrun)")
     t.add_argument("--config", help="YAML file with sections model:, parallel:, train:, data:, checkpoint:, run:")
     t.add_argument("--nproc", type=int, default=0, help="run N processes on this node through torchrun")
@@ -133,6 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.steps=50")
     t.set_defaults(fn=_cmd_train)
 
+
+def _add_preprocess(sub: argparse._SubParsersAction) -> None:
     pp = sub.add_parser("preprocess", help="text / JSONL files or folders -> memory-mapped token files")
     pp.add_argument("inputs", nargs="+")
     pp.add_argument("--tokenizer", required=True, help="tokenizer.json")
@@ -141,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     pp.add_argument("--json-key", default="text")
     pp.set_defaults(fn=_cmd_preprocess)
 
+
+def _add_tokenizer(sub: argparse._SubParsersAction) -> None:
     tk = sub.add_parser("tokenizer", help="tokenizer tools")
     tk_sub = tk.add_subparsers(dest="tokenizer_command", required=True)
     tt = tk_sub.add_parser("train", help="fit a byte-level BPE on text files or folders")
@@ -149,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     tt.add_argument("--out", required=True, help="path of the tokenizer.json to write")
     tt.set_defaults(fn=_cmd_tokenizer)
 
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser("generate", help="sample text from a run's latest checkpoint")
     g.add_argument("--run", required=True, help="run directory")
     g.add_argument("--prompt", default="")
@@ -160,18 +163,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-cache", action="store_true", help="recompute the whole prefix each step (slow)")
     g.set_defaults(fn=_cmd_generate)
 
+
+def _add_plot(sub: argparse._SubParsersAction) -> None:
     pl = sub.add_parser("plot", help="write the loss curve of a run as a PNG; several runs: overlaid, with the gap "
                                      "of each to the first")
     pl.add_argument("run_dir", nargs="+", help="run directories (or, to compare, metrics .jsonl files)")
     pl.add_argument("--out", default=None)
     pl.set_defaults(fn=_cmd_plot)
 
+
+def _add_doctor(sub: argparse._SubParsersAction) -> None:
     d = sub.add_parser("doctor", help="pre-flight self-check of every rank (matmul, collectives); under torchrun")
     d.add_argument("--nproc", type=int, default=0, help="start N local processes through torchrun")
     d.add_argument("--factor", type=float, default=2.0, help="slow = more than FACTOR x the median time")
     d.add_argument("--matmul-n", type=int, default=512)
     d.set_defaults(fn=_cmd_doctor)
 
+
+def _add_schedule(sub: argparse._SubParsersAction) -> None:
     sc = sub.add_parser("schedule", help="draw a pipeline schedule's planned timeline and print its bubble")
     sc.add_argument("--pp", type=int, required=True)
     sc.add_argument("--vpp", type=int, default=1)
@@ -180,14 +189,20 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--out", default="schedule.png", help=".png picture or .json Chrome trace (Perfetto)")
     sc.set_defaults(fn=_cmd_schedule)
 
+
+def _add_status(sub: argparse._SubParsersAction) -> None:
     st = sub.add_parser("status", help="per-rank heartbeat of a run (step, age, last operation)")
     st.add_argument("run_dir")
     st.set_defaults(fn=_cmd_status)
 
+
+def _add_convert(sub: argparse._SubParsersAction) -> None:
     from megaloom.convert.cli import add_convert_parser
 
     add_convert_parser(sub)
 
+
+def _add_memory(sub: argparse._SubParsersAction) -> None:
     mem = sub.add_parser("memory", help="predicted memory per GPU for a configuration (nothing runs); with "
                                         "--gpu-gb, the largest micro-batch that fits for each recompute mode")
     mem.add_argument("--config")
@@ -196,11 +211,25 @@ def build_parser() -> argparse.ArgumentParser:
     mem.add_argument("overrides", nargs="*")
     mem.set_defaults(fn=_cmd_memory)
 
+
+def _add_config(sub: argparse._SubParsersAction) -> None:
     c = sub.add_parser("config", help="print the resolved config, or every key with --list")
     c.add_argument("--config")
     c.add_argument("--list", action="store_true")
     c.add_argument("overrides", nargs="*")
     c.set_defaults(fn=_cmd_config)
+
+
+# The subcommands in the order `megaloom --help` lists them.
+_SUBCOMMANDS = (_add_train, _add_preprocess, _add_tokenizer, _add_generate, _add_plot, _add_doctor, _add_schedule,
+                _add_status, _add_convert, _add_memory, _add_config)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megaloom", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    for add in _SUBCOMMANDS:
+        add(sub)
     return p
 
 

@@ -548,103 +548,252 @@ def plan_memory(cfg: Config, model: nn.Module | None = None, *, world_size: int 
     (tp * pp * cp)); ``device``: "cuda" (the GPU kernels' save-sets) or "cpu"; ``pp_rank``: this rank's
     pipeline stage; ``n_micro``: micro-batches per step on this rank (default from the config).
     """
+    lay = _layout(cfg, world_size, device, pp_rank, n_micro)
+    rank = _rank_model(lay, model)
+    blocks = _Blocks(lay, rank.counts, rank.position, _fp8_layers(lay))
+    acts = _stage_activations(lay, rank, blocks)
+    state = _persistent_state(lay, rank.counts)
+    step_transient = _step_transient(lay.cfg, device, state.p_opt, rank.counts.largest, lay.tp, lay.pp, lay.dp,
+                                     state.buckets)
+    peaks = _play_events(lay, rank, acts, state, step_transient)
+    peak_phase = max(peaks.phases, key=lambda k: peaks.phases[k])
+    loss_transient = max(acts.loss["loss forward"], acts.loss["loss backward"]) if rank.has_head else 0
+    first = rank.layers[0] if rank.layers else 0
+    return MemoryPlan(weights=state.weights, gradients=state.gradients, optimizer=state.optimizer,
+                      activations=peaks.activations, weight_casts=peaks.weight_casts, loss_transient=loss_transient,
+                      step_transient=step_transient, workspace=state.workspace, peak=peaks.phases[peak_phase],
+                      peak_phase=peak_phase, phases=peaks.phases, per_layer=blocks.saved(first),
+                      layers=len(rank.layers), in_flight=peaks.in_flight,
+                      setup=_setup(lay, rank, acts, _grad_note(lay.zero, state)), notes=_notes(lay, rank.counts))
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """The quantities every part of the plan shares: the config (train.precision resolved) and this rank's
+    place in the parallel layout."""
+
+    cfg: Config  # train.precision resolved for the device ("auto" -> bf16 / fp32)
+    device: str
+    world_size: int
+    tp: int
+    pp: int
+    vpp: int
+    cp: int
+    dp: int
+    zero: int
+    pp_rank: int
+    n_micro: int  # micro-batches per step on this rank
+    precision: str
+    tokens: int  # per micro-batch on this rank: micro_batch x seq_len / cp
+    batch: int  # sequences per micro-batch
+    sp: bool  # sequence parallelism in effect (tp > 1)
+    attention: str  # the SDPA save-set (`attention_backend`)
+
+    @property
+    def autocast(self) -> bool:
+        return self.precision != "fp32"
+
+    @property
+    def n_r(self) -> int:
+        """Tokens in the residual stream (tokens / tp with sequence parallelism)."""
+        return self.tokens // self.tp if self.sp else self.tokens
+
+
+def _layout(cfg: Config, world_size: int, device: str, pp_rank: int, n_micro: int | None) -> _Layout:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     if m.vocab_size <= 0:
         raise ValueError("plan_memory: model.vocab_size must be resolved (> 0) first")
-    tp, pp, vpp, cp = p.tp, p.pp, p.vpp, p.cp
+    tp, pp, cp = p.tp, p.pp, p.cp
     dp = max(1, world_size // (tp * pp * cp))
-    zero = p.zero
     if n_micro is None:
         n_micro = max(1, t.global_batch_size // (dp * t.micro_batch_size))
     precision = compute_precision(cfg, device)
     if precision != t.precision:
         cfg = _with_precision(cfg, precision)
-        t = cfg.train
-    autocast = precision != "fp32"
-    tokens = t.micro_batch_size * t.seq_len // cp
-    batch = t.micro_batch_size
-    sp = p.sp and tp > 1
-    attention = attention_backend(cfg, device, tp)
+    return _Layout(cfg=cfg, device=device, world_size=world_size, tp=tp, pp=pp, vpp=p.vpp, cp=cp, dp=dp,
+                   zero=p.zero, pp_rank=pp_rank, n_micro=n_micro, precision=precision,
+                   tokens=t.micro_batch_size * t.seq_len // cp, batch=t.micro_batch_size, sp=p.sp and tp > 1,
+                   attention=attention_backend(cfg, device, tp))
 
-    # This rank's blocks, by virtual stage.
-    if pp > 1:
+
+# ------------------------------------------------------------------------------ this rank's blocks and parameters
+
+
+@dataclass(frozen=True)
+class _RankModel:
+    """This rank's share of the model: its blocks by virtual stage, its compute events and its parameters."""
+
+    stages: dict[int, list[int]]  # virtual stage -> block indices
+    last: int  # the model's last virtual stage (head and loss)
+    events: list[tuple[str, int, int]]  # (kind, micro-batch, virtual stage), see `_rank_events`
+    counts: ParamCounts
+
+    @property
+    def layers(self) -> list[int]:
+        return [i for ls in self.stages.values() for i in ls]
+
+    @property
+    def position(self) -> dict[int, int]:
+        """Block index -> its place within its stage (recompute_layers counts per stage)."""
+        return {i: j for ls in self.stages.values() for j, i in enumerate(ls)}
+
+    @property
+    def has_embedding(self) -> bool:
+        return 0 in self.stages
+
+    @property
+    def has_head(self) -> bool:
+        return self.last in self.stages
+
+
+def _rank_model(lay: _Layout, model: nn.Module | None) -> _RankModel:
+    """This rank's stages (the pipeline partition), events and parameter counts: exact from ``model``, from the
+    config without it (or for a module without named blocks)."""
+    m, p = lay.cfg.model, lay.cfg.parallel
+    if lay.pp > 1:
         from megaloom.parallel.pipeline.partition import partition_layers
 
-        part = partition_layers(m.n_layers, pp, vpp, p.pp_first_stage_layers or None, p.pp_last_stage_layers or None)
-        stages = {s: list(part.layers(s)) for s in part.stages_of_rank(pp_rank)}
+        part = partition_layers(m.n_layers, lay.pp, lay.vpp, p.pp_first_stage_layers or None,
+                                p.pp_last_stage_layers or None)
+        stages = {s: list(part.layers(s)) for s in part.stages_of_rank(lay.pp_rank)}
     else:
         stages = {0: list(range(m.n_layers))}
-    events, last = _rank_events(cfg, pp, vpp, pp_rank, n_micro)
-    has_embedding, has_head = 0 in stages, last in stages
+    events, last = _rank_events(lay.cfg, lay.pp, lay.vpp, lay.pp_rank, lay.n_micro)
     layers = [i for ls in stages.values() for i in ls]
-    counts = count_model_params(model) if model is not None else analytic_params(cfg, layers, has_embedding,
-                                                                                   has_head, tp, p.ep)
-    if model is not None and not counts.matmul_layers and layers:
-        counts = analytic_params(cfg, layers, has_embedding, has_head, tp, p.ep)  # a module without named blocks
+    has_embedding, has_head = 0 in stages, last in stages
+    counts = count_model_params(model) if model is not None else None
+    if counts is None or (not counts.matmul_layers and layers):  # no module, or one without named blocks
+        counts = analytic_params(lay.cfg, layers, has_embedding, has_head, lay.tp, p.ep)
+    return _RankModel(stages, last, events, counts)
 
-    # fp8: the blocks' linears save a 1-byte input and no weight copy (first/last block kept in bf16 by default).
-    fp8_layers: set[int] = set()
-    if precision == "fp8":
-        keep = getattr(t, "fp8_keep_first_last", True)
-        fp8_layers = {i for i in range(m.n_layers) if not (keep and i in (0, m.n_layers - 1))}
 
-    # Activations per block, per stage (one micro-batch). recompute=full with recompute_layers=N: only the first
-    # N blocks of each stage recompute, the others keep everything.
-    position = {i: j for ls in stages.values() for j, i in enumerate(ls)}
-    n_recompute = getattr(t, "recompute_layers", 0) or None
+def _fp8_layers(lay: _Layout) -> frozenset[int]:
+    """fp8: the blocks whose linears save a 1-byte input and no weight copy (first/last kept in bf16 by default)."""
+    if lay.precision != "fp8":
+        return frozenset()
+    m = lay.cfg.model
+    keep = getattr(lay.cfg.train, "fp8_keep_first_last", True)
+    return frozenset(i for i in range(m.n_layers) if not (keep and i in (0, m.n_layers - 1)))
 
-    def recomputed(i: int) -> bool:
-        return t.recompute == "full" and (n_recompute is None or position[i] < n_recompute)
 
-    def block(i: int, mode: str | None = None) -> dict[str, int]:
-        if mode is None and t.recompute == "full" and not recomputed(i):
+# ------------------------------------------------------------------------------------- activations per stage
+
+
+@dataclass(frozen=True)
+class _Blocks:
+    """One block of this rank, one micro-batch: what it saves and the weight casts it holds. recompute=full with
+    recompute_layers=N: only the first N blocks of each stage recompute, the others keep everything."""
+
+    lay: _Layout
+    counts: ParamCounts
+    position: dict[int, int]  # block index -> its place within its stage
+    fp8: frozenset[int]
+
+    def recomputed(self, i: int) -> bool:
+        t = self.lay.cfg.train
+        n_recompute = getattr(t, "recompute_layers", 0) or None
+        return t.recompute == "full" and (n_recompute is None or self.position[i] < n_recompute)
+
+    def saved(self, i: int, mode: str | None = None) -> dict[str, int]:
+        lay = self.lay
+        if mode is None and lay.cfg.train.recompute == "full" and not self.recomputed(i):
             mode = "none"
-        return block_activation_bytes(cfg, tokens=tokens, batch=batch, layer=i, tp=tp, sp=sp, device=device,
-                                      recompute=mode, attention=attention, fp8=i in fp8_layers)
+        return block_activation_bytes(lay.cfg, tokens=lay.tokens, batch=lay.batch, layer=i, tp=lay.tp, sp=lay.sp,
+                                      device=lay.device, recompute=mode, attention=lay.attention, fp8=i in self.fp8)
 
-    def casts_of(i: int) -> int:
-        if not autocast:
+    def casts(self, i: int) -> int:
+        if not self.lay.autocast:
             return 0
-        if i in fp8_layers:  # converted linears quantise from the fp32 weight: no cached copy
-            return 2 * max(0, counts.matmul_layers.get(i, 0) - _fp8_linear_params(cfg, tp, is_moe_layer(m, i),
-                                                                                    getattr(t, "fp8_keep_attention",
-                                                                                            False)))
-        return 2 * counts.matmul_layers.get(i, 0)
+        cfg = self.lay.cfg
+        if i in self.fp8:  # converted linears quantise from the fp32 weight: no cached copy
+            keep_attention = getattr(cfg.train, "fp8_keep_attention", False)
+            converted = _fp8_linear_params(cfg, self.lay.tp, is_moe_layer(cfg.model, i), keep_attention)
+            return 2 * max(0, self.counts.matmul_layers.get(i, 0) - converted)
+        return 2 * self.counts.matmul_layers.get(i, 0)
 
+
+@dataclass(frozen=True)
+class _Activations:
+    """Per virtual stage of this rank (one micro-batch): saved bytes, the blocks' weight casts (all, and those kept
+    for backward), one recomputed block's transient; and the embedding's, the head's and the loss's bytes."""
+
+    saved: dict[int, int]
+    casts: dict[int, int]
+    saved_casts: dict[int, int]
+    recompute: dict[int, int]
+    embedding: int
+    head: int
+    head_cast: int  # the head's weight cast, saved for backward
+    loss: dict[str, int]  # `loss_transients`
+    offload: bool  # activation offload: the blocks' saved tensors wait in host memory
+
+
+def _stage_activations(lay: _Layout, rank: _RankModel, blocks: _Blocks) -> _Activations:
+    cfg, t = lay.cfg, lay.cfg.train
     full = t.recompute == "full"
-    emb = sum(embedding_activation_bytes(cfg, tokens=tokens, batch=batch, tp=tp, device=device).values())
-    head = sum(head_activation_bytes(cfg, tokens=tokens, tp=tp, sp=sp, device=device).values())
-    head_cast = 2 * counts.matmul_head if (autocast and has_head and not fused_loss(cfg)) else 0
-    lt = loss_transients(cfg, tokens=tokens, tp=tp, device=device)
-    n_r = tokens // tp if sp else tokens
-    stage_act, stage_casts, stage_saved_casts, stage_recompute = {}, {}, {}, {}
+    emb = sum(embedding_activation_bytes(cfg, tokens=lay.tokens, batch=lay.batch, tp=lay.tp,
+                                         device=lay.device).values())
+    head = sum(head_activation_bytes(cfg, tokens=lay.tokens, tp=lay.tp, sp=lay.sp, device=lay.device).values())
+    head_cast = 2 * rank.counts.matmul_head if (lay.autocast and rank.has_head and not fused_loss(cfg)) else 0
+    loss = loss_transients(cfg, tokens=lay.tokens, tp=lay.tp, device=lay.device)
+    saved, casts, saved_casts, recompute = {}, {}, {}, {}
     # Activation offload: the blocks' saved tensors wait in host memory; one block's come back during its backward.
-    offload = bool(getattr(t, "offload_activations", False)) and device == "cuda"
-    for s, ls in stages.items():
-        act = 0 if offload else sum(sum(block(i).values()) for i in ls)
+    offload = bool(getattr(t, "offload_activations", False)) and lay.device == "cuda"
+    for s, ls in rank.stages.items():
+        act = 0 if offload else sum(sum(blocks.saved(i).values()) for i in ls)
         act += emb if s == 0 else 0
-        act += head if s == last else 0
-        if pp > 1 and s != last:
-            act += 4 * n_r * m.d_model  # the executor keeps the stage output until its backward
-        stage_act[s] = act
-        stage_casts[s] = sum(casts_of(i) for i in ls)
-        stage_saved_casts[s] = sum(casts_of(i) for i in ls if not recomputed(i))  # recomputed blocks save none
-        stage_recompute[s] = max((sum(block(i, "none").values()) + casts_of(i) for i in ls if recomputed(i)),
-                                 default=0) if full else 0
+        act += head if s == rank.last else 0
+        if lay.pp > 1 and s != rank.last:
+            act += 4 * lay.n_r * cfg.model.d_model  # the executor keeps the stage output until its backward
+        saved[s] = act
+        casts[s] = sum(blocks.casts(i) for i in ls)
+        saved_casts[s] = sum(blocks.casts(i) for i in ls if not blocks.recomputed(i))  # recomputed blocks save none
+        recompute[s] = max((sum(blocks.saved(i, "none").values()) + blocks.casts(i) for i in ls
+                            if blocks.recomputed(i)), default=0) if full else 0
         if offload:
-            stage_recompute[s] = max([stage_recompute[s]] + [sum(block(i).values()) for i in ls])
+            recompute[s] = max([recompute[s]] + [sum(blocks.saved(i).values()) for i in ls])
+    return _Activations(saved, casts, saved_casts, recompute, emb, head, head_cast, loss, offload)
 
-    # Persistent state and gradients.
-    p_local = counts.local
-    fsdp = zero == 3 and world_size > 1
-    buckets = pp == 1 and world_size > 1 and not fsdp
+
+# ------------------------------------------------------------------------------------------- persistent state
+
+
+@dataclass(frozen=True)
+class _State:
+    """Weights, optimizer state, gradients (persistent, and as they live through a step), FSDP2's gathered blocks
+    and the CUDA workspaces."""
+
+    weights: int
+    optimizer: int
+    p_opt: int  # parameters whose optimizer state this rank keeps
+    grad_persistent: int
+    grad_after_backward: int  # gradient bytes live once a backward of the step has run
+    grad_at_step: int  # gradient bytes live during the optimizer step
+    fsdp_gather: int
+    workspace: int
+    buckets: bool  # data parallel with flat gradient buckets (megaloom.parallel.data_parallel)
+    fsdp: bool  # ZeRO-3 through FSDP2
+
+    @property
+    def gradients(self) -> int:
+        return self.grad_persistent + max(self.grad_at_step, self.grad_after_backward)
+
+    @property
+    def static(self) -> int:
+        """Live at every event of the step."""
+        return self.weights + self.optimizer + self.grad_persistent + self.workspace
+
+
+def _persistent_state(lay: _Layout, counts: ParamCounts) -> _State:
+    zero, dp, p_local = lay.zero, lay.dp, counts.local
+    fsdp = zero == 3 and lay.world_size > 1
+    buckets = lay.pp == 1 and lay.world_size > 1 and not fsdp
     weights = 4 * p_local
     p_opt = p_local // dp if (zero >= 1 and buckets) or fsdp else p_local
     if fsdp and counts.exact:
         p_opt = p_local  # the module's parameters are already the 1/dp shards
     if fsdp and not counts.exact:
         weights, p_opt = 4 * p_local // dp, p_local // dp
-    optimizer = 8 * p_opt
     grad_persistent = 0
     if buckets:
         grad_persistent = (4 * p_local if zero in (0, 1) else 0) + (4 * p_local // dp if zero in (1, 2) else 0)
@@ -653,83 +802,109 @@ def plan_memory(cfg: Config, model: nn.Module | None = None, *, world_size: int 
         grad_after_backward = 4 * p_local if zero == 2 else 0  # zero 2: buckets live from first grad to reduction
         grad_at_step = 0
     elif fsdp:
-        grad_after_backward = 4 * full_local if n_micro > 1 else 0  # FSDP2 accumulates unsharded without sync
+        grad_after_backward = 4 * full_local if lay.n_micro > 1 else 0  # FSDP2 accumulates unsharded without sync
         grad_at_step = 4 * p_opt
     else:
         grad_after_backward = grad_at_step = 4 * p_local
-    gradients = grad_persistent + max(grad_at_step, grad_after_backward)
     fsdp_gather = 0
     if fsdp:  # FSDP2 all-gathers blocks just in time (current + prefetched); the root stays gathered
         blocks_sorted = sorted(counts.block_params.values(), reverse=True)
         fsdp_gather = 4 * (counts.root_params + sum(blocks_sorted[:2]))
-    workspace = CUBLAS_WORKSPACE if device == "cuda" else 0
-    static = weights + optimizer + grad_persistent + workspace
+    return _State(weights=weights, optimizer=8 * p_opt, p_opt=p_opt, grad_persistent=grad_persistent,
+                  grad_after_backward=grad_after_backward, grad_at_step=grad_at_step, fsdp_gather=fsdp_gather,
+                  workspace=CUBLAS_WORKSPACE if lay.device == "cuda" else 0, buckets=buckets, fsdp=fsdp)
 
-    # Play the rank's events.
+
+# ----------------------------------------------------------------------------------------------- the step
+
+
+@dataclass(frozen=True)
+class _Peaks:
+    phases: dict[str, int]  # the largest live bytes per phase (PHASES)
+    activations: int  # saved bytes of the micro-batches in flight, at their largest
+    weight_casts: int  # the weight casts live at that moment
+    in_flight: int  # how many micro-batches (x chunks) were in flight then
+
+
+def _play_events(lay: _Layout, rank: _RankModel, acts: _Activations, state: _State, step_transient: int) -> _Peaks:
+    """Play this rank's forwards and backwards, then the optimizer step; the live bytes at each event."""
+    full = lay.cfg.train.recompute == "full"
+    last, lt = rank.last, acts.loss
     phases = {k: 0 for k in PHASES}
     live: dict[tuple[int, int], tuple[int, int]] = {}  # (mb, stage) -> (saved bytes, weight casts)
     backward_done = False
     max_act, max_casts, max_inflight = 0, 0, 0
-    for kind, mb, s in events:
-        grads = grad_after_backward if backward_done else 0
+    for kind, mb, s in rank.events:
+        grads = state.grad_after_backward if backward_done else 0
         if kind == "F":
-            saved_casts = stage_saved_casts[s] + (head_cast if s == last else 0)
-            live[(mb, s)] = (stage_act[s], saved_casts)
-            acts = sum(v[0] for v in live.values())
-            casts = sum(v[1] for v in live.values()) + stage_casts[s] - stage_saved_casts[s]  # cached until exit
-            if acts >= max_act:
-                max_act, max_casts, max_inflight = acts, casts, len(live)
-            base = static + grads + acts + casts + fsdp_gather
+            saved_casts = acts.saved_casts[s] + (acts.head_cast if s == last else 0)
+            live[(mb, s)] = (acts.saved[s], saved_casts)
+            saved = sum(v[0] for v in live.values())
+            casts = sum(v[1] for v in live.values()) + acts.casts[s] - acts.saved_casts[s]  # cached until exit
+            if saved >= max_act:
+                max_act, max_casts, max_inflight = saved, casts, len(live)
+            base = state.static + grads + saved + casts + state.fsdp_gather
             phases["forward"] = max(phases["forward"], base)
             if s == last:
                 phases["loss forward"] = max(phases["loss forward"], base + lt["loss forward"])
         else:  # B, BI (ZB-H1's BW only finishes what BI began: counted with it)
             if (mb, s) not in live:
                 continue
-            acts = sum(v[0] for v in live.values())
+            saved = sum(v[0] for v in live.values())
             casts = sum(v[1] for v in live.values())
-            base = static + grads + acts + casts + fsdp_gather
+            base = state.static + grads + saved + casts + state.fsdp_gather
             if s == last:
                 phases["loss backward"] = max(phases["loss backward"], base + lt["loss backward"])
                 phases["head backward"] = max(phases["head backward"], base + lt["head backward"])
-            if full or offload:
-                phases["recompute"] = max(phases["recompute"], base + stage_recompute[s])
+            if full or acts.offload:
+                phases["recompute"] = max(phases["recompute"], base + acts.recompute[s])
             del live[(mb, s)]
             backward_done = True
-    step_transient = _step_transient(cfg, device, p_opt, counts.largest, tp, pp, dp, buckets)
-    phases["optimizer step"] = static + grad_at_step + step_transient
-    peak_phase = max(phases, key=lambda k: phases[k])
+    phases["optimizer step"] = state.static + state.grad_at_step + step_transient
+    return _Peaks(phases, max_act, max_casts, max_inflight)
 
-    first = layers[0] if layers else 0
-    grad_note = {True: "fp32 buckets (persistent)" + (", + 1/dp reduced shard" if zero else ""),
-                 False: "fp32 p.grad, allocated in backward, freed after the step"}[buckets]
-    if buckets and zero == 2:
-        grad_note = "fp32 1/dp shard; full buckets only from the first gradient to their reduction"
-    if fsdp:
-        grad_note = "fp32 1/dp shards (FSDP2)"
+
+# ----------------------------------------------------------------------------------------- notes and setup
+
+
+def _grad_note(zero: int, state: _State) -> str:
+    if state.fsdp:
+        return "fp32 1/dp shards (FSDP2)"
+    if state.buckets and zero == 2:
+        return "fp32 1/dp shard; full buckets only from the first gradient to their reduction"
+    if state.buckets:
+        return "fp32 buckets (persistent)" + (", + 1/dp reduced shard" if zero else "")
+    return "fp32 p.grad, allocated in backward, freed after the step"
+
+
+def _notes(lay: _Layout, counts: ParamCounts) -> list[str]:
+    m, t = lay.cfg.model, lay.cfg.train
     notes = []
-    if device == "cuda" and attention == "flash" and m.sliding_window:
+    if lay.device == "cuda" and lay.attention == "flash" and m.sliding_window:
         notes.append("sliding-window mask bytes are an estimate (efficient-attention kernel)")
-    if precision == "fp8":
+    if lay.precision == "fp8":
         notes.append("fp8 is approximated (1-byte saved inputs, no weight copy in converted linears)")
     if t.compile:
         notes.append("torch.compile changes what is saved; the plan models eager execution")
     if not counts.exact:
         notes.append("parameters counted from the config, not the module")
-    if p.ep > 1 or cp > 1:
+    if lay.cfg.parallel.ep > 1 or lay.cp > 1:
         notes.append("expert parallelism: MoE activations assume balanced routing (an ep rank receives as many rows "
                      "as it sends)")
-    setup = {"preset": m.preset, "arch": m.arch, "precision": precision, "recompute": t.recompute,
-             "micro_batch_size": batch, "seq_len": t.seq_len, "tokens_per_micro_batch": tokens, "n_micro": n_micro,
-             "tp": tp, "pp": pp, "vpp": vpp, "cp": cp, "dp": dp, "sp": sp, "zero": zero, "pp_rank": pp_rank,
-             "world_size": world_size, "device": device, "attention": attention, "optimizer": t.optimizer,
-             "params_local": p_local, "grad_note": grad_note,
-             "embedding_head_bytes": (emb if has_embedding else 0) + (head if has_head else 0)}
-    loss_transient = max(lt["loss forward"], lt["loss backward"]) if has_head else 0
-    return MemoryPlan(weights=weights, gradients=gradients, optimizer=optimizer, activations=max_act,
-                      weight_casts=max_casts, loss_transient=loss_transient, step_transient=step_transient,
-                      workspace=workspace, peak=phases[peak_phase], peak_phase=peak_phase, phases=phases,
-                      per_layer=block(first), layers=len(layers), in_flight=max_inflight, setup=setup, notes=notes)
+    return notes
+
+
+def _setup(lay: _Layout, rank: _RankModel, acts: _Activations, grad_note: str) -> dict:
+    """What the plan was made for (the table's header and memory.json's "setup")."""
+    m, t = lay.cfg.model, lay.cfg.train
+    return {"preset": m.preset, "arch": m.arch, "precision": lay.precision, "recompute": t.recompute,
+            "micro_batch_size": lay.batch, "seq_len": t.seq_len, "tokens_per_micro_batch": lay.tokens,
+            "n_micro": lay.n_micro, "tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "cp": lay.cp, "dp": lay.dp,
+            "sp": lay.sp, "zero": lay.zero, "pp_rank": lay.pp_rank, "world_size": lay.world_size,
+            "device": lay.device, "attention": lay.attention, "optimizer": t.optimizer,
+            "params_local": rank.counts.local, "grad_note": grad_note,
+            "embedding_head_bytes": (acts.embedding if rank.has_embedding else 0)
+            + (acts.head if rank.has_head else 0)}
 
 
 def _fp8_linear_params(cfg: Config, tp: int, moe: bool, keep_attention: bool = False) -> int:
