@@ -43,7 +43,7 @@ def test_preflight_refuses_before_any_process_group_or_data(world, overrides, fr
     def heavy(*a, **k):
         raise AssertionError("heavy work started before preflight refused")
 
-    for name in ("init_runtime", "build_datasets", "Transformer"):
+    for name in ("init_runtime", "build_datasets", "get_family"):
         monkeypatch.setattr(trainer_mod, name, heavy)
     monkeypatch.setenv("WORLD_SIZE", str(world))
     cfg = load_config(None, [f"run.dir={tmp_path / 'r'}", *overrides])
@@ -56,7 +56,7 @@ def test_vocab_check_runs_after_the_tokenizer_and_before_the_model(small_corpus,
     def no_model(*a, **k):
         raise AssertionError("the model was built before the vocabulary check")
 
-    monkeypatch.setattr(trainer_mod, "Transformer", no_model)
+    monkeypatch.setattr(trainer_mod, "get_family", no_model)
     cfg = load_config(None, tiny_overrides(small_corpus, tmp_path / "r", "model.vocab_size=256"))
     with pytest.raises(ConfigError, match="the tokenizer has 512 tokens but model.vocab_size=256"):
         Trainer(cfg).build()

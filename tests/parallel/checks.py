@@ -37,8 +37,8 @@ def assert_parity(res: dict, tie: bool = True) -> None:
     assert not bad, f"gradients differ from the reference (max abs err, max abs ref, ok, ok unsynced): {bad}"
     norm, ref_norm = res["norm"]
     assert abs(norm - ref_norm) <= 1e-5 * ref_norm
-    assert res["logits_err"] < 1e-4
-    assert res["param_err"] < 1e-3  # after 10 AdamW steps (Adam magnifies float noise of tiny gradients)
+    assert res["logits_err"] < 1e-5, res["logits_err"]  # the same weights through both generation paths
+    assert res["param_err"] < 1e-4, (res["param_err"], res.get("param_err_at"))  # after 10 AdamW steps (eps 1e-6)
     assert res["tied"] == tie
 
 
