@@ -123,7 +123,9 @@ class Trainer:
         cfg, t, rt, mesh, device = self.cfg, self.cfg.train, self.rt, self.mesh, self.device
         model, stage = self._build_model(checked)
         pipe = eval_pipe = None
-        materialize(model, device, mesh)  # this rank's slices only, initialised as the single process's
+        fsdp = stage is None and rt.world_size > 1 and cfg.parallel.zero == 3
+        if not fsdp:
+            materialize(model, device, mesh)  # this rank's slices only, initialised as the single process's
         if stage is not None:  # a schedule executor runs the micro-batches across stages
             emb_group = build_embedding_groups(mesh) if cfg.model.tie_embeddings else None  # collective
             auto = lambda: forward_ctx(self.precision, device, t.offload_activations)  # noqa: E731
@@ -136,10 +138,9 @@ class Trainer:
         # Data parallelism: gradient buckets reduced during the last backward (zero 0), reduce-scattered into a
         # sharded optimizer (zero 1/2), or FSDP2-sharded parameters (zero 3). Built before compile: FSDP2 wraps blocks.
         elif rt.world_size > 1:
-            # (ZeRO-3: FSDP2 shards the materialised tp-local parameters over dp here. Wrapping on meta first
-            # would save that transient, but FSDP2's lazy init re-allocates the local shards after to_empty,
-            # invalidating the views ShardedOptimizer keeps: not done yet.)
             grads = build_data_parallel(model, mesh, cfg.parallel.zero, cfg.parallel.bucket_mb)
+            if fsdp:  # FSDP2 wrapped the meta model: each rank allocates its dim-0 share of its tp shard only
+                materialize(model, device, mesh)
         else:
             grads = None
         if t.compile:

@@ -112,3 +112,36 @@ def test_construction_peak_is_the_shard_not_the_model() -> None:
     full_bytes = 4 * old["shard"]  # roughly: most of the weights are split four ways
     assert new["peak"] <= new["shard"] * 1.1 + 64 * 2**20, new
     assert old["peak"] > 0.5 * full_bytes, old  # the measurement sees the difference it is meant to catch
+
+
+def zero3_construction_peak(rank: int, world: int, device) -> dict:
+    """ZeRO-3: FSDP2 wraps the model on meta, then each rank allocates and fills its dim-0 share."""
+    from megaloom.parallel.zero import build_data_parallel
+    from tests.checkpoint.sharded_worlds import PeakGrowth
+
+    torch.set_num_threads(1)
+    cfg = load_config(None, ["model.preset=tiny", "model.vocab_size=32768", "model.d_model=1024", "model.n_layers=8",
+                             "model.n_heads=8", "model.n_kv_heads=8", "model.ffn_dim=4096", "parallel.zero=3",
+                             "train.global_batch_size=8", "train.micro_batch_size=4"])
+    mesh = Mesh.build(cfg, world, rank, device)
+    torch.ones(1024, 1024).sum()
+    with PeakGrowth() as peak:
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = Transformer(cfg.model)
+        build_data_parallel(model, mesh, zero=3)
+        materialize(model, device, mesh)
+    shard = sum(p.to_local().numel() * 4 for p in model.parameters())
+    torch.manual_seed(0)
+    single = Transformer(cfg.model)  # after the measurement: the reference values
+    same = all(torch.equal(p.full_tensor(), single.get_parameter(n)) for n, p in model.named_parameters())
+    return {"peak": peak.bytes, "shard": shard, "same": same}
+
+
+@pytest.mark.slow
+def test_zero3_construction_holds_only_the_dp_share() -> None:
+    from tests.parallel.harness import run_world
+
+    for r in run_world(2, zero3_construction_peak, timeout=400):
+        assert r["same"], "every rank's FSDP2 shard holds the single process's values"
+        assert r["peak"] <= r["shard"] * 1.1 + 64 * 2**20, r  # half the model, not all of it
