@@ -60,10 +60,10 @@ class TrainResult:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, *, runtime: Runtime | None = None, datasets=build_datasets) -> None:
+    def __init__(self, cfg: Config, *, runtime: Runtime | None = None, datasets=None) -> None:
         """``runtime``: a process group the caller has started (a dry run's fake backend, training/dryrun.py);
         by default `init_runtime` starts one from torchrun's environment. ``datasets``: called as
-        `build_datasets` is, for (train, valid, tokenizer); a dry run passes synthetic tokens."""
+        `build_datasets` is (the default), for (train, valid, tokenizer); a dry run passes synthetic tokens."""
         self.requested = cfg  # as given: never changed
         self.cfg: Config | None = None  # the resolved config, set by build()
         self._runtime, self._datasets = runtime, datasets
@@ -107,7 +107,7 @@ class Trainer:
     def _load_data(self) -> None:
         t = self.requested.train
         self.local_batch = t.global_batch_size // self.mesh.dp  # this data-parallel rank's share of a global batch
-        self.train_ds, self.valid_ds, self.tokenizer = self._datasets(
+        self.train_ds, self.valid_ds, self.tokenizer = (self._datasets or build_datasets)(
             self.requested.data, t.seq_len, t.seed, t.steps * t.global_batch_size,
             t.eval_batches * t.global_batch_size)
         log.debug(f"data: {len(self.train_ds)} training and {len(self.valid_ds)} validation samples; tokenizer "
@@ -254,9 +254,9 @@ class Trainer:
         """The batches of steps `self.step + 1 ...` (shifted by the data offset), or Nones on middle stages."""
         cfg, t, step = self.cfg, self.cfg.train, self.step
         if self.data_offset and len(self.train_ds) < (t.steps + self.data_offset) * t.global_batch_size:
-            self.train_ds, _, _ = self._datasets(cfg.data, t.seq_len, t.seed,
-                                                 (t.steps + self.data_offset) * t.global_batch_size,
-                                                 t.eval_batches * t.global_batch_size)
+            self.train_ds, _, _ = (self._datasets or build_datasets)(
+                cfg.data, t.seq_len, t.seed, (t.steps + self.data_offset) * t.global_batch_size,
+                t.eval_batches * t.global_batch_size)
         batches = StepBatches(self.train_ds, t.global_batch_size, rank_offset=self.mesh.dp_rank * self.local_batch,
                               rank_size=self.local_batch, start_step=step + self.data_offset, n_steps=t.steps - step)
         if not self.reads_data:
