@@ -677,16 +677,30 @@ def plan_memory(cfg: Config, model: nn.Module | None = None, *, world_size: int 
         fsdp_gather = 4 * (counts.root_params + sum(blocks_sorted[:2]))
     workspace = CUBLAS_WORKSPACE if device == "cuda" else 0
     static = weights + optimizer + grad_persistent + workspace
+    # p.grad (pipelines, one process): a virtual stage's gradients appear in its first backward of the step, so a
+    # rank with several chunks (interleaved) holds only the started chunks' ones; the embedding goes with the first
+    # virtual stage, the final norm and head with the last.
+    stage_grads = {s_: 4 * sum(counts.block_params.get(i, 0) for i in ls) for s_, ls in stages.items()}
+    rest = grad_after_backward - sum(stage_grads.values())
+    if buckets or fsdp or rest < 0:  # buckets / FSDP2 shards: not per stage
+        stage_grads = {s_: 0 for s_ in stages}
+        stage_grads[min(stages)] = grad_after_backward
+    elif has_embedding and has_head and last != 0:
+        stage_grads[0] += min(rest, 4 * counts.embedding)
+        stage_grads[last] += rest - min(rest, 4 * counts.embedding)
+    else:
+        stage_grads[last if has_head else min(stages)] += rest
 
     # Play the rank's events.
     phases = {k: 0 for k in PHASES}
     live: dict[tuple[int, int], tuple[int, int]] = {}  # (mb, stage) -> (saved bytes, weight casts)
-    backward_done = embedding_grad = False
+    started: set[int] = set()  # virtual stages whose backward has run in this step
+    embedding_grad = False
     # The embedding's backward writes a dense fp32 gradient of its weight, added into .grad when one exists.
     emb_dense = 4 * counts.embedding if has_embedding else 0
     max_act, max_casts, max_inflight = 0, 0, 0
     for kind, mb, s in events:
-        grads = grad_after_backward if backward_done else 0
+        grads = sum(stage_grads[x] for x in started)
         if kind == "F":
             saved_casts = stage_saved_casts[s] + (head_cast if s == last else 0)
             live[(mb, s)] = (stage_act[s], saved_casts)
@@ -710,12 +724,13 @@ def plan_memory(cfg: Config, model: nn.Module | None = None, *, world_size: int 
             if full or offload:
                 phases["recompute"] = max(phases["recompute"], base + stage_recompute[s])
             del live[(mb, s)]
-            backward_done = True
-            # Its end: every gradient exists (the first backward allocates them), the other micro-batches' saved
-            # tensors are still held. The peak of a stage that runs all its forwards first (GPipe, or 1F1B/
+            started.add(s)
+            # Its end: this stage's gradients exist (its first backward allocates them), the other micro-batches'
+            # saved tensors are still held. The peak of a stage that runs all its forwards first (GPipe, or 1F1B/
             # interleaved with few micro-batches on the first stages). The first virtual stage ends with the
             # embedding's backward, whose dense gradient is added into an existing .grad from the second on.
-            after = static + grad_after_backward + fsdp_gather + sum(v[0] + v[1] for v in live.values())
+            grads = sum(stage_grads[x] for x in started)
+            after = static + grads + fsdp_gather + sum(v[0] + v[1] for v in live.values())
             phases["backward"] = max(phases["backward"], after + (emb_dense if s == 0 and embedding_grad else 0))
             embedding_grad = embedding_grad or (s == 0 and has_embedding)
     step_transient = _step_transient(cfg, device, p_opt, counts.largest, tp, pp, dp, buckets, update)

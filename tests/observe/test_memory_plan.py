@@ -273,6 +273,21 @@ def test_first_stage_running_all_forwards_first_peaks_after_its_first_backward()
     assert first.peak == max(first.phases.values())
 
 
+def test_interleaved_chunks_get_their_gradients_in_their_first_backward():
+    # Interleaved, pp 4 x vpp 2 with 4 micro-batches: rank 0 runs its 8 chunk forwards first; its first backwards
+    # are of its second chunk (virtual stage 4, layers 8-11), whose gradients alone exist then.
+    cfg = _big("none", "parallel.pp=4", "parallel.vpp=2", "parallel.schedule=interleaved", "train.precision=fp32",
+               "train.global_batch_size=8", "model.n_layers=16", "train.seq_len=1024")
+    plan = plan_memory(cfg, world_size=4, device="cuda", pp_rank=0)
+    counts = analytic_params(cfg, list(range(0, 2)) + list(range(8, 10)), has_embedding=True, has_head=False)
+    chunk1 = 4 * sum(counts.block_params[i] for i in (8, 9))
+    assert plan.layers == 4 and plan.in_flight == 8
+    static = plan.weights + plan.optimizer + plan.workspace
+    a1 = 2 * sum(plan.per_layer.values()) + 4 * 2 * 1024 * 2048  # one micro-batch of chunk 1 (+ its kept output)
+    assert plan.phases["backward"] == static + chunk1 + plan.activations - a1  # after that first backward
+    assert chunk1 < plan.gradients // 2  # (the rule before: every gradient at the first backward)
+
+
 def test_plan_without_update_has_no_optimizer_state():
     cfg = _big("none", "parallel.pp=4", "train.global_batch_size=16")
     with_update = plan_memory(cfg, world_size=8, device="cpu", pp_rank=3)
