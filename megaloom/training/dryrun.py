@@ -423,6 +423,7 @@ def _build_and_step(report: DryRunReport, dcfg: Config, rt, steps: int, budget: 
     c10d = dist.distributed_c10d
     groups_before = getattr(c10d._world, "group_count", None)
     probe.start()
+    report.memory["start"] = probe.base  # what the process held before the build (interpreter, libraries)
     probe.reset_peak()
     vocab = dcfg.model.vocab_size or dcfg.data.default_vocab_size
     trainer = Trainer(dcfg, runtime=rt, datasets=synthetic_datasets(vocab)).build()
