@@ -14,6 +14,19 @@ from megaloom.config import ConfigError, describe_keys, load_config
 def _cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)  # validated before anything heavy
     verbosity = "quiet" if args.quiet else "verbose" if args.verbose else "normal"
+    if args.dry_run:
+        if not args.world:
+            raise ConfigError("--dry-run needs --world N: the size of the job whose rank it builds.")
+        if args.nproc:
+            raise ConfigError("--dry-run runs one rank in this process; leave out --nproc.")
+        from megaloom.observe.log import console_verbosity
+        from megaloom.training.dryrun import main_dry_run
+
+        with console_verbosity(verbosity):
+            return main_dry_run(cfg, args.world, args.rank, args.dry_run_steps, args.dry_run_memory_gb,
+                                args.dry_run_json, args.dry_run_dir)
+    if args.world or args.rank != "0":
+        raise ConfigError("--world and --rank belong to --dry-run (a real run takes them from torchrun).")
     if args.nproc and args.nproc > 1 and "LOCAL_RANK" not in os.environ:
         from megaloom.parallel.launch import torchrun_command
 
@@ -127,6 +140,18 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     loud = t.add_mutually_exclusive_group()
     loud.add_argument("--quiet", action="store_true", help="console: warnings and errors only")
     loud.add_argument("--verbose", action="store_true", help="console: debug lines too, from every rank")
+    dry = t.add_argument_group("dry run", "one rank of a large job in this process, on a fake process group: "
+                                          "its groups, shards, steps, memory and collectives (docs/parallelism.md)")
+    dry.add_argument("--dry-run", action="store_true", help="build and step one rank of a --world job here")
+    dry.add_argument("--world", type=int, default=0, help="with --dry-run: the job's world size")
+    dry.add_argument("--rank", default="0", help="with --dry-run: a rank number, or last-stage (the first rank of "
+                                                 "the last pipeline stage); default 0")
+    dry.add_argument("--dry-run-steps", type=int, default=1, help="training steps to run (0: build only)")
+    dry.add_argument("--dry-run-memory-gb", type=float, default=None,
+                     help="memory budget: steps that the plan does not fit run without the optimizer update, or "
+                          "not at all (default: 90%% of the memory available; the GPU's memory)")
+    dry.add_argument("--dry-run-json", default=None, help="also write the report to this JSON file")
+    dry.add_argument("--dry-run-dir", default=None, help="keep the run directory (checkpoint shard) here")
     t.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. train.steps=50")
     t.set_defaults(fn=_cmd_train)
 

@@ -53,6 +53,19 @@ def init_runtime(cfg: Config) -> Runtime:
     return Runtime(device=device, rank=rank, world_size=world, local_rank=local_rank)
 
 
+def init_fake_runtime(cfg: Config, world_size: int, rank: int) -> Runtime:
+    """One rank of a ``world_size``-process job, alone in this process: torch's fake process group, whose
+    collectives return at once and leave every tensor as it is (a dry run, megaloom/training/dryrun.py; the same
+    tool TorchTitan's dry runs use). Groups, shapes and memory are real; the numbers that cross ranks are not."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    if dist.is_initialized():
+        raise RuntimeError("init_fake_runtime: a process group is already initialised in this process.")
+    device = pick_device(cfg.train.device, 0)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    return Runtime(device=device, rank=rank, world_size=world_size, local_rank=0)
+
+
 def _attempt_store(rank: int, world: int) -> dist.Store:
     """The rendezvous store, with keys prefixed by torchrun's restart count.
 

@@ -20,7 +20,9 @@ class CheckpointGroup:
     def __init__(self, timeout_s: float = 3600.0) -> None:
         """Collective when distributed: every rank creates the group at the same point."""
         if dist.is_available() and dist.is_initialized():
-            self.group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+            # gloo for host-side objects; a dry run's fake process group stays fake (no peers to meet)
+            backend = None if dist.get_backend() == "fake" else "gloo"
+            self.group = dist.new_group(backend=backend, timeout=timedelta(seconds=timeout_s))
             self.rank, self.size = dist.get_rank(), dist.get_world_size()
         else:
             self.group, self.rank, self.size = None, 0, 1

@@ -51,9 +51,13 @@ rank's order (F0 B0 F1 B1 ... without a pipeline; the pipeline schedule's list f
 first stage holds up to pp micro-batches), then the optimizer step. At each event the live bytes are: the
 persistent state, gradients once a backward of the step has produced them, the saved activations and weight
 casts of every micro-batch in flight, and the event's transient (the loss forward / backward, a recomputed
-block, the head's weight gradient). The optimizer step adds its temporaries (foreach AdamW on CPU: one fp32
+block, the head's weight gradient). The end of each backward is an event too: all gradients exist by then while
+the other micro-batches' activations are still held (the peak of a stage that runs all its forwards before its
+first backward), and from the second backward through the first virtual stage on, the embedding's dense fp32
+gradient waits to be added into .grad. The optimizer step adds its temporaries (foreach AdamW on CPU: one fp32
 copy of the state; LAMB: the update of every parameter). The predicted peak is the largest event; which one
-it is is reported with it. Steady state is assumed (optimizer state exists, i.e. from the second step on).
+it is is reported with it. Steady state is assumed (optimizer state exists, i.e. from the second step on);
+``update=False`` plans steps that never call the optimizer (a dry run that leaves the update out).
 
 Not modelled: the CUDA caching allocator's rounding and fragmentation (the comparison is with
 max_memory_allocated, not reserved), cuBLAS workspaces, the gradient temporaries inside one block's backward,
@@ -78,7 +82,7 @@ _ATTN_NAMES = {"flash": "flash/cuDNN", "efficient": "mem-efficient", "math": "ma
 # cuBLAS takes its workspace from PyTorch's allocator, 32 MiB per thread that runs matmuls (Hopper; measured on
 # an H200, torch 2.11): the training thread and autograd's backward thread.
 CUBLAS_WORKSPACE = 2 * 32 * 2**20
-PHASES = ("forward", "loss forward", "loss backward", "head backward", "recompute", "optimizer step")
+PHASES = ("forward", "loss forward", "loss backward", "head backward", "backward", "recompute", "optimizer step")
 
 
 def _traits(m: ModelConfig):
@@ -355,7 +359,9 @@ def loss_transients(cfg: Config, *, tokens: int, tp: int = 1, device: str = "cud
         bwd = 4 * nv + (2 * nv if a == 2 else 0)
     else:  # log-softmax output saved (counted); nll's gradient and log-softmax's gradient, both fp32
         bwd = 8 * nv
-    head_bwd = a * nv + (a + 4) * v * d + a * tokens * d - 4 * nv  # log-softmax is freed by now
+    # The logit gradient, the weight gradient in the compute dtype (added into an existing .grad) and, under
+    # autocast, its fp32 copy (the backward of the weight's cast), the input gradient; log-softmax is freed by now.
+    head_bwd = a * nv + (a + (4 if a == 2 else 0)) * v * d + a * tokens * d - 4 * nv
     return {"loss forward": fwd, "loss backward": bwd, "head backward": head_bwd}
 
 
@@ -374,6 +380,7 @@ class ParamCounts:
     root_params: int  # embeddings, final norm, head
     largest: int  # the largest single parameter (optimizer temporaries)
     exact: bool  # counted from the module (True) or from the config
+    embedding: int = 0  # the token embedding's weight on this rank (0 without one)
 
 
 def _local_numel(p) -> int:
@@ -388,6 +395,8 @@ def count_model_params(model: nn.Module) -> ParamCounts:
     blocks: dict[int, int] = {}
     head_w = getattr(getattr(model, "head", None), "weight", None)
     mm_head = head_w.numel() if head_w is not None else 0
+    emb_w = getattr(getattr(model, "tok_emb", None), "weight", None)
+    embedding = _local_numel(emb_w) if emb_w is not None else 0
     for name, p in model.named_parameters():
         if id(p) in seen or not p.requires_grad:
             continue
@@ -405,7 +414,7 @@ def count_model_params(model: nn.Module) -> ParamCounts:
             root += p.numel()
     for i in blocks:
         mm_layers.setdefault(i, 0)
-    return ParamCounts(local, mm_layers, mm_head, blocks, root, largest, exact=True)
+    return ParamCounts(local, mm_layers, mm_head, blocks, root, largest, exact=True, embedding=embedding)
 
 
 def analytic_params(cfg: Config, layers: list[int], has_embedding: bool = True, has_head: bool = True,
@@ -449,7 +458,8 @@ def analytic_params(cfg: Config, layers: list[int], has_embedding: bool = True, 
             root += vocab  # its own head weight (untied, or the tied copy on the last pipeline stage)
     if has_embedding or has_head:
         largest = max(largest, vocab)
-    return ParamCounts(sum(blocks.values()) + root, mm_layers, head_mm, blocks, root, largest, exact=False)
+    return ParamCounts(sum(blocks.values()) + root, mm_layers, head_mm, blocks, root, largest, exact=False,
+                       embedding=vocab if has_embedding else 0)
 
 
 # ----------------------------------------------------------------------------------------------- the plan
@@ -540,21 +550,24 @@ def _rank_events(cfg: Config, pp: int, vpp: int, pp_rank: int, n_micro: int) -> 
 
 
 def plan_memory(cfg: Config, model: nn.Module | None = None, *, world_size: int = 1, device: str = "cuda",
-                pp_rank: int = 0, n_micro: int | None = None) -> MemoryPlan:
+                pp_rank: int = 0, n_micro: int | None = None, update: bool = True) -> MemoryPlan:
     """Predict this rank's memory for ``cfg`` (model shape resolved: vocab_size > 0).
 
     ``model``: this rank's built, parallelised (and staged) module, whose parameters are counted exactly;
     without it they are counted from the config. ``world_size``: the number of processes (dp = world /
     (tp * pp * cp)); ``device``: "cuda" (the GPU kernels' save-sets) or "cpu"; ``pp_rank``: this rank's
-    pipeline stage; ``n_micro``: micro-batches per step on this rank (default from the config).
+    pipeline stage; ``n_micro``: micro-batches per step on this rank (default from the config); ``update=False``:
+    steps that never call ``optimizer.step()`` (a dry run that leaves the update out to fit a machine), so no
+    optimizer state and no update temporaries; the "optimizer step" phase is then the gradient reduction and
+    clipping that end the step.
     """
-    lay = _layout(cfg, world_size, device, pp_rank, n_micro)
+    lay = _layout(cfg, world_size, device, pp_rank, n_micro, update)
     rank = _rank_model(lay, model)
     blocks = _Blocks(lay, rank.counts, rank.position, _fp8_layers(lay))
     acts = _stage_activations(lay, rank, blocks)
     state = _persistent_state(lay, rank.counts)
     step_transient = _step_transient(lay.cfg, device, state.p_opt, rank.counts.largest, lay.tp, lay.pp, lay.dp,
-                                     state.buckets)
+                                     state.buckets, update)
     peaks = _play_events(lay, rank, acts, state, step_transient)
     peak_phase = max(peaks.phases, key=lambda k: peaks.phases[k])
     loss_transient = max(acts.loss["loss forward"], acts.loss["loss backward"]) if rank.has_head else 0
@@ -588,6 +601,7 @@ class _Layout:
     batch: int  # sequences per micro-batch
     sp: bool  # sequence parallelism in effect (tp > 1)
     attention: str  # the SDPA save-set (`attention_backend`)
+    update: bool = True  # steps call optimizer.step() (False: a dry run's steps without the update)
 
     @property
     def autocast(self) -> bool:
@@ -599,7 +613,8 @@ class _Layout:
         return self.tokens // self.tp if self.sp else self.tokens
 
 
-def _layout(cfg: Config, world_size: int, device: str, pp_rank: int, n_micro: int | None) -> _Layout:
+def _layout(cfg: Config, world_size: int, device: str, pp_rank: int, n_micro: int | None,
+            update: bool = True) -> _Layout:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     if m.vocab_size <= 0:
         raise ValueError("plan_memory: model.vocab_size must be resolved (> 0) first")
@@ -613,7 +628,7 @@ def _layout(cfg: Config, world_size: int, device: str, pp_rank: int, n_micro: in
     return _Layout(cfg=cfg, device=device, world_size=world_size, tp=tp, pp=pp, vpp=p.vpp, cp=cp, dp=dp,
                    zero=p.zero, pp_rank=pp_rank, n_micro=n_micro, precision=precision,
                    tokens=t.micro_batch_size * t.seq_len // cp, batch=t.micro_batch_size, sp=p.sp and tp > 1,
-                   attention=attention_backend(cfg, device, tp))
+                   attention=attention_backend(cfg, device, tp), update=update)
 
 
 # ------------------------------------------------------------------------------ this rank's blocks and parameters
@@ -810,8 +825,9 @@ def _persistent_state(lay: _Layout, counts: ParamCounts) -> _State:
     if fsdp:  # FSDP2 all-gathers blocks just in time (current + prefetched); the root stays gathered
         blocks_sorted = sorted(counts.block_params.values(), reverse=True)
         fsdp_gather = 4 * (counts.root_params + sum(blocks_sorted[:2]))
-    return _State(weights=weights, optimizer=8 * p_opt, p_opt=p_opt, grad_persistent=grad_persistent,
-                  grad_after_backward=grad_after_backward, grad_at_step=grad_at_step, fsdp_gather=fsdp_gather,
+    return _State(weights=weights, optimizer=8 * p_opt if lay.update else 0, p_opt=p_opt,
+                  grad_persistent=grad_persistent, grad_after_backward=grad_after_backward,
+                  grad_at_step=grad_at_step, fsdp_gather=fsdp_gather,
                   workspace=CUBLAS_WORKSPACE if lay.device == "cuda" else 0, buckets=buckets, fsdp=fsdp)
 
 
@@ -830,12 +846,16 @@ def _play_events(lay: _Layout, rank: _RankModel, acts: _Activations, state: _Sta
     """Play this rank's forwards and backwards, then the optimizer step; the live bytes at each event."""
     full = lay.cfg.train.recompute == "full"
     last, lt = rank.last, acts.loss
+    stage_grads = _stage_gradients(rank, state)
     phases = {k: 0 for k in PHASES}
     live: dict[tuple[int, int], tuple[int, int]] = {}  # (mb, stage) -> (saved bytes, weight casts)
-    backward_done = False
+    started: set[int] = set()  # virtual stages whose backward has run in this step
+    embedding_grad = False
+    # The embedding's backward writes a dense fp32 gradient of its weight, added into .grad when one exists.
+    emb_dense = 4 * rank.counts.embedding if rank.has_embedding else 0
     max_act, max_casts, max_inflight = 0, 0, 0
     for kind, mb, s in rank.events:
-        grads = state.grad_after_backward if backward_done else 0
+        grads = sum(stage_grads[x] for x in started)
         if kind == "F":
             saved_casts = acts.saved_casts[s] + (acts.head_cast if s == last else 0)
             live[(mb, s)] = (acts.saved[s], saved_casts)
@@ -859,9 +879,35 @@ def _play_events(lay: _Layout, rank: _RankModel, acts: _Activations, state: _Sta
             if full or acts.offload:
                 phases["recompute"] = max(phases["recompute"], base + acts.recompute[s])
             del live[(mb, s)]
-            backward_done = True
+            started.add(s)
+            # Its end: this stage's gradients exist (its first backward allocates them), the other micro-batches'
+            # saved tensors are still held. The peak of a stage that runs all its forwards first (GPipe, or 1F1B/
+            # interleaved with few micro-batches on the first stages). The first virtual stage ends with the
+            # embedding's backward, whose dense gradient is added into an existing .grad from the second on.
+            grads = sum(stage_grads[x] for x in started)
+            after = state.static + grads + state.fsdp_gather + sum(v[0] + v[1] for v in live.values())
+            phases["backward"] = max(phases["backward"], after + (emb_dense if s == 0 and embedding_grad else 0))
+            embedding_grad = embedding_grad or (s == 0 and rank.has_embedding)
     phases["optimizer step"] = state.static + state.grad_at_step + step_transient
     return _Peaks(phases, max_act, max_casts, max_inflight)
+
+
+def _stage_gradients(rank: _RankModel, state: _State) -> dict[int, int]:
+    """Gradient bytes each virtual stage adds when its first backward of the step runs. p.grad (pipelines, one
+    process): a rank with several chunks (interleaved) holds only the started chunks' ones; the embedding goes with
+    the first virtual stage, the final norm and head with the last. Buckets / FSDP2 shards: all at once."""
+    counts, stages, last = rank.counts, rank.stages, rank.last
+    grads = {s: 4 * sum(counts.block_params.get(i, 0) for i in ls) for s, ls in stages.items()}
+    rest = state.grad_after_backward - sum(grads.values())
+    if state.buckets or state.fsdp or rest < 0:
+        grads = {s: 0 for s in stages}
+        grads[min(stages)] = state.grad_after_backward
+    elif rank.has_embedding and rank.has_head and last != 0:
+        grads[0] += min(rest, 4 * counts.embedding)
+        grads[last] += rest - min(rest, 4 * counts.embedding)
+    else:
+        grads[last if rank.has_head else min(stages)] += rest
+    return grads
 
 
 # ----------------------------------------------------------------------------------------- notes and setup
@@ -888,6 +934,8 @@ def _notes(lay: _Layout, counts: ParamCounts) -> list[str]:
         notes.append("torch.compile changes what is saved; the plan models eager execution")
     if not counts.exact:
         notes.append("parameters counted from the config, not the module")
+    if not lay.update:
+        notes.append("steps without an optimizer update: no optimizer state, no update temporaries")
     if lay.cfg.parallel.ep > 1 or lay.cp > 1:
         notes.append("expert parallelism: MoE activations assume balanced routing (an ep rank receives as many rows "
                      "as it sends)")
@@ -902,7 +950,7 @@ def _setup(lay: _Layout, rank: _RankModel, acts: _Activations, grad_note: str) -
             "n_micro": lay.n_micro, "tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "cp": lay.cp, "dp": lay.dp,
             "sp": lay.sp, "zero": lay.zero, "pp_rank": lay.pp_rank, "world_size": lay.world_size,
             "device": lay.device, "attention": lay.attention, "optimizer": t.optimizer,
-            "params_local": rank.counts.local, "grad_note": grad_note,
+            "params_local": rank.counts.local, "grad_note": grad_note, "update": lay.update,
             "embedding_head_bytes": (acts.embedding if rank.has_embedding else 0)
             + (acts.head if rank.has_head else 0)}
 
@@ -918,9 +966,11 @@ def _fp8_linear_params(cfg: Config, tp: int, moe: bool, keep_attention: bool = F
 
 
 def _step_transient(cfg: Config, device: str, p_opt: int, largest: int, tp: int, pp: int, dp: int,
-                    buckets: bool) -> int:
+                    buckets: bool, update: bool = True) -> int:
     t = cfg.train
-    if t.optimizer == "lamb":
+    if not update:
+        opt = 0
+    elif t.optimizer == "lamb":
         opt = 4 * p_opt + 4 * largest  # every parameter's update u is kept until the trust ratios are known
     else:
         opt = 0 if device == "cuda" else 4 * p_opt  # fused AdamW: none; foreach: sqrt(exp_avg_sq) for all

@@ -1,7 +1,10 @@
 """The only place megaloom calls torch.distributed collectives.
 
 Every function takes its process group explicitly (megaloom never relies on the implicit WORLD group) and
-reports the op to an optional recorder, so a watchdog can say which collective a hung rank is stuck in.
+reports the op, with its size in bytes, to an optional recorder: a watchdog says which collective a hung rank is
+stuck in (`LastOpRecorder`), a dry run tallies calls and bytes per group (`CommTally`). The size is the op's
+buffer as nccl-tests counts it: the tensor of an all-reduce or broadcast, the gathered output of an all-gather,
+the input of a reduce-scatter or all-to-all, each message of a batch of sends and receives.
 A group of None means "no peers" (`Mesh.single()` or a size-1 dimension): every op is then the identity,
 so single-process runs go through exactly the same code.
 
@@ -31,12 +34,19 @@ _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp
 
 
 class OpRecorder:
-    """Told about every collective before it is issued and after it returns; the base class does nothing."""
+    """Told about every collective before it is issued and after it returns; the base class does nothing.
 
-    def enter(self, name: str, group: Group) -> None:
+    ``enter``'s ``nbytes`` is the op's buffer (module doc); a ``wait <op>`` entry (an async op's completion)
+    carries none. A batch of point-to-point messages is one ``enter("send_recv", ...)`` preceded by one
+    ``message("send" | "recv", group, nbytes)`` per message, which only counts (it blocks nothing)."""
+
+    def enter(self, name: str, group: Group, nbytes: int = 0) -> None:
         pass
 
     def exit(self) -> None:
+        pass
+
+    def message(self, kind: str, group: Group, nbytes: int) -> None:
         pass
 
 
@@ -59,7 +69,7 @@ class LastOpRecorder(OpRecorder):
         self.count = 0
         self.seconds = 0.0  # host time spent inside collectives, for the straggler report
 
-    def enter(self, name: str, group: Group) -> None:
+    def enter(self, name: str, group: Group, nbytes: int = 0) -> None:
         self.name, self.group, self.started = name, group, time.monotonic()
         self.count += 1
         self.in_flight = True
@@ -76,12 +86,63 @@ class LastOpRecorder(OpRecorder):
         return f"collective #{self.count} {self.name} over ranks {ranks}: {state}"
 
 
+class CommTally(OpRecorder):
+    """Counts calls and bytes per (group name, op), e.g. for a dry run; forwards everything to ``inner`` (the
+    watchdog's recorder) when given. ``names`` maps a process group to the name it is reported under (`Mesh.
+    group_names`); other groups are "N ranks". Point-to-point messages are counted one by one ("send", "recv");
+    their batches as "send_recv batch" with no bytes (they are the messages' bytes)."""
+
+    def __init__(self, names: dict[Any, str] | None = None, inner: OpRecorder | None = None) -> None:
+        self.names = dict(names or {})
+        self.inner = inner
+        self.calls: dict[tuple[str, str], int] = {}
+        self.bytes: dict[tuple[str, str], int] = {}
+
+    def name_of(self, group: Group) -> str:
+        if group in self.names:
+            return self.names[group]
+        return "world" if group is dist.group.WORLD else f"{group_size(group)} ranks"
+
+    def _add(self, op: str, group: Group, nbytes: int) -> None:
+        key = (self.name_of(group), op)
+        self.calls[key] = self.calls.get(key, 0) + 1
+        self.bytes[key] = self.bytes.get(key, 0) + nbytes
+
+    def enter(self, name: str, group: Group, nbytes: int = 0) -> None:
+        if not name.startswith("wait "):
+            self._add("send_recv batch" if name == "send_recv" else name.removesuffix("_async"), group,
+                      0 if name == "send_recv" else nbytes)
+        if self.inner is not None:
+            self.inner.enter(name, group, nbytes)
+
+    def exit(self) -> None:
+        if self.inner is not None:
+            self.inner.exit()
+
+    def message(self, kind: str, group: Group, nbytes: int) -> None:
+        self._add(kind, group, nbytes)
+        if self.inner is not None:
+            self.inner.message(kind, group, nbytes)
+
+    def reset(self) -> None:
+        self.calls, self.bytes = {}, {}
+
+    def rows(self) -> list[dict]:
+        """[{group, op, calls, bytes}] sorted by group, then op."""
+        return [{"group": g, "op": op, "calls": self.calls[(g, op)], "bytes": self.bytes[(g, op)]}
+                for g, op in sorted(self.calls)]
+
+
+def buffer_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 @contextmanager
-def _recording(recorder: OpRecorder | None, name: str, group: Group) -> Iterator[None]:
+def _recording(recorder: OpRecorder | None, name: str, group: Group, size: int = 0) -> Iterator[None]:
     if recorder is None:
         yield
         return
-    recorder.enter(name, group)
+    recorder.enter(name, group, size)
     try:
         yield
     finally:
@@ -103,7 +164,7 @@ def all_reduce(tensor: torch.Tensor, group: Group, op: str = "sum",
                recorder: OpRecorder | None = None) -> torch.Tensor:
     """In place; op is sum, max, min or product. Returns ``tensor``."""
     if group_size(group) > 1:
-        with _recording(recorder, f"all_reduce_{op}", group):
+        with _recording(recorder, f"all_reduce_{op}", group, buffer_bytes(tensor)):
             dist.all_reduce(tensor, op=_OPS[op], group=group)
     return tensor
 
@@ -113,7 +174,7 @@ def all_gather_into(output: torch.Tensor, input: torch.Tensor, group: Group,
     """``output`` (size * input.shape[0], ...) receives every rank's ``input`` stacked along dim 0."""
     if group_size(group) == 1:
         return output.copy_(input)
-    with _recording(recorder, "all_gather", group):
+    with _recording(recorder, "all_gather", group, buffer_bytes(output)):
         _all_gather_single(output, input.contiguous(), group=group)
     return output
 
@@ -124,7 +185,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group,
     size = group_size(group)
     if size == 1:
         return output.copy_(input)
-    with _recording(recorder, "reduce_scatter", group):
+    with _recording(recorder, "reduce_scatter", group, buffer_bytes(input)):
         if input.device.type == "cpu":
             # CPU tensors go through gloo, which lacks reduce-scatter in the torch versions we support:
             # all-reduce a copy (the caller's input must stay intact) and keep our chunk.
@@ -164,7 +225,7 @@ def all_reduce_async(tensor: torch.Tensor, group: Group, op: str = "sum",
     """`all_reduce` issued without waiting (data-parallel buckets overlap it with backward)."""
     if group_size(group) == 1:
         return Pending()
-    with _recording(recorder, f"all_reduce_{op}_async", group):
+    with _recording(recorder, f"all_reduce_{op}_async", group, buffer_bytes(tensor)):
         return Pending(dist.all_reduce(tensor, op=_OPS[op], group=group, async_op=True), None, recorder,
                        f"all_reduce_{op}", group)
 
@@ -176,7 +237,7 @@ def reduce_scatter_async(output: torch.Tensor, input: torch.Tensor, group: Group
     if size == 1:
         output.copy_(input)
         return Pending()
-    with _recording(recorder, "reduce_scatter_async", group):
+    with _recording(recorder, "reduce_scatter_async", group, buffer_bytes(input)):
         if input.device.type == "cpu":  # gloo: all-reduce a copy, keep our chunk once it has arrived
             buf = input.clone()
             work = dist.all_reduce(buf, group=group, async_op=True)
@@ -194,7 +255,7 @@ def all_gather_into_async(output: torch.Tensor, input: torch.Tensor, group: Grou
         if input.data_ptr() != output.data_ptr():
             output.copy_(input)
         return Pending()
-    with _recording(recorder, "all_gather_async", group):
+    with _recording(recorder, "all_gather_async", group, buffer_bytes(output)):
         return Pending(_all_gather_single(output, input.contiguous(), group=group, async_op=True), None,
                        recorder, "all_gather", group)
 
@@ -203,7 +264,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group,
               recorder: OpRecorder | None = None) -> torch.Tensor:
     """In place from global rank ``src``."""
     if group_size(group) > 1:
-        with _recording(recorder, "broadcast", group):
+        with _recording(recorder, "broadcast", group, buffer_bytes(tensor)):
             dist.broadcast(tensor, src=src, group=group)
     return tensor
 
@@ -219,7 +280,11 @@ def send_recv(sends: Sequence[tuple[torch.Tensor, int]], recvs: Sequence[tuple[t
         raise ValueError("send_recv needs a process group with peers (the pipeline group of a pp > 1 mesh).")
     ops = [dist.P2POp(dist.isend, t, peer, group) for t, peer in sends]
     ops += [dist.P2POp(dist.irecv, t, peer, group) for t, peer in recvs]
-    with _recording(recorder, "send_recv", group):
+    if recorder is not None:
+        for kind, pairs in (("send", sends), ("recv", recvs)):
+            for t, _ in pairs:
+                recorder.message(kind, group, buffer_bytes(t))
+    with _recording(recorder, "send_recv", group, sum(buffer_bytes(t) for t, _ in list(sends) + list(recvs))):
         works = dist.batch_isend_irecv(ops)
         if wait:
             for w in works:
@@ -233,7 +298,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: Group,
     """Rank i's chunk j of ``input`` (along dim 0) lands as chunk i of rank j's ``output``."""
     if group_size(group) == 1:
         return output.copy_(input)
-    with _recording(recorder, "all_to_all", group):
+    with _recording(recorder, "all_to_all", group, buffer_bytes(input)):
         dist.all_to_all_single(output, input.contiguous(), output_split_sizes, input_split_sizes, group=group)
     return output
 

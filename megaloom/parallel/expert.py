@@ -117,6 +117,14 @@ def _gather_input(mesh: Mesh, module: nn.Module, args: tuple) -> tuple:
     return (comm.gather_from_seq_replicated(args[0], mesh.tp_group, mesh.recorder),) + tuple(args[1:])
 
 
+def _expert_in(mesh: Mesh, x: torch.Tensor) -> torch.Tensor:
+    return comm.copy_to_tp(x, mesh.tp_group, mesh.recorder)
+
+
+def _expert_out(mesh: Mesh, x: torch.Tensor) -> torch.Tensor:
+    return comm.reduce_from_tp(x, mesh.tp_group, mesh.recorder)
+
+
 def check_expert_layout(n_experts: int, mesh: Mesh) -> None:
     if n_experts % mesh.ep:
         works = [e for e in range(1, n_experts + 1) if n_experts % e == 0]
@@ -140,8 +148,8 @@ def parallelize_moe(moe: MoE, mesh: Mesh, sp: bool) -> MoE:
         ex.w_gate = _slice(ex.w_gate, 2, mesh.tp_rank, mesh.tp)
         ex.w_up = _slice(ex.w_up, 2, mesh.tp_rank, mesh.tp)
         ex.w_down = _slice(ex.w_down, 1, mesh.tp_rank, mesh.tp)
-        moe.expert_in = partial(comm.copy_to_tp, group=mesh.tp_group, recorder=mesh.recorder)
-        moe.expert_out = partial(comm.reduce_from_tp, group=mesh.tp_group, recorder=mesh.recorder)
+        moe.expert_in = partial(_expert_in, mesh)  # the recorder is read per call: the trainer replaces it later
+        moe.expert_out = partial(_expert_out, mesh)
         if moe.shared is not None:
             sh = moe.shared
             sh.gate_proj = ColumnParallelLinear.from_linear(sh.gate_proj, mesh, "none")

@@ -225,6 +225,17 @@ class Mesh:
                 f"dp {self.dp_rank}/{self.dp} cp {self.cp_rank}/{self.cp} tp {self.tp_rank}/{self.tp} "
                 f"ep {self.ep_rank}/{self.ep}")
 
+    def group_names(self) -> dict[Any, str]:
+        """This rank's process groups -> the kinds they serve, e.g. {tp group: "tp", dp group: "dp/dp_cp/edp"}:
+        kinds with identical rank lists share one group object (`build`) and are named together. Groups of one
+        rank carry no traffic (comm skips them) and are left out. What `comm.CommTally` reports under."""
+        names: dict[Any, list[str]] = {}
+        for kind in GROUP_KINDS:
+            g = getattr(self, f"{kind}_group")
+            if g is not None and g.size() > 1:
+                names.setdefault(g, []).append(kind)
+        return {g: "/".join(kinds) for g, kinds in names.items()}
+
     def __deepcopy__(self, memo: dict) -> Mesh:
         # A handle on process-wide runtime state (process groups): a copied model shares it.
         return self

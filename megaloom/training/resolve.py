@@ -56,7 +56,12 @@ def resolve_config(cfg: Config, *, precision: str, tokenizer_path: str | Path, t
         cfg,
         model=resolved_model(cfg.model, tokenizer_vocab, vocab_pad_multiple(cfg)),
         train=dataclasses.replace(cfg.train, precision=precision),
-        data=dataclasses.replace(cfg.data, tokenizer=cfg.data.tokenizer or str(Path(tokenizer_path).resolve())))
+        data=dataclasses.replace(cfg.data, tokenizer=cfg.data.tokenizer or _resolved_path(tokenizer_path)))
+
+
+def _resolved_path(path: str | Path) -> str:
+    """An absolute path; an empty one (a dry run's synthetic tokens come from no tokenizer file) stays empty."""
+    return str(Path(path).resolve()) if str(path) else ""
 
 
 def with_micro_batch(cfg: Config, micro_batch_size: int) -> Config:

@@ -38,7 +38,7 @@ from megaloom.parallel.random import dropout_seed
 from megaloom.parallel.tensor import parallelize_tensor
 from megaloom.parallel.zero import ShardedOptimizer, build_data_parallel
 from megaloom.resilience.guard import Resilience
-from megaloom.runtime import init_runtime, resolve_precision, seed_everything
+from megaloom.runtime import Runtime, init_runtime, resolve_precision, seed_everything
 from megaloom.step import TrainStep, forward_ctx
 from megaloom.training.checkpoints import RunCheckpoints
 from megaloom.training.evaluate import eval_batches, evaluate, evaluate_pipeline
@@ -60,15 +60,24 @@ class TrainResult:
 
 
 class Trainer:
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, *, runtime: Runtime | None = None, datasets=None) -> None:
+        """``runtime``: a process group the caller has started (a dry run's fake backend, training/dryrun.py);
+        by default `init_runtime` starts one from torchrun's environment. ``datasets``: called as
+        `build_datasets` is (the default), for (train, valid, tokenizer); a dry run passes synthetic tokens."""
         self.requested = cfg  # as given: never changed
         self.cfg: Config | None = None  # the resolved config, set by build()
+        self._runtime, self._datasets = runtime, datasets
+        # Seconds spent building: mesh (process groups), model (meta build, parallel plan, pipeline cut),
+        # materialize (this rank's slices allocated and initialised), wrappers (pipeline executors, gradient
+        # reduction), optimizer.
+        self.build_seconds: dict[str, float] = {}
 
     # ------------------------------------------------------------------------------------------------ build
 
     def build(self) -> Trainer:
         """Everything before the first step, each failure as early as it can be known."""
-        checked = preflight(self.requested, world_size_from_env())  # before any process group or data
+        world = self._runtime.world_size if self._runtime is not None else world_size_from_env()
+        checked = preflight(self.requested, world)  # before any process group or data
         self._start_runtime()
         self._load_data()  # data first: a missing or corrupt corpus fails before the model is built
         preflight_vocab(self.requested.model, self.tokenizer.vocab_size)  # the tokenizer is known: before the model
@@ -83,10 +92,11 @@ class Trainer:
 
     def _start_runtime(self) -> None:
         cfg = self.requested
-        self.rt = rt = init_runtime(cfg)
+        self.rt = rt = self._runtime or init_runtime(cfg)
         self.device = rt.device
         self.mesh = mesh = (Mesh.build(cfg, rt.world_size, rt.rank, self.device) if rt.world_size > 1
                             else Mesh.single(self.device))
+        self.build_seconds["mesh"] = mesh.init_seconds
         if rt.world_size > 1:
             log.info(f"megaloom: mesh of {rt.world_size} ranks (tp={mesh.tp} pp={mesh.pp} dp={mesh.dp} cp={mesh.cp} "
                      f"ep={mesh.ep}) built in {mesh.init_seconds:.3f}s")
@@ -97,7 +107,7 @@ class Trainer:
     def _load_data(self) -> None:
         t = self.requested.train
         self.local_batch = t.global_batch_size // self.mesh.dp  # this data-parallel rank's share of a global batch
-        self.train_ds, self.valid_ds, self.tokenizer = build_datasets(
+        self.train_ds, self.valid_ds, self.tokenizer = (self._datasets or build_datasets)(
             self.requested.data, t.seq_len, t.seed, t.steps * t.global_batch_size,
             t.eval_batches * t.global_batch_size)
         log.debug(f"data: {len(self.train_ds)} training and {len(self.valid_ds)} validation samples; tokenizer "
@@ -122,10 +132,11 @@ class Trainer:
         the optimizer and the step."""
         cfg, t, rt, mesh, device = self.cfg, self.cfg.train, self.rt, self.mesh, self.device
         model, stage = self._build_model(checked)
+        t0 = time.perf_counter()
         pipe = eval_pipe = None
         fsdp = stage is None and rt.world_size > 1 and cfg.parallel.zero == 3
         if not fsdp:
-            materialize(model, device, mesh)  # this rank's slices only, initialised as the single process's
+            self._materialize(model)
         if stage is not None:  # a schedule executor runs the micro-batches across stages
             emb_group = build_embedding_groups(mesh) if cfg.model.tie_embeddings else None  # collective
             auto = lambda: forward_ctx(self.precision, device, t.offload_activations)  # noqa: E731
@@ -140,22 +151,30 @@ class Trainer:
         elif rt.world_size > 1:
             grads = build_data_parallel(model, mesh, cfg.parallel.zero, cfg.parallel.bucket_mb)
             if fsdp:  # FSDP2 wrapped the meta model: each rank allocates its dim-0 share of its tp shard only
-                materialize(model, device, mesh)
+                self._materialize(model)
         else:
             grads = None
         if t.compile:
             for layer in model.layers.values():
                 layer.compile()  # in place: parameter names (and so checkpoints) stay the same
+        t1 = time.perf_counter()
+        self.build_seconds["wrappers"] = t1 - t0 - self.build_seconds["materialize"]
         if cfg.parallel.zero >= 1:
             optimizer = ShardedOptimizer(grads, t.optimizer, lr=t.lr, betas=(t.beta1, t.beta2),
                                          eps=1e-8 if t.optimizer == "adamw" else 1e-6, weight_decay=t.weight_decay,
                                          overlap_param_gather=not t.compile)
         else:
             optimizer = build_optimizer(model, t, device, mesh)
+        self.build_seconds["optimizer"] = time.perf_counter() - t1
         self.train_step = TrainStep(model, optimizer, self.precision, device, t.micro_batch_size, t.grad_clip, grads,
                                     nan_guard=cfg.resilience.nan_guard, pipeline=pipe, attention=t.attention,
                                     offload=t.offload_activations)
         self.model, self.optimizer, self.pipe, self.eval_pipe = model, optimizer, pipe, eval_pipe
+
+    def _materialize(self, model) -> None:
+        t0 = time.perf_counter()
+        materialize(model, self.device, self.mesh)  # this rank's slices only, initialised as the single process's
+        self.build_seconds["materialize"] = time.perf_counter() - t0
 
     def _build_model(self, checked: Checked):
         """The model of the config's family on the meta device (no storage), split by its parallel plan, changed
@@ -163,6 +182,7 @@ class Trainer:
         initialises only this rank's slices, with the values the single process has in them
         (parallel/materialize.py). Returns (model, pipeline stage or None)."""
         cfg, t, mesh = self.cfg, self.cfg.train, self.mesh
+        t0 = time.perf_counter()
         seed_everything(t.seed)  # the model's init seed: the same on every rank
         with torch.device("meta"):
             model = get_family(cfg.model.arch).build(cfg.model)
@@ -173,6 +193,7 @@ class Trainer:
         if fp8_summary is not None:
             log.info(f"megaloom: {fp8_summary}")
         stage = build_stage(model, checked.partition, mesh) if mesh.pp > 1 else None  # prunes the model
+        self.build_seconds["model"] = time.perf_counter() - t0
         torch.manual_seed(dropout_seed(t.seed, mesh))  # dropout: equal across tp peers, distinct across data
         return model, stage
 
@@ -241,9 +262,9 @@ class Trainer:
         """The batches of steps `self.step + 1 ...` (shifted by the data offset), or Nones on middle stages."""
         cfg, t, step = self.cfg, self.cfg.train, self.step
         if self.data_offset and len(self.train_ds) < (t.steps + self.data_offset) * t.global_batch_size:
-            self.train_ds, _, _ = build_datasets(cfg.data, t.seq_len, t.seed,
-                                                 (t.steps + self.data_offset) * t.global_batch_size,
-                                                 t.eval_batches * t.global_batch_size)
+            self.train_ds, _, _ = (self._datasets or build_datasets)(
+                cfg.data, t.seq_len, t.seed, (t.steps + self.data_offset) * t.global_batch_size,
+                t.eval_batches * t.global_batch_size)
         batches = StepBatches(self.train_ds, t.global_batch_size, rank_offset=self.mesh.dp_rank * self.local_batch,
                               rank_size=self.local_batch, start_step=step + self.data_offset, n_steps=t.steps - step)
         if not self.reads_data:

@@ -121,6 +121,39 @@ def test_last_op_recorder_describes_itself() -> None:
     assert not rec.in_flight and rec.count == 1
 
 
+class _Group:
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def size(self) -> int:
+        return self.n
+
+
+def test_comm_tally_counts_calls_and_bytes_per_group() -> None:
+    tp, pp, other = _Group(2), _Group(4), _Group(3)
+    inner = comm.LastOpRecorder()
+    tally = comm.CommTally({tp: "tp", pp: "pp"}, inner=inner)
+    tally.enter("all_reduce_sum", tp, 100)
+    tally.exit()
+    tally.enter("all_reduce_sum_async", tp, 50)  # an async op counts as its op; its wait is no new call
+    tally.exit()
+    tally.enter("wait all_reduce_sum", tp)
+    tally.exit()
+    tally.message("send", pp, 8)
+    tally.message("recv", pp, 8)
+    tally.message("recv", pp, 8)
+    tally.enter("send_recv", pp, 24)  # the batch: its bytes are the messages'
+    tally.exit()
+    tally.enter("all_gather", other, 7)
+    tally.exit()
+    rows = {(r["group"], r["op"]): (r["calls"], r["bytes"]) for r in tally.rows()}
+    assert rows == {("tp", "all_reduce_sum"): (2, 150), ("pp", "send"): (1, 8), ("pp", "recv"): (2, 16),
+                    ("pp", "send_recv batch"): (1, 0), ("3 ranks", "all_gather"): (1, 7)}
+    assert inner.count == 5 and inner.name == "all_gather" and not inner.in_flight  # forwarded to the watchdog's
+    tally.reset()
+    assert tally.rows() == []
+
+
 def test_torchrun_command() -> None:
     cmd = torchrun_command(4, ["--config", "c.yaml", "train.steps=5"])
     assert cmd == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",

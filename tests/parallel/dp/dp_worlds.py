@@ -44,7 +44,7 @@ class PhaseRecorder(comm.OpRecorder):
     def __init__(self, group: comm.Group) -> None:
         self.group, self.phase, self.log = group, "setup", []
 
-    def enter(self, name: str, group: comm.Group) -> None:
+    def enter(self, name: str, group: comm.Group, nbytes: int = 0) -> None:
         # A "wait ..." entry is the completion of a collective issued earlier (recorded for the watchdog),
         # not a new one: only issued collectives count here.
         if group is self.group and not name.startswith("wait "):
