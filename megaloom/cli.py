@@ -1,4 +1,5 @@
-"""Command-line entry points: `megaloom train | preprocess | tokenizer | generate | plot | config`."""
+"""Command-line entry points: `megaloom train | preprocess | tokenizer | generate | plot | doctor | schedule | status
+| convert | memory | config`."""
 
 from __future__ import annotations
 
@@ -251,8 +252,12 @@ _SUBCOMMANDS = (_add_train, _add_preprocess, _add_tokenizer, _add_generate, _add
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megaloom", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
+    import megaloom
+
+    p = argparse.ArgumentParser(prog="megaloom", description=megaloom.__doc__,
+                                epilog="`megaloom COMMAND --help` lists a command's options.")
+    p.add_argument("--version", action="version", version=f"megaloom {megaloom.__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in _SUBCOMMANDS:
         add(sub)
     return p

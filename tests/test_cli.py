@@ -52,3 +52,20 @@ def test_python_dash_m_entry_point():
     out = subprocess.run([sys.executable, "-m", "megaloom", "config", "--list"], capture_output=True, text=True,
                          check=True).stdout
     assert "train.global_batch_size" in out
+
+
+def test_version_and_help_list_every_command():
+    import megaloom
+    from megaloom.cli import build_parser
+
+    run = lambda *a: subprocess.run([sys.executable, "-m", "megaloom", *a], capture_output=True, text=True)  # noqa: E731
+    v = run("--version")
+    assert v.returncode == 0 and v.stdout.strip() == f"megaloom {megaloom.__version__}"
+    h = run("--help")
+    assert h.returncode == 0
+    sub = next(a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction")
+    helps = {c.dest: c.help for c in sub._choices_actions}
+    assert set(helps) == set(sub.choices)  # every command has a help string ...
+    for name, text in helps.items():
+        assert text, name
+        assert name in h.stdout  # ... and --help lists it
