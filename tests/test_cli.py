@@ -69,3 +69,19 @@ def test_version_and_help_list_every_command():
     for name, text in helps.items():
         assert text, name
         assert name in h.stdout  # ... and --help lists it
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.tp=2", "data.paths=/nonexistent"], "/nonexistent.bin does not exist"),
+    (["parallel.tp=3"], "does not divide the world size 2"),
+    (["parallel.zero=1", "parallel.tp=2"], "dp=1"),
+])
+def test_nproc_user_errors_print_once_before_torchrun(tmp_path, overrides, message):
+    """Checked in the launching process: one line, exit 2, no rank started (so no torchrun traceback)."""
+    r = subprocess.run([sys.executable, "-m", "megaloom", "train", "--nproc", "2", f"run.dir={tmp_path}/r", *overrides],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count(message) == 1, r.stderr
+    assert r.stderr.count("megaloom: error:") == 1
+    assert "Traceback" not in r.stderr and "torch.distributed" not in r.stderr
+    assert not (tmp_path / "r").exists()
