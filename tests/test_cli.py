@@ -85,3 +85,34 @@ def test_nproc_user_errors_print_once_before_torchrun(tmp_path, overrides, messa
     assert r.stderr.count("megaloom: error:") == 1
     assert "Traceback" not in r.stderr and "torch.distributed" not in r.stderr
     assert not (tmp_path / "r").exists()
+
+
+def test_train_again_after_a_finished_run_says_nothing_to_do(small_corpus, tmp_path, capsys):
+    run = tmp_path / "run"
+    args = tiny_overrides(small_corpus, run, "train.steps=3", "checkpoint.every=3")
+    assert main(["train", *args]) == 0
+    capsys.readouterr()
+    assert main(["train", *args]) == 0  # resumes at step 3 == train.steps
+    out = capsys.readouterr().out
+    assert (f"run.dir {run} already trained to step 3 of train.steps=3: nothing to do; raise train.steps to "
+            "continue") in out
+    assert "step      " not in out  # no step was trained
+    assert main(["train", *args, "train.steps=5"]) == 0  # steps raised: one line says so, and it trains on
+    out = capsys.readouterr().out
+    assert "the checkpoint's run had train.steps=3; this run trains on from step 3 to the new train.steps=5" in out
+    assert "step      5/5" in out and "nothing to do" not in out
+
+
+def test_resume_changes_name_the_layout_and_steps():
+    from megaloom.training.checkpoints import resume_changes
+
+    cfg = load_config(None, ["train.steps=10"])
+    now = {"tp": 1, "pp": 1, "dp": 2, "cp": 1, "ep": 1, "zero": 0, "world": 2}
+    same = {"step": 4, "layout": dict(now), "train_steps": 10}
+    assert resume_changes(same, cfg, now) == []
+    assert resume_changes({"step": 4}, cfg, now) == []  # an older checkpoint: nothing known, nothing said
+    (line,) = resume_changes({**same, "layout": {**now, "tp": 2, "dp": 1}}, cfg, now)
+    assert "tp=2 pp=1 dp=1" in line and "this run is tp=1 pp=1 dp=2" in line and "resharded" in line
+    (line,) = resume_changes({**same, "train_steps": 6}, cfg, now)
+    assert "train.steps=6" in line and "new train.steps=10" in line
+    assert resume_changes({**same, "step": 12, "train_steps": 12}, cfg, now) == []  # the nothing-to-do line says it
