@@ -116,3 +116,31 @@ def test_resume_changes_name_the_layout_and_steps():
     (line,) = resume_changes({**same, "train_steps": 6}, cfg, now)
     assert "train.steps=6" in line and "new train.steps=10" in line
     assert resume_changes({**same, "step": 12, "train_steps": 12}, cfg, now) == []  # the nothing-to-do line says it
+
+
+def test_ctrl_c_stops_training_with_one_line_and_exit_130(small_corpus, tmp_path):
+    import re
+    import signal
+
+    run = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "megaloom", "train",
+                          *tiny_overrides(small_corpus, run, "train.steps=100000", "checkpoint.every=1")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        seen = []
+        for line in p.stdout:  # the console lines; SIGINT once steps are running
+            seen.append(line)
+            if re.search(r"step\s+2/100000", line):  # checkpoint 1 is written before step 2 begins
+                break
+        else:
+            raise AssertionError("no step line:\n" + "".join(seen) + p.stderr.read())
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    m = re.search(r"megaloom: interrupted at step (\d+); the last checkpoint is step (\d+)", err)
+    assert m and int(m[1]) >= 1 and 1 <= int(m[2]) <= int(m[1]), (err, sorted((run / "checkpoints").iterdir()))
+    assert (run / "checkpoints" / f"step_{int(m[2]):08d}").is_dir()
