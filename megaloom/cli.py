@@ -1,4 +1,5 @@
-"""Command-line entry points: `megaloom train | preprocess | tokenizer | generate | plot | config`."""
+"""Command-line entry points: `megaloom train | preprocess | tokenizer | generate | plot | doctor | schedule | status
+| convert | memory | config`."""
 
 from __future__ import annotations
 
@@ -29,16 +30,39 @@ def _cmd_train(args: argparse.Namespace) -> int:
         raise ConfigError("--world and --rank belong to --dry-run (a real run takes them from torchrun).")
     if args.nproc and args.nproc > 1 and "LOCAL_RANK" not in os.environ:
         from megaloom.parallel.launch import torchrun_command
+        from megaloom.training.preflight import preflight_launch
 
+        preflight_launch(cfg, args.nproc)  # a user error prints once here (exit 2), not once per rank
         flags = {"quiet": ["--quiet"], "verbose": ["--verbose"]}.get(verbosity, [])  # the workers log alike
         argv = (["--config", args.config] if args.config else []) + flags + list(args.overrides)
         return subprocess.call(torchrun_command(args.nproc, argv, max_restarts=args.max_restarts))
     from megaloom.observe.log import console_verbosity
-    from megaloom.train import train
+    from megaloom.training.trainer import Trainer
 
+    args.trainer = Trainer(cfg)  # main() reads its step and run directory if Ctrl-C stops the run
     with console_verbosity(verbosity):
-        train(cfg)
+        args.trainer.build().fit()
     return 0
+
+
+def _interrupted_line(args: argparse.Namespace) -> str:
+    """What Ctrl-C stopped: the step reached and the newest checkpoint on disk (to resume from)."""
+    trainer = getattr(args, "trainer", None)
+    if trainer is None:  # the launcher of --nproc, or before the config was read
+        return "megaloom: interrupted"
+    if not hasattr(trainer, "step"):
+        return "megaloom: interrupted while starting, before the first step"
+    saver = getattr(getattr(trainer, "ckpt", None), "saver", None)
+    if saver is not None:
+        saver.join_write()  # a background save in flight ends first (the process would wait for it anyway)
+    ckpt_root = trainer.run_dir / "checkpoints"
+    latest = ckpt_root / "latest"
+    name = latest.read_text().strip() if latest.is_file() else ""
+    if name.startswith("step_") and (ckpt_root / name).is_dir():
+        last = f"the last checkpoint is step {int(name[len('step_'):])} ({ckpt_root / name})"
+    else:
+        last = "no checkpoint was written"
+    return f"megaloom: interrupted at step {trainer.step}; {last}"
 
 
 def _cmd_preprocess(args: argparse.Namespace) -> int:
@@ -251,8 +275,12 @@ _SUBCOMMANDS = (_add_train, _add_preprocess, _add_tokenizer, _add_generate, _add
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="megaloom", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
+    import megaloom
+
+    p = argparse.ArgumentParser(prog="megaloom", description=megaloom.__doc__,
+                                epilog="`megaloom COMMAND --help` lists a command's options.")
+    p.add_argument("--version", action="version", version=f"megaloom {megaloom.__version__}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in _SUBCOMMANDS:
         add(sub)
     return p
@@ -268,6 +296,14 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"megaloom: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Ctrl-C: one line, no traceback, the shell's exit status for SIGINT (128 + 2). Under torchrun every rank
+        # is interrupted; rank 0 speaks for the job.
+        if os.environ.get("MEGALOOM_TRACEBACK"):
+            raise
+        if os.environ.get("RANK", "0") == "0":
+            print(_interrupted_line(args), file=sys.stderr, flush=True)
+        return 130
 
 
 if __name__ == "__main__":

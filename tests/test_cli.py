@@ -52,3 +52,95 @@ def test_python_dash_m_entry_point():
     out = subprocess.run([sys.executable, "-m", "megaloom", "config", "--list"], capture_output=True, text=True,
                          check=True).stdout
     assert "train.global_batch_size" in out
+
+
+def test_version_and_help_list_every_command():
+    import megaloom
+    from megaloom.cli import build_parser
+
+    run = lambda *a: subprocess.run([sys.executable, "-m", "megaloom", *a], capture_output=True, text=True)  # noqa: E731
+    v = run("--version")
+    assert v.returncode == 0 and v.stdout.strip() == f"megaloom {megaloom.__version__}"
+    h = run("--help")
+    assert h.returncode == 0
+    sub = next(a for a in build_parser()._actions if a.__class__.__name__ == "_SubParsersAction")
+    helps = {c.dest: c.help for c in sub._choices_actions}
+    assert set(helps) == set(sub.choices)  # every command has a help string ...
+    for name, text in helps.items():
+        assert text, name
+        assert name in h.stdout  # ... and --help lists it
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.tp=2", "data.paths=/nonexistent"], "/nonexistent.bin does not exist"),
+    (["parallel.tp=3"], "does not divide the world size 2"),
+    (["parallel.zero=1", "parallel.tp=2"], "dp=1"),
+])
+def test_nproc_user_errors_print_once_before_torchrun(tmp_path, overrides, message):
+    """Checked in the launching process: one line, exit 2, no rank started (so no torchrun traceback)."""
+    r = subprocess.run([sys.executable, "-m", "megaloom", "train", "--nproc", "2", f"run.dir={tmp_path}/r", *overrides],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count(message) == 1, r.stderr
+    assert r.stderr.count("megaloom: error:") == 1
+    assert "Traceback" not in r.stderr and "torch.distributed" not in r.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_train_again_after_a_finished_run_says_nothing_to_do(small_corpus, tmp_path, capsys):
+    run = tmp_path / "run"
+    args = tiny_overrides(small_corpus, run, "train.steps=3", "checkpoint.every=3")
+    assert main(["train", *args]) == 0
+    capsys.readouterr()
+    assert main(["train", *args]) == 0  # resumes at step 3 == train.steps
+    out = capsys.readouterr().out
+    assert (f"run.dir {run} already trained to step 3 of train.steps=3: nothing to do; raise train.steps to "
+            "continue") in out
+    assert "step      " not in out  # no step was trained
+    assert main(["train", *args, "train.steps=5"]) == 0  # steps raised: one line says so, and it trains on
+    out = capsys.readouterr().out
+    assert "the checkpoint's run had train.steps=3; this run trains on from step 3 to the new train.steps=5" in out
+    assert "step      5/5" in out and "nothing to do" not in out
+
+
+def test_resume_changes_name_the_layout_and_steps():
+    from megaloom.training.checkpoints import resume_changes
+
+    cfg = load_config(None, ["train.steps=10"])
+    now = {"tp": 1, "pp": 1, "dp": 2, "cp": 1, "ep": 1, "zero": 0, "world": 2}
+    same = {"step": 4, "layout": dict(now), "train_steps": 10}
+    assert resume_changes(same, cfg, now) == []
+    assert resume_changes({"step": 4}, cfg, now) == []  # an older checkpoint: nothing known, nothing said
+    (line,) = resume_changes({**same, "layout": {**now, "tp": 2, "dp": 1}}, cfg, now)
+    assert "tp=2 pp=1 dp=1" in line and "this run is tp=1 pp=1 dp=2" in line and "resharded" in line
+    (line,) = resume_changes({**same, "train_steps": 6}, cfg, now)
+    assert "train.steps=6" in line and "new train.steps=10" in line
+    assert resume_changes({**same, "step": 12, "train_steps": 12}, cfg, now) == []  # the nothing-to-do line says it
+
+
+def test_ctrl_c_stops_training_with_one_line_and_exit_130(small_corpus, tmp_path):
+    import re
+    import signal
+
+    run = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "megaloom", "train",
+                          *tiny_overrides(small_corpus, run, "train.steps=100000", "checkpoint.every=1")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        seen = []
+        for line in p.stdout:  # the console lines; SIGINT once steps are running
+            seen.append(line)
+            if re.search(r"step\s+2/100000", line):  # checkpoint 1 is written before step 2 begins
+                break
+        else:
+            raise AssertionError("no step line:\n" + "".join(seen) + p.stderr.read())
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, err
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    m = re.search(r"megaloom: interrupted at step (\d+); the last checkpoint is step (\d+)", err)
+    assert m and int(m[1]) >= 1 and 1 <= int(m[2]) <= int(m[1]), (err, sorted((run / "checkpoints").iterdir()))
+    assert (run / "checkpoints" / f"step_{int(m[2]):08d}").is_dir()

@@ -112,6 +112,7 @@ class AsyncCheckpointer:
         self._ckpt = group if group is not None else CheckpointGroup()
         self._buffers = _HostBuffers()
         self._thread: threading.Thread | None = None
+        self._written = threading.Event()  # set by the writer thread in flight when it ends
         self._pending: SaveRecord | None = None
         self._on_written = on_written
         self.history: list[SaveRecord] = []
@@ -136,8 +137,10 @@ class AsyncCheckpointer:
         record = SaveRecord(step=step, path=ckpt_root / step_name(step), stall_s=0.0, wait_s=wait_s)
         run_state = {**run_state, OPTIMIZER_FLAG: optimizer is not None}
         self._pending = record
+        self._written = threading.Event()
         self._thread = threading.Thread(target=self._write, name=f"megaloom-ckpt-{step}", daemon=False,
-                                        args=(record, ckpt_root, tmp, snapshot, run_state, keep, rank == 0))
+                                        args=(record, ckpt_root, tmp, snapshot, run_state, keep, rank == 0,
+                                              self._written))
         # DCP warns on a no-collective save that it "assumes a single process": intended with one process. Set
         # once from this thread: warnings.catch_warnings() inside the writer would not be thread-safe.
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -152,6 +155,15 @@ class AsyncCheckpointer:
         self._finish_previous()
         barrier()
         return self.history[-1] if self.history else None
+
+    def join_write(self) -> None:
+        """Block until this rank's write in flight (if any) has ended, without a barrier and without raising its
+        error: for a process that is stopping anyway (Ctrl-C), so it can name the checkpoint that is on disk."""
+        # An Event, not Thread.join: a join that Ctrl-C interrupted (in `save` or `wait`) can leave the thread
+        # looking finished to a later join on Python 3.11 while it still writes.
+        if self._thread is not None:
+            while not self._written.wait(0.1):
+                pass
 
     @property
     def host_buffer_bytes(self) -> int:
@@ -168,7 +180,14 @@ class AsyncCheckpointer:
                                   "The previous checkpoint and `latest` are unchanged.") from record.error
 
     def _write(self, record: SaveRecord, ckpt_root: Path, tmp: Path, snapshot: dict, run_state: dict,
-               keep: int, commit: bool) -> None:
+               keep: int, commit: bool, written: threading.Event) -> None:
+        try:
+            self._write_and_commit(record, ckpt_root, tmp, snapshot, run_state, keep, commit)
+        finally:
+            written.set()
+
+    def _write_and_commit(self, record: SaveRecord, ckpt_root: Path, tmp: Path, snapshot: dict, run_state: dict,
+                          keep: int, commit: bool) -> None:
         t0 = time.perf_counter()
         try:
             if self._ckpt.group is None:

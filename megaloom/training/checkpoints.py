@@ -55,7 +55,15 @@ class RunCheckpoints:
                                     group=self.group)
         _check_data_compatible(state, cfg)
         log.info(f"resumed from {path} at step {state['step']}")
+        for line in resume_changes(state, cfg, self.layout()):
+            log.info(line)
         return int(state["step"]), state
+
+    def layout(self) -> dict:
+        """The parallel layout of this run, as saved with every checkpoint and compared with it on resume."""
+        m = self.mesh
+        return {"tp": m.tp, "pp": m.pp, "dp": m.dp, "cp": m.cp, "ep": m.ep, "zero": self.cfg.parallel.zero,
+                "world": self.rt.world_size}
 
     def save(self, step: int, model, optimizer, train_step: TrainStep, data_offset: int) -> float:
         """Checkpoint `step`; returns the seconds the training loop was blocked."""
@@ -63,6 +71,7 @@ class RunCheckpoints:
         t0 = time.perf_counter()
         state = run_state(cfg, step)
         state["data_offset"] = data_offset
+        state["layout"] = self.layout()
         if train_step.scaler is not None:
             state["loss_scaler"] = train_step.scaler.state_dict()
         if self.saver is not None:
@@ -96,7 +105,30 @@ class RunCheckpoints:
 
 def run_state(cfg: Config, step: int) -> dict:
     return {"consumed_samples": step * cfg.train.global_batch_size, "model": cfg.model.__dict__.copy(),
-            "seq_len": cfg.train.seq_len, "seed": cfg.train.seed}
+            "seq_len": cfg.train.seq_len, "seed": cfg.train.seed, "train_steps": cfg.train.steps}
+
+
+def _fmt_layout(layout: dict) -> str:
+    world = layout.get("world")
+    return " ".join(f"{k}={v}" for k, v in layout.items() if k != "world") + (f" (world {world})" if world else "")
+
+
+def resume_changes(state: dict, cfg: Config, layout: dict) -> list[str]:
+    """One line for each setting of the run that differs from the resumed checkpoint's and is carried on, saying
+    what is done with it: the parallel layout (resharded on load) and train.steps (trained to the new value).
+    Checkpoints written before these were saved say nothing."""
+    lines = []
+    saved = state.get("layout")
+    if saved and {k: saved.get(k) for k in layout} != layout:
+        lines.append(f"the checkpoint was written at layout {_fmt_layout(saved)}; this run is "
+                     f"{_fmt_layout(layout)}: its weights and optimizer state are resharded to the new layout as "
+                     "they load")
+    old_steps, step, steps = state.get("train_steps"), int(state["step"]), cfg.train.steps
+    if old_steps is not None and old_steps != steps and steps > step:
+        lr = ("; the learning-rate schedule follows the new value" if not cfg.train.lr_decay_steps else "")
+        lines.append(f"the checkpoint's run had train.steps={old_steps}; this run trains on from step {step} to the "
+                     f"new train.steps={steps}{lr}")
+    return lines
 
 
 def _check_data_compatible(state: dict, cfg: Config) -> None:

@@ -1,7 +1,8 @@
 """Preflight: every refusal of a config that needs no process group, data or model, before any heavy work.
 
-`preflight` runs first of all (it needs only the world size); `preflight_vocab` is its one check that needs
-the tokenizer, run as soon as the tokenizer is known and before the model is built. `load_config`'s
+`preflight` runs first of all (it needs only the world size; `preflight_launch` runs it, and checks the data
+files exist, in the process that `megaloom train --nproc N` starts torchrun from); `preflight_vocab` is its one
+check that needs the tokenizer, run as soon as the tokenizer is known and before the model is built. `load_config`'s
 `validate()` has already checked each value on its own; these are the checks of how values fit together
 with the world size, the pipeline partition and this build's features.
 """
@@ -40,6 +41,24 @@ def preflight(cfg: Config, world_size: int) -> Checked:
         raise ConfigError(f"parallel.zero={cfg.parallel.zero} shards over data-parallel ranks, but dp=1 (world "
                           f"{sizes['world']} = tp*pp*cp); set parallel.zero=0 or run more processes.")
     return Checked(sizes=sizes, partition=partition)
+
+
+def preflight_launch(cfg: Config, world_size: int) -> Checked:
+    """`megaloom train --nproc N` in the launching process, before torchrun starts any rank: `preflight` at the
+    job's world size, and the data files and tokenizer exist (opening a token file's index validates its header;
+    no data is read). A refusal here prints once, not once per rank."""
+    from pathlib import Path
+
+    from megaloom.data.errors import DataError
+    from megaloom.data.indexed import IndexedTokens
+
+    checked = preflight(cfg, world_size)
+    for prefix in cfg.data.paths:
+        IndexedTokens(prefix)
+    if cfg.data.tokenizer and not Path(cfg.data.tokenizer).expanduser().is_file():
+        raise DataError(f"tokenizer file {cfg.data.tokenizer} does not exist; set data.tokenizer to a tokenizer.json "
+                        "(or leave it empty to use the default tokenizer)")
+    return checked
 
 
 def preflight_vocab(m: ModelConfig, tokenizer_vocab: int) -> None:

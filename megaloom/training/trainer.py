@@ -238,6 +238,10 @@ class Trainer:
         if self.cfg is None:
             self.build()
         self.train_start = time.perf_counter()
+        if self.step >= self.cfg.train.steps:  # a finished run started again: say so rather than exit silently
+            log.info(f"run.dir {self.run_dir} already trained to step {self.step} of train.steps="
+                     f"{self.cfg.train.steps}: nothing to do; raise train.steps to continue, or set "
+                     "checkpoint.resume=none (or another run.dir) to start fresh")
         while self.step < self.cfg.train.steps:
             if not self._run_until_rollback(stop_after):
                 break
