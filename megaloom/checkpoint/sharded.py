@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from megaloom.parallel.layout import layout_of
+from megaloom.parallel.layout import layout_of, single_model_name
 from megaloom.parallel.mesh import Mesh
 
 
@@ -150,10 +150,6 @@ def _param_slices(p: nn.Parameter, mesh: Mesh, segment: tuple[int, torch.Tensor]
     return Slices(torch.Size(full), [(torch.Size(starts), t)] if t.numel() else [])
 
 
-def _single_name(name: str, p: nn.Parameter) -> str:
-    return "tok_emb.weight" if layout_of(p).tied_copy else name
-
-
 def sharded_model_state(model: nn.Module, mesh: Mesh, segments: dict[int, tuple[int, torch.Tensor]] | None = None
                         ) -> dict[str, object]:
     """The model's state as this rank holds it. ``segments``: for ZeRO-3, parameter index (in
@@ -186,7 +182,7 @@ def sharded_optim_state(model: nn.Module, optimizer: torch.optim.Optimizer, mesh
         state: dict[str, dict] = {}
         for t, seg in zip(optimizer.tensors, optimizer.segments, strict=True):
             name, p = optimizer.named_params[seg.owner]
-            name = _single_name(name, p)
+            name = single_model_name(name, p)
             st = optimizer.inner.state[t]
             entry = state.setdefault(name, {"step": st["step"]})
             for k, v in st.items():
@@ -203,7 +199,7 @@ def sharded_optim_state(model: nn.Module, optimizer: torch.optim.Optimizer, mesh
         st = optimizer.state.get(p)
         if not st:
             continue
-        state[_single_name(name, p)] = {
+        state[single_model_name(name, p)] = {
             k: (_param_slices(p, mesh, local=v) if torch.is_tensor(v) and v.shape == p.shape and v.ndim > 0
                 else v) for k, v in st.items()}
     return {"state": state}
@@ -229,4 +225,4 @@ def after_load(optimizer: torch.optim.Optimizer | None, loaded: dict) -> None:
     if hasattr(optimizer, "segments"):
         for t, seg in zip(optimizer.tensors, optimizer.segments, strict=True):
             name, p = optimizer.named_params[seg.owner]
-            optimizer.inner.state[t]["step"].copy_(saved[_single_name(name, p)]["step"])
+            optimizer.inner.state[t]["step"].copy_(saved[single_model_name(name, p)]["step"])

@@ -85,6 +85,12 @@ def set_layout(p: torch.Tensor, layout: Layout | None = None, **changes) -> torc
     return p
 
 
+def single_model_name(name: str, p: object) -> str:
+    """The name under which ``p``'s values live in the single model: the last pipeline stage's copy of a tied
+    embedding holds ``tok_emb.weight`` (``named_parameters`` lists a tied weight once, under that name)."""
+    return "tok_emb.weight" if layout_of(p).tied_copy else name
+
+
 def copy_layout(src: object, dst: object) -> None:
     """Give ``dst`` (a new Parameter standing for ``src``: an FSDP2 shard, a pipeline copy) ``src``'s layout."""
     if hasattr(src, _ATTR):

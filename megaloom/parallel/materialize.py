@@ -14,14 +14,8 @@ import torch
 from torch import nn
 
 from megaloom.models.init import fill_slice
-from megaloom.parallel.layout import layout_of, set_layout
+from megaloom.parallel.layout import layout_of, set_layout, single_model_name
 from megaloom.parallel.mesh import Mesh
-
-
-def _single_name(name: str, p: nn.Parameter) -> str:
-    """The name whose values a parameter holds in the single model (the last stage's copy of a tied embedding
-    holds the embedding's)."""
-    return "tok_emb.weight" if layout_of(p).tied_copy else name
 
 
 @torch.no_grad()
@@ -36,7 +30,7 @@ def materialize(model: nn.Module, device: torch.device, mesh: Mesh) -> nn.Module
         set_layout(p, layouts[name])
         local, extra = _local_and_offset(p)
         full, starts = layouts[name].box(list(p.shape), mesh.tp_rank, mesh.tp, mesh.ep_rank, mesh.ep)
-        single = _single_name(name, p)
+        single = single_model_name(name, p)
         fill_slice(local, full, [s + e for s, e in zip(starts, extra, strict=True)], model.init_rule(single),
                    model.init_seed, single)
     model.reset_buffers()

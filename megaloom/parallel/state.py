@@ -12,15 +12,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megaloom.parallel.layout import layout_of
+from megaloom.parallel.layout import layout_of, single_model_name
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.tensor import _gather_full
-
-
-def _optim_name(name: str, p: nn.Parameter) -> str:
-    """Optimizer state is stored under the single model's names: the last pipeline stage's copy of a tied
-    embedding is `tok_emb.weight` there (named_parameters lists a tied weight once)."""
-    return "tok_emb.weight" if layout_of(p).tied_copy else name
 
 
 def shard_of(full: torch.Tensor, p: nn.Parameter, mesh: Mesh) -> torch.Tensor:
@@ -44,7 +38,7 @@ def full_optim_state(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: M
     """{'state': {fqn: {name: full tensor}}} keyed by parameter names. A ZeRO optimizer gathers its shards."""
     if hasattr(optimizer, "full_state"):
         return optimizer.full_state()
-    names = {id(p): _optim_name(n, p) for n, p in model.named_parameters()}
+    names = {id(p): single_model_name(n, p) for n, p in model.named_parameters()}
     state: dict[str, dict] = {}
     for p, st in optimizer.state.items():
         state[names[id(p)]] = {k: (_gather_full(v, p, mesh, sum_replicas=False)
@@ -62,14 +56,6 @@ def ensure_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -
     for p in model.parameters():
         if p.requires_grad and p not in optimizer.state:
             _init_adam_state(optimizer, p)
-
-
-def full_optim_template(model: nn.Module, optimizer: torch.optim.Optimizer, mesh: Mesh) -> dict:
-    """Full-size placeholders for loading (optimizer state is created first if the optimizer is fresh)."""
-    if hasattr(optimizer, "full_state"):
-        return optimizer.full_state()
-    ensure_optimizer_state(model, optimizer)
-    return full_optim_state(model, optimizer, mesh)
 
 
 def _init_adam_state(optimizer: torch.optim.Optimizer, p: nn.Parameter) -> None:
@@ -93,7 +79,7 @@ def load_full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, m
             t.copy_(shard_of(src, params[k], mesh) if k in params else src)
     if optimizer is None or optim_sd is None:
         return
-    by_name = {_optim_name(n, p): p for n, p in model.named_parameters()}
+    by_name = {single_model_name(n, p): p for n, p in model.named_parameters()}
     for name, st in optim_sd["state"].items():
         p = by_name[name]
         target = optimizer.state.setdefault(p, {})

@@ -23,7 +23,7 @@ from torch import nn
 
 from megaloom.models.transformer import Span, Transformer
 from megaloom.parallel import comm
-from megaloom.parallel.layout import copy_layout, layout_of, set_layout
+from megaloom.parallel.layout import copy_layout, set_layout, single_model_name
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.pipeline.partition import Partition
 
@@ -136,8 +136,4 @@ def sync_tied_grads(stage: PipelineStage, group: Any, mesh: Mesh) -> None:
     comm.all_reduce(p.grad, group, recorder=mesh.recorder)
 
 
-def checkpoint_name(name: str, p: nn.Parameter) -> str:
-    """The name a parameter's optimizer state is stored under. The last stage's copy of a tied embedding is
-    ``tok_emb.weight`` in the single model (``named_parameters`` lists a tied weight once), so its state is
-    saved and looked up under that name: checkpoints stay loadable across pp layouts."""
-    return "tok_emb.weight" if layout_of(p).tied_copy else name
+checkpoint_name = single_model_name  # the name a parameter's optimizer state is stored under
