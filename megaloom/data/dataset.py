@@ -19,6 +19,7 @@ from megaloom.data.corpus import cache_root, prepare_default
 from megaloom.data.errors import DataError
 from megaloom.data.indexed import IndexedTokens
 from megaloom.data.packed import PackedDataset
+from megaloom.data.provenance import check_tokenizer
 from megaloom.data.shuffle import ShuffledDataset, shuffled_index
 from megaloom.data.split import split_ranges
 from megaloom.data.tokenizer import Tokenizer
@@ -46,7 +47,7 @@ def _same_file(a: Path, b: Path) -> bool:
         return False
 
 
-def _resolve_sources(cfg: DataConfig, root: Path) -> tuple[list[str], Tokenizer]:
+def resolve_sources(cfg: DataConfig, root: Path) -> tuple[list[str], Tokenizer]:
     if not cfg.paths:
         tok_path, prefix = prepare_default(root, cfg.default_vocab_size)
         # A saved run config names the default tokenizer explicitly; anything else cannot match the
@@ -59,7 +60,11 @@ def _resolve_sources(cfg: DataConfig, root: Path) -> tuple[list[str], Tokenizer]
         return [prefix], Tokenizer.from_file(tok_path)
     # Token files made by `megaloom preprocess` without --tokenizer use the default tokenizer.
     tok_path = Path(cfg.tokenizer) if cfg.tokenizer else prepare_default(root, cfg.default_vocab_size)[0]
-    return list(cfg.paths), Tokenizer.from_file(tok_path)
+    tok = Tokenizer.from_file(tok_path)
+    setting = "data.tokenizer" if cfg.tokenizer else "the default tokenizer (data.tokenizer empty)"
+    for prefix in cfg.paths:
+        check_tokenizer(prefix, tok_path, tok.vocab_size, setting)
+    return list(cfg.paths), tok
 
 
 def _blend(parts: list[PackedDataset], tokens: list[IndexedTokens], weights: list[float], n: int, seed: int,
@@ -83,7 +88,7 @@ def build_datasets(cfg: DataConfig, seq_len: int, seed: int, n_train: int, n_val
     under ``<cache>/indices``.
     """
     root = cache_root(cfg.cache_dir)
-    paths, tok = _resolve_sources(cfg, root)
+    paths, tok = resolve_sources(cfg, root)
     if cfg.weights and len(cfg.weights) != len(paths):
         raise DataError(f"data.weights has {len(cfg.weights)} entries but data.paths has {len(paths)}; "
                         "give one weight per path, or leave data.weights empty to weight by token count")

@@ -15,6 +15,7 @@ from tqdm import tqdm
 
 from megaloom.data.errors import DataError
 from megaloom.data.indexed import IndexStats, dtype_for_vocab, write_indexed
+from megaloom.data.provenance import write_provenance
 from megaloom.data.tokenizer import Tokenizer
 
 JSON_SUFFIXES = (".jsonl", ".json")
@@ -150,7 +151,8 @@ def _encode_parallel(chunks: Iterator[list[str]], tokenizer_path: str,
 
 def preprocess(inputs: list[str], tokenizer_path: str | Path, out_prefix: str | Path, workers: int = 2,
                json_key: str = "text", show_progress: bool = True) -> IndexStats:
-    """Tokenize every document of ``inputs`` (EOD appended) into ``out_prefix.bin``/``.idx``."""
+    """Tokenize every document of ``inputs`` (EOD appended) into ``out_prefix.bin``/``.idx``, and record the
+    tokenizer in ``out_prefix.tokenizer.json`` (data/provenance.py)."""
     tokenizer_path = str(tokenizer_path)
     tok = Tokenizer.from_file(tokenizer_path)
     tok.eod_id  # noqa: B018 -- fail now, not inside a worker, if the tokenizer has no EOD token
@@ -177,7 +179,9 @@ def preprocess(inputs: list[str], tokenizer_path: str | Path, out_prefix: str | 
             bar.update(len(arrays))
 
     try:
-        return write_indexed(out_prefix, flat(), tok.vocab_size)
+        stats = write_indexed(out_prefix, flat(), tok.vocab_size)
+        write_provenance(out_prefix, tokenizer_path, tok.vocab_size)  # training with another tokenizer stops
+        return stats
     finally:
         encoded.close()  # shuts the worker pool down promptly if writing failed
         bar.close()

@@ -58,6 +58,11 @@ def preflight_launch(cfg: Config, world_size: int) -> Checked:
     if cfg.data.tokenizer and not Path(cfg.data.tokenizer).expanduser().is_file():
         raise DataError(f"tokenizer file {cfg.data.tokenizer} does not exist; set data.tokenizer to a tokenizer.json "
                         "(or leave it empty to use the default tokenizer)")
+    if cfg.data.paths:  # token files made by another tokenizer: refused here once, not by every rank
+        from megaloom.data.corpus import cache_root
+        from megaloom.data.dataset import resolve_sources
+
+        resolve_sources(cfg.data, cache_root(cfg.data.cache_dir))
     return checked
 
 
