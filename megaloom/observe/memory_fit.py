@@ -42,24 +42,55 @@ def planned_peak(cfg: Config, world_size: int, **train) -> float:
     return worst_stage(trial, world_size)[1].peak
 
 
+def _largest_fitting(cfg: Config, world_size: int, budget: float, mode: str, dp: int, n_micro: int,
+                     max_micro: int, **extra) -> tuple[int, float] | None:
+    best = None
+    for mb in range(1, max_micro + 1):
+        peak = planned_peak(cfg, world_size, recompute=mode, micro_batch_size=mb,
+                            global_batch_size=mb * dp * n_micro, **extra)
+        if peak > budget:
+            break
+        best = (mb, peak)
+    return best
+
+
 def fit_micro_batch(cfg: Config, world_size: int, budget_gb: float, modes=("none", "selective", "full"),
                     max_micro: int = 64) -> list[dict]:
     """For each recompute mode: the largest micro-batch (<= max_micro) whose worst-stage peak fits
-    ``HEADROOM * budget_gb``, keeping the micro-batches per step of ``cfg``; None when even 1 does not fit."""
+    ``HEADROOM * budget_gb``, keeping the micro-batches per step of ``cfg``; None when even 1 does not fit.
+
+    When nothing fits as configured, two changes that do not change the model's numerics are tried and the one
+    giving the largest micro-batch is reported (fewest changes on a tie): train.fused_loss=true (tp=1), which
+    never holds the whole vocabulary's logits, and one micro-batch per step (no gradient accumulation: the
+    gradients of the first micro-batch are not held through the next one's forward). A row names what it
+    assumed: ``fused_loss`` and ``micro_batches`` (per step per data-parallel rank)."""
     sizes = validate_layout(cfg, world_size)
-    n_micro = max(1, cfg.train.global_batch_size // (sizes["dp"] * cfg.train.micro_batch_size))
+    dp = sizes["dp"]
+    n_micro = max(1, cfg.train.global_batch_size // (dp * cfg.train.micro_batch_size))
     budget = HEADROOM * budget_gb * GB
+    options = [(False, n_micro)]  # (turn the fused loss on, micro-batches per step)
+    if not cfg.train.fused_loss and cfg.parallel.tp == 1:
+        options.append((True, n_micro))
+    if n_micro > 1:
+        options += [(fuse, 1) for fuse, _ in list(options)]
     rows = []
     for mode in modes:
-        best = None
-        for mb in range(1, max_micro + 1):
-            peak = planned_peak(cfg, world_size, recompute=mode, micro_batch_size=mb,
-                                global_batch_size=mb * sizes["dp"] * n_micro)
-            if peak > budget:
-                break
-            best = (mb, peak)
-        rows.append({"recompute": mode, "micro_batch": best[0] if best else None,
-                     "peak_gb": round(best[1] / GB, 2) if best else None})
+        found = []
+        for changes, (fuse, micro) in enumerate(options):
+            extra = {"fused_loss": True} if fuse else {}
+            best = _largest_fitting(cfg, world_size, budget, mode, dp, micro, max_micro, **extra)
+            if best is not None:
+                found.append((best[0], -changes, best[1], fuse, micro))
+            if changes == 0 and best is not None:
+                break  # fits as configured: say so, without suggesting changes
+        if found:
+            mb, _, peak, fuse, micro = max(found)
+            rows.append({"recompute": mode, "micro_batch": mb, "peak_gb": round(peak / GB, 2),
+                         "fused_loss": bool(cfg.train.fused_loss or fuse), "micro_batches": micro,
+                         "global_batch": mb * dp * micro})
+        else:
+            rows.append({"recompute": mode, "micro_batch": None, "peak_gb": None,
+                         "fused_loss": bool(cfg.train.fused_loss), "micro_batches": n_micro, "global_batch": None})
     return rows
 
 
@@ -91,10 +122,32 @@ def memory_command(cfg: Config, world_size: int, gpu_gb: float | None) -> str:
     if cfg.parallel.pp > 1:
         lines.append(f"(pipeline stage {rank} of {cfg.parallel.pp}: the stage with the highest peak)")
     if gpu_gb:
-        lines.append(f"\nlargest micro-batch under {HEADROOM:.0%} of {gpu_gb:g} GB per GPU "
-                     f"(seq {cfg.train.seq_len}, same micro-batches per step):")
-        for row in fit_micro_batch(cfg, world_size, gpu_gb):
-            fits = (f"micro-batch {row['micro_batch']} (peak {row['peak_gb']} GB)" if row["micro_batch"]
-                    else "does not fit even with micro-batch 1")
+        sizes = validate_layout(cfg, world_size)
+        n_micro = max(1, cfg.train.global_batch_size // (sizes["dp"] * cfg.train.micro_batch_size))
+        fused = str(cfg.train.fused_loss).lower()
+        lines.append(f"\nlargest micro-batch under {HEADROOM:.0%} of {gpu_gb:g} GB per GPU (seq {cfg.train.seq_len}, "
+                     f"dp={sizes['dp']}, as configured: {n_micro} micro-batch(es) per step, "
+                     f"train.fused_loss={fused}):")
+        rows = fit_micro_batch(cfg, world_size, gpu_gb)
+        for row in rows:
+            if not row["micro_batch"]:
+                lines.append(f"  recompute={row['recompute']:<10} does not fit even with micro-batch 1")
+                continue
+            changes = []
+            if row["fused_loss"] and not cfg.train.fused_loss:
+                changes.append("train.fused_loss=true")
+            if row["micro_batches"] != n_micro:
+                changes.append(f"{row['micro_batches']} micro-batch per step")
+            fits = (f"micro-batch {row['micro_batch']} (peak {row['peak_gb']} GB, "
+                    f"train.global_batch_size={row['global_batch']})")
+            if changes:
+                fits += f" with {', '.join(changes)}"
             lines.append(f"  recompute={row['recompute']:<10} {fits}")
+        if not any(r["micro_batch"] for r in rows):
+            lines.append("  nothing fits one GPU, also not with train.fused_loss=true or one micro-batch per step: "
+                         "shard the state (parallel.zero=1..3 over more data-parallel ranks) or the model "
+                         "(parallel.tp / parallel.pp), or shorten train.seq_len")
+        else:
+            lines.append("  (a larger train.global_batch_size with the same micro-batch accumulates gradients: one "
+                         "more set of gradients held, no more activations)")
     return "\n".join(lines)
