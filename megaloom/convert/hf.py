@@ -62,6 +62,9 @@ def to_hf(run_or_ckpt_dir: str | Path, out_dir: str | Path, show_progress: bool 
         shutil.copyfile(tokenizer, out / "tokenizer.json")
         # PreTrainedTokenizerFast reads tokenizer.json; this file tells AutoTokenizer to use it.
         tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_cfg.max_seq_len}
+        if eos_id is not None:  # config.json's bos/eos_token_id: the end-of-document token, as the tokenizer spells it
+            eod = _token_text(tokenizer, eos_id)
+            tok_cfg.update(bos_token=eod, eos_token=eod)
         (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
     # config.json last: a directory with a config.json is a finished export
     (out / "config.json").write_text(json.dumps(config_json, indent=2))
@@ -169,6 +172,12 @@ def _read_model_tensors(ckpt: Path, m: ModelConfig) -> dict[str, torch.Tensor]:
     except Exception as e:  # DCP reports missing keys / shape mismatches as generic errors
         raise ConversionError(f"{ckpt}: its tensors do not match the model settings of the run ({e}).") from e
     return template["model"]
+
+
+def _token_text(tokenizer_json: Path, token_id: int) -> str:
+    from tokenizers import Tokenizer as HFTokenizer
+
+    return HFTokenizer.from_file(str(tokenizer_json)).id_to_token(token_id)
 
 
 def _tokenizer_of_run(run_dir: Path) -> tuple[Path | None, int | None]:

@@ -40,6 +40,12 @@ def plan_shards(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list[
     return shards
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def save_weights(tensors: dict[str, torch.Tensor], out_dir: Path, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
                  show_progress: bool = True) -> list[Path]:
     """Write `tensors` as model.safetensors, or as model-0000i-of-0000n.safetensors + index above the limit."""
@@ -55,6 +61,7 @@ def save_weights(tensors: dict[str, torch.Tensor], out_dir: Path, max_shard_byte
                 bar.update(1)
             tmp = out_dir / f".{fname}.tmp"
             save_file(part, str(tmp), metadata={"format": "pt"})  # transformers checks format == "pt"
+            os.chmod(tmp, 0o666 & ~_umask())  # save_file creates 0600; the other exported files follow the umask
             os.replace(tmp, out_dir / fname)
             written.append(out_dir / fname)
     if n > 1:

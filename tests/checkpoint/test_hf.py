@@ -137,3 +137,8 @@ def test_tokenizer_travels_both_ways(tmp_path):
     assert json.loads((tmp_path / "back" / "config.json").read_text())["eos_token_id"] == 1
     fast = transformers.AutoTokenizer.from_pretrained(tmp_path / "back")
     assert fast.convert_tokens_to_ids("a") == 2
+    # issue 24 (7): AutoTokenizer knows the end-of-document token that config.json names
+    assert fast.eos_token == "<|endoftext|>" and fast.eos_token_id == 1 and fast.bos_token_id == 1
+    # and the weights are readable like every other exported file (save_file alone makes them 0600)
+    modes = {f.name: f.stat().st_mode & 0o777 for f in (tmp_path / "back").iterdir()}
+    assert modes["model.safetensors"] == modes["config.json"] == modes["tokenizer.json"], modes
