@@ -136,7 +136,11 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
 
 def _cmd_status(args: argparse.Namespace) -> int:
     from megaloom.observe.heartbeat import status_table
+    from megaloom.observe.run_status import run_progress
 
+    progress = run_progress(args.run_dir)
+    if progress is not None:
+        print(progress)
     print(status_table(args.run_dir))
     return 0
 

@@ -90,3 +90,24 @@ def test_moe_models_train_resume_exactly_and_log_expert_load(small_corpus, tmp_p
                                                  "model.d_model=64", "train.steps=30", "train.log_every=5",
                                                  "model.capacity_factor=1.0")))
     assert mix.losses[30] < mix.losses[5] - 0.5
+
+
+def test_resume_keeps_one_metric_row_per_step_summary_and_status(small_corpus, tmp_path, capsys):
+    """Issue 24 (8): a resume replays the steps after its checkpoint; metrics.jsonl keeps one row per step
+    (it had steps 5 and 6 twice), the end of a run prints one summary line, and `megaloom status` says a
+    finished run is finished."""
+    from megaloom.cli import main
+
+    base = ["train.steps=8", "checkpoint.every=4"]
+    run = tmp_path / "m"
+    train(load_config(None, tiny_overrides(small_corpus, run, *base)), stop_after=6)
+    assert main(["status", str(run)]) == 0
+    assert "at step 6 of train.steps=8" in capsys.readouterr().out
+    train(load_config(None, tiny_overrides(small_corpus, run, *base)))
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 9)), steps
+    summary = [line for line in capsys.readouterr().out.splitlines() if line.startswith("megaloom: done:")]
+    assert len(summary) == 1 and "step 8/8 (4 trained now" in summary[0] and "final loss" in summary[0]
+    assert main(["status", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "finished: step 8 of train.steps=8" in out and "step_00000008" in out

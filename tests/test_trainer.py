@@ -61,3 +61,16 @@ def test_vocab_check_runs_after_the_tokenizer_and_before_the_model(small_corpus,
     with pytest.raises(ConfigError, match="the tokenizer has 512 tokens but model.vocab_size=256"):
         Trainer(cfg).build()
     assert not (tmp_path / "r" / "config.yaml").exists()
+
+
+def test_eta_leaves_out_the_warm_up_step():
+    """Issue 24 (9): the first ETA came from an interval holding the compile/warm-up step (many times slower)."""
+    import torch
+
+    from megaloom.training.records import Interval
+
+    iv = Interval(loss_sum=torch.zeros(()), steps=4, compute_s=10.0 + 3 * 0.5, warmup_s=10.0)
+    assert iv.seconds_per_step() == 0.5
+    iv.reset()
+    iv.steps, iv.compute_s = 2, 1.0  # later intervals: the plain mean
+    assert iv.seconds_per_step() == 0.5

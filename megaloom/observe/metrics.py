@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +39,31 @@ class MetricsSink:
                     self.tb.add_scalar(tag, v, step)
             self.tb.flush()
 
+    def truncate_after(self, step: int) -> int:
+        """Drop the records of steps after `step` (a resume or rollback to `step` replays them), so that
+        metrics.jsonl holds one row per step. Atomic: a reader sees the old file or the new one. Returns how
+        many rows were dropped."""
+        if not self.enabled or not self.path.is_file():
+            return 0
+        lines = self.path.read_text().splitlines(keepends=True)
+        keep = [line for line in lines if not line.strip() or _step_of(line) <= step]
+        if len(keep) == len(lines):
+            return 0
+        tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        tmp.write_text("".join(keep))
+        os.replace(tmp, self.path)
+        return len(lines) - len(keep)
+
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+
+
+def _step_of(line: str) -> int:
+    try:
+        return int(json.loads(line).get("step", -1))
+    except (ValueError, AttributeError, TypeError):
+        return -1  # not a record (a torn last line of a killed run): kept, readers skip what they cannot parse
 
 
 def format_eta(seconds: float) -> str:

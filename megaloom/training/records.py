@@ -18,10 +18,18 @@ class Interval:
     loss_sum: torch.Tensor
     steps: int = 0
     compute_s: float = 0.0
+    warmup_s: float = 0.0  # the first step of the process (compilation, allocator warm-up), when in this interval
 
     def reset(self) -> None:
         self.loss_sum.zero_()
-        self.steps, self.compute_s = 0, 0.0
+        self.steps, self.compute_s, self.warmup_s = 0, 0.0, 0.0
+
+    def seconds_per_step(self) -> float:
+        """For the ETA: the interval's mean step time without the warm-up step (which would inflate the first
+        estimate many times over when compilation is on)."""
+        if self.warmup_s and self.steps > 1:
+            return (self.compute_s - self.warmup_s) / (self.steps - 1)
+        return self.compute_s / max(self.steps, 1)
 
 
 def dp_mean(x: torch.Tensor, mesh: Mesh) -> float:

@@ -26,7 +26,7 @@ from megaloom.observe.flops import device_peak_flops, flops_per_token, matmul_pa
 from megaloom.observe.log import get_logger
 from megaloom.observe.memory import peak_memory_gb
 from megaloom.observe.memory_plan import MemoryReport
-from megaloom.observe.metrics import MetricsSink, console_line
+from megaloom.observe.metrics import MetricsSink, console_line, format_eta
 from megaloom.optim import build_optimizer, lr_at, set_lr
 from megaloom.parallel.materialize import materialize
 from megaloom.parallel.mesh import Mesh
@@ -200,6 +200,7 @@ class Trainer:
     def _resume(self) -> None:
         self.ckpt = RunCheckpoints(self.cfg, self.run_dir, self.rt, self.mesh)
         self.step, resumed_state = self.ckpt.resume(self.model, self.optimizer)
+        self.resumed_step, self._warm = self.step, False
         if self.train_step.scaler is not None and "loss_scaler" in resumed_state:
             self.train_step.scaler.load_state_dict(resumed_state["loss_scaler"])
         # After a rollback the data stream skips the window that produced non-finite steps: step s then reads
@@ -224,6 +225,9 @@ class Trainer:
         self.eval_batches = eval_batches(self.valid_ds, t.eval_batches, t.global_batch_size, self.local_batch, mesh,
                                          self.reads_data)
         self.sink = MetricsSink(self.run_dir, cfg.run.tensorboard, enabled=rt.is_main)
+        dropped = self.sink.truncate_after(self.step)  # steps after the resumed one are trained again: one row each
+        if dropped:
+            log.info(f"metrics.jsonl: {dropped} row(s) after the resumed step {self.step} removed (trained again)")
         self.result = TrainResult(run_dir=self.run_dir, final_step=self.step)
         self.guard = Resilience(cfg, self.run_dir, rt.rank, rt.world_size, mesh)
         self.ckpt.start_background_saves()
@@ -249,7 +253,23 @@ class Trainer:
         self.guard.close()
         self.result.final_step = self.step
         self.sink.close()
+        if self.step >= self.cfg.train.steps and self.step > self.resumed_step:
+            log.info(self._summary())
         return self.result
+
+    def _summary(self) -> str:
+        """One line at the end of a run: what was trained, how long it took, where the results are."""
+        t, r = self.cfg.train, self.result
+        steps = self.step - self.resumed_step
+        took = format_eta(time.perf_counter() - self.train_start)
+        loss = f"final loss {r.losses[max(r.losses)]:.4f}" if r.losses else "no loss logged"
+        if r.eval_loss is not None:
+            loss += f", eval {r.eval_loss:.4f}"
+        ckpts = self.run_dir / "checkpoints"
+        where = f"checkpoints in {ckpts}, " if any(ckpts.glob("step_*")) else ""
+        return (f"megaloom: done: step {self.step}/{t.steps} ({steps} trained now, "
+                f"{steps * t.global_batch_size * t.seq_len:,} tokens) in {took}; {loss}; {where}"
+                f"metrics in {self.run_dir / 'metrics.jsonl'} (megaloom plot {self.run_dir})")
 
     def _run_until_rollback(self, stop_after: int | None) -> bool:
         """Step through the data from `self.step` on; True when a rollback restored an earlier step."""
@@ -297,6 +317,8 @@ class Trainer:
             torch.cuda.synchronize(self.device)  # so the interval's timing covers the GPU work it queued
         wall = time.perf_counter() - step_t0
         self.interval.compute_s += wall
+        if not self._warm:
+            self.interval.warmup_s, self._warm = wall, True
         rollback = self.guard.after_step(self.step, out.skipped, wall)
         self._log(lr, out.grad_norm, self._check_stragglers())
         return rollback
@@ -328,7 +350,7 @@ class Trainer:
             record.update(self._evaluate())
         self.sink.log(record)
         self.result.losses[step] = record["loss"]
-        eta = (t.steps - step) * self.interval.compute_s / self.interval.steps
+        eta = (t.steps - step) * self.interval.seconds_per_step()
         line = console_line(record, t.steps, eta)
         if do_eval:
             line += f" | eval {record['eval_loss']:.4f} (ppl {record['eval_ppl']:.1f})"
@@ -379,4 +401,5 @@ class Trainer:
                         f"restored step {back_to} and skipping the data of steps {back_to + 1}..{step} "
                         f"(data offset now {self.data_offset} steps)")
         self.step, self.guard.bad_in_a_row = back_to, 0
+        self.sink.truncate_after(back_to)  # the steps after it are trained again on other data: one row per step
         self.interval.reset()
