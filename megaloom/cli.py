@@ -75,16 +75,11 @@ def _cmd_preprocess(args: argparse.Namespace) -> int:
 
 
 def _cmd_tokenizer(args: argparse.Namespace) -> int:
-    from megaloom.data.preprocess import iter_documents  # noqa: F401  (validates inputs below)
-    from megaloom.data.tokenizer import train_bpe
+    from megaloom.data.preprocess import iter_documents
+    from megaloom.data.tokenizer import train_bpe_on_texts
 
-    files: list[Path] = []
-    for item in args.inputs:
-        p = Path(item)
-        if not p.exists():
-            raise ConfigError(f"tokenizer train: input '{p}' not found.")
-        files.extend(sorted(f for f in p.rglob("*") if f.is_file()) if p.is_dir() else [p])
-    out = train_bpe(files, args.vocab_size, Path(args.out))
+    # The documents `megaloom preprocess` would tokenize: JSONL's text field (--json-key), not the raw lines.
+    out = train_bpe_on_texts(iter_documents(args.inputs, args.json_key), args.vocab_size, Path(args.out))
     print(f"wrote {out}")
     return 0
 
@@ -115,13 +110,11 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    if args.nproc and "LOCAL_RANK" not in os.environ:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
-               "-m", "megaloom", "doctor", "--factor", str(args.factor), "--matmul-n", str(args.matmul_n)]
+    if "LOCAL_RANK" not in os.environ:  # not under torchrun: start it (one process without --nproc)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+               str(args.nproc or 1), "-m", "megaloom", "doctor", "--factor", str(args.factor), "--matmul-n",
+               str(args.matmul_n)]
         return subprocess.call(cmd)
-    if "LOCAL_RANK" not in os.environ:
-        raise ConfigError("megaloom doctor runs under torchrun (`torchrun --nproc-per-node N -m megaloom doctor`) "
-                          "or with --nproc N.")
     from megaloom.resilience.doctor import doctor
 
     return doctor(factor=args.factor, matmul_n=args.matmul_n)
@@ -197,10 +190,12 @@ def _add_preprocess(sub: argparse._SubParsersAction) -> None:
 def _add_tokenizer(sub: argparse._SubParsersAction) -> None:
     tk = sub.add_parser("tokenizer", help="tokenizer tools")
     tk_sub = tk.add_subparsers(dest="tokenizer_command", required=True)
-    tt = tk_sub.add_parser("train", help="fit a byte-level BPE on text files or folders")
+    tt = tk_sub.add_parser("train", help="fit a byte-level BPE on text / JSONL files or folders (the documents "
+                                         "preprocess reads)")
     tt.add_argument("inputs", nargs="+")
     tt.add_argument("--vocab-size", type=int, default=8192)
     tt.add_argument("--out", required=True, help="path of the tokenizer.json to write")
+    tt.add_argument("--json-key", default="text", help="field holding the text in .json/.jsonl inputs (as preprocess)")
     tt.set_defaults(fn=_cmd_tokenizer)
 
 
@@ -226,8 +221,9 @@ def _add_plot(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_doctor(sub: argparse._SubParsersAction) -> None:
-    d = sub.add_parser("doctor", help="pre-flight self-check of every rank (matmul, collectives); under torchrun")
-    d.add_argument("--nproc", type=int, default=0, help="start N local processes through torchrun")
+    d = sub.add_parser("doctor", help="pre-flight self-check of every rank (matmul, collectives); one process, "
+                                      "--nproc N, or under torchrun")
+    d.add_argument("--nproc", type=int, default=0, help="start N local processes through torchrun (default: one)")
     d.add_argument("--factor", type=float, default=2.0, help="slow = more than FACTOR x the median time")
     d.add_argument("--matmul-n", type=int, default=512)
     d.set_defaults(fn=_cmd_doctor)

@@ -24,21 +24,36 @@ def compare_runs(sources: list[str | Path], out: str | Path | None = None) -> Pa
     paths = [Path(s) for s in sources]
     curves = {}
     for p in paths:
-        train = {r["step"]: r["loss"] for r in read_metrics(p) if "loss" in r}
+        train = {r["step"]: r["loss"] for r in read_metrics(p) if r.get("loss") is not None}
         if not train:
             raise ValueError(f"{p}: no logged training loss to plot (a run directory or a metrics .jsonl file).")
         curves[_label(p)] = train
     first = paths[0]
     out = Path(out) if out else (first.parent if first.is_file() else first) / "compare.png"
+    fig = compare_figure(curves)
+    fig.savefig(out)
+    plt.close(fig)
+    return out
+
+
+def _marker(n_points: int) -> str | None:
+    """A line through one point draws nothing: short curves get markers so that every run is visible."""
+    return "o" if n_points < 3 else None
+
+
+def compare_figure(curves: dict[str, dict[int, float]]):
+    """The figure of `compare_runs`: losses on top, each run's gap (%) to the first below."""
+    import matplotlib.pyplot as plt
+
     fig, (ax, gap) = plt.subplots(2, 1, figsize=(8, 6.5), dpi=110, sharex=True, height_ratios=(2, 1))
     ref_name, ref = next(iter(curves.items()))
     for name, c in curves.items():
         steps = sorted(c)
-        (line,) = ax.plot(steps, [c[s] for s in steps], label=name, lw=1.2)
+        (line,) = ax.plot(steps, [c[s] for s in steps], label=name, lw=1.2, marker=_marker(len(steps)))
         if name != ref_name:  # the same colour in both panels
             common = [s for s in steps if s in ref]
             gap.plot(common, [100 * (c[s] - ref[s]) / ref[s] for s in common], label=f"{name} vs {ref_name}", lw=1.2,
-                     color=line.get_color())
+                     color=line.get_color(), marker=_marker(len(common)))
     ax.set_ylabel("train loss (nats/token)")
     ax.set_title("megaloom: " + ", ".join(curves))
     ax.grid(alpha=0.3)
@@ -50,9 +65,7 @@ def compare_runs(sources: list[str | Path], out: str | Path | None = None) -> Pa
     if len(curves) > 1:
         gap.legend()
     fig.tight_layout()
-    fig.savefig(out)
-    plt.close(fig)
-    return out
+    return fig
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
@@ -67,8 +80,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         raise ValueError(f"{run_dir}: no metrics.jsonl with records to plot (has the run logged a step yet?).")
     out = Path(out) if out else run_dir / "loss.png"
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
-    train = [(r["step"], r["loss"]) for r in records if "loss" in r]
-    ax.plot(*zip(*train, strict=True), label="train loss", lw=1.2)
+    train = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]
+    ax.plot(*zip(*train, strict=True), label="train loss", lw=1.2, marker=_marker(len(train)))
     ev = [(r["step"], r["eval_loss"]) for r in records if r.get("eval_loss") is not None]
     if ev:
         ax.plot(*zip(*ev, strict=True), "o-", label="validation loss", lw=1.2)

@@ -144,3 +144,44 @@ def test_ctrl_c_stops_training_with_one_line_and_exit_130(small_corpus, tmp_path
     m = re.search(r"megaloom: interrupted at step (\d+); the last checkpoint is step (\d+)", err)
     assert m and int(m[1]) >= 1 and 1 <= int(m[2]) <= int(m[1]), (err, sorted((run / "checkpoints").iterdir()))
     assert (run / "checkpoints" / f"step_{int(m[2]):08d}").is_dir()
+
+
+def _megaloom(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    res = subprocess.run([sys.executable, "-m", "megaloom", *args], capture_output=True, cwd=cwd, timeout=300)
+    # decoded by hand: text=True would turn a progress bar's '\r' redraws into newlines
+    res.stdout, res.stderr = res.stdout.decode(), res.stderr.decode()
+    return res
+
+
+def _blank_lines(res: subprocess.CompletedProcess) -> bool:
+    return any("\n\n" in s or s.startswith("\n") for s in (res.stdout, res.stderr))
+
+
+def test_doctor_without_nproc_runs_on_one_process():
+    """Issue 24 (9): `megaloom doctor` alone used to refuse ("runs under torchrun")."""
+    res = _megaloom("doctor", "--matmul-n", "64")
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "1 ranks" in res.stdout + res.stderr and "all ranks healthy" in res.stdout + res.stderr
+
+
+def test_tokenizer_train_reads_the_jsonl_text_field_and_prints_no_blank_lines(tmp_path):
+    """Issue 24 (9): `tokenizer train` fitted the raw JSON lines (keys, quotes, braces) and printed blank lines."""
+    lines = [json.dumps({"text": f"alpha beta gamma {i}", "meta": "zzzqqq"}) for i in range(200)]
+    (tmp_path / "c.jsonl").write_text("\n".join(lines) + "\n")
+    res = _megaloom("tokenizer", "train", str(tmp_path / "c.jsonl"), "--vocab-size", "300", "--out",
+                    str(tmp_path / "tok.json"))
+    assert res.returncode == 0, res.stderr
+    assert not _blank_lines(res)
+    vocab = json.loads((tmp_path / "tok.json").read_text())["model"]["vocab"]
+    merged = [t for t in vocab if len(t) > 1 and t != "<|endoftext|>"]
+    assert any("alpha" in t or "beta" in t for t in merged)
+    assert not any("meta" in t or "zzz" in t or '"' in t for t in merged), merged  # only the text field was read
+    res = _megaloom("preprocess", str(tmp_path / "c.jsonl"), "--tokenizer", str(tmp_path / "tok.json"), "--out",
+                    str(tmp_path / "d" / "c"))
+    assert res.returncode == 0 and not _blank_lines(res)
+
+
+def test_warmup_longer_than_the_run_is_warned(small_corpus, tmp_path, capsys):
+    assert main(["train", *tiny_overrides(small_corpus, tmp_path / "w", "train.steps=2", "train.warmup_steps=10",
+                                          "checkpoint.final=false")]) == 0
+    assert "train.warmup_steps=10 > train.steps=2" in capsys.readouterr().out

@@ -27,3 +27,16 @@ def test_compare_runs_from_metrics_files_and_run_dirs(tmp_path, capsys) -> None:
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no logged training loss"):
         compare_runs([run, tmp_path / "empty"])
+
+
+def test_a_one_point_run_is_visible_in_a_comparison() -> None:
+    """Issue 24 (9): a run that logged one step was a line through one point (nothing drawn)."""
+    import matplotlib.pyplot as plt
+
+    from megaloom.plot import compare_figure
+
+    fig = compare_figure({"long": {10: 6.0, 20: 5.0, 30: 4.0}, "short": {10: 6.1}})
+    top, gap = fig.axes
+    assert [line.get_marker() for line in top.lines] == ["None", "o"]
+    assert gap.lines[0].get_marker() == "o"  # the gap of the short run (then the zero line)
+    plt.close(fig)

@@ -34,7 +34,7 @@ def _input_files(inputs: list[str]) -> Iterator[Path]:
         elif path.is_file():
             yield path
         else:
-            raise DataError(f"preprocess input {path} does not exist; pass existing files or folders")
+            raise DataError(f"input {path} does not exist; pass existing files or folders")
 
 
 def _read_jsonl(path: Path, json_key: str) -> Iterator[str]:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
+from tqdm import tqdm
 
 from megaloom.data.cache import tmp_name
 from megaloom.data.errors import DataError
@@ -67,33 +68,25 @@ class Tokenizer:
         return f"Tokenizer(path={str(self.path)!r}, vocab_size={self.vocab_size})"
 
 
-def train_bpe(files: list[Path], vocab_size: int, out_path: Path, show_progress: bool = True) -> Path:
-    """Train a byte-level BPE on ``files`` and write its tokenizer.json to ``out_path`` atomically.
-
-    Byte-level pre-tokenization plus the full 256-byte initial alphabet means every string encodes
-    without unknown tokens and ``decode(encode(x)) == x`` exactly (no prefix space is added).
-    """
+def _bpe_trainer(vocab_size: int) -> tuple[HFTokenizer, trainers.BpeTrainer]:
     if vocab_size < MIN_BPE_VOCAB:
         raise DataError(f"tokenizer vocab_size {vocab_size} is too small for a byte-level BPE; it needs at "
                         f"least {MIN_BPE_VOCAB} (256 bytes + {EOD_TOKEN}), so raise data.default_vocab_size")
-    files = [Path(f) for f in files]
-    if not files:
-        raise DataError("no files to train the tokenizer on; pass at least one text file")
-    for f in files:
-        if not f.is_file():
-            raise DataError(f"tokenizer training file {f} does not exist; check the corpus path")
-
     hf = HFTokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()
+    # The Rust progress bar prints blank lines when stderr is not a terminal (CI logs, pipes): callers that want
+    # progress count documents with tqdm instead.
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=[EOD_TOKEN],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=show_progress,
+        show_progress=False,
     )
-    hf.train([str(f) for f in files], trainer)
+    return hf, trainer
 
+
+def _save_atomic(hf: HFTokenizer, out_path: Path) -> Path:
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = tmp_name(out_path)
@@ -103,3 +96,39 @@ def train_bpe(files: list[Path], vocab_size: int, out_path: Path, show_progress:
     finally:
         tmp.unlink(missing_ok=True)
     return out_path
+
+
+def train_bpe(files: list[Path], vocab_size: int, out_path: Path, show_progress: bool = True) -> Path:
+    """Train a byte-level BPE on ``files`` (each file's whole text) and write its tokenizer.json to ``out_path``
+    atomically.
+
+    Byte-level pre-tokenization plus the full 256-byte initial alphabet means every string encodes
+    without unknown tokens and ``decode(encode(x)) == x`` exactly (no prefix space is added).
+    """
+    hf, trainer = _bpe_trainer(vocab_size)
+    files = [Path(f) for f in files]
+    if not files:
+        raise DataError("no files to train the tokenizer on; pass at least one text file")
+    for f in files:
+        if not f.is_file():
+            raise DataError(f"tokenizer training file {f} does not exist; check the corpus path")
+    hf.train([str(f) for f in files], trainer)
+    return _save_atomic(hf, out_path)
+
+
+def train_bpe_on_texts(texts: Iterable[str], vocab_size: int, out_path: Path, show_progress: bool = True) -> Path:
+    """As `train_bpe`, on documents given as strings (e.g. `megaloom tokenizer train` over JSONL files, whose
+    text field is what `megaloom preprocess` tokenizes, not the raw JSON lines)."""
+    hf, trainer = _bpe_trainer(vocab_size)
+    seen = 0
+
+    def counted() -> Iterator[str]:
+        nonlocal seen
+        for text in tqdm(texts, desc="reading documents", unit="doc", disable=not show_progress):
+            seen += 1
+            yield text
+
+    hf.train_from_iterator(counted(), trainer)
+    if not seen:
+        raise DataError("no documents to train the tokenizer on; the inputs hold no text")
+    return _save_atomic(hf, out_path)

@@ -22,6 +22,21 @@ def _title(tl: Timeline) -> str:
             f"bubble {100 * tl.bubble_fraction:.1f}% of rank time")
 
 
+def chunk_alpha(tl: Timeline, chunk: int) -> float:
+    """Later model chunks (interleaved schedule) are drawn in lighter shades of their kind's colour."""
+    return 1.0 - 0.45 * chunk / max(tl.vpp - 1, 1)
+
+
+def legend_entries(tl: Timeline) -> list[tuple[str, str, float]]:
+    """(label, colour, alpha): one per kind of action drawn, then, with vpp > 1, one grey shade per model chunk
+    so that the picture's lighter bars are explained."""
+    kinds = sorted({a.kind for rank in tl.ranks for a in rank}, key=list(COLOURS).index)
+    entries = [(k, COLOURS[k], 1.0) for k in kinds]
+    if tl.vpp > 1:
+        entries += [(f"chunk {c}", "#555555", chunk_alpha(tl, c)) for c in range(tl.vpp)]
+    return entries
+
+
 def render_png(tl: Timeline, path: str | Path, title: str | None = None) -> Path:
     import matplotlib
 
@@ -39,8 +54,7 @@ def render_png(tl: Timeline, path: str | Path, title: str | None = None) -> Path
             comm = a.kind not in COMPUTE_KINDS
             height = 0.3 if comm else 0.8
             # Later model chunks (interleaved schedule) in lighter shades of their kind's colour.
-            chunk = a.stage // tl.pp if a.stage >= 0 else 0
-            alpha = 1.0 - 0.45 * chunk / max(tl.vpp - 1, 1)
+            alpha = chunk_alpha(tl, a.stage // tl.pp if a.stage >= 0 else 0)
             ax.broken_barh([(a.start - tl.start, a.end - a.start)], (y - height / 2, height),
                            facecolors=COLOURS.get(a.kind, "#999999"), edgecolor="white", linewidth=0.5, alpha=alpha)
             if not comm and (a.end - a.start) >= 0.02 * span:
@@ -49,9 +63,9 @@ def render_png(tl: Timeline, path: str | Path, title: str | None = None) -> Path
     ax.set_yticks(range(len(tl.ranks)), [f"rank {r}" for r in reversed(range(len(tl.ranks)))])
     ax.set_xlim(0, span)
     ax.set_xlabel("time (unit = one forward)" if tl.unit == "step" else "seconds")
-    kinds = sorted({a.kind for rank in tl.ranks for a in rank}, key=list(COLOURS).index)
-    ax.legend(handles=[Patch(color=COLOURS[k], label=k) for k in kinds], loc="upper right", fontsize=7,
-              ncol=len(kinds), bbox_to_anchor=(1.0, 1.0 + 0.9 / (0.55 * len(tl.ranks) + 1.6)))
+    entries = legend_entries(tl)
+    ax.legend(handles=[Patch(color=c, alpha=al, label=lb) for lb, c, al in entries], loc="upper right", fontsize=7,
+              ncol=len(entries), bbox_to_anchor=(1.0, 1.0 + 0.9 / (0.55 * len(tl.ranks) + 1.6)))
     ax.set_title(title or _title(tl), fontsize=9, loc="left")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

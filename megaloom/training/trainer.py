@@ -214,6 +214,10 @@ class Trainer:
         log.info(f"megaloom: {cfg.model.preset} ({cfg.model.arch}) {self.n_params / 1e6:.2f}M params on "
                  f"{self.device}, {self.precision}, {t.steps} steps x {t.global_batch_size} x {t.seq_len} tokens "
                  f"({self.n_micro} micro-batches of {t.micro_batch_size}); run dir {self.run_dir}")
+        if t.warmup_steps > t.steps and rt.is_main:
+            log.warning(f"WARNING: train.warmup_steps={t.warmup_steps} > train.steps={t.steps}: the learning rate "
+                        f"never reaches train.lr={t.lr:g} (it ends at {lr_at(t.steps - 1, t):.3g}); lower "
+                        "train.warmup_steps")
         # Predicted bytes per rank (weights, gradients, optimizer, activations), printed and written to memory.json;
         # compared with the measured peak after the first steps. Rank 0 plans its own stage; no forward is run.
         self.memory_report = MemoryReport.start(cfg, self.model, world_size=rt.world_size, device=self.device,

@@ -35,3 +35,13 @@ def test_schedule_command(tmp_path, capsys) -> None:
         schedule_command(2, 1, 2, "gpipe", tmp_path / "x.svg")
     with pytest.raises(ConfigError, match="multiple of parallel.pp=4"):
         schedule_command(4, 2, 6, "interleaved", None)
+
+
+def test_interleaved_legend_explains_the_chunk_shades() -> None:
+    """Issue 24 (9): the interleaved picture draws later chunks lighter; the legend now says which is which."""
+    from megaloom.observe.timeline import chunk_alpha, legend_entries
+
+    tl = simulate(interleaved(2, 2, 4))
+    labels = [e[0] for e in legend_entries(tl)]
+    assert labels[-2:] == ["chunk 0", "chunk 1"]
+    assert legend_entries(tl)[-1][2] == chunk_alpha(tl, 1) < chunk_alpha(tl, 0) == 1.0
