@@ -63,6 +63,12 @@ def resolve_sources(cfg: DataConfig, root: Path) -> tuple[list[str], Tokenizer]:
     tok = Tokenizer.from_file(tok_path)
     setting = "data.tokenizer" if cfg.tokenizer else "the default tokenizer (data.tokenizer empty)"
     for prefix in cfg.paths:
+        t = IndexedTokens(prefix)  # the header's vocabulary first: the most specific message
+        if t.vocab_size > tok.vocab_size:
+            raise DataError(f"token file {t.idx_path} was made with a vocabulary of {t.vocab_size} but "
+                            f"the tokenizer {tok.path} has {tok.vocab_size}: they do not match; set "
+                            "data.tokenizer to the tokenizer used by `megaloom preprocess`, or re-run it "
+                            "with this one")
         check_tokenizer(prefix, tok_path, tok.vocab_size, setting)
     return list(cfg.paths), tok
 
@@ -93,12 +99,6 @@ def build_datasets(cfg: DataConfig, seq_len: int, seed: int, n_train: int, n_val
         raise DataError(f"data.weights has {len(cfg.weights)} entries but data.paths has {len(paths)}; "
                         "give one weight per path, or leave data.weights empty to weight by token count")
     all_tokens = [IndexedTokens(p) for p in paths]
-    for t in all_tokens:
-        if t.vocab_size > tok.vocab_size:
-            raise DataError(f"token file {t.idx_path} was made with a vocabulary of {t.vocab_size} but "
-                            f"the tokenizer {tok.path} has {tok.vocab_size}: they do not match; set "
-                            "data.tokenizer to the tokenizer used by `megaloom preprocess`, or re-run it "
-                            "with this one")
     weights = normalize_weights(cfg.weights or [t.n_tokens for t in all_tokens])
     # Zero-weight datasets are never sampled, so they need not even be large enough to split.
     active = [(t, w) for t, w in zip(all_tokens, weights, strict=True) if w > 0]
