@@ -164,6 +164,10 @@ class DataConfig:
     num_workers: int = _f(1, "Background data-loading processes (0 = load in the training process).")
     prefetch: int = _f(2, "Batches prefetched per loading process.")
     default_vocab_size: int = _f(8192, "Vocabulary of the default tokenizer trained on the embedded corpus.")
+    document_mask: bool = _f(False, "Attention stays inside each document of a packed sample (documents end with the "
+                                    "tokenizer's EOD token): as if every document were its own sample.")
+    reset_positions: bool = _f(False, "Positions (RoPE angles, learned position rows) restart at 0 with each "
+                                      "document of a packed sample.")
 
 
 @dataclass

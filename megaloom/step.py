@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from megaloom.models.documents import Documents
 from megaloom.models.transformer import moe_layers
 from megaloom.parallel import comm
 from megaloom.precision.loss_scaler import DynamicLossScaler
@@ -59,6 +61,11 @@ def micro_batches(batch: torch.Tensor, micro: int):
         yield chunk[:, :-1], chunk[:, 1:]
 
 
+def model_kwargs(x: torch.Tensor, documents: Callable[[torch.Tensor], Documents] | None) -> dict:
+    """The model's keyword arguments for input tokens `x`: the document boundaries when they are used."""
+    return {"docs": documents(x)} if documents is not None else {}
+
+
 def folds_grad_scale(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step()`` divides the gradients by ``optimizer.grad_scale`` inside its kernel: torch's
     fused Adam/AdamW read that attribute (it is how GradScaler unscales without a pass of its own)."""
@@ -91,9 +98,11 @@ class StepOutput:
 class TrainStep:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, precision: str,
                  device: torch.device, micro_batch_size: int, grad_clip: float, grads=None,
-                 nan_guard: bool = False, pipeline=None, attention: str = "auto", offload: bool = False):
+                 nan_guard: bool = False, pipeline=None, attention: str = "auto", offload: bool = False,
+                 documents: Callable[[torch.Tensor], Documents] | None = None):
         """`grads`: a megaloom.parallel.grads.GradientSync for parallel runs (reduces and clips over all
-        groups); None on one process."""
+        groups); None on one process. `documents`: the document boundaries of an input micro-batch
+        (data.document_mask / data.reset_positions), passed to the model as ``docs``."""
         self.model, self.optimizer = model, optimizer
         self.grads = grads
         # The guard reads the norm on the host once per step (a sync); fp16 already pays it for the scaler.
@@ -106,6 +115,7 @@ class TrainStep:
         self.pipeline = pipeline
         self.attention = attention
         self.offload = offload  # activation offload (train.offload_activations); pipelines get it via their ctx
+        self.documents = documents
         self.moe = moe_layers(model)
         if pipeline is not None and self.scaler is not None:
             pipeline.scale_loss = lambda loss: loss * self.scaler.scale
@@ -124,7 +134,7 @@ class TrainStep:
             if start_last is not None and i == n_micro - 1:
                 start_last()  # gradient buckets are reduced while this last backward is still running
             with forward_ctx(self.precision, self.device, self.offload), attention_ctx(self.attention, self.device):
-                loss = self.model(x, y) / n_micro  # equal tokens per micro-batch: mean of means is the mean
+                loss = self.model(x, y, **model_kwargs(x, self.documents)) / n_micro  # equal tokens per micro-batch
             (loss * scale if scale != 1.0 else loss).backward()
             total += loss.detach().float()
         return self._update(total)

@@ -111,3 +111,24 @@ def test_resume_keeps_one_metric_row_per_step_summary_and_status(small_corpus, t
     assert main(["status", str(run)]) == 0
     out = capsys.readouterr().out
     assert "finished: step 8 of train.steps=8" in out and "step_00000008" in out
+
+
+def test_document_mask_trains_and_is_refused_with_pipelines(small_corpus, tmp_path):
+    """data.document_mask / reset_positions reach the model (models/documents.py; parity in tests/models and
+    tests/parallel/test_world2.py); pipelines refuse them before any work."""
+    import pytest
+
+    from megaloom.config import ConfigError
+    from megaloom.training.trainer import Trainer
+
+    cfg = load_config(None, tiny_overrides(small_corpus, tmp_path / "d", "train.steps=2", "data.document_mask=true",
+                                           "data.reset_positions=true", "train.eval_every=2"))
+    trainer = Trainer(cfg).build()
+    x = torch.tensor([[5, trainer.tokenizer.eod_id, 7, 8]])
+    docs = trainer.train_step.documents(x)
+    assert docs.ids.tolist() == [[0, 0, 1, 1]] and docs.positions.tolist() == [[0, 1, 0, 1]]
+    res = trainer.fit()
+    assert res.final_step == 2 and all(v == v for v in res.losses.values()) and res.eval_loss is not None
+    with pytest.raises(ConfigError, match="data.document_mask=true with parallel.pp=2"):
+        train(load_config(None, tiny_overrides(small_corpus, tmp_path / "e", "data.document_mask=true",
+                                               "parallel.pp=2")))

@@ -11,7 +11,20 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from megaloom.models.documents import Documents
 from megaloom.models.layers import apply_rope
+
+_flex = None
+
+
+def flex_attention(q, k, v, **kw):
+    """FlexAttention, compiled once per process (its eager form materialises the scores: for tests only)."""
+    global _flex
+    if _flex is None:
+        from torch.nn.attention.flex_attention import flex_attention as eager
+
+        _flex = torch.compile(eager, dynamic=False)
+    return _flex(q, k, v, **kw)
 
 
 class KVCache:
@@ -56,10 +69,15 @@ class Attention(nn.Module):
         # Selective recomputation: recompute the attention core (the largest activations) in backward.
         self.recompute_core = False
 
-    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int) -> torch.Tensor:
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int,
+              docs: Documents | None = None) -> torch.Tensor:
         q_len, k_len = q.shape[2], k.shape[2]
         p = self.attn_dropout if self.training else 0.0
         gqa = q.shape[1] != k.shape[1]
+        if docs is not None and docs.mask is not None:  # packed documents kept apart (data.document_mask)
+            if isinstance(docs.mask, torch.Tensor):
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=docs.mask, dropout_p=p, enable_gqa=gqa)
+            return flex_attention(q, k, v, block_mask=docs.mask, enable_gqa=gqa)
         if self.window == 0 and pos == 0 and q_len == k_len:
             return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa)
         if self.window == 0 and q_len == 1:  # one new token attends to everything cached
@@ -73,7 +91,7 @@ class Attention(nn.Module):
         return q, k
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                cache: KVCache | None = None, pos: int = 0) -> torch.Tensor:
+                cache: KVCache | None = None, pos: int = 0, docs: Documents | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         q, k = self.per_head_qk(self.q_proj(x).view(b, t, -1, self.head_dim),
                                 self.k_proj(x).view(b, t, -1, self.head_dim))
@@ -85,8 +103,8 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.update(k, v, pos)
         if self.recompute_core and torch.is_grad_enabled():
-            y = checkpoint(self._core, q, k, v, pos, use_reentrant=False)
+            y = checkpoint(self._core, q, k, v, pos, docs, use_reentrant=False)
         else:
-            y = self._core(q, k, v, pos)
+            y = self._core(q, k, v, pos, docs)
         y = y.transpose(1, 2).reshape(b, t, -1)
         return self.resid_dropout(self.o_proj(y))

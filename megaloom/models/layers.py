@@ -26,11 +26,12 @@ def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, T, H, D] by position; cos/sin are [T, D]. Computed in fp32, returned in x's dtype."""
+    """Rotate x [B, T, H, D] by position; cos/sin are [T, D] (or [B, T, D]: positions per sample, e.g. restarting
+    at each document). Computed in fp32, returned in x's dtype."""
     d = x.shape[-1] // 2
     xf = x.float()
     rotated = torch.cat([-xf[..., d:], xf[..., :d]], dim=-1)
-    c, s = cos[:, None, :], sin[:, None, :]
+    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over the heads
     return (xf * c + rotated * s).to(x.dtype)
 
 

@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megaloom.config import ModelConfig
 from megaloom.models.attention import Attention, KVCache
+from megaloom.models.documents import Documents
 from megaloom.models.init import ONES, ZEROS, InitRule, draw_init_seed, fill_slice
 from megaloom.models.layers import MLP, make_norm, rope_tables
 from megaloom.models.moe import MoE
@@ -61,11 +62,12 @@ class Block(nn.Module):
         else:
             self.mlp = MLP(tr.gated_mlp, cfg.d_model, ffn, tr.bias, cfg.dropout)
 
-    def forward(self, x: torch.Tensor, rope, cache: KVCache | None = None, pos: int = 0) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope, cache: KVCache | None = None, pos: int = 0,
+                docs: Documents | None = None) -> torch.Tensor:
         if self.parallel:
             h = self.attn_norm(x)
-            return x + self.attn(h, rope, cache, pos) + self.mlp(h)
-        x = x + self.attn(self.attn_norm(x), rope, cache, pos)
+            return x + self.attn(h, rope, cache, pos, docs) + self.mlp(h)
+        x = x + self.attn(self.attn_norm(x), rope, cache, pos, docs)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -170,36 +172,46 @@ class Transformer(nn.Module):
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
-    def embed(self, tokens: torch.Tensor, pos: int = 0) -> torch.Tensor:
+    def embed(self, tokens: torch.Tensor, pos: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
         x = self.tok_emb(tokens)
         if hasattr(self, "pos_emb"):
-            x = x + self.pos_emb(torch.arange(pos, pos + tokens.shape[1], device=tokens.device))
+            if positions is None:
+                positions = torch.arange(pos, pos + tokens.shape[1], device=tokens.device)
+            x = x + self.pos_emb(positions)
         return self.drop(x)
 
-    def rope(self, t: int, pos: int = 0):
+    def rope(self, t: int, pos: int = 0, positions: torch.Tensor | None = None):
+        """cos/sin [t, head_dim] of positions pos.., or [B, T, head_dim] of per-sample `positions`."""
         if not hasattr(self, "rope_cos"):
             return None
+        if positions is not None:
+            return self.rope_cos[positions], self.rope_sin[positions]
         return self.rope_cos[pos:pos + t], self.rope_sin[pos:pos + t]
 
     def full_span(self) -> Span:
         return Span(tuple(int(i) for i in self.layers), self.tok_emb is not None, self.head is not None)
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, caches: list[KVCache] | None = None,
-                pos: int = 0, span: Span | None = None, seq_len: int | None = None) -> torch.Tensor:
+                pos: int = 0, span: Span | None = None, seq_len: int | None = None,
+                docs: Documents | None = None) -> torch.Tensor:
         """Tokens [B, T] -> logits [B, T(/tp), V(/tp)] or, given labels [B, T], the mean next-token
         cross-entropy (fp32). ``span`` runs part of the model (a pipeline chunk): without the embedding ``x``
         is hidden states [B, T(/tp with sp), D] and ``seq_len`` the full sequence length; without the head
-        the hidden states are returned."""
+        the hidden states are returned. ``docs``: document boundaries of packed samples (models/documents.py):
+        attention stays inside each document, and positions restart with each one if it carries them."""
         span = span or self.full_span()
+        positions = docs.positions if docs is not None else None
+        if docs is not None:  # the mask once for all layers; FlexAttention's block mask on GPUs (dropout: SDPA)
+            docs = docs.with_mask(self.cfg.sliding_window, flex=x.is_cuda and self.cfg.dropout == 0.0)
         if span.embed:
             seq_len = x.shape[1]
             if pos + seq_len > self.cfg.max_seq_len:
                 raise ValueError(f"sequence of {pos + seq_len} tokens exceeds model.max_seq_len="
                                  f"{self.cfg.max_seq_len}")
-            x = self.embed(x, pos)
+            x = self.embed(x, pos, positions)
         elif seq_len is None:
             raise ValueError("Transformer.forward: a span without the embedding needs seq_len (for RoPE)")
-        x = self.run_layers(x, self.rope(seq_len, pos), span.layers, caches, pos)
+        x = self.run_layers(x, self.rope(seq_len, pos, positions), span.layers, caches, pos, docs)
         if not span.head:
             return x
         x = self.norm(x)
@@ -210,13 +222,13 @@ class Transformer(nn.Module):
         return self.loss(self.head, x, labels)
 
     def run_layers(self, x: torch.Tensor, rope, layers: Sequence[int], caches: list[KVCache] | None = None,
-                   pos: int = 0) -> torch.Tensor:
+                   pos: int = 0, docs: Documents | None = None) -> torch.Tensor:
         for j, i in enumerate(layers):
             layer = self.layers[str(i)]
             if j < self.recompute_layers and torch.is_grad_enabled():
-                x = checkpoint(layer, x, rope, use_reentrant=False)
+                x = checkpoint(layer, x, rope, None, 0, docs, use_reentrant=False)
             else:
-                x = layer(x, rope, caches[i] if caches is not None else None, pos)
+                x = layer(x, rope, caches[i] if caches is not None else None, pos, docs)
         return x
 
     def blocks(self) -> list[tuple[int, Block]]:

@@ -87,6 +87,7 @@ class SyntheticTokens:
 class SyntheticTokenizer:
     vocab_size: int
     path: str = ""  # no file: the resolved config keeps data.tokenizer as given
+    eod_id: int = 0  # data.document_mask: synthetic tokens end a "document" wherever a 0 is drawn
 
 
 def synthetic_datasets(vocab: int):

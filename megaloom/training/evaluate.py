@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from megaloom.parallel.mesh import Mesh
-from megaloom.step import autocast_ctx, micro_batches
+from megaloom.step import autocast_ctx, micro_batches, model_kwargs
 
 
 def eval_batches(valid_ds, n_batches: int, global_batch: int, local_batch: int, mesh: Mesh,
@@ -18,13 +18,13 @@ def eval_batches(valid_ds, n_batches: int, global_batch: int, local_batch: int, 
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, batches: list[torch.Tensor], micro: int, precision: str,
-             device: torch.device) -> float:
+             device: torch.device, documents=None) -> float:
     model.eval()
     total, n = torch.zeros((), device=device), 0
     for batch in batches:
         for x, y in micro_batches(batch.to(device, non_blocking=True), micro):
             with autocast_ctx(precision, device):
-                total += model(x, y).float()
+                total += model(x, y, **model_kwargs(x, documents)).float()
             n += 1
     model.train()
     return (total / max(n, 1)).item()

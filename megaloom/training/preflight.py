@@ -79,6 +79,12 @@ def refuse_unbuilt(cfg: Config) -> None:
     if p.ep > 1 and not cfg.model.moe_every:
         raise ConfigError(f"parallel.ep={p.ep} splits MoE experts, but this model has none (model.moe_every=0); "
                           "set parallel.ep=1 or choose an MoE preset (e.g. model.preset=mixtral-tiny).")
+    d = cfg.data
+    if (d.document_mask or d.reset_positions) and p.pp > 1:
+        which = "data.document_mask" if d.document_mask else "data.reset_positions"
+        raise ConfigError(f"{which}=true with parallel.pp={p.pp}: document boundaries do not travel between "
+                          "pipeline stages in this build; set parallel.pp=1 (tensor, data and expert parallelism "
+                          f"support it) or {which}=false.")
     if p.cp != 1:
         raise ConfigError(f"parallel.cp={p.cp} is not available in this build yet (tensor/sequence, pipeline, "
                           "expert and data parallelism with ZeRO are); set parallel.cp=1.")

@@ -13,6 +13,7 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -21,6 +22,7 @@ from megaloom.config import Config
 from megaloom.data.dataset import build_datasets
 from megaloom.data.loader import StepBatches, make_loader
 from megaloom.models import count_params
+from megaloom.models.documents import Documents
 from megaloom.models.registry import get_family
 from megaloom.observe.flops import device_peak_flops, flops_per_token, matmul_params
 from megaloom.observe.log import get_logger
@@ -168,8 +170,17 @@ class Trainer:
         self.build_seconds["optimizer"] = time.perf_counter() - t1
         self.train_step = TrainStep(model, optimizer, self.precision, device, t.micro_batch_size, t.grad_clip, grads,
                                     nan_guard=cfg.resilience.nan_guard, pipeline=pipe, attention=t.attention,
-                                    offload=t.offload_activations)
+                                    offload=t.offload_activations, documents=self.documents())
         self.model, self.optimizer, self.pipe, self.eval_pipe = model, optimizer, pipe, eval_pipe
+
+    def documents(self):
+        """data.document_mask / data.reset_positions: the boundaries of a micro-batch's packed documents, from its
+        tokens and the tokenizer's end-of-document id (models/documents.py); None when neither is set."""
+        d = self.cfg.data
+        if not (d.document_mask or d.reset_positions):
+            return None
+        eod = self.tokenizer.eod_id
+        return partial(Documents.from_tokens, eod_id=eod, mask=d.document_mask, reset_positions=d.reset_positions)
 
     def _materialize(self, model) -> None:
         t0 = time.perf_counter()
@@ -377,7 +388,8 @@ class Trainer:
         """Mean validation loss over the data-parallel replicas (the watchdog paused: evaluation is no step)."""
         t = self.cfg.train
         with self.guard.paused():
-            ev = (evaluate(self.model, self.eval_batches, t.micro_batch_size, self.precision, self.device)
+            ev = (evaluate(self.model, self.eval_batches, t.micro_batch_size, self.precision, self.device,
+                           self.train_step.documents)
                   if self.eval_pipe is None else evaluate_pipeline(self.eval_pipe, self.eval_batches))
         loss = dp_mean(torch.tensor(ev, device=self.device), self.mesh)
         self.result.eval_loss = loss

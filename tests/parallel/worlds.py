@@ -7,6 +7,7 @@ computes numbers instead of asserting (an assertion inside a rank would only sho
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 
 from megaloom.config import Config, load_config
 from megaloom.models import Transformer, apply_recompute
+from megaloom.models.documents import Documents
 from megaloom.parallel import comm
 from megaloom.parallel.layout import layout_of
 from megaloom.parallel.mesh import Mesh
@@ -201,8 +203,9 @@ def check_rng(mesh: Mesh) -> dict:
 # ---------------------------------------------------------------------------------------------------- parity
 
 
-def parity_case(mesh: Mesh, arch: str, sp: bool, tie: bool = True, steps: int = 10) -> dict:
-    """Train the same model in this process (reference) and tensor-parallel for `steps` AdamW steps."""
+def parity_case(mesh: Mesh, arch: str, sp: bool, tie: bool = True, steps: int = 10, docs: str = "") -> dict:
+    """Train the same model in this process (reference) and tensor-parallel for `steps` AdamW steps.
+    `docs`: "mask" or "mask+reset": packed documents (token 0 ends one) kept apart, positions restarting."""
     cfg = tiny_config(arch, tp=mesh.tp, sp=sp, tie=tie, world=mesh.world_size)
     torch.manual_seed(1234)
     ref = Transformer(cfg.model).to(mesh.device)
@@ -214,12 +217,18 @@ def parity_case(mesh: Mesh, arch: str, sp: bool, tie: bool = True, steps: int = 
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, eps=1e-6)
     gen = torch.Generator().manual_seed(99)
     batches = [torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen).to(mesh.device) for _ in range(steps)]
+    kw: Callable[[torch.Tensor], dict] = lambda x: {}  # noqa: E731
+    if docs:
+        for b in batches:  # documents of varied lengths in every row
+            b[:, SEQ // 5::SEQ // 3] = 0
+            b[1:, 3] = 0
+        kw = lambda x: {"docs": Documents.from_tokens(x, 0, reset_positions="reset" in docs)}  # noqa: E731
     out: dict = dict(loss_ref=[], loss=[])
     for step, batch in enumerate(batches):
         x, y = batch[:, :-1], batch[:, 1:]
-        loss_ref = ref(x, y)
+        loss_ref = ref(x, y, **kw(x))
         loss_ref.backward()
-        loss = model(x, y)
+        loss = model(x, y, **kw(x))
         loss.backward()
         if step == 0:  # gradients as produced by backward, then after the tp sync (what the optimizer sees)
             raw = gather_full_grads(model, mesh, synced=False)
@@ -340,5 +349,7 @@ def suite_world2(rank: int, world: int, device: torch.device) -> dict:
         for sp in (False, True):
             res[f"parity-{arch}-tp2-sp{int(sp)}"] = parity_case(mesh, arch, sp)
     res["parity-gpt2-tp2-sp0-untied"] = parity_case(mesh, "gpt2", False, tie=False, steps=3)
+    res["parity-llama-tp2-sp1-docs"] = parity_case(mesh, "llama", True, steps=3, docs="mask")
+    res["parity-gpt2-tp2-sp1-docs-reset"] = parity_case(mesh, "gpt2", True, steps=3, docs="mask+reset")
     res["decode"] = {arch: decode_case(mesh, arch) for arch in ("llama", "gpt2", "qwen3")}
     return res
