@@ -144,8 +144,10 @@ def zero_pp_case(mesh: Mesh, emb_group, cache: dict, schedule: str = "1f1b", m: 
         mesh.recorder = comm.NullRecorder()
     buckets = lay.grads.buckets
     return dict(loss=loss, loss_ref=ref["loss"], norm=norm, norm_ref=ref["norm"],
-                param_err=lay.param_err(ref["params"]), events=log.events, stats=lay.grads.stats.as_dict(), n_buckets=len(buckets),
-                bucket_bytes=[b.padded * 4 for b in buckets], tied_bucket=[b.tied for b in buckets],
+                param_err=lay.param_err(ref["params"]), events=log.events, stats=lay.grads.stats.as_dict(),
+                n_buckets=len(buckets),
+                bucket_bytes=[b.padded * 4 for b in buckets], bucket_ranks=[b.size for b in buckets],
+                tied_bucket=[b.tied for b in buckets],
                 model_bytes=sum(p.numel() * 4 for p in lay.model.parameters()),
                 shard_numel=lay.grads.shard_numel(), numel=sum(p.numel() for p in lay.model.parameters()))
 
@@ -163,7 +165,7 @@ def checkpoint_case(rank: int, mesh: Mesh, emb_group, cache: dict, root: str, wo
                            mesh=mesh)
     out: dict = {"ref": ref["loss"][3:]}
     for name, zero, bucket in (("pp2-z2", 2, 0.01), ("pp2-z0", 0, BUCKET_MB)):
-        dst = Layout(ref["base"], cfg, mesh, emb_group, "1f1b", 4, zero, "adamw", bucket)
+        dst = Layout(ref["base"], config(mesh.pp, world=world), mesh, emb_group, "1f1b", 4, zero, "adamw", bucket)
         load_checkpoint(path, dst.model, dst.opt, rank=rank, mesh=mesh)
         out[name] = dst.run(data[3:])[0]
     # pp = 1, dp = 4, ZeRO-1: the same global batches, 4 rows per replica.
