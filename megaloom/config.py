@@ -106,6 +106,9 @@ class ParallelConfig:
     timeline_step: int = _f(0, "With pp > 1: time every pipeline action of this step and draw the measured "
                                "timeline (run.dir/timeline_step<N>.png/.json); 0 = off.")
     bucket_mb: float = _f(25.0, "Size of the gradient buckets reduced (overlapped with backward) over data parallel.")
+    param_gather: str = _f("auto", "ZeRO's parameter all-gathers: auto = in the compute dtype (bf16 when training in "
+                                   "bf16/fp8: half the bytes; fp32 master shards kept apart; FSDP2 mixed precision "
+                                   "for zero=3), fp32 = full-precision weights on every replica.", ("auto", "fp32"))
 
 
 @dataclass

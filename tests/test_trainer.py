@@ -36,7 +36,7 @@ def test_resolved_config_is_new_and_unchanged_after_config_yaml(small_corpus, tm
     (1, ["parallel.cp=2"], "parallel.cp=2 is not available"),
     (1, ["parallel.ep=2"], "model.moe_every=0"),
     (1, ["parallel.zero=1"], "but dp=1"),
-    (2, ["parallel.pp=2", "parallel.zero=1"], "parallel.zero>=1 together with parallel.pp>1"),
+    (4, ["parallel.pp=2", "parallel.zero=3"], "parallel.zero=3 together with parallel.pp>1"),
     (3, ["parallel.tp=2"], "parallel.tp"),  # validate_layout: the world does not fit
 ])
 def test_preflight_refuses_before_any_process_group_or_data(world, overrides, fragment, tmp_path, monkeypatch):

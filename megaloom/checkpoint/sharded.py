@@ -152,8 +152,9 @@ def _param_slices(p: nn.Parameter, mesh: Mesh, segment: tuple[int, torch.Tensor]
 
 def sharded_model_state(model: nn.Module, mesh: Mesh, segments: dict[int, tuple[int, torch.Tensor]] | None = None
                         ) -> dict[str, object]:
-    """The model's state as this rank holds it. ``segments``: for ZeRO-3, parameter index (in
-    ``named_parameters`` order) -> (flat start, local data) of this rank's shard."""
+    """The model's state as this rank holds it. ``segments``: when the weights are held as shards (ZeRO-3;
+    ZeRO-1/2 whose fp32 master shards live apart from bf16-rounded replicas), parameter index (in
+    ``named_parameters`` order) -> (flat start, local data) of this rank's shard; the rest it holds nothing of."""
     params = dict(model.named_parameters(remove_duplicate=False))
     order = {name: i for i, (name, _) in enumerate(model.named_parameters())}
     aliases = model.tied_aliases() if hasattr(model, "tied_aliases") else {}
@@ -166,7 +167,7 @@ def sharded_model_state(model: nn.Module, mesh: Mesh, segments: dict[int, tuple[
             out[key] = value.detach()
         elif segments is not None and order.get(key) in segments:
             out[key] = _param_slices(p, mesh, segments[order[key]])
-        elif hasattr(p, "to_local"):  # an FSDP2 parameter of which this rank holds no rows
+        elif segments is not None and key in order:  # a parameter of which this rank holds no shard
             out[key] = Slices(torch.Size(layout_of(p).box(list(p.shape), mesh.tp_rank, mesh.tp, mesh.ep_rank,
                                                           mesh.ep)[0]), [])
         else:
@@ -210,6 +211,10 @@ def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, mes
     segments = None
     if optimizer is not None and type(getattr(optimizer, "layout", None)).__name__ == "FullyShardedGrads":
         segments = {s.owner: (s.start, s.data) for s in optimizer.segments}  # ZeRO-3: parameters are shards too
+    elif optimizer is not None and getattr(optimizer, "separate_masters", False):
+        # ZeRO-1/2 gathering bf16: the exact weights are the fp32 master shards, not the rounded replicas.
+        segments = {s.owner: (s.start, t.detach()) for t, s in zip(optimizer.tensors, optimizer.segments,
+                                                                    strict=True)}
     state: dict = {"model": sharded_model_state(model, mesh, segments)}
     if optimizer is not None:
         state["optim"] = sharded_optim_state(model, optimizer, mesh)

@@ -294,6 +294,8 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     with torch.no_grad(), _quiet_single_process():
         dcp.load(sd, checkpoint_id=str(path), planner=SlicesLoadPlanner())
     after_load(optimizer if with_optim else None, sd)
+    if getattr(optimizer, "separate_masters", False):  # ZeRO gathering bf16: replicas from the master shards
+        optimizer.weights_loaded(masters_loaded=with_optim)
     rng_file = path / f"rng_rank{rank}.pt"
     if rng_file.is_file():
         set_rng_state(torch.load(rng_file, weights_only=True))

@@ -29,8 +29,20 @@ norms, replicated KV heads) can run after the data-parallel reduction on the red
 calls it on ``p.grad`` (the main grads), zero>=1 on views of ``grad_shard``. Both operations are sums over
 disjoint groups, so their order does not matter.
 
-Pipeline parallelism: call `start_last_microbatch()` before a stage's last backward and `finish()` after it.
+Pipeline parallelism: the executor calls `start_last_microbatch(params)` once per model chunk, just before the
+computation that writes that chunk's last weight gradients (with interleaved stages a rank's chunks finish at
+different times: each chunk's buckets start reducing as soon as that chunk is done), and `finish()` after the
+schedule. The embedding tied to the head across the first and last stage (``tied``) gets a bucket of its own on
+both stages, so both lay it out identically: after the data-parallel reduction its gradient (the whole bucket
+with zero=0, this rank's chunk with zero>=1) is summed over the two-rank ``tied_group``. Averaging over dp and
+summing over the two stages commute, so this equals the single model's gradient, and with ZeRO only 1/dp of the
+embedding crosses between the stages. The norm counts the last stage's copy (``tied_copy``) zero times.
 The data-parallel group is ``mesh.dp_cp_group`` (context parallelism also splits the batch).
+
+Parameter all-gathers (zero>=1) move ``param_gather_dtype``: float32 by default; bfloat16 when training in bf16
+halves their bytes. Then each replica holds the bf16-rounded weights (what autocast feeds the matmuls anyway,
+and what Megatron's bf16 parameters are) and the optimizer keeps separate fp32 master shards
+(megaloom.parallel.zero.ShardedOptimizer).
 """
 
 from __future__ import annotations
@@ -77,11 +89,11 @@ def plan_buckets(numels: list[int], bucket_numel: int, world: int) -> list[tuple
     return buckets
 
 
-def plan_grouped_buckets(numels: list[int], kinds: list[bool], bucket_numel: int,
-                         worlds: dict[bool, int]) -> list[tuple[list[int], list[int], int, bool]]:
-    """`plan_buckets` where parameters of two kinds (dense / expert) never share a bucket: each run of equal
-    kind (in backward order) is planned on its own, padded to its group's size. Returns (indices, offsets,
-    padded, kind) per bucket, still last parameter first."""
+def plan_grouped_buckets(numels: list[int], kinds: list, bucket_numel: int,
+                         worlds: dict) -> list[tuple[list[int], list[int], int, object]]:
+    """`plan_buckets` where parameters of different kinds (dense / expert / tied across stages) never share a
+    bucket: each run of equal kind (in backward order) is planned on its own, padded to its group's size.
+    Returns (indices, offsets, padded, kind) per bucket, still last parameter first."""
     runs: list[list[int]] = []
     for i in reversed(range(len(numels))):
         if runs and kinds[runs[-1][-1]] == kinds[i]:
@@ -111,6 +123,8 @@ class Bucket:
     pending: int = 0  # parameters still without a gradient in the armed backward
     work: comm.Pending | None = None  # the reduction in flight
     gather: comm.Pending | None = None  # zero >= 1: the parameter all-gather in flight
+    gather_buf: torch.Tensor | None = None  # its low-precision landing buffer (param_gather_dtype != fp32)
+    tied: bool = False  # holds only the embedding tied across pipeline stages
     reductions: int = 0  # reductions issued this step (must end at exactly 1)
 
 
@@ -174,8 +188,10 @@ def tp_weight(p: object, mesh: Mesh) -> float:
 
 def sharded_grad_norm(views: list[GradView], mesh: Mesh) -> torch.Tensor:
     """L2 norm of the full gradient when each data-parallel rank holds disjoint pieces of it: local squares
-    weighted as in `tp_grad_norm`, summed over tp, pp and the data-parallel group."""
+    weighted as in `tp_grad_norm`, summed over tp, pp and the data-parallel group. The last pipeline stage's
+    copy of a tied embedding is left out (the first stage counts it)."""
     total = torch.zeros((), dtype=torch.float32, device=mesh.device)
+    views = [v for v in views if not layout_of(v).tied_copy]
     if views:
         norms = torch.stack(torch._foreach_norm([v.grad.float() for v in views]))
         weights = torch.tensor([tp_weight(v, mesh) for v in views], dtype=torch.float32, device=norms.device)
@@ -193,14 +209,26 @@ class DataParallelGrads:
     ``model.parameters()``; zero=1/2 with megaloom.parallel.zero.ShardedOptimizer.
     """
 
-    def __init__(self, model: nn.Module, mesh: Mesh, zero: int = 0, bucket_mb: float = DEFAULT_BUCKET_MB) -> None:
+    def __init__(self, model: nn.Module, mesh: Mesh, zero: int = 0, bucket_mb: float = DEFAULT_BUCKET_MB,
+                 tied: nn.Parameter | None = None, tied_group: comm.Group = None,
+                 param_gather_dtype: torch.dtype = torch.float32) -> None:
+        """``tied``/``tied_group``: with pp > 1, this stage's copy of the embedding tied to the head and the
+        {first, last stage} group its gradient is summed over (pipeline.stage.tied_parameter and
+        build_embedding_groups). ``param_gather_dtype``: what the zero>=1 parameter all-gathers move."""
         if zero not in (0, 1, 2):
             raise ConfigError(f"parallel.zero={zero}: DataParallelGrads handles 0, 1 and 2; stage 3 is "
                               "megaloom.parallel.zero.FullyShardedGrads (use zero.build_data_parallel).")
         if not bucket_mb > 0:
             raise ConfigError(f"parallel.bucket_mb={bucket_mb} must be > 0 (MB of fp32 gradients per bucket); "
                               f"e.g. parallel.bucket_mb={DEFAULT_BUCKET_MB:g}.")
+        if tied is not None and tied_group is None:
+            raise ValueError("an embedding tied across pipeline stages needs its group (build_embedding_groups)")
+        if param_gather_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ConfigError(f"parameter all-gathers in {param_gather_dtype} are not supported; use float32, "
+                              "bfloat16 or float16.")
         self.model, self.mesh, self.zero = model, mesh, zero
+        self.tied, self.tied_group = tied, tied_group
+        self.gather_dtype = param_gather_dtype if zero else torch.float32
         self.group = mesh.dp_cp_group
         self.size, self.rank = comm.group_size(self.group), comm.group_rank(self.group)
         names = {p: n for n, p in model.named_parameters()}
@@ -212,9 +240,12 @@ class DataParallelGrads:
         device = self.params[0].device if self.params else mesh.device
         self.bucket_numel = max(1, int(bucket_mb * 2**20) // 4)
         # Expert weights (ep > 1) are reduced over the edp group only: the dp ranks that hold the same experts.
-        kinds = [is_expert_param(p) and mesh.ep > 1 for p in self.params]
-        groups = {False: (self.group, self.size, self.rank),
-                  True: (mesh.edp_group, comm.group_size(mesh.edp_group), comm.group_rank(mesh.edp_group))}
+        # The tied embedding gets a bucket of its own: then it is laid out alike on the first and last stage.
+        kinds = ["tied" if p is tied else "expert" if is_expert_param(p) and mesh.ep > 1 else "dense"
+                 for p in self.params]
+        dense = (self.group, self.size, self.rank)
+        groups = {"dense": dense, "tied": dense,
+                  "expert": (mesh.edp_group, comm.group_size(mesh.edp_group), comm.group_rank(mesh.edp_group))}
         plan = plan_grouped_buckets([p.numel() for p in self.params], kinds, self.bucket_numel,
                                     {k: g[1] for k, g in groups.items()})
         self.buckets: list[Bucket] = []
@@ -222,7 +253,7 @@ class DataParallelGrads:
         for i, (idx, offs, padded, kind) in enumerate(plan):
             group, size, rank = groups[kind]
             self.buckets.append(Bucket(i, [self.params[j] for j in idx], offs, padded, shard_offset, group, size,
-                                       rank))
+                                       rank, tied=kind == "tied"))
             shard_offset += padded // size
         self._where = {p: (b, off) for b in self.buckets for p, off in zip(b.params, b.offsets, strict=True)}
         self.grad_shard = torch.zeros(shard_offset, dtype=torch.float32, device=device) if zero else None
@@ -235,6 +266,7 @@ class DataParallelGrads:
         self._armed = False
         self._next = 0  # the next bucket to issue, in order
         self._ready: set[int] = set()  # ids of parameters whose gradient arrived in the armed backward
+        self._armed_ids: set[int] | None = None  # armed parameters (None: all) when chunks are armed one by one
         self._needs_zero = False
         self._shard_views = GradViews([GradView(s.grad, self.params[s.owner]) for s in self.shard_segments()]) \
             if zero else None
@@ -300,7 +332,7 @@ class DataParallelGrads:
                                "optimizer.zero_grad(set_to_none=True) after every step")
         p.main_grad.add_(p.grad)
         p.grad = None
-        if not self._armed:
+        if not self._armed or (self._armed_ids is not None and id(p) not in self._armed_ids):
             self.stats.unarmed_hooks += 1
             return
         if b.work is not None:
@@ -337,9 +369,16 @@ class DataParallelGrads:
                 b.data.zero_()
         self._needs_zero = False
 
-    def start_last_microbatch(self) -> None:
-        """Call before the backward of the step's last micro-batch: its buckets are reduced as they fill."""
+    def start_last_microbatch(self, params: list[nn.Parameter] | None = None) -> None:
+        """Call before the backward of the step's last micro-batch: its buckets are reduced as they fill.
+        ``params``: arm only these (a pipeline chunk whose last backward comes next); later calls in the same
+        step add more. Gradients of parameters not armed yet only accumulate."""
+        if params is not None and self._armed:
+            if self._armed_ids is not None:
+                self._armed_ids.update(id(p) for p in params)
+            return
         self._armed = True
+        self._armed_ids = None if params is None else {id(p) for p in params}
         self._next = 0
         self._ready.clear()
         for b in self.buckets:
@@ -370,9 +409,12 @@ class DataParallelGrads:
         for b in self.buckets:
             b.work.wait()
             b.work = None
+            if b.tied:  # the other stage's copy: sum the reduced gradient (or this rank's chunk of it)
+                comm.all_reduce(b.data if self.zero == 0 else self._grad_chunk(b), self.tied_group,
+                                recorder=self.mesh.recorder)
         self.stats.per_step.append([b.reductions for b in self.buckets])
         self.stats.steps += 1
-        self._armed, self._needs_zero = False, True
+        self._armed, self._needs_zero, self._armed_ids = False, True, None
         if self.zero == 0:
             for p in self.params:
                 p.grad = p.main_grad
@@ -401,7 +443,11 @@ class DataParallelGrads:
         if self.zero == 0:
             if self.mesh.tp == 1 and self.mesh.pp == 1 and self.mesh.ep == 1:
                 return torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
-            total = tp_grad_norm(self.model, self.mesh)
+            if self.mesh.pp > 1:  # counts the tied head copy once
+                from megaloom.parallel.pipeline.grads import pipeline_grad_norm
+                total = pipeline_grad_norm(self.model, self.mesh)
+            else:
+                total = tp_grad_norm(self.model, self.mesh)
         else:
             total = sharded_grad_norm(self._shard_views.views, self.mesh)
         if math.isfinite(max_norm):
@@ -424,10 +470,18 @@ class DataParallelGrads:
 
     def gather_params(self) -> None:
         """Issue the in-place all-gather of every bucket's parameters (after the optimizer updated this rank's
-        chunk), last bucket first: it holds the first layers, which the next forward needs first."""
+        chunk), last bucket first: it holds the first layers, which the next forward needs first. In
+        ``gather_dtype`` below fp32 the chunk is rounded into a landing buffer of that dtype, which is gathered
+        and copied into the parameters when waited for (this rank's chunk too, so all replicas agree)."""
         for b in reversed(self.buckets):
             lo, hi = self._chunk(b)
-            b.gather = comm.all_gather_into_async(b.param_data, b.param_data[lo:hi], b.group,
+            if self.gather_dtype == torch.float32:
+                b.gather = comm.all_gather_into_async(b.param_data, b.param_data[lo:hi], b.group,
+                                                      recorder=self.mesh.recorder)
+                continue
+            b.gather_buf = torch.empty(b.padded, dtype=self.gather_dtype, device=b.param_data.device)
+            b.gather_buf[lo:hi].copy_(b.param_data[lo:hi])
+            b.gather = comm.all_gather_into_async(b.gather_buf, b.gather_buf[lo:hi], b.group,
                                                   recorder=self.mesh.recorder)
 
     def wait_params(self, params: list[nn.Parameter] | None = None) -> None:
@@ -437,6 +491,9 @@ class DataParallelGrads:
             if b.gather is not None:
                 b.gather.wait()
                 b.gather = None
+                if b.gather_buf is not None:
+                    b.param_data.copy_(b.gather_buf)
+                    b.gather_buf = None
 
     def params_in_flight(self) -> bool:
         return any(b.gather is not None for b in self.buckets)

@@ -7,14 +7,18 @@ them from the reduce-scattered ``grad_shard`` and then all-gathers every bucket'
 (asynchronously; a forward pre-hook on each module waits for the buckets holding its parameters, so the
 gather overlaps the start of the next forward). megaloom keeps fp32 parameters and computes under
 autocast, so the parameters are the fp32 master weights: the shard's master weights are views of them
-and no second copy exists.
+and no second copy exists. Except when the all-gathers move bf16 (``param_gather_dtype``, the default when
+training in bf16: half the bytes): then every replica holds bf16-rounded weights and the optimizer keeps its
+shard's fp32 master weights apart (1/dp of the model in fp32), writes them into the parameters after each step
+and checkpoints them in place of the rounded parameters, so a resumed run continues exactly.
 
 The shard is cut into per-parameter segments so that weight decay skips 1-D parameters (one parameter
 group each) and LAMB can compute one trust ratio per parameter: each segment's partial squared norms are
 summed over the data-parallel group (the pieces of a parameter) and over tp (its tensor-parallel pieces).
 
 Stage 3 is PyTorch's FSDP2 (`fully_shard`) on each transformer block and on the root: parameters sharded on
-dim 0 over the data-parallel group, gathered just in time for forward and backward, freed after. Chosen
+dim 0 over the data-parallel group, gathered just in time for forward and backward, freed after. In bf16 its
+`MixedPrecisionPolicy` gathers bf16 parameters and reduce-scatters fp32 gradients (as TorchTitan does). Chosen
 because it is the maintained implementation of exactly this (prefetching, reduce-scatter in post-backward,
 memory reuse) and it composes with our tensor-parallel layers: those hold plain local tensors, which FSDP2
 treats as the parameters to shard over dp only, and their tp marks are copied to the sharded parameters.
@@ -91,9 +95,11 @@ class FullyShardedGrads:
     DataParallelGrads). FSDP2 reduce-scatters in its own post-backward hooks; gradient sync is switched off
     for all micro-batches but the last, so nothing is reduced earlier."""
 
-    def __init__(self, model: nn.Module, mesh: Mesh) -> None:
+    def __init__(self, model: nn.Module, mesh: Mesh, param_dtype: torch.dtype = torch.float32) -> None:
+        """``param_dtype``: the dtype FSDP2 all-gathers and computes the parameters in (bf16 when training in
+        bf16); gradients are reduce-scattered in fp32 and the sharded master weights stay fp32."""
         from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         self.group = mesh.dp_cp_group
         self.size, self.rank = comm.group_size(self.group), comm.group_rank(self.group)
@@ -103,9 +109,12 @@ class FullyShardedGrads:
         self.model, self.mesh, self.zero = model, mesh, 3
         layouts = dict(model.named_parameters())
         self.device_mesh = DeviceMesh.from_group(self.group, mesh.device.type)
+        self.param_dtype = param_dtype
+        policy = MixedPrecisionPolicy() if param_dtype == torch.float32 else \
+            MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         for block in getattr(model, "layers", {}).values():
-            fully_shard(block, mesh=self.device_mesh)
-        fully_shard(model, mesh=self.device_mesh)
+            fully_shard(block, mesh=self.device_mesh, mp_policy=policy)
+        fully_shard(model, mesh=self.device_mesh, mp_policy=policy)
         self.named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         for n, p in self.named_params:  # the sharded parameters are new objects: carry the layouts over
             copy_layout(layouts[n], p)
@@ -136,7 +145,7 @@ class FullyShardedGrads:
         return GradViews([GradView(_local(p.grad), p) for p in self.params
                           if p.grad is not None and _local(p.grad).numel()])
 
-    def start_last_microbatch(self) -> None:
+    def start_last_microbatch(self, params: list[nn.Parameter] | None = None) -> None:
         self._armed = True
         self.model.set_requires_gradient_sync(True)
 
@@ -240,7 +249,9 @@ class ShardedOptimizer:
         self.named_params = layout.named_params
         self.segments = layout.shard_segments()
         device = self.named_params[0][1].device if self.named_params else self.mesh.device
-        self.tensors = [nn.Parameter(s.data) for s in self.segments]  # views: updates land in the parameters
+        # Views (updates land in the parameters), or fp32 master copies when the replicas hold rounded weights.
+        self.separate_masters = getattr(layout, "gather_dtype", torch.float32) != torch.float32
+        self.tensors = [nn.Parameter(s.data.clone() if self.separate_masters else s.data) for s in self.segments]
         for t, s in zip(self.tensors, self.segments, strict=True):
             t.grad = s.grad
         decay = [i for i, s in enumerate(self.segments) if self.named_params[s.owner][1].ndim >= 2]
@@ -283,7 +294,27 @@ class ShardedOptimizer:
         for t, g in zip(self.tensors, self.layout.segment_grads(self.segments), strict=True):
             t.grad = g
         self.inner.step()
+        self.publish_masters()
         self.layout.publish_params(self.overlap_param_gather)
+
+    @torch.no_grad()
+    def publish_masters(self) -> None:
+        """Separate fp32 masters: write them into this rank's chunk of the parameters (the gather rounds it)."""
+        if self.separate_masters and self.tensors:
+            torch._foreach_copy_([s.data for s in self.segments], [t.detach() for t in self.tensors])
+
+    @torch.no_grad()
+    def weights_loaded(self, masters_loaded: bool) -> None:
+        """After loading weights with separate fp32 masters: ``masters_loaded`` (a checkpoint of this optimizer
+        wrote the master shards) or not (the parameters were written; the masters copy them). Then every
+        replica's parameters come from the masters (collective over dp)."""
+        if not self.separate_masters:
+            return
+        self.layout.wait_params()
+        if not masters_loaded and self.tensors:
+            torch._foreach_copy_([t.detach() for t in self.tensors], [s.data for s in self.segments])
+        self.publish_masters()
+        self.layout.publish_params(overlap=False)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Model gradients are dropped (FSDP2 would accumulate into them); the shard's gradient views stay:
@@ -355,7 +386,9 @@ class ShardedOptimizer:
         if isinstance(self.layout, FullyShardedGrads):
             self.layout.load_full_model_state(model_sd)
         else:  # parameters are views of the bucket buffers, so the copy lands there (master weights included)
+            self.layout.wait_params()
             load_full_state(self.layout.model, None, model_sd, None, self.mesh)
+            self.weights_loaded(masters_loaded=False)
 
     def load_full_state(self, optim_sd: dict) -> None:
         """Keep this rank's pieces of full tensors (its tp slice, then its segments of the flat shard)."""
@@ -374,15 +407,28 @@ class ShardedOptimizer:
 # ------------------------------------------------------------------------------------------------ building
 
 
-def build_data_parallel(model: nn.Module, mesh: Mesh, zero: int = 0,
-                        bucket_mb: float = DEFAULT_BUCKET_MB) -> DataParallelGrads | FullyShardedGrads:
-    """The gradient side for ``parallel.zero``: buckets (0, 1, 2) or FSDP2 (3)."""
+def build_data_parallel(model: nn.Module, mesh: Mesh, zero: int = 0, bucket_mb: float = DEFAULT_BUCKET_MB,
+                        param_dtype: torch.dtype = torch.float32, tied: nn.Parameter | None = None,
+                        tied_group: comm.Group = None) -> DataParallelGrads | FullyShardedGrads:
+    """The gradient side for ``parallel.zero``: buckets (0, 1, 2) or FSDP2 (3). ``param_dtype``: what the
+    parameter all-gathers move (bf16 when training in bf16); ``tied``/``tied_group``: a pipeline stage's copy
+    of the embedding tied across stages (see DataParallelGrads)."""
     if zero not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero={zero} is not a ZeRO stage; use 0 (off), 1 (optimizer state), "
                           "2 (+ gradients) or 3 (+ parameters).")
     if zero == 3:
-        return FullyShardedGrads(model, mesh)
-    return DataParallelGrads(model, mesh, zero, bucket_mb)
+        if tied is not None:
+            raise ConfigError("parallel.zero=3 with parallel.pp>1 is not available (FSDP2 would shard each stage "
+                              "and its tied embedding copy on its own); use parallel.zero=1 or 2 with pipelines.")
+        return FullyShardedGrads(model, mesh, param_dtype)
+    return DataParallelGrads(model, mesh, zero, bucket_mb, tied, tied_group, param_dtype)
+
+
+def param_gather_dtype(precision: str) -> torch.dtype:
+    """The dtype ZeRO's parameter all-gathers move for a training precision: the compute dtype of bf16 (and of
+    fp8, whose other ops run in bf16); fp32 otherwise (fp16 keeps fp32 parameters: its range is too narrow
+    for weights without a scale)."""
+    return torch.bfloat16 if precision in ("bf16", "fp8") else torch.float32
 
 
 def full_optimizer_state(optimizer: ShardedOptimizer) -> dict:

@@ -34,9 +34,10 @@ def preflight(cfg: Config, world_size: int) -> Checked:
     sizes = validate_layout(cfg, world_size)
     partition = validate_pipeline(cfg, sizes["dp"], cfg.parallel.pp_first_stage_layers or None,
                                   cfg.parallel.pp_last_stage_layers or None) if cfg.parallel.pp > 1 else None
-    if cfg.parallel.zero and cfg.parallel.pp > 1:
-        raise ConfigError("parallel.zero>=1 together with parallel.pp>1 is not available yet (the tied-embedding "
-                          "sum must precede the reduce-scatter); use parallel.zero=0 with pipelines.")
+    if cfg.parallel.zero == 3 and cfg.parallel.pp > 1:
+        raise ConfigError("parallel.zero=3 together with parallel.pp>1 is not available (each micro-batch would "
+                          "gather every stage's parameters again; ZeRO-1/2 shard the optimizer state and gradients "
+                          "of a stage); use parallel.zero=1 or 2 with pipelines.")
     if cfg.parallel.zero and sizes["dp"] == 1:
         raise ConfigError(f"parallel.zero={cfg.parallel.zero} shards over data-parallel ranks, but dp=1 (world "
                           f"{sizes['world']} = tp*pp*cp); set parallel.zero=0 or run more processes.")

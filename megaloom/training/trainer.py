@@ -33,12 +33,11 @@ from megaloom.optim import build_optimizer, lr_at, set_lr
 from megaloom.parallel.materialize import materialize
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.pipeline.executor import PipelineExecutor
-from megaloom.parallel.pipeline.grads import PipelineGradientSync
 from megaloom.parallel.pipeline.schedules import build_schedule, forward_only
-from megaloom.parallel.pipeline.stage import build_embedding_groups, build_stage
+from megaloom.parallel.pipeline.stage import build_embedding_groups, build_stage, tied_parameter
 from megaloom.parallel.random import dropout_seed
 from megaloom.parallel.tensor import parallelize_tensor
-from megaloom.parallel.zero import ShardedOptimizer, build_data_parallel
+from megaloom.parallel.zero import ShardedOptimizer, build_data_parallel, param_gather_dtype
 from megaloom.resilience.guard import Resilience
 from megaloom.runtime import Runtime, init_runtime, resolve_precision, seed_everything
 from megaloom.step import TrainStep, forward_ctx
@@ -137,6 +136,7 @@ class Trainer:
         t0 = time.perf_counter()
         pipe = eval_pipe = None
         fsdp = stage is None and rt.world_size > 1 and cfg.parallel.zero == 3
+        gather_dtype = param_gather_dtype(self.precision) if cfg.parallel.param_gather == "auto" else torch.float32
         if not fsdp:
             self._materialize(model)
         if stage is not None:  # a schedule executor runs the micro-batches across stages
@@ -147,11 +147,14 @@ class Trainer:
                                     mesh, t.micro_batch_size, t.seq_len, sp=cfg.parallel.sp, autocast=auto)
             eval_pipe = PipelineExecutor(stage, forward_only(mesh.pp, cfg.parallel.vpp, self.n_micro), mesh,
                                          t.micro_batch_size, t.seq_len, sp=cfg.parallel.sp, autocast=auto)
-            grads = PipelineGradientSync(stage, mesh, emb_group)
+            # Gradient buckets of the stage, reduced (zero 0) or reduce-scattered (zero 1/2) over dp as each chunk
+            # finishes its last backward; the tied embedding's bucket then summed over the first and last stage.
+            grads = build_data_parallel(model, mesh, cfg.parallel.zero, cfg.parallel.bucket_mb, gather_dtype,
+                                        tied=tied_parameter(stage), tied_group=emb_group)
         # Data parallelism: gradient buckets reduced during the last backward (zero 0), reduce-scattered into a
         # sharded optimizer (zero 1/2), or FSDP2-sharded parameters (zero 3). Built before compile: FSDP2 wraps blocks.
         elif rt.world_size > 1:
-            grads = build_data_parallel(model, mesh, cfg.parallel.zero, cfg.parallel.bucket_mb)
+            grads = build_data_parallel(model, mesh, cfg.parallel.zero, cfg.parallel.bucket_mb, gather_dtype)
             if fsdp:  # FSDP2 wrapped the meta model: each rank allocates its dim-0 share of its tp shard only
                 self._materialize(model)
         else:

@@ -12,7 +12,8 @@ proved the list deadlock-free under fully blocking semantics, which this lazier 
 Loss: the last stage computes each micro-batch's loss divided by the number of micro-batches, exactly as
 `megaloom.step.TrainStep` accumulates gradients on one process, so the summed gradient is the global-batch
 mean. ZB-H1's BI/BW use `split_backward` (input gradient first, weight gradients later, identical values).
-Tied embeddings, data-parallel reduction and clipping happen afterwards (`PipelineGradientSync`).
+Tied embeddings, data-parallel reduction and clipping: megaloom.parallel.data_parallel.DataParallelGrads (buckets
+reduced as each chunk finishes its last backward; ZeRO 1/2) or the flat `PipelineGradientSync`.
 """
 
 from __future__ import annotations
@@ -115,6 +116,13 @@ class PipelineExecutor:
         # which runs the full backward): data parallelism may start reducing gradient buckets just before it.
         writes = [i for i, st in enumerate(self.steps) if _writes_weight_grads(st[0])]
         self.last_grad_step = writes[-1] if writes else -1
+        # Per chunk (interleaved stages finish at different times): step index -> the chunk whose last weight
+        # gradients that step writes, so each chunk's gradient buckets start reducing as soon as it is done.
+        self.chunk_done_steps: dict[int, int] = {}
+        for c in range(schedule.vpp):
+            mine = [i for i in writes if self.steps[i][0].stage // schedule.pp == c]
+            if mine:
+                self.chunk_done_steps[mine[-1]] = c
         self.events: list[TimedAction] = []
         self._t0 = 0.0
         self.peak_activations = 0  # most (micro-batch, chunk) forwards held for backward at once, last run
@@ -122,12 +130,12 @@ class PipelineExecutor:
     # ------------------------------------------------------------------------------------------------- step
 
     def run(self, batch: torch.Tensor | None,
-            before_last_backward: Callable[[], None] | None = None) -> torch.Tensor:
+            before_last_backward: Callable[[list[torch.nn.Parameter]], None] | None = None) -> torch.Tensor:
         """One step over ``batch`` [m * micro_batch, seq_len + 1] token rows (needed on the first and last stage
         only; None elsewhere). Backward schedules leave the gradients in ``.grad``. Returns the mean loss over
         the micro-batches, on every pipeline rank (a device scalar; no host sync). ``before_last_backward`` is
-        called just before the computation that writes this rank's last weight gradients (e.g. the gradient
-        buckets' ``start_last_microbatch``)."""
+        called with a chunk's parameters just before the computation that writes that chunk's last weight
+        gradients, once per chunk (e.g. the gradient buckets' ``start_last_microbatch``)."""
         st = _StepState()
         m = self.schedule.microbatches
         if self.stage.has_embedding or self.stage.has_head:
@@ -144,8 +152,8 @@ class PipelineExecutor:
         grad_mode = torch.enable_grad() if self.schedule.backward else torch.no_grad()
         with grad_mode:
             for i, step in enumerate(self.steps):
-                if i == self.last_grad_step and before_last_backward is not None:
-                    before_last_backward()
+                if i in self.chunk_done_steps and before_last_backward is not None:
+                    before_last_backward(self.params[self.chunk_done_steps[i]])
                 if step[0].is_comm:
                     self._timed("COMM", -1, -1, lambda step=step: self._post(step, st), " ".join(map(str, step)))
                 else:

@@ -113,13 +113,17 @@ def test_executor_on_one_process(schedule: str, vpp: int) -> None:
     for _ in range(3):
         batch = torch.randint(0, VOCAB, (6, SEQ + 1), generator=gen)
         loss_ref = _reference_step(ref, batch, 2)
-        armed: list[int] = []
-        loss = ex.run(batch, before_last_backward=lambda armed=armed: armed.append(len(ex.events))).item()
-        # called once, just before the last computation that writes weight gradients
-        later = [e.kind for e in ex.events[armed[0]:] if e.kind != "COMM"]
-        # (zb on one stage: the first stage's BI is the full backward and its BW are empty)
-        assert len(armed) == 1 and later[0] == ("BI" if schedule == "zb" else "B")
-        assert all(k == "BW" for k in later[1:])
+        armed: list[tuple[int, list]] = []
+        loss = ex.run(batch, before_last_backward=lambda params, armed=armed: armed.append((len(ex.events), params))
+                      ).item()
+        # called once per chunk with its parameters, just before the last computation writing its weight gradients
+        assert sorted(map(id, (p for _, p in armed))) == sorted(map(id, ex.params)) and len(armed) == vpp
+        for at, params in armed:
+            chunk = next(c for c in range(vpp) if ex.params[c] is params)
+            later = [e for e in ex.events[at:] if e.kind != "COMM"]
+            # (zb on one stage: the first stage's BI is the full backward and its BW are empty)
+            assert later[0].kind == ("BI" if schedule == "zb" else "B") and later[0].stage == chunk  # pp = 1
+            assert all(e.kind == "BW" or e.stage != chunk for e in later[1:])
         assert loss == pytest.approx(loss_ref, rel=1e-6)
         grads_ref = {n: p.grad for n, p in ref.named_parameters()}
         for n, p in stage.model.named_parameters():

@@ -1,0 +1,92 @@
+"""Rank functions for the parameter-gather dtype tests (test_gather_dtype_world2.py): numbers, not assertions."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+from megaloom.parallel import comm
+from megaloom.parallel.mesh import Mesh
+from megaloom.parallel.tensor import parallelize_tensor
+from megaloom.parallel.zero import ShardedOptimizer, build_data_parallel
+from megaloom.step import TrainStep
+
+from ..worlds import tiny_config
+from .dp_worlds import BETAS, EPS, LR, WD, base_model, global_batches
+
+
+class DistBytes:
+    """FSDP2 calls torch.distributed itself (not megaloom.parallel.comm): count the bytes of its all-gathers and
+    reduce-scatters on ``group`` by wrapping both names of each (2.13's and 2.11's). Test instrumentation only."""
+
+    NAMES = {"all_gather": ("all_gather_single", "all_gather_into_tensor"),
+             "reduce_scatter": ("reduce_scatter_single", "reduce_scatter_tensor")}
+
+    def __init__(self, group) -> None:
+        self.group, self.bytes, self.saved = group, {"all_gather": 0, "reduce_scatter": 0}, {}
+
+    def __enter__(self) -> DistBytes:
+        for op, names in self.NAMES.items():
+            for name in names:
+                fn = getattr(dist, name, None)
+                if fn is None or name in self.saved:
+                    continue
+                self.saved[name] = fn
+
+                def counted(*args, _fn=fn, _op=op, **kw):
+                    if kw.get("group") is self.group:  # the op's buffer: the gathered output, the scattered input
+                        tensors = [t for t in (*args, *kw.values()) if torch.is_tensor(t)]
+                        self.bytes[_op] += max(t.numel() * t.element_size() for t in tensors)
+                    return _fn(*args, **kw)
+
+                setattr(dist, name, counted)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, fn in self.saved.items():
+            setattr(dist, name, fn)
+
+
+def gather_dtype_case(mesh: Mesh, zero: int, dtype: torch.dtype) -> dict:
+    """Three bf16 steps (autocast) at dp=2 with the parameter gathers in ``dtype``: bytes per step on the
+    data-parallel group (the recorder for ZeRO-1/2, the wrapped collectives for FSDP2), the dtypes held."""
+    model = parallelize_tensor(copy.deepcopy(base_model("llama", mesh)), mesh, False)
+    tally = comm.CommTally({mesh.dp_cp_group: "dp"})
+    with DistBytes(mesh.dp_cp_group) as fsdp:
+        grads = build_data_parallel(model, mesh, zero, 0.05, dtype)
+        opt = ShardedOptimizer(grads, "adamw", lr=LR, betas=BETAS, eps=EPS["adamw"], weight_decay=WD)
+        step = TrainStep(model, opt, "bf16", mesh.device, 2, 1.0, grads)
+        rows = 8 // mesh.dp
+        losses = []
+        seen: list[torch.dtype] = []
+        hook = model.layers["0"].attn.register_forward_pre_hook(
+            lambda m, a: seen.append(next(m.parameters()).dtype))
+        for i, batch in enumerate(global_batches(3)):
+            if i == 1:  # count steps 2 and 3 (step 1's gathers were issued in step 0's set-up for FSDP2)
+                mesh.recorder = tally
+                fsdp.bytes = {k: 0 for k in fsdp.bytes}
+            losses.append(step(batch[mesh.dp_rank * rows:(mesh.dp_rank + 1) * rows].to(mesh.device)).loss.item())
+        mesh.recorder = comm.NullRecorder()
+        hook.remove()
+        if zero < 3:
+            grads.wait_params()
+    rows_ = tally.rows()
+    by = {r["op"]: r["bytes"] for r in rows_ if r["group"] == "dp"}
+    out = dict(loss=losses, compute_dtype=str(seen[-1]),
+               master=str(opt.tensors[0].dtype), shard_numel=sum(t.numel() for t in opt.tensors))
+    if zero == 3:
+        out.update(gather=fsdp.bytes["all_gather"], reduce=fsdp.bytes["reduce_scatter"])
+    else:
+        out.update(gather=by.get("all_gather", 0), reduce=by.get("reduce_scatter", 0))
+    return out
+
+
+def suite_gather_dtype_world2(rank: int, world: int, device: torch.device) -> dict:
+    mesh = Mesh.build(tiny_config(world=world), world, rank, device)
+    res = {}
+    for zero in (1, 2, 3):
+        for dtype in (torch.float32, torch.bfloat16):
+            res[f"z{zero}-{str(dtype).removeprefix('torch.')}"] = gather_dtype_case(mesh, zero, dtype)
+    return res
