@@ -799,10 +799,15 @@ class _State:
         return self.weights + self.optimizer + self.grad_persistent + self.workspace
 
 
+def master_shards(cfg: Config, precision: str) -> bool:
+    """ZeRO-1/2 gathering parameters in bf16 (parallel.param_gather=auto in bf16/fp8) keeps fp32 master shards."""
+    return cfg.parallel.param_gather == "auto" and precision in ("bf16", "fp8")
+
+
 def _persistent_state(lay: _Layout, counts: ParamCounts) -> _State:
     zero, dp, p_local = lay.zero, lay.dp, counts.local
     fsdp = zero == 3 and lay.world_size > 1
-    buckets = lay.pp == 1 and lay.world_size > 1 and not fsdp
+    buckets = lay.world_size > 1 and not fsdp  # pipelines too: each stage's gradients in buckets
     weights = 4 * p_local
     p_opt = p_local // dp if (zero >= 1 and buckets) or fsdp else p_local
     if fsdp and counts.exact:
@@ -825,7 +830,10 @@ def _persistent_state(lay: _Layout, counts: ParamCounts) -> _State:
     if fsdp:  # FSDP2 all-gathers blocks just in time (current + prefetched); the root stays gathered
         blocks_sorted = sorted(counts.block_params.values(), reverse=True)
         fsdp_gather = 4 * (counts.root_params + sum(blocks_sorted[:2]))
-    return _State(weights=weights, optimizer=8 * p_opt if lay.update else 0, p_opt=p_opt,
+    optimizer = 8 * p_opt
+    if buckets and zero in (1, 2) and dp > 1 and master_shards(lay.cfg, lay.precision):
+        optimizer += 4 * p_opt  # fp32 master shard beside the bf16-rounded weights that the all-gather publishes
+    return _State(weights=weights, optimizer=optimizer if lay.update else 0, p_opt=p_opt,
                   grad_persistent=grad_persistent, grad_after_backward=grad_after_backward,
                   grad_at_step=grad_at_step, fsdp_gather=fsdp_gather,
                   workspace=CUBLAS_WORKSPACE if lay.device == "cuda" else 0, buckets=buckets, fsdp=fsdp)
@@ -850,8 +858,9 @@ def _play_events(lay: _Layout, rank: _RankModel, acts: _Activations, state: _Sta
     phases = {k: 0 for k in PHASES}
     live: dict[tuple[int, int], tuple[int, int]] = {}  # (mb, stage) -> (saved bytes, weight casts)
     started: set[int] = set()  # virtual stages whose backward has run in this step
-    embedding_grad = False
-    # The embedding's backward writes a dense fp32 gradient of its weight, added into .grad when one exists.
+    # The embedding's backward writes a dense fp32 gradient of its weight, added into .grad when one exists:
+    # from the second backward on, or from the first when .grad is a view into a persistent bucket.
+    embedding_grad = state.buckets and rank.has_embedding
     emb_dense = 4 * rank.counts.embedding if rank.has_embedding else 0
     max_act, max_casts, max_inflight = 0, 0, 0
     for kind, mb, s in rank.events:
@@ -936,6 +945,9 @@ def _notes(lay: _Layout, counts: ParamCounts) -> list[str]:
         notes.append("parameters counted from the config, not the module")
     if not lay.update:
         notes.append("steps without an optimizer update: no optimizer state, no update temporaries")
+    if lay.zero in (1, 2) and lay.dp > 1 and master_shards(lay.cfg, lay.precision):
+        notes.append("ZeRO gathers bf16 parameters: the optimizer adds an fp32 master shard (4 bytes / dp per "
+                     "parameter)")
     if lay.cfg.parallel.ep > 1 or lay.cp > 1:
         notes.append("expert parallelism: MoE activations assume balanced routing (an ep rank receives as many rows "
                      "as it sends)")
@@ -975,7 +987,7 @@ def _step_transient(cfg: Config, device: str, p_opt: int, largest: int, tp: int,
     else:
         opt = 0 if device == "cuda" else 4 * p_opt  # fused AdamW: none; foreach: sqrt(exp_avg_sq) for all
     clip = 4 * largest if (tp > 1 or pp > 1) else 0  # p.grad.float().pow(2) per parameter
-    sync = 4 * p_opt if (pp > 1 and dp > 1) else 0  # GradientSync flattens the gradients for one all-reduce
+    sync = 4 * p_opt if (pp > 1 and dp > 1 and not buckets) else 0  # a flat all-reduce copy (no buckets)
     return max(opt, clip, sync)
 
 
