@@ -97,3 +97,64 @@ def runtime_then_hang(rank: int, world: int, port: int, out: str, overrides: lis
         comm.all_reduce(x, mesh.pp_group, recorder=mesh.recorder)  # the others wait here for rank 1
         guard.after_step(step, False, time.perf_counter() - t0)
     time.sleep(120)  # not reached: the watchdog ends the process first
+
+
+# ------------------------------------------------------------------------------------------- GPU (NCCL) worlds
+
+
+def gpu_host_side_cases(rank: int, world: int, device: torch.device) -> dict:
+    """In an NCCL world (one GPU per rank): the straggler check and the whole doctor, whose bandwidth tests run on
+    the GPU over NCCL while their table and verdict go over the gloo side group."""
+    from megaloom.parallel.comm import LastOpRecorder
+    from megaloom.parallel.host_group import HostGroup
+    from megaloom.resilience.doctor import doctor
+    from megaloom.resilience.straggler import StragglerDetector
+
+    res: dict = {"world_backend": dist.get_backend(), "world_cpu_error": _cpu_collective_on_world_fails()}
+    control = HostGroup(timeout_s=77)
+    res["control_backend"] = dist.get_backend(control.group)
+    det = StragglerDetector(world, 1.5, LastOpRecorder(), control)
+    det.start_step()
+    det.end_step(SLOW_RANK_SECONDS if rank == world - 1 and world > 1 else SLOW_RANK_SECONDS / 10)
+    res["stragglers"], res["times"] = det.check()
+    os.environ["LOCAL_RANK"] = str(rank)  # the doctor picks its GPU as under torchrun
+    res["doctor_code"] = doctor(factor=50.0, matmul_n=1024, comm_mb=4.0, repeats=3)
+    return res
+
+
+def nccl_hang(out: str, overrides: list[str]) -> None:
+    """A one-GPU NCCL world (world 1, as `init_runtime` starts one for world > 1: flight recorder configured
+    first, the run's collective timeout) where an all-reduce is made to hang on the device: a spinning kernel
+    ahead of it on the stream keeps it from starting, and the host then waits for the device. With the watchdog on,
+    it fires and its report names the collective the flight recorder saw unfinished (exit code 3); with it off,
+    NCCL's own timeout fires and dumps the flight recorder into run.dir/watchdog (the process aborts)."""
+    _set_torchrun_env(0, 1, 0)
+    for key in ("TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_TRACE_BUFFER_SIZE",
+                "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_ASYNC_ERROR_HANDLING"):
+        os.environ.pop(key, None)
+    from megaloom.config import load_config
+    from megaloom.parallel.comm import _recording
+    from megaloom.parallel.mesh import Mesh
+    from megaloom.resilience import flight_recorder
+    from megaloom.resilience.guard import Resilience
+    from megaloom.runtime import collective_timeout
+
+    cfg = load_config(None, overrides)
+    device = torch.device("cuda:0")
+    torch.cuda.set_device(device)
+    flight_recorder.configure(cfg.run.dir)
+    dist.init_process_group("nccl", init_method=f"file://{out}/init", rank=0, world_size=1, device_id=device,
+                            timeout=collective_timeout(cfg))
+    mesh = Mesh.single(device)
+    guard = Resilience(cfg, Path(cfg.run.dir), 0, 1, mesh)
+    x = torch.ones(1 << 20, device=device)
+    model = torch.nn.Linear(2, 2)
+    for step in (1, 2):
+        guard.before_step(step, model)
+        if step == 2:
+            torch.cuda._sleep(200 * 10**9)  # ~100 s of spinning ahead of the collective on this stream
+        with _recording(mesh.recorder, "all_reduce_sum", dist.group.WORLD, x.numel() * 4):
+            dist.all_reduce(x)  # returns once enqueued: the host thinks it "returned"
+        torch.cuda.synchronize(device)  # step 2: the host waits for the device, which never gets there
+        guard.after_step(step, False, 0.0)
+    time.sleep(300)  # not reached
