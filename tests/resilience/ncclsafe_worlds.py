@@ -134,9 +134,11 @@ def nccl_hang(out: str, overrides: list[str]) -> None:
         os.environ.pop(key, None)
     from megaloom.config import load_config
     from megaloom.parallel.comm import _recording
+    from megaloom.parallel.host_group import HostGroup
     from megaloom.parallel.mesh import Mesh
     from megaloom.resilience import flight_recorder
     from megaloom.resilience.guard import Resilience
+    from megaloom.resilience.straggler import StragglerDetector
     from megaloom.runtime import collective_timeout
 
     cfg = load_config(None, overrides)
@@ -147,6 +149,12 @@ def nccl_hang(out: str, overrides: list[str]) -> None:
                             timeout=collective_timeout(cfg))
     mesh = Mesh.single(device)
     guard = Resilience(cfg, Path(cfg.run.dir), 0, 1, mesh)
+    # the side group next to an NCCL world bound to its device (device_id), as in `megaloom train` on GPUs
+    det = StragglerDetector(1, 1.5, mesh.recorder, HostGroup(cfg.resilience.collective_timeout_s))
+    det.start_step()
+    det.end_step(0.25)
+    torch.save({"straggler": det.check(), "control_backend": dist.get_backend(det.group.group),
+                "world_cpu_error": _cpu_collective_on_world_fails()}, Path(out) / "side_group.pt")
     x = torch.ones(1 << 20, device=device)
     model = torch.nn.Linear(2, 2)
     for step in (1, 2):

@@ -45,6 +45,9 @@ def _hang(tmp_path: Path, *extra: str) -> tuple[int, Path]:
 
 def test_nccl_hang_is_reported_by_the_watchdog_with_the_flight_recorder(tmp_path):
     code, out = _hang(tmp_path, "resilience.hang_timeout_s=3", "resilience.collective_timeout_s=120")
+    side = torch.load(tmp_path / "side_group.pt")
+    assert side["straggler"] == ([], [0.25]) and side["control_backend"] == "gloo"
+    assert NO_CPU_BACKEND in side["world_cpu_error"]
     assert code == 3
     (report,) = out.glob("rank0-*.txt")
     text = report.read_text()
