@@ -28,7 +28,7 @@ def configure(run_dir: str | Path) -> dict[str, str]:
     """Set the flight-recorder and NCCL error-handling environment (unless set); returns what was set.
 
     Must run before the first process group is created: torch reads these once."""
-    out = Path(run_dir) / "watchdog"
+    out = Path(run_dir).absolute() / "watchdog"  # NCCL's thread writes there, whatever the cwd is by then
     out.mkdir(parents=True, exist_ok=True)
     wanted = {
         # 3 = on a collective error or timeout, NCCL's watchdog ends the process without a communicator abort
