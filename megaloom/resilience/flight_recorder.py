@@ -10,8 +10,9 @@ reads it in two places:
   (TORCH_NCCL_DUMP_ON_TIMEOUT) to run.dir/watchdog/flight_recorder_rank<N>, for runs with the watchdog off.
 `python -m torch.distributed.flight_recorder.fr_trace` reads the latter across ranks.
 
-Environment variables are only set where the user has not set them (the torch >= 2.7 names; the older
-TORCH_NCCL_TRACE_BUFFER_SIZE / TORCH_NCCL_DEBUG_INFO_TEMP_FILE, when set, are respected and left alone).
+Environment variables are only set where the user has not set them, under the names of torch >= 2.8 (megaloom
+needs 2.11; setting the deprecated TORCH_NCCL_TRACE_BUFFER_SIZE / TORCH_NCCL_DEBUG_INFO_TEMP_FILE too would print a
+deprecation warning on every rank). Those older names, when the user sets them, are respected and left alone.
 """
 
 from __future__ import annotations
