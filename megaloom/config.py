@@ -199,8 +199,13 @@ class ResilienceConfig:
     max_bad_steps: int = _f(3, "Non-finite steps in a row after which the run rolls back to the last checkpoint "
                                "and skips the data window that caused them.")
     heartbeat: bool = _f(True, "Each rank writes run.dir/heartbeat/rank<N>.json (step, time, last op).")
+    heartbeat_every_s: float = _f(10.0, "Seconds between a rank's heartbeat writes (one small file write per rank "
+                                        "per interval, from one background thread): 1,024 ranks make ~100 writes/s.")
     hang_timeout_s: float = _f(900.0, "Seconds without a finished step after which the watchdog reports and exits "
                                       "non-zero (torchrun restarts); 0 = off. Not armed before the first step.")
+    collective_timeout_s: float = _f(1800.0, "Timeout of every training process group (NCCL/gloo): a collective "
+                                             "stuck this long aborts the job. Must exceed resilience.hang_timeout_s "
+                                             "so that megaloom's watchdog reports (who is stuck where) first.")
     straggler_every: int = _f(100, "Steps between straggler checks (per-rank compute time vs the median); 0 = off.")
     straggler_factor: float = _f(1.5, "A rank is a straggler when its compute time exceeds the median by this factor.")
 
@@ -365,6 +370,18 @@ def _require(cond: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
+def _check_timeouts(r: ResilienceConfig) -> None:
+    """The order of the timeouts: heartbeat interval < watchdog < process-group timeout."""
+    _require(r.heartbeat_every_s > 0, f"resilience.heartbeat_every_s must be > 0, got {r.heartbeat_every_s}.")
+    _require(r.collective_timeout_s > 0,
+             f"resilience.collective_timeout_s must be > 0, got {r.collective_timeout_s} (e.g. 1800).")
+    if r.hang_timeout_s > 0:
+        _require(r.collective_timeout_s > r.hang_timeout_s,
+                 f"resilience.collective_timeout_s ({r.collective_timeout_s:g}) must exceed "
+                 f"resilience.hang_timeout_s ({r.hang_timeout_s:g}): the process group would abort before the "
+                 f"watchdog reports who is stuck. Raise it (e.g. {2 * r.hang_timeout_s:g}) or lower the watchdog's.")
+
+
 def validate(cfg: Config) -> None:
     """Reject impossible values with a message naming the key and what would work."""
     for section, cls in _SECTION_TYPES.items():
@@ -400,6 +417,7 @@ def validate(cfg: Config) -> None:
     _require(t.lr > 0, f"train.lr must be > 0, got {t.lr}.")
     _require(p.bucket_mb > 0, f"parallel.bucket_mb must be > 0, got {p.bucket_mb}.")
     _require(cfg.resilience.straggler_factor > 1, "resilience.straggler_factor must be > 1 (e.g. 1.5).")
+    _check_timeouts(cfg.resilience)
     _require(t.min_lr <= t.lr, f"train.min_lr ({t.min_lr}) must not exceed train.lr ({t.lr}).")
     _require(0 <= m.dropout < 1, f"model.dropout must be in [0, 1), got {m.dropout}.")
     _require(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1 and train.beta2 must be in [0, 1).")

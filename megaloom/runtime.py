@@ -5,12 +5,14 @@ from __future__ import annotations
 import os
 import random
 from dataclasses import dataclass
+from datetime import timedelta
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from megaloom.config import Config, ConfigError
+from megaloom.resilience import flight_recorder
 
 
 @dataclass
@@ -48,9 +50,18 @@ def init_runtime(cfg: Config) -> Runtime:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(cfg.train.device, local_rank)
     if world > 1 and not dist.is_initialized():
+        # Before the process group exists: torch reads the flight recorder's settings once (resilience doc).
+        flight_recorder.configure(cfg.run.dir)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=_attempt_store(rank, world),
-                                rank=rank, world_size=world, device_id=device if device.type == "cuda" else None)
+                                rank=rank, world_size=world, device_id=device if device.type == "cuda" else None,
+                                timeout=collective_timeout(cfg))
     return Runtime(device=device, rank=rank, world_size=world, local_rank=local_rank)
+
+
+def collective_timeout(cfg: Config) -> timedelta:
+    """Every training process group's timeout (`resilience.collective_timeout_s`, above the watchdog's): passed to
+    init_process_group and to each new_group, which would otherwise take torch's default (10 min on NCCL)."""
+    return timedelta(seconds=cfg.resilience.collective_timeout_s)
 
 
 def init_fake_runtime(cfg: Config, world_size: int, rank: int) -> Runtime:
@@ -72,8 +83,6 @@ def _attempt_store(rank: int, world: int) -> dist.Store:
     torchrun's agent keeps one store across restarts; without a per-attempt prefix, a restarted worker can read
     a peer's address published by the previous attempt and fail to connect (seen with gloo subgroups).
     """
-    from datetime import timedelta
-
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                          is_master=(rank == 0 and not agent), timeout=timedelta(minutes=10),

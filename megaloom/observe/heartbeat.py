@@ -1,8 +1,12 @@
 """Per-rank heartbeat files that a person or a scheduler can read while the job runs (`megaloom status`).
 
-run.dir/heartbeat/rank<N>.json holds {rank, step, time, last_op}; replaced atomically every step, so a
-reader never sees half a file. A rank whose heartbeat stops moving is stuck or dead; the last operation says
-where (filled in when the collectives' recorder is a comm.LastOpRecorder).
+run.dir/heartbeat/rank<N>.json holds {rank, step, time, pid, last_op, op_count, every_s}, replaced atomically
+(write a temporary file, rename), so a reader never sees half a file. One background thread per rank is the only
+regular writer: one small write every `resilience.heartbeat_every_s` (10 s by default), however fast the steps
+are, so 1,024 ranks make ~100 create+rename per second on a shared file system, not thousands. The training loop
+only updates the step in memory. The thread keeps beating while the main thread is stuck in a collective, so a
+stuck rank's file still says where it is; a rank whose file stops moving is dead or frozen (`kill -STOP`), which
+`megaloom status` marks STALE. The watchdog writes one extra beat when it fires (watchdog.py).
 """
 
 from __future__ import annotations
@@ -13,38 +17,81 @@ import threading
 import time
 from pathlib import Path
 
+from megaloom.observe.log import get_logger
+
+log = get_logger(__name__)
+
+STALE_AFTER_BEATS = 3  # a file older than this many intervals belongs to a rank that stopped beating
+
 
 class Heartbeat:
-    def __init__(self, run_dir: Path, rank: int, min_interval_s: float = 1.0):
-        self.dir = run_dir / "heartbeat"
+    def __init__(self, run_dir: Path, rank: int, every_s: float = 10.0, recorder=None):
+        self.dir = Path(run_dir) / "heartbeat"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / f"rank{rank}.json"
-        self.rank = rank
-        self.min_interval_s = min_interval_s
-        self._last = 0.0
+        self.rank, self.every_s, self.recorder = rank, every_s, recorder
+        self.step = 0
+        self.writes = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._failed = False
+        self._thread = threading.Thread(target=self._run, name="megaloom-heartbeat", daemon=True)
 
-    def beat(self, step: int, recorder=None, force: bool = False) -> None:
-        now = time.time()
-        if not force and now - self._last < self.min_interval_s:
-            return  # at most one small write a second, however fast the steps are
-        self._last = now
-        last_op = recorder.describe() if recorder is not None and hasattr(recorder, "describe") else None
-        # the training loop and the watchdog thread both write: a temp name per thread avoids a race
-        tmp = self.path.with_suffix(f".tmp{os.getpid()}-{threading.get_ident()}")
-        tmp.write_text(json.dumps({"rank": self.rank, "step": step, "time": now, "pid": os.getpid(),
-                                   "last_op": last_op, "op_count": getattr(recorder, "count", 0)}))
-        os.replace(tmp, self.path)
+    def start(self) -> Heartbeat:
+        self.write()  # a fresh run shows up in `megaloom status` at once, not after the first interval
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """The last beat (the final step), then the thread ends."""
+        self._stop.set()
+        self.write()
+
+    def update(self, step: int) -> None:
+        """The training loop: memory only (the thread writes)."""
+        self.step = step
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.write()
+
+    def write(self) -> None:
+        """One beat now. Never raises: a full disk must not end training through its heartbeat (warned once)."""
+        rec = self.recorder
+        last_op = rec.describe() if rec is not None and hasattr(rec, "describe") else None
+        record = {"rank": self.rank, "step": self.step, "time": time.time(), "pid": os.getpid(),
+                  "last_op": last_op, "op_count": getattr(rec, "count", 0), "every_s": self.every_s}
+        with self._lock:  # the thread and the watchdog's forced beat share one temporary name
+            tmp = self.path.with_suffix(f".tmp{os.getpid()}")
+            try:
+                tmp.write_text(json.dumps(record))
+                os.replace(tmp, self.path)
+                self.writes += 1
+            except OSError as e:
+                if not self._failed:
+                    log.warning(f"WARNING: rank {self.rank}: heartbeat not written ({e.strerror or e}: {self.path}); "
+                                "training continues without it")
+                self._failed = True
 
 
 def read_heartbeats(run_dir: str | Path) -> list[dict]:
+    """Every rank's last beat, in rank order (unreadable files skipped)."""
     d = Path(run_dir) / "heartbeat"
+    if not d.is_dir():
+        return []
+    with os.scandir(d) as it:  # one directory listing, no per-file stat
+        names = [e.name for e in it if e.name.startswith("rank") and e.name.endswith(".json")]
     out = []
-    for f in sorted(d.glob("rank*.json"), key=lambda p: int(p.stem[4:])):
+    for name in sorted(names, key=lambda n: int(n[4:-5]) if n[4:-5].isdigit() else -1):
         try:
-            out.append(json.loads(f.read_text()))
-        except (OSError, json.JSONDecodeError):
+            out.append(json.loads((d / name).read_bytes()))
+        except (OSError, ValueError):
             continue
     return out
+
+
+def is_stale(beat: dict, now: float) -> bool:
+    return now - beat["time"] > STALE_AFTER_BEATS * float(beat.get("every_s") or 1.0)
 
 
 def status_table(run_dir: str | Path, now: float | None = None) -> str:
@@ -52,7 +99,16 @@ def status_table(run_dir: str | Path, now: float | None = None) -> str:
     if not beats:
         return f"{run_dir}: no heartbeat files (is it a megaloom run directory, and has it started?)"
     now = now or time.time()
-    lines = [f"{'rank':>4}  {'step':>8}  {'age':>8}  last op"]
+    steps = [b["step"] for b in beats]
+    stale = [b["rank"] for b in beats if is_stale(b, now)]
+    lines = [f"{len(beats)} ranks, steps {min(steps)}..{max(steps)}; "
+             + (f"STALE (no beat for {STALE_AFTER_BEATS} intervals): {_short(stale)}" if stale else "all beating"),
+             f"{'rank':>4}  {'step':>8}  {'age':>8}  last op"]
     for b in beats:
-        lines.append(f"{b['rank']:>4}  {b['step']:>8}  {now - b['time']:>7.1f}s  {b.get('last_op') or '-'}")
+        flag = "  STALE" if is_stale(b, now) else ""
+        lines.append(f"{b['rank']:>4}  {b['step']:>8}  {now - b['time']:>7.1f}s  {b.get('last_op') or '-'}{flag}")
     return "\n".join(lines)
+
+
+def _short(ranks: list[int], most: int = 32) -> str:
+    return str(ranks) if len(ranks) <= most else f"{ranks[:most]} ... ({len(ranks)} ranks)"

@@ -82,8 +82,11 @@ class LastOpRecorder(OpRecorder):
         if self.name is None:
             return "no collective issued yet"
         ranks = dist.get_process_group_ranks(self.group) if self.group is not None else []
+        # a heartbeat stays one small write however large the group (a dp group can hold thousands of ranks)
+        shown = (str(ranks) if len(ranks) <= 8 else
+                 f"[{ranks[0]}, {ranks[1]}, {ranks[2]}, ..., {ranks[-1]}] ({len(ranks)} ranks)")
         state = f"in flight for {time.monotonic() - self.started:.1f}s" if self.in_flight else "returned"
-        return f"collective #{self.count} {self.name} over ranks {ranks}: {state}"
+        return f"collective #{self.count} {self.name} over ranks {shown}: {state}"
 
 
 class CommTally(OpRecorder):

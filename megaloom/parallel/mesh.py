@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -205,6 +206,8 @@ class Mesh:
     pp_prev: int = 0
     pp_next: int = 0
     init_seconds: float = 0.0
+    # Timeout of the groups this mesh's builders create (resilience.collective_timeout_s); None = torch's default.
+    group_timeout: timedelta | None = None
     # Records the collective in flight for a watchdog; replace with comm.LastOpRecorder() to enable.
     recorder: OpRecorder = field(default_factory=NullRecorder)
 
@@ -263,6 +266,7 @@ class Mesh:
         sizes = validate_layout(cfg, world_size)
         coords = rank_coords(rank, sizes, order)
         mesh = cls(device=torch.device(device), world_size=world_size, rank=rank, order=order,
+                   group_timeout=timedelta(seconds=cfg.resilience.collective_timeout_s),
                    tp=sizes["tp"], pp=sizes["pp"], dp=sizes["dp"], cp=sizes["cp"], ep=sizes["ep"],
                    tp_rank=coords["tp"], pp_rank=coords["pp"], dp_rank=coords["dp"], cp_rank=coords["cp"],
                    ep_rank=coords["dp"] % sizes["ep"], pp_prev=rank, pp_next=rank)
@@ -276,8 +280,9 @@ class Mesh:
         for kind in GROUP_KINDS:
             for ranks in layout[kind]:
                 key = tuple(ranks)
-                if key not in made:
-                    made[key] = dist.new_group(ranks, use_local_synchronization=False)
+                if key not in made:  # the run's collective timeout (torch's default would be NCCL's 10 min)
+                    made[key] = dist.new_group(ranks, timeout=mesh.group_timeout, use_local_synchronization=False,
+                                               group_desc=f"megaloom_{kind}")
                 if rank in ranks:
                     setattr(mesh, f"{kind}_group", made[key])
                     if kind == "pp":

@@ -10,6 +10,7 @@ import torch
 from megaloom.config import Config
 from megaloom.observe.heartbeat import Heartbeat
 from megaloom.parallel.comm import LastOpRecorder
+from megaloom.parallel.host_group import HostGroup
 from megaloom.resilience.faults import FaultPlan
 from megaloom.resilience.straggler import StragglerDetector
 from megaloom.resilience.watchdog import Watchdog
@@ -22,10 +23,13 @@ class Resilience:
         mesh.recorder = LastOpRecorder()  # every collective now says what it is while in flight
         self.recorder = mesh.recorder
         self.faults = FaultPlan.from_env(rank)
-        self.heartbeat = Heartbeat(run_dir, rank) if r.heartbeat else None
-        self.watchdog = (Watchdog(run_dir, rank, r.hang_timeout_s, self.recorder, self.heartbeat).start()
-                         if r.hang_timeout_s > 0 else None)
-        self.straggler = StragglerDetector(world_size, r.straggler_factor, self.recorder)
+        self.heartbeat = Heartbeat(run_dir, rank, r.heartbeat_every_s, self.recorder).start() if r.heartbeat else None
+        self.watchdog = (Watchdog(run_dir, rank, r.hang_timeout_s, self.recorder, self.heartbeat,
+                                  world_size=world_size).start() if r.hang_timeout_s > 0 else None)
+        # The loop's host-side control group (gloo, whatever trains): collective, every rank makes it here. Not
+        # the checkpoint group, which the background writer thread uses at the same time.
+        control = HostGroup(r.collective_timeout_s) if world_size > 1 and r.straggler_every > 0 else None
+        self.straggler = StragglerDetector(world_size, r.straggler_factor, self.recorder, control)
         self.bad_in_a_row = 0
         self._poison = None
 
@@ -47,7 +51,7 @@ class Resilience:
         if self.watchdog is not None:
             self.watchdog.progress(step)
         if self.heartbeat is not None:
-            self.heartbeat.beat(step, self.recorder)
+            self.heartbeat.update(step)  # memory only: the heartbeat thread writes
         self.bad_in_a_row = self.bad_in_a_row + 1 if skipped else 0
         return self.bad_in_a_row >= self.cfg.max_bad_steps
 
@@ -60,3 +64,5 @@ class Resilience:
     def close(self) -> None:
         if self.watchdog is not None:
             self.watchdog.stop()
+        if self.heartbeat is not None:
+            self.heartbeat.stop()

@@ -39,20 +39,25 @@ def _entry(rank: int, world_size: int, backend: str, tmp: str, fn: Callable, arg
         torch.save(result, os.path.join(tmp, f"result{rank}.pt"))
         # Every rank done before any tears down: gloo aborts a process ("terminate called without an active
         # exception", seen once in CI) when a peer closes its connections while it still has traffic in flight.
-        dist.barrier()
+        # A world without a CPU backend ("cuda:gloo" on a CPU host) meets on a gloo group instead.
+        dist.barrier(group=dist.new_group(backend="gloo") if backend.startswith("cuda:") else None)
     finally:
         dist.destroy_process_group()
 
 
-def run_world(world_size: int, fn: Callable, *args: Any, timeout: float = 240.0) -> list[Any]:
+def run_world(world_size: int, fn: Callable, *args: Any, timeout: float = 240.0, backend: str | None = None
+              ) -> list[Any]:
     """``fn(rank, world_size, device, *args)`` on ``world_size`` processes; returns the results by rank.
+
+    ``backend`` overrides the choice by hardware, e.g. "cuda:gloo": a CPU world whose default group has no CPU
+    backend, as an NCCL world has none (host-side collectives must then use a group of their own).
 
     ``fn`` must be importable (module level). A worker's exception is re-raised here with its traceback
     (torch.multiprocessing stops the other ranks); a world that outlives ``timeout`` is terminated.
     """
     tmp = tempfile.mkdtemp(prefix="megaloom-world-")
     try:
-        ctx = mp.spawn(_entry, args=(world_size, pick_backend(world_size), tmp, fn, args), nprocs=world_size,
+        ctx = mp.spawn(_entry, args=(world_size, backend or pick_backend(world_size), tmp, fn, args), nprocs=world_size,
                        join=False)
         deadline = time.monotonic() + timeout
         while not ctx.join(timeout=1.0):

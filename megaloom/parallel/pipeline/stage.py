@@ -111,7 +111,7 @@ def build_embedding_groups(mesh: Mesh) -> Any:
     mine = None
     for ranks in Mesh.layout(mesh.world_size, mesh.sizes, mesh.order)["pp"]:
         pair = [ranks[0], ranks[-1]]
-        group = dist.new_group(pair, use_local_synchronization=False)
+        group = dist.new_group(pair, timeout=mesh.group_timeout, use_local_synchronization=False)
         if mesh.rank in pair:
             mine = group
     return mine

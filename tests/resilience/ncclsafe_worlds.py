@@ -1,0 +1,168 @@
+"""Rank functions of the NCCL-safety tests (module level, so spawned processes can import them).
+
+`host_side_cases` runs in a world whose default group has no CPU backend (CPU: "cuda:gloo"; GPU: NCCL), the
+class of world in which a CPU tensor sent over the world group raises "No backend type associated with device
+type cpu". `runtime_then_hang` starts a world the way `megaloom train` does (torchrun's environment,
+`init_runtime`), checks the timeouts every group got, then hangs one rank with MEGALOOM_FAULT so that the
+watchdogs fire (the processes end with the watchdog's exit code 3).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+SLOW_RANK_SECONDS = 0.5
+
+
+def _cpu_collective_on_world_fails() -> str:
+    try:
+        dist.all_reduce(torch.ones(1), group=dist.group.WORLD)
+    except Exception as e:  # noqa: BLE001 -- the message is the result
+        return str(e)
+    return ""
+
+
+def _timeout_s(group, device: str = "cpu") -> float:
+    return group._get_backend(torch.device(device)).options._timeout.total_seconds()
+
+
+def host_side_cases(rank: int, world: int, device: torch.device, comm_group_gloo: bool) -> dict:
+    from megaloom.parallel.comm import LastOpRecorder
+    from megaloom.parallel.host_group import HostGroup
+    from megaloom.resilience.doctor import doctor
+    from megaloom.resilience.straggler import StragglerDetector
+
+    res: dict = {"world_cpu_error": _cpu_collective_on_world_fails()}
+    control = HostGroup(timeout_s=77)
+    res["control_timeout_s"] = _timeout_s(control.group)
+    det = StragglerDetector(world, 1.5, LastOpRecorder(), control)
+    for _ in range(2):  # the last rank computes SLOW_RANK_SECONDS per step, the others a tenth of it
+        det.start_step()
+        det.end_step(SLOW_RANK_SECONDS if rank == world - 1 else SLOW_RANK_SECONDS / 10)
+    res["stragglers"], res["times"] = det.check()
+    # The doctor's bandwidth tests run on device tensors over `group`: on a GPU host the NCCL world; here a gloo
+    # group stands in for it (gloo_comm=True), or the world itself, whose collectives on CPU tensors fail on
+    # every rank: the table and the verdict must still travel (all FAILED, exit code 1), not raise.
+    group = dist.new_group(backend="gloo") if comm_group_gloo else None
+    res["doctor_code"] = doctor(factor=50.0, matmul_n=32, comm_mb=0.01, repeats=1, group=group)
+    res["doctor_failed_code"] = doctor(factor=50.0, matmul_n=32, comm_mb=0.01, repeats=1)
+    return res
+
+
+def _set_torchrun_env(rank: int, world: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), TORCHELASTIC_RESTART_COUNT="0")
+
+
+def runtime_then_hang(rank: int, world: int, port: int, out: str, overrides: list[str], fault: str) -> None:
+    """A training world's start-up (init_runtime, Mesh.build, the loop's Resilience), its timeouts saved to
+    out/rank<N>.pt, then two steps where rank 1 hangs in step 2 (MEGALOOM_FAULT) and the others block in a
+    collective: every watchdog fires and ends its process with exit code 3."""
+    torch.set_num_threads(1)
+    _set_torchrun_env(rank, world, port)
+    os.environ["MEGALOOM_FAULT"] = fault
+    for key in ("TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_TRACE_BUFFER_SIZE",
+                "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_ASYNC_ERROR_HANDLING"):
+        os.environ.pop(key, None)
+    from megaloom.checkpoint.group import CheckpointGroup
+    from megaloom.config import load_config
+    from megaloom.parallel import comm
+    from megaloom.parallel.mesh import Mesh
+    from megaloom.parallel.pipeline.stage import build_embedding_groups
+    from megaloom.resilience.guard import Resilience
+    from megaloom.runtime import init_runtime
+
+    cfg = load_config(None, overrides)
+    rt = init_runtime(cfg)
+    mesh = Mesh.build(cfg, rt.world_size, rt.rank, rt.device)
+    emb = build_embedding_groups(mesh)
+    guard = Resilience(cfg, Path(cfg.run.dir), rt.rank, rt.world_size, mesh)
+    ckpt = CheckpointGroup(cfg.checkpoint.timeout_s)
+    timeouts = {"world": _timeout_s(dist.group.WORLD), "pp": _timeout_s(mesh.pp_group),
+                "embedding": _timeout_s(emb), "control": _timeout_s(guard.straggler.group.group),
+                "checkpoint": _timeout_s(ckpt.group)}
+    env = {k: os.environ.get(k) for k in ("TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE",
+                                          "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_ASYNC_ERROR_HANDLING")}
+    torch.save({"timeouts": timeouts, "env": env}, Path(out) / f"rank{rank}.pt")
+    model = torch.nn.Linear(2, 2)
+    x = torch.ones(4)
+    for step in (1, 2):
+        guard.before_step(step, model)  # rank 1 sleeps in step 2: a hung device, as the watchdog sees it
+        t0 = time.perf_counter()
+        comm.all_reduce(x, mesh.pp_group, recorder=mesh.recorder)  # the others wait here for rank 1
+        guard.after_step(step, False, time.perf_counter() - t0)
+    time.sleep(120)  # not reached: the watchdog ends the process first
+
+
+# ------------------------------------------------------------------------------------------- GPU (NCCL) worlds
+
+
+def gpu_host_side_cases(rank: int, world: int, device: torch.device) -> dict:
+    """In an NCCL world (one GPU per rank): the straggler check and the whole doctor, whose bandwidth tests run on
+    the GPU over NCCL while their table and verdict go over the gloo side group."""
+    from megaloom.parallel.comm import LastOpRecorder
+    from megaloom.parallel.host_group import HostGroup
+    from megaloom.resilience.doctor import doctor
+    from megaloom.resilience.straggler import StragglerDetector
+
+    res: dict = {"world_backend": dist.get_backend(), "world_cpu_error": _cpu_collective_on_world_fails()}
+    control = HostGroup(timeout_s=77)
+    res["control_backend"] = dist.get_backend(control.group)
+    det = StragglerDetector(world, 1.5, LastOpRecorder(), control)
+    det.start_step()
+    det.end_step(SLOW_RANK_SECONDS if rank == world - 1 and world > 1 else SLOW_RANK_SECONDS / 10)
+    res["stragglers"], res["times"] = det.check()
+    os.environ["LOCAL_RANK"] = str(rank)  # the doctor picks its GPU as under torchrun
+    res["doctor_code"] = doctor(factor=50.0, matmul_n=1024, comm_mb=4.0, repeats=3)
+    return res
+
+
+def nccl_hang(out: str, overrides: list[str]) -> None:
+    """A one-GPU NCCL world (world 1, as `init_runtime` starts one for world > 1: flight recorder configured
+    first, the run's collective timeout) where an all-reduce is made to hang on the device: a spinning kernel
+    ahead of it on the stream keeps it from starting, and the host then waits for the device. With the watchdog on,
+    it fires and its report names the collective the flight recorder saw unfinished (exit code 3); with it off,
+    NCCL's own timeout fires and dumps the flight recorder into run.dir/watchdog (the process aborts)."""
+    _set_torchrun_env(0, 1, 0)
+    for key in ("TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_TRACE_BUFFER_SIZE",
+                "TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_ASYNC_ERROR_HANDLING"):
+        os.environ.pop(key, None)
+    from megaloom.config import load_config
+    from megaloom.parallel.comm import _recording
+    from megaloom.parallel.host_group import HostGroup
+    from megaloom.parallel.mesh import Mesh
+    from megaloom.resilience import flight_recorder
+    from megaloom.resilience.guard import Resilience
+    from megaloom.resilience.straggler import StragglerDetector
+    from megaloom.runtime import collective_timeout
+
+    cfg = load_config(None, overrides)
+    device = torch.device("cuda:0")
+    torch.cuda.set_device(device)
+    flight_recorder.configure(cfg.run.dir)
+    dist.init_process_group("nccl", init_method=f"file://{out}/init", rank=0, world_size=1, device_id=device,
+                            timeout=collective_timeout(cfg))
+    mesh = Mesh.single(device)
+    guard = Resilience(cfg, Path(cfg.run.dir), 0, 1, mesh)
+    # the side group next to an NCCL world bound to its device (device_id), as in `megaloom train` on GPUs
+    det = StragglerDetector(1, 1.5, mesh.recorder, HostGroup(cfg.resilience.collective_timeout_s))
+    det.start_step()
+    det.end_step(0.25)
+    torch.save({"straggler": det.check(), "control_backend": dist.get_backend(det.group.group),
+                "world_cpu_error": _cpu_collective_on_world_fails()}, Path(out) / "side_group.pt")
+    x = torch.ones(1 << 20, device=device)
+    model = torch.nn.Linear(2, 2)
+    for step in (1, 2):
+        guard.before_step(step, model)
+        if step == 2:
+            torch.cuda._sleep(200 * 10**9)  # ~100 s of spinning ahead of the collective on this stream
+        with _recording(mesh.recorder, "all_reduce_sum", dist.group.WORLD, x.numel() * 4):
+            dist.all_reduce(x)  # returns once enqueued: the host thinks it "returned"
+        torch.cuda.synchronize(device)  # step 2: the host waits for the device, which never gets there
+        guard.after_step(step, False, 0.0)
+    time.sleep(300)  # not reached
