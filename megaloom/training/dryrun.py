@@ -461,7 +461,8 @@ def _build_and_step(report: DryRunReport, dcfg: Config, rt, steps: int, budget: 
 
     # Count every collective from here on, per group.
     names = mesh.group_names()
-    emb = getattr(trainer.train_step.grads, "embedding_group", None)
+    grads = trainer.train_step.grads  # the tied embedding's {first, last stage} pair (pipelines)
+    emb = getattr(grads, "tied_group", None) or getattr(grads, "embedding_group", None)
     if emb is not None:
         names[emb] = "emb"
     tally = comm.CommTally(names, inner=mesh.recorder)
