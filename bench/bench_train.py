@@ -70,6 +70,8 @@ def main() -> None:
     ap.add_argument("--run-id", default=None)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--attention", default="auto", help="preferred SDPA kernel: auto, cudnn, flash, efficient")
+    ap.add_argument("--document-mask", type=int, default=0, metavar="LEN",
+                    help="packed documents of LEN tokens kept apart (data.document_mask; FlexAttention on GPUs)")
     ap.add_argument("--no-grouped-mm", action="store_true", help="MoE: per-expert loop instead of torch._grouped_mm")
     ap.add_argument("overrides", nargs="*", help="extra model.* overrides")
     args = ap.parse_args()
@@ -95,8 +97,15 @@ def main() -> None:
         for k, layer in model.layers.items():
             model.layers[k] = torch.compile(layer)
     optimizer = build_optimizer(model, cfg.train, device)
+    documents = None
+    if args.document_mask:
+        from functools import partial
+
+        from megaloom.models.documents import Documents
+
+        documents = partial(Documents.from_tokens, eod_id=0)  # token 0 ends a document (written below)
     step = TrainStep(model, optimizer, args.precision, device, args.micro_batch, grad_clip=1.0,
-                     attention=args.attention, offload=args.offload)
+                     attention=args.attention, offload=args.offload, documents=documents)
 
     gbs = args.micro_batch * args.grad_accum
     tokens_per_step = gbs * args.seq_len
@@ -106,7 +115,9 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     for i in range(args.steps):
-        batch = torch.randint(0, cfg.model.vocab_size, (gbs, args.seq_len + 1), device=device)
+        batch = torch.randint(1, cfg.model.vocab_size, (gbs, args.seq_len + 1), device=device)
+        if args.document_mask:
+            batch[:, args.document_mask - 1::args.document_mask] = 0
         sync()
         t0 = time.perf_counter()
         out = step(batch)
@@ -142,6 +153,7 @@ def main() -> None:
         "attention": args.attention,
         "active_params_matmul": matmul_params(model),
         "recompute": args.recompute, "recompute_layers": args.recompute_layers, "offload": args.offload,
+        "document_mask": args.document_mask or None,
         "tokens_per_s": round(tps),
         "mfu": round(fpt * tps / peak, 4),
         "flops_per_token": fpt,
@@ -154,7 +166,9 @@ def main() -> None:
     if args.profile:
         from profile_breakdown import profile_step, table
 
-        batch = torch.randint(0, cfg.model.vocab_size, (gbs, args.seq_len + 1), device=device)
+        batch = torch.randint(1, cfg.model.vocab_size, (gbs, args.seq_len + 1), device=device)
+        if args.document_mask:
+            batch[:, args.document_mask - 1::args.document_mask] = 0
         b = profile_step(lambda: step(batch), Path(args.profile), device.type)
         print(table(b, row["step_ms_median"]), flush=True)
         row["profile"] = b

@@ -9,6 +9,7 @@
 #   bash bench/run_speed.sh peer-mb8  # TorchTitan bf16 + float8 at micro-batch 8 alone (needs bench/.peer)
 #   bash bench/run_speed.sh profile-fp8  # a profile of megaloom's fp8 step
 #   bash bench/run_speed.sh 8b-peer  # TorchTitan's 8B flavor, seq 8192, full activation checkpointing (needs bench/.peer)
+#   bash bench/run_speed.sh long     # llama3-1b-untied at seq 32k and 64k (+ document masks), TorchTitan beside
 #   bash bench/run_speed.sh ab       # this tree against an older megaloom in bench/.old (a `git archive` of the commit,
 #                                    # carried to the machine): best bf16 mb 4, alternated new/old/new/old
 #                                    # (a refactor's speed check: the same step, two commits, one call)
@@ -66,6 +67,33 @@ if [ "$PART" = peer-mb8 ]; then  # TorchTitan's micro-batch 8 runs alone (when a
     rm -rf /tmp/peer /tmp/peer.log  # only this call's logs (see the race part)
     titan_mb8
     peer_collect "TorchTitan mb 8"
+  fi
+elif [ "$PART" = long ]; then  # long sequences on one GPU (cp=1): llama3-1b-untied at 32k and 64k, TorchTitan beside
+  L="python3 bench/bench_train.py --preset llama3-1b-untied --micro-batch 1 --steps 7 --warmup 3 --compile
+     --fused-loss --attention cudnn --results $OUT/results.jsonl --run-id $RUN_ID"
+  long() {  # long NAME ARGS...: as `run`, with the long-sequence command
+    local name=$1; shift
+    echo "=== $name: $*" >> "$LOG"
+    # shellcheck disable=SC2086
+    timeout 170 $L "$@" > /tmp/run_$name.log 2>&1; local rc=$?
+    tail -25 /tmp/run_$name.log >> "$LOG"
+    echo "$name rc=$rc $(grep -o '"tokens_per_s": [0-9]*' /tmp/run_$name.log)"
+  }
+  long s32k --seq-len 32768                               # `megaloom memory`: recompute none fits mb 1 (84 GB)
+  long s32k_doc4k --seq-len 32768 --document-mask 4096    # data.document_mask: FlexAttention, 8 documents a row
+  long s64k --seq-len 65536 --recompute selective         # none does not fit; selective mb 1 (127 GB)
+  long s64k_doc4k --seq-len 65536 --recompute selective --document-mask 4096
+  if [ -d bench/.peer/.whl ]; then
+    titan /tmp/titan32k.log 150 --model.flavor 1B --training.seq_len 32768 --training.local_batch_size 1 \
+      --training.steps 10 --job.dump_folder /tmp/titan_dump32k --activation_checkpoint.mode none
+    echo "titan 32k rc=$?"; { echo "=== TorchTitan 1B 32k"; tail -14 /tmp/titan32k.log; } >> "$LOG"
+    titan /tmp/titan64k.log 170 --model.flavor 1B --training.seq_len 65536 --training.local_batch_size 1 \
+      --training.steps 8 --job.dump_folder /tmp/titan_dump64k --activation_checkpoint.mode selective \
+      --activation_checkpoint.selective_ac_option op
+    echo "titan 64k rc=$?"; { echo "=== TorchTitan 1B 64k"; tail -14 /tmp/titan64k.log; } >> "$LOG"
+    mkdir -p /tmp/peer && cp /tmp/titan32k.log /tmp/peer/titan_compile_s32k.log && \
+      cp /tmp/titan64k.log /tmp/peer/titan_compile_s64k_selective.log
+    python3 bench/.peer/summarize.py /tmp/peer > /tmp/peer.log 2>&1; peer_collect "TorchTitan long sequences"
   fi
 elif [ "$PART" = ab ]; then
   OLD_COMMIT=$(cat bench/.old/COMMIT 2>/dev/null || echo old)
