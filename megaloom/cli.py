@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from megaloom.config import ConfigError, describe_keys, load_config
+from megaloom.errors import RunStopped
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -296,6 +297,12 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"megaloom: error: {e}", file=sys.stderr)
         return 2
+    except RunStopped as e:
+        # The run cannot go on and a person must act (diverged, disk full, ...): one line, exit 1.
+        if os.environ.get("MEGALOOM_TRACEBACK"):
+            raise
+        print(f"megaloom: stopped: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         # Ctrl-C: one line, no traceback, the shell's exit status for SIGINT (128 + 2). Under torchrun every rank
         # is interrupted; rank 0 speaks for the job.

@@ -191,6 +191,9 @@ class ResilienceConfig:
     nan_guard: bool = _f(True, "Skip an optimizer step whose loss or gradient norm is not finite (all ranks agree).")
     max_bad_steps: int = _f(3, "Non-finite steps in a row after which the run rolls back to the last checkpoint "
                                "and skips the data window that caused them.")
+    max_rollbacks: int = _f(3, "Rollbacks one run may make; the next run of bad steps stops it (exit 1). A run that "
+                               "diverges again before passing the step of its last rollback, on other data, stops "
+                               "at once: the data is not the cause. 0 = stop at the first run of bad steps.")
     heartbeat: bool = _f(True, "Each rank writes run.dir/heartbeat/rank<N>.json (step, time, last op).")
     hang_timeout_s: float = _f(900.0, "Seconds without a finished step after which the watchdog reports and exits "
                                       "non-zero (torchrun restarts); 0 = off. Not armed before the first step.")
@@ -388,7 +391,8 @@ def validate(cfg: Config) -> None:
                    ("data.num_workers", cfg.data.num_workers), ("train.weight_decay", t.weight_decay),
                    ("train.grad_clip", t.grad_clip), ("train.min_lr", t.min_lr),
                    ("resilience.hang_timeout_s", cfg.resilience.hang_timeout_s),
-                   ("resilience.straggler_every", cfg.resilience.straggler_every)]:
+                   ("resilience.straggler_every", cfg.resilience.straggler_every),
+                   ("resilience.max_rollbacks", cfg.resilience.max_rollbacks)]:
         _require(v >= 0, f"{key} must be >= 0, got {v}.")
     _require(t.lr > 0, f"train.lr must be > 0, got {t.lr}.")
     _require(p.bucket_mb > 0, f"parallel.bucket_mb must be > 0, got {p.bucket_mb}.")

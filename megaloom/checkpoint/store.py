@@ -231,14 +231,32 @@ def verify_checkpoint(path: Path, group: CheckpointGroup | None = None) -> dict:
     return json.loads((path / STATE).read_text())
 
 
+# Files every checkpoint has and loading reads on every rank: a manifest without them covers nothing.
+_REQUIRED = (STATE, ".metadata")
+
+
 def _manifest_problem(path: Path) -> str | None:
+    """The manifest must exist, parse, and cover every file of the directory: loading reads only listed files
+    (an unlisted rng_rank<N>.pt, or a manifest emptied to `{}`, would otherwise be loaded unchecked)."""
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         return f" is incomplete: no {MANIFEST} (the save was interrupted)."
     try:
-        json.loads(manifest_path.read_text())
-    except json.JSONDecodeError as e:
+        manifest = json.loads(manifest_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         return f": {MANIFEST} is corrupt ({e})."
+    if not isinstance(manifest, dict) or not all(isinstance(v, dict) and {"sha256", "bytes"} <= v.keys()
+                                                 for v in manifest.values()):
+        return f": {MANIFEST} is corrupt (not a mapping of file names to checksums)."
+    missing = [n for n in _REQUIRED if n not in manifest]
+    if missing:
+        return f": {MANIFEST} does not list {', '.join(missing)} (it is damaged or forged)."
+    # NFS keeps deleted-but-open files as .nfs*: not part of the checkpoint
+    unlisted = sorted(p.name for p in path.iterdir()
+                      if p.name != MANIFEST and not p.name.startswith(".nfs") and p.name not in manifest)
+    if unlisted:
+        return f": file(s) {', '.join(unlisted)} are not in its {MANIFEST} (added after the save, or the manifest " \
+               "is damaged); loading reads only checksummed files."
     return None
 
 
@@ -303,19 +321,39 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
 def load_newest(ckpt_root: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, rank: int = 0,
                 model_cfg: dict | None = None, mesh: Mesh | None = None,
                 warn: Callable[[str], None] = print, group: CheckpointGroup | None = None) -> tuple[Path, dict] | None:
-    """Load the newest checkpoint under `ckpt_root` that verifies; returns (path, state.json) or None if none does.
+    """Load the newest checkpoint under `ckpt_root` that verifies; returns (path, state.json), or None when there is
+    no checkpoint at all.
 
     A damaged newer checkpoint is reported through `warn` and skipped; an incompatible one (another model
-    shape) is an error, since falling back would not help."""
+    shape) is an error, since falling back would not help; checkpoints that all fail to verify raise
+    NoUsableCheckpoint (never a silent start from step 0)."""
     candidates = find_checkpoints(ckpt_root)
     if group is not None:  # one list for the job: rank 0's view of the directory
         candidates = group.all_gather(candidates)[0]
-    for path in candidates:
+    problems = []
+    for i, path in enumerate(candidates):
         try:
             return path, load_checkpoint(path, model, optimizer, rank=rank, model_cfg=model_cfg, mesh=mesh,
                                          group=group)
         except CheckpointError as e:
             if "incompatible" in str(e):
                 raise
-            warn(f"WARNING: {e} Falling back to the previous checkpoint.")
+            problems.append(str(e))
+            if i + 1 < len(candidates):
+                warn(f"WARNING: {e} Falling back to the previous checkpoint ({candidates[i + 1].name}).")
+    if candidates:
+        raise NoUsableCheckpoint(ckpt_root, problems)
     return None
+
+
+class NoUsableCheckpoint(CheckpointError):
+    """Checkpoints exist but none verifies: starting from step 0 would silently discard the run and overwrite its
+    checkpoints, so the caller must refuse (the person decides what to do with the damaged ones)."""
+
+    def __init__(self, ckpt_root: Path, problems: list[str]) -> None:
+        self.ckpt_root, self.problems = ckpt_root, problems
+        super().__init__(
+            f"none of the {len(problems)} checkpoint(s) in {ckpt_root} verifies (newest: {problems[0]}); refusing "
+            f"to start from step 0 over them. Move the damaged ones aside (e.g. `mv {ckpt_root} "
+            f"{ckpt_root}.damaged`) to start fresh in this run.dir, or start elsewhere with "
+            "checkpoint.resume=none run.dir=<a new directory>.")

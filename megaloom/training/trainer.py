@@ -38,6 +38,7 @@ from megaloom.parallel.random import dropout_seed
 from megaloom.parallel.tensor import parallelize_tensor
 from megaloom.parallel.zero import ShardedOptimizer, build_data_parallel
 from megaloom.resilience.guard import Resilience
+from megaloom.resilience.rollbacks import RollbackBudget
 from megaloom.runtime import Runtime, init_runtime, resolve_precision, seed_everything
 from megaloom.step import TrainStep, forward_ctx
 from megaloom.training.checkpoints import RunCheckpoints
@@ -230,6 +231,7 @@ class Trainer:
         self.pending_stall: float | None = None  # the last save's stall, reported in the next metric record
         self.interval = Interval(loss_sum=torch.zeros((), device=self.device))
         self.skipped = 0
+        self.rollbacks = RollbackBudget(cfg.resilience.max_rollbacks)
 
     # ------------------------------------------------------------------------------------------------- loop
 
@@ -242,13 +244,15 @@ class Trainer:
             log.info(f"run.dir {self.run_dir} already trained to step {self.step} of train.steps="
                      f"{self.cfg.train.steps}: nothing to do; raise train.steps to continue, or set "
                      "checkpoint.resume=none (or another run.dir) to start fresh")
-        while self.step < self.cfg.train.steps:
-            if not self._run_until_rollback(stop_after):
-                break
-        self.ckpt.wait()  # the last checkpoint is on disk before fit() returns
-        self.guard.close()
+        try:
+            while self.step < self.cfg.train.steps:
+                if not self._run_until_rollback(stop_after):
+                    break
+            self.ckpt.wait()  # the last checkpoint is on disk before fit() returns
+        finally:  # also when the run stops with an error: no watchdog left armed in a process that goes on
+            self.guard.close()
+            self.sink.close()
         self.result.final_step = self.step
-        self.sink.close()
         return self.result
 
     def _run_until_rollback(self, stop_after: int | None) -> bool:
@@ -370,8 +374,12 @@ class Trainer:
 
     def _roll_back(self) -> None:
         """resilience.max_bad_steps non-finite steps in a row: restore the newest good checkpoint and skip the
-        data window that produced them (it is never seen again)."""
-        step = self.step
+        data window that produced them (it is never seen again); stop instead when another rollback would not help
+        (resilience/rollbacks.py)."""
+        step, r, t = self.step, self.cfg.resilience, self.cfg.train
+        self.ckpt.wait()  # a background save in flight is on disk (or has failed) before the newest is chosen
+        self.rollbacks.allow(step, r.max_bad_steps, self.ckpt.newest_step(),
+                             f"lower train.lr (now {t.lr:g}) or raise train.warmup_steps, or check the data")
         back_to = self.ckpt.rollback(self.model, self.optimizer)
         self.data_offset += step - back_to
         if self.rt.is_main:
