@@ -301,6 +301,20 @@ def _flatten(d: dict, where: str) -> dict[str, Any]:
     return out
 
 
+def load_yaml(path: Path, what: str) -> Any:
+    """A YAML file's content (safe loader: no Python tags); a syntax error or a refused tag is one ConfigError line
+    naming the file, the place and the problem."""
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        if isinstance(e, yaml.constructor.ConstructorError):
+            problem += " (only plain YAML is read: Python tags are refused)"
+        raise ConfigError(f"{what} {path}: not valid YAML{where}: {problem}.") from e
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Defaults <- model preset <- YAML file <- command-line overrides, then validation."""
     from megaloom.models.presets import PRESETS
@@ -310,7 +324,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"--config: file '{p}' not found.")
-        data = yaml.safe_load(p.read_text()) or {}
+        data = load_yaml(p, "--config") or {}
         if not isinstance(data, dict):
             raise ConfigError(f"--config {p}: expected a mapping of sections (model:, train:, ...).")
         values.update(_flatten(data, str(p)))

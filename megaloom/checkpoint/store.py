@@ -25,6 +25,7 @@ import contextlib
 import hashlib
 import json
 import os
+import pickle
 import shutil
 import time
 import warnings
@@ -34,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import CheckpointException
 
 from megaloom.checkpoint.group import CheckpointGroup
 from megaloom.checkpoint.sharded import SlicesLoadPlanner, SlicesSavePlanner, after_load, sharded_state
@@ -286,12 +288,56 @@ def find_checkpoints(ckpt_root: Path) -> list[Path]:
 def check_compatible(saved: dict, current: dict) -> None:
     """Refuse to load weights of another shape, naming every field that differs."""
     keys = ["arch", "n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "tie_embeddings",
-            "parallel_block"]
+            "parallel_block", "qkv_bias", "moe_every", "n_experts", "n_shared_experts", "expert_ffn_dim"]
+    if _learned_positions(current):  # a table of max_seq_len rows; RoPE tables are recomputed, so any length loads
+        keys.append("max_seq_len")
+    if not current.get("moe_every") and not saved.get("moe_every"):  # expert shapes matter only with experts
+        keys = [k for k in keys if k not in ("n_experts", "n_shared_experts", "expert_ffn_dim")]
     diff = [f"model.{k}: checkpoint {saved.get(k)!r} vs config {current.get(k)!r}"
             for k in keys if k in saved and saved.get(k) != current.get(k)]
     if diff:
         raise CheckpointError("checkpoint is incompatible with this model: " + "; ".join(diff) +
                               ". Use the checkpoint's model settings, or checkpoint.resume=none to start fresh.")
+
+
+def _learned_positions(model_cfg: dict) -> bool:
+    from megaloom.models.registry import get_family  # the models import the parallel layers: imported late
+
+    try:
+        return get_family(model_cfg.get("arch", "")).traits.positions == "learned"
+    except (KeyError, ValueError):
+        return False
+
+
+def _dcp_failure(e: BaseException) -> BaseException:
+    """The first rank's own exception inside DCP's CheckpointException (which gathers every rank's)."""
+    for wrapped in (getattr(e, "failures", None) or {}).values():  # rank -> (exception, stack summary)
+        return wrapped[0] if isinstance(wrapped, tuple) else wrapped
+    return e
+
+
+def _read_tensors(path: Path, sd: dict) -> None:
+    """DCP-read ``sd`` from ``path``; its failures become one CheckpointError line. The checksums verified, so a
+    failure is a mismatch with this model (a setting that changes a tensor's name or shape) or an I/O error."""
+    try:
+        with torch.no_grad(), _quiet_single_process():
+            dcp.load(sd, checkpoint_id=str(path), planner=SlicesLoadPlanner())
+    except CheckpointException as e:
+        cause = _dcp_failure(e)
+        text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        if isinstance(cause, OSError):
+            raise CheckpointError(f"checkpoint {path} could not be read: {text}.") from e
+        raise CheckpointError(f"checkpoint {path} is incompatible with this model: {text}. Use the checkpoint's "
+                              "model settings, or checkpoint.resume=none to start fresh.") from e
+
+
+def _load_rng(rng_file: Path) -> dict:
+    try:
+        return torch.load(rng_file, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as e:  # refused (not tensors only) or damaged
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"checkpoint {rng_file.parent}: file {rng_file.name} is not a tensor-only RNG state "
+                              f"(refused to load: {first}).") from e
 
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -309,12 +355,11 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     if with_optim:
         ensure_optimizer_state(model, optimizer)
     sd = sharded_state(model, optimizer if with_optim else None, mesh)  # views of the live tensors
-    with torch.no_grad(), _quiet_single_process():
-        dcp.load(sd, checkpoint_id=str(path), planner=SlicesLoadPlanner())
+    _read_tensors(path, sd)
     after_load(optimizer if with_optim else None, sd)
     rng_file = path / f"rng_rank{rank}.pt"
     if rng_file.is_file():
-        set_rng_state(torch.load(rng_file, weights_only=True))
+        set_rng_state(_load_rng(rng_file))
     return state
 
 
