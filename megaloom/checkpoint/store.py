@@ -138,10 +138,20 @@ def begin_save(ckpt_root: Path, step: int, rank: int) -> Path:
     tmp = ckpt_root / f".tmp-{step_name(step)}"
     if rank == 0:
         ckpt_root.mkdir(parents=True, exist_ok=True)
-        for stale in ckpt_root.glob(".tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)
+        remove_partial_saves(ckpt_root)
         tmp.mkdir()
     return tmp
+
+
+def remove_partial_saves(ckpt_root: Path) -> list[str]:
+    """Remove the .tmp-* directories of saves that never finished (a crash, a full disk): never loadable, and on a
+    full disk their bytes are what keeps it full. Only while no save of this run is in flight (start-up under the
+    run.dir lock, or the start of a save). Returns the names removed."""
+    gone = []
+    for stale in ckpt_root.glob(".tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+        gone.append(stale.name)
+    return gone
 
 
 def write_tensors(tmp: Path, state: dict, no_dist: bool = False) -> None:
