@@ -22,7 +22,9 @@ two-stage saver in async_save.py; see docs/checkpoints.md.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
+import io
 import json
 import os
 import pickle
@@ -39,6 +41,7 @@ from torch.distributed.checkpoint import CheckpointException
 
 from megaloom.checkpoint.group import CheckpointGroup
 from megaloom.checkpoint.sharded import SlicesLoadPlanner, SlicesSavePlanner, after_load, sharded_state
+from megaloom.errors import RunStopped
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.state import ensure_optimizer_state
 
@@ -98,11 +101,80 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+class SaveFailed(RunStopped):
+    """A checkpoint could not be written (a full disk, most often). Its partial files are gone; the newest
+    checkpoint on disk is unchanged. The run stops rather than train on with nothing saved (docs/resilience.md)."""
+
+
+def _os_errors(e: BaseException | None, seen: set[int] | None = None):
+    """The OSErrors inside ``e``: its chain of causes, and each rank's failure inside DCP's CheckpointException."""
+    seen = set() if seen is None else seen
+    if e is None or id(e) in seen:
+        return
+    seen.add(id(e))
+    if isinstance(e, OSError):
+        yield e
+    for wrapped in (getattr(e, "failures", None) or {}).values():
+        yield from _os_errors(wrapped[0] if isinstance(wrapped, tuple) else wrapped, seen)
+    yield from _os_errors(e.__cause__, seen)
+    yield from _os_errors(e.__context__, seen)
+
+
+FULL_BELOW_BYTES = 64 << 20  # less free than this after a failed write: the disk is full
+
+
+def save_failure_reason(e: BaseException, ckpt_root: Path) -> str:
+    """Why a save failed, in words, measured at the failure (before its partial files are removed). torch's
+    writer reports a full disk as "unexpected pos N vs M" and loses the errno: the free space tells."""
+    os_error = next(_os_errors(e), None)
+    try:
+        usage = shutil.disk_usage(ckpt_root)
+        free = f"{usage.free / 2**20:.1f} MiB free of {usage.total / 2**30:.1f} GiB"
+        full = usage.free < FULL_BELOW_BYTES
+    except OSError:
+        free, full = "free space unknown", False
+    if os_error is not None and os_error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"no space left on the device ({os.strerror(os_error.errno)}; {free})"
+    inner = os_error or _dcp_failure(e)
+    first = str(inner).strip().splitlines()
+    said = first[0] if first else type(inner).__name__
+    if full:
+        return f"no space left on the device ({free}; the writer said: {said})"
+    return said
+
+
+def save_failed(reason: str, ckpt_root: Path, step: int) -> SaveFailed:
+    found = find_checkpoints(ckpt_root)
+    newest = found[0].name if found else None
+    keep = (f"the newest checkpoint is still {newest}: free space (or lower checkpoint.keep) and start the run again "
+            f"to resume from it" if newest else "there is no earlier checkpoint: free space and start again")
+    return SaveFailed(f"checkpoint {step_name(step)} could not be written to {ckpt_root}: {reason}. Its partial "
+                      f"files were removed; {keep}.")
+
+
+def remove_failed_save(tmp: Path) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
 def save_checkpoint(ckpt_root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                     run_state: dict, keep: int, rank: int = 0,
                     barrier: Callable[[], None] = lambda: None, mesh: Mesh | None = None,
                     group: CheckpointGroup | None = None) -> Path:
-    """Write checkpoint `step_<step>` atomically; every rank calls this. Returns the final directory.
+    """Write checkpoint `step_<step>` atomically; every rank calls this. Returns the final directory. A failed
+    write (a full disk) removes its partial files and raises SaveFailed naming the cause."""
+    try:
+        return _save_checkpoint(ckpt_root, step, model, optimizer, run_state, keep, rank, barrier, mesh, group)
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        reason = save_failure_reason(e, ckpt_root)
+        remove_failed_save(ckpt_root / f".tmp-{step_name(step)}")
+        raise save_failed(reason, ckpt_root, step) from e
+
+
+def _save_checkpoint(ckpt_root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                     run_state: dict, keep: int, rank: int = 0,
+                     barrier: Callable[[], None] = lambda: None, mesh: Mesh | None = None,
+                     group: CheckpointGroup | None = None) -> Path:
+    """Write checkpoint `step_<step>` atomically.
 
     Each rank writes only the slices it holds, under the single model's names and full shapes
     (checkpoint/sharded.py), so the files do not depend on the parallel layout and nothing is gathered. With
@@ -167,7 +239,11 @@ def write_tensors(tmp: Path, state: dict, no_dist: bool = False) -> None:
 
 
 def write_rng(tmp: Path, rank: int, rng: dict[str, torch.Tensor]) -> None:
-    torch.save(rng, tmp / f"rng_rank{rank}.pt")
+    # Serialised in memory, written by Python: a full disk raises OSError(ENOSPC) here, where torch.save's own
+    # writer would report "unexpected pos N vs M" and lose the cause.
+    buf = io.BytesIO()
+    torch.save(rng, buf)
+    (tmp / f"rng_rank{rank}.pt").write_bytes(buf.getvalue())
 
 
 def own_files(tmp: Path, rank: int) -> list[Path]:

@@ -13,15 +13,23 @@ import threading
 import time
 from pathlib import Path
 
+from megaloom.observe.log import get_logger
+
+log = get_logger(__name__)
+
 
 class Heartbeat:
     def __init__(self, run_dir: Path, rank: int, min_interval_s: float = 1.0):
         self.dir = run_dir / "heartbeat"
-        self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            pass  # a full disk: every beat then warns once (below) and training goes on
         self.path = self.dir / f"rank{rank}.json"
         self.rank = rank
         self.min_interval_s = min_interval_s
         self._last = 0.0
+        self._warned = False
 
     def beat(self, step: int, recorder=None, force: bool = False) -> None:
         now = time.time()
@@ -31,9 +39,18 @@ class Heartbeat:
         last_op = recorder.describe() if recorder is not None and hasattr(recorder, "describe") else None
         # the training loop and the watchdog thread both write: a temp name per thread avoids a race
         tmp = self.path.with_suffix(f".tmp{os.getpid()}-{threading.get_ident()}")
-        tmp.write_text(json.dumps({"rank": self.rank, "step": step, "time": now, "pid": os.getpid(),
-                                   "last_op": last_op, "op_count": getattr(recorder, "count", 0)}))
-        os.replace(tmp, self.path)
+        try:
+            tmp.write_text(json.dumps({"rank": self.rank, "step": step, "time": now, "pid": os.getpid(),
+                                       "last_op": last_op, "op_count": getattr(recorder, "count", 0)}))
+            os.replace(tmp, self.path)
+        except OSError as e:
+            # A heartbeat is for onlookers: a full disk or a vanished folder must not stop the watchdog thread
+            # (nor training). Said once; later beats retry silently and resume when the disk has room again.
+            tmp.unlink(missing_ok=True)
+            if not self._warned:
+                self._warned = True
+                log.warning(f"WARNING: rank {self.rank} cannot write its heartbeat {self.path} ({e}); training goes "
+                            "on, `megaloom status` shows this rank's last heartbeat until writes succeed again.")
 
 
 def read_heartbeats(run_dir: str | Path) -> list[dict]:
