@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import subprocess
 import sys
@@ -299,6 +300,13 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"megaloom: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        # A full disk while writing metrics, config or heartbeat files: the cause in one line, not a traceback.
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT) or os.environ.get("MEGALOOM_TRACEBACK"):
+            raise
+        print(f"megaloom: stopped: no space left on the device writing {e.filename or 'a file'} ({e.strerror}); "
+              "free space and start again (a run resumes from its newest checkpoint)", file=sys.stderr)
+        return 1
     except RunStopped as e:
         # The run cannot go on and a person must act (diverged, disk full, ...): one line, exit 1.
         if os.environ.get("MEGALOOM_TRACEBACK"):

@@ -110,3 +110,16 @@ def test_partial_saves_are_removed_at_start_up(small_corpus, tmp_path):
         assert not stale.exists()  # before any save: on a full disk these bytes are what keeps it full
     finally:
         trainer.fit()
+
+
+def test_a_full_disk_elsewhere_in_the_run_dir_is_one_line(small_corpus, tmp_path, monkeypatch, capsys):
+    from megaloom.observe.metrics import MetricsSink
+
+    def full(self, record):
+        raise OSError(errno.ENOSPC, "No space left on device", str(self.path))
+    monkeypatch.setattr(MetricsSink, "log", full)
+    args = tiny_overrides(small_corpus, tmp_path / "m", "train.steps=2", "checkpoint.every=0")
+    assert main(["train", *args]) == 1
+    err = capsys.readouterr().err
+    assert "megaloom: stopped: no space left on the device writing" in err and "metrics.jsonl" in err
+    assert "Traceback" not in err
