@@ -294,6 +294,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
+    except RunStopped as e:  # before ValueError: a failed save is a CheckpointError too
+        # The run cannot go on and a person must act (diverged, disk full, ...): one line, exit 1.
+        if os.environ.get("MEGALOOM_TRACEBACK"):
+            raise
+        print(f"megaloom: stopped: {e}", file=sys.stderr)
+        return 1
     except (ConfigError, ValueError, FileNotFoundError) as e:
         # User errors (bad settings, missing or corrupt data, unusable checkpoints): one clear line, exit 2.
         if os.environ.get("MEGALOOM_TRACEBACK"):
@@ -306,12 +312,6 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"megaloom: stopped: no space left on the device writing {e.filename or 'a file'} ({e.strerror}); "
               "free space and start again (a run resumes from its newest checkpoint)", file=sys.stderr)
-        return 1
-    except RunStopped as e:
-        # The run cannot go on and a person must act (diverged, disk full, ...): one line, exit 1.
-        if os.environ.get("MEGALOOM_TRACEBACK"):
-            raise
-        print(f"megaloom: stopped: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         # Ctrl-C: one line, no traceback, the shell's exit status for SIGINT (128 + 2). Under torchrun every rank

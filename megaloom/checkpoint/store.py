@@ -101,9 +101,10 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
-class SaveFailed(RunStopped):
+class SaveFailed(RunStopped, CheckpointError):
     """A checkpoint could not be written (a full disk, most often). Its partial files are gone; the newest
-    checkpoint on disk is unchanged. The run stops rather than train on with nothing saved (docs/resilience.md)."""
+    checkpoint on disk is unchanged. The run stops rather than train on with nothing saved (docs/resilience.md).
+    A CheckpointError too, as the asynchronous saver's failures always were."""
 
 
 def _os_errors(e: BaseException | None, seen: set[int] | None = None):
