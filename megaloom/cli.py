@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 from megaloom.config import ConfigError, describe_keys, load_config
+from megaloom.errors import RunStopped
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -30,9 +32,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
         raise ConfigError("--world and --rank belong to --dry-run (a real run takes them from torchrun).")
     if args.nproc and args.nproc > 1 and "LOCAL_RANK" not in os.environ:
         from megaloom.parallel.launch import torchrun_command
+        from megaloom.resilience.run_lock import check_run_dir_free
         from megaloom.training.preflight import preflight_launch
 
         preflight_launch(cfg, args.nproc)  # a user error prints once here (exit 2), not once per rank
+        check_run_dir_free(Path(cfg.run.dir))  # another run in run.dir: refused here, once (rank 0 takes the lock)
         flags = {"quiet": ["--quiet"], "verbose": ["--verbose"]}.get(verbosity, [])  # the workers log alike
         argv = (["--config", args.config] if args.config else []) + flags + list(args.overrides)
         return subprocess.call(torchrun_command(args.nproc, argv, max_restarts=args.max_restarts))
@@ -290,12 +294,25 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
+    except RunStopped as e:  # before ValueError: a failed save is a CheckpointError too
+        # The run cannot go on and a person must act (diverged, disk full, ...): one line, exit 1.
+        if os.environ.get("MEGALOOM_TRACEBACK"):
+            raise
+        print(f"megaloom: stopped: {e}", file=sys.stderr)
+        return 1
     except (ConfigError, ValueError, FileNotFoundError) as e:
         # User errors (bad settings, missing or corrupt data, unusable checkpoints): one clear line, exit 2.
         if os.environ.get("MEGALOOM_TRACEBACK"):
             raise
         print(f"megaloom: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        # A full disk while writing metrics, config or heartbeat files: the cause in one line, not a traceback.
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT) or os.environ.get("MEGALOOM_TRACEBACK"):
+            raise
+        print(f"megaloom: stopped: no space left on the device writing {e.filename or 'a file'} ({e.strerror}); "
+              "free space and start again (a run resumes from its newest checkpoint)", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         # Ctrl-C: one line, no traceback, the shell's exit status for SIGINT (128 + 2). Under torchrun every rank
         # is interrupted; rank 0 speaks for the job.

@@ -198,6 +198,9 @@ class ResilienceConfig:
     nan_guard: bool = _f(True, "Skip an optimizer step whose loss or gradient norm is not finite (all ranks agree).")
     max_bad_steps: int = _f(3, "Non-finite steps in a row after which the run rolls back to the last checkpoint "
                                "and skips the data window that caused them.")
+    max_rollbacks: int = _f(3, "Rollbacks one run may make; the next run of bad steps stops it (exit 1). A run that "
+                               "diverges again before passing the step of its last rollback, on other data, stops "
+                               "at once: the data is not the cause. 0 = stop at the first run of bad steps.")
     heartbeat: bool = _f(True, "Each rank writes run.dir/heartbeat/rank<N>.json (step, time, last op).")
     heartbeat_every_s: float = _f(10.0, "Seconds between a rank's heartbeat writes (one small file write per rank "
                                         "per interval, from one background thread): 1,024 ranks make ~100 writes/s.")
@@ -310,6 +313,20 @@ def _flatten(d: dict, where: str) -> dict[str, Any]:
     return out
 
 
+def load_yaml(path: Path, what: str) -> Any:
+    """A YAML file's content (safe loader: no Python tags); a syntax error or a refused tag is one ConfigError line
+    naming the file, the place and the problem."""
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        if isinstance(e, yaml.constructor.ConstructorError):
+            problem += " (only plain YAML is read: Python tags are refused)"
+        raise ConfigError(f"{what} {path}: not valid YAML{where}: {problem}.") from e
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Defaults <- model preset <- YAML file <- command-line overrides, then validation."""
     from megaloom.models.presets import PRESETS
@@ -319,7 +336,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"--config: file '{p}' not found.")
-        data = yaml.safe_load(p.read_text()) or {}
+        data = load_yaml(p, "--config") or {}
         if not isinstance(data, dict):
             raise ConfigError(f"--config {p}: expected a mapping of sections (model:, train:, ...).")
         values.update(_flatten(data, str(p)))
@@ -412,7 +429,8 @@ def validate(cfg: Config) -> None:
                    ("data.num_workers", cfg.data.num_workers), ("train.weight_decay", t.weight_decay),
                    ("train.grad_clip", t.grad_clip), ("train.min_lr", t.min_lr),
                    ("resilience.hang_timeout_s", cfg.resilience.hang_timeout_s),
-                   ("resilience.straggler_every", cfg.resilience.straggler_every)]:
+                   ("resilience.straggler_every", cfg.resilience.straggler_every),
+                   ("resilience.max_rollbacks", cfg.resilience.max_rollbacks)]:
         _require(v >= 0, f"{key} must be >= 0, got {v}.")
     _require(t.lr > 0, f"train.lr must be > 0, got {t.lr}.")
     _require(p.bucket_mb > 0, f"parallel.bucket_mb must be > 0, got {p.bucket_mb}.")

@@ -24,6 +24,7 @@ def compare_runs(sources: list[str | Path], out: str | Path | None = None) -> Pa
     paths = [Path(s) for s in sources]
     curves = {}
     for p in paths:
+        # a null loss is a non-finite step (metrics.jsonl writes NaN as null): no point on the curve
         train = {r["step"]: r["loss"] for r in read_metrics(p) if r.get("loss") is not None}
         if not train:
             raise ValueError(f"{p}: no logged training loss to plot (a run directory or a metrics .jsonl file).")
@@ -80,7 +81,8 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         raise ValueError(f"{run_dir}: no metrics.jsonl with records to plot (has the run logged a step yet?).")
     out = Path(out) if out else run_dir / "loss.png"
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
-    train = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]
+    # a null loss (a non-finite step) is drawn as a gap in the curve
+    train = [(r["step"], float("nan") if r["loss"] is None else r["loss"]) for r in records if "loss" in r]
     ax.plot(*zip(*train, strict=True), label="train loss", lw=1.2, marker=_marker(len(train)))
     ev = [(r["step"], r["eval_loss"]) for r in records if r.get("eval_loss") is not None]
     if ev:

@@ -25,11 +25,12 @@ def train(cfg: Config, stop_after: int | None = None) -> TrainResult:
 
 
 def load_run_config(run_dir: Path) -> Config:
-    import yaml
-
-    from megaloom.config import config_from_dict
+    from megaloom.config import config_from_dict, load_yaml
 
     path = run_dir / "config.yaml"
     if not path.is_file():
         raise ConfigError(f"--run {run_dir}: no config.yaml there (is it a megaloom run directory?).")
-    return config_from_dict(yaml.safe_load(path.read_text()))
+    data = load_yaml(path, "--run")
+    if not isinstance(data, dict):
+        raise ConfigError(f"--run {path}: expected a mapping of sections (model:, train:, ...).")
+    return config_from_dict(data)

@@ -30,11 +30,13 @@ from megaloom.checkpoint.group import CheckpointGroup
 from megaloom.checkpoint.sharded import Slices, SlicesSavePlanner, sharded_state
 from megaloom.checkpoint.store import (
     OPTIMIZER_FLAG,
-    CheckpointError,
     begin_save,
     commit_save,
     gather_own_checksums,
+    remove_failed_save,
     rng_state,
+    save_failed,
+    save_failure_reason,
     step_name,
     write_rng,
     write_tensors,
@@ -52,6 +54,7 @@ class SaveRecord:
     wait_s: float  # the part of stall_s spent waiting for the previous save's write to finish
     write_s: float | None = None  # stage 2: DCP write (+ on rank 0 checksums and commit), in the background
     error: BaseException | None = None
+    failure: str = ""  # error's cause in words (store.save_failure_reason)
 
 
 class _HostBuffers:
@@ -176,8 +179,8 @@ class AsyncCheckpointer:
         self._thread.join()
         record, self._thread, self._pending = self._pending, None, None
         if record is not None and record.error is not None:
-            raise CheckpointError(f"asynchronous save of {record.path} failed in the background: {record.error!r}. "
-                                  "The previous checkpoint and `latest` are unchanged.") from record.error
+            raise save_failed(f"{record.failure} (written in the background)", record.path.parent,
+                              record.step) from record.error
 
     def _write(self, record: SaveRecord, ckpt_root: Path, tmp: Path, snapshot: dict, run_state: dict,
                keep: int, commit: bool, written: threading.Event) -> None:
@@ -199,6 +202,8 @@ class AsyncCheckpointer:
             if commit:
                 commit_save(ckpt_root, tmp, record.step, run_state, keep, hashed)
         except BaseException as e:  # reported to the training loop by the next save()/wait()
+            record.failure = save_failure_reason(e, ckpt_root)  # before the partial files go (free space)
+            remove_failed_save(tmp)
             record.error = e
             return
         record.write_s = time.perf_counter() - t0

@@ -22,9 +22,12 @@ two-stage saver in async_save.py; see docs/checkpoints.md.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
+import io
 import json
 import os
+import pickle
 import shutil
 import time
 import warnings
@@ -34,9 +37,11 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import CheckpointException
 
 from megaloom.checkpoint.group import CheckpointGroup
 from megaloom.checkpoint.sharded import SlicesLoadPlanner, SlicesSavePlanner, after_load, sharded_state
+from megaloom.errors import RunStopped
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.state import ensure_optimizer_state
 
@@ -96,11 +101,81 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+class SaveFailed(RunStopped, CheckpointError):
+    """A checkpoint could not be written (a full disk, most often). Its partial files are gone; the newest
+    checkpoint on disk is unchanged. The run stops rather than train on with nothing saved (docs/resilience.md).
+    A CheckpointError too, as the asynchronous saver's failures always were."""
+
+
+def _os_errors(e: BaseException | None, seen: set[int] | None = None):
+    """The OSErrors inside ``e``: its chain of causes, and each rank's failure inside DCP's CheckpointException."""
+    seen = set() if seen is None else seen
+    if e is None or id(e) in seen:
+        return
+    seen.add(id(e))
+    if isinstance(e, OSError):
+        yield e
+    for wrapped in (getattr(e, "failures", None) or {}).values():
+        yield from _os_errors(wrapped[0] if isinstance(wrapped, tuple) else wrapped, seen)
+    yield from _os_errors(e.__cause__, seen)
+    yield from _os_errors(e.__context__, seen)
+
+
+FULL_BELOW_BYTES = 64 << 20  # less free than this after a failed write: the disk is full
+
+
+def save_failure_reason(e: BaseException, ckpt_root: Path) -> str:
+    """Why a save failed, in words, measured at the failure (before its partial files are removed). torch's
+    writer reports a full disk as "unexpected pos N vs M" and loses the errno: the free space tells."""
+    os_error = next(_os_errors(e), None)
+    try:
+        usage = shutil.disk_usage(ckpt_root)
+        free = f"{usage.free / 2**20:.1f} MiB free of {usage.total / 2**30:.1f} GiB"
+        full = usage.free < FULL_BELOW_BYTES
+    except OSError:
+        free, full = "free space unknown", False
+    if os_error is not None and os_error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"no space left on the device ({os.strerror(os_error.errno)}; {free})"
+    inner = os_error or _dcp_failure(e)
+    first = str(inner).strip().splitlines()
+    said = first[0] if first else type(inner).__name__
+    if full:
+        return f"no space left on the device ({free}; the writer said: {said})"
+    return said
+
+
+def save_failed(reason: str, ckpt_root: Path, step: int) -> SaveFailed:
+    found = find_checkpoints(ckpt_root)
+    newest = found[0].name if found else None
+    keep = (f"the newest checkpoint is still {newest}: free space (or lower checkpoint.keep) and start the run again "
+            f"to resume from it" if newest else "there is no earlier checkpoint: free space and start again")
+    return SaveFailed(f"checkpoint {step_name(step)} could not be written to {ckpt_root}: {reason}. Its partial "
+                      f"files were removed; {keep}.")
+
+
+def remove_failed_save(tmp: Path) -> None:
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
 def save_checkpoint(ckpt_root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                     run_state: dict, keep: int, rank: int = 0,
                     barrier: Callable[[], None] = lambda: None, mesh: Mesh | None = None,
                     group: CheckpointGroup | None = None) -> Path:
-    """Write checkpoint `step_<step>` atomically; every rank calls this. Returns the final directory.
+    """Write checkpoint `step_<step>` atomically; every rank calls this. Returns the final directory. A failed
+    write (a full disk) removes its partial files and raises SaveFailed naming the cause."""
+    try:
+        return _save_checkpoint(ckpt_root, step, model, optimizer, run_state, keep, rank, barrier, mesh, group)
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        reason = save_failure_reason(e, ckpt_root)
+        remove_failed_save(ckpt_root / f".tmp-{step_name(step)}")
+        raise save_failed(reason, ckpt_root, step) from e
+
+
+def _save_checkpoint(ckpt_root: Path, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                     run_state: dict, keep: int, rank: int = 0,
+                     barrier: Callable[[], None] = lambda: None, mesh: Mesh | None = None,
+                     group: CheckpointGroup | None = None) -> Path:
+    """Write checkpoint `step_<step>` atomically.
 
     Each rank writes only the slices it holds, under the single model's names and full shapes
     (checkpoint/sharded.py), so the files do not depend on the parallel layout and nothing is gathered. With
@@ -136,10 +211,20 @@ def begin_save(ckpt_root: Path, step: int, rank: int) -> Path:
     tmp = ckpt_root / f".tmp-{step_name(step)}"
     if rank == 0:
         ckpt_root.mkdir(parents=True, exist_ok=True)
-        for stale in ckpt_root.glob(".tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)
+        remove_partial_saves(ckpt_root)
         tmp.mkdir()
     return tmp
+
+
+def remove_partial_saves(ckpt_root: Path) -> list[str]:
+    """Remove the .tmp-* directories of saves that never finished (a crash, a full disk): never loadable, and on a
+    full disk their bytes are what keeps it full. Only while no save of this run is in flight (start-up under the
+    run.dir lock, or the start of a save). Returns the names removed."""
+    gone = []
+    for stale in ckpt_root.glob(".tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+        gone.append(stale.name)
+    return gone
 
 
 def write_tensors(tmp: Path, state: dict, no_dist: bool = False) -> None:
@@ -155,7 +240,11 @@ def write_tensors(tmp: Path, state: dict, no_dist: bool = False) -> None:
 
 
 def write_rng(tmp: Path, rank: int, rng: dict[str, torch.Tensor]) -> None:
-    torch.save(rng, tmp / f"rng_rank{rank}.pt")
+    # Serialised in memory, written by Python: a full disk raises OSError(ENOSPC) here, where torch.save's own
+    # writer would report "unexpected pos N vs M" and lose the cause.
+    buf = io.BytesIO()
+    torch.save(rng, buf)
+    (tmp / f"rng_rank{rank}.pt").write_bytes(buf.getvalue())
 
 
 def own_files(tmp: Path, rank: int) -> list[Path]:
@@ -231,14 +320,32 @@ def verify_checkpoint(path: Path, group: CheckpointGroup | None = None) -> dict:
     return json.loads((path / STATE).read_text())
 
 
+# Files every checkpoint has and loading reads on every rank: a manifest without them covers nothing.
+_REQUIRED = (STATE, ".metadata")
+
+
 def _manifest_problem(path: Path) -> str | None:
+    """The manifest must exist, parse, and cover every file of the directory: loading reads only listed files
+    (an unlisted rng_rank<N>.pt, or a manifest emptied to `{}`, would otherwise be loaded unchecked)."""
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         return f" is incomplete: no {MANIFEST} (the save was interrupted)."
     try:
-        json.loads(manifest_path.read_text())
-    except json.JSONDecodeError as e:
+        manifest = json.loads(manifest_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         return f": {MANIFEST} is corrupt ({e})."
+    if not isinstance(manifest, dict) or not all(isinstance(v, dict) and {"sha256", "bytes"} <= v.keys()
+                                                 for v in manifest.values()):
+        return f": {MANIFEST} is corrupt (not a mapping of file names to checksums)."
+    missing = [n for n in _REQUIRED if n not in manifest]
+    if missing:
+        return f": {MANIFEST} does not list {', '.join(missing)} (it is damaged or forged)."
+    # NFS keeps deleted-but-open files as .nfs*: not part of the checkpoint
+    unlisted = sorted(p.name for p in path.iterdir()
+                      if p.name != MANIFEST and not p.name.startswith(".nfs") and p.name not in manifest)
+    if unlisted:
+        return f": file(s) {', '.join(unlisted)} are not in its {MANIFEST} (added after the save, or the manifest " \
+               "is damaged); loading reads only checksummed files."
     return None
 
 
@@ -268,12 +375,56 @@ def find_checkpoints(ckpt_root: Path) -> list[Path]:
 def check_compatible(saved: dict, current: dict) -> None:
     """Refuse to load weights of another shape, naming every field that differs."""
     keys = ["arch", "n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "tie_embeddings",
-            "parallel_block"]
+            "parallel_block", "qkv_bias", "moe_every", "n_experts", "n_shared_experts", "expert_ffn_dim"]
+    if _learned_positions(current):  # a table of max_seq_len rows; RoPE tables are recomputed, so any length loads
+        keys.append("max_seq_len")
+    if not current.get("moe_every") and not saved.get("moe_every"):  # expert shapes matter only with experts
+        keys = [k for k in keys if k not in ("n_experts", "n_shared_experts", "expert_ffn_dim")]
     diff = [f"model.{k}: checkpoint {saved.get(k)!r} vs config {current.get(k)!r}"
             for k in keys if k in saved and saved.get(k) != current.get(k)]
     if diff:
         raise CheckpointError("checkpoint is incompatible with this model: " + "; ".join(diff) +
                               ". Use the checkpoint's model settings, or checkpoint.resume=none to start fresh.")
+
+
+def _learned_positions(model_cfg: dict) -> bool:
+    from megaloom.models.registry import get_family  # the models import the parallel layers: imported late
+
+    try:
+        return get_family(model_cfg.get("arch", "")).traits.positions == "learned"
+    except (KeyError, ValueError):
+        return False
+
+
+def _dcp_failure(e: BaseException) -> BaseException:
+    """The first rank's own exception inside DCP's CheckpointException (which gathers every rank's)."""
+    for wrapped in (getattr(e, "failures", None) or {}).values():  # rank -> (exception, stack summary)
+        return wrapped[0] if isinstance(wrapped, tuple) else wrapped
+    return e
+
+
+def _read_tensors(path: Path, sd: dict) -> None:
+    """DCP-read ``sd`` from ``path``; its failures become one CheckpointError line. The checksums verified, so a
+    failure is a mismatch with this model (a setting that changes a tensor's name or shape) or an I/O error."""
+    try:
+        with torch.no_grad(), _quiet_single_process():
+            dcp.load(sd, checkpoint_id=str(path), planner=SlicesLoadPlanner())
+    except CheckpointException as e:
+        cause = _dcp_failure(e)
+        text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+        if isinstance(cause, OSError):
+            raise CheckpointError(f"checkpoint {path} could not be read: {text}.") from e
+        raise CheckpointError(f"checkpoint {path} is incompatible with this model: {text}. Use the checkpoint's "
+                              "model settings, or checkpoint.resume=none to start fresh.") from e
+
+
+def _load_rng(rng_file: Path) -> dict:
+    try:
+        return torch.load(rng_file, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as e:  # refused (not tensors only) or damaged
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"checkpoint {rng_file.parent}: file {rng_file.name} is not a tensor-only RNG state "
+                              f"(refused to load: {first}).") from e
 
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
@@ -291,33 +442,52 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     if with_optim:
         ensure_optimizer_state(model, optimizer)
     sd = sharded_state(model, optimizer if with_optim else None, mesh)  # views of the live tensors
-    with torch.no_grad(), _quiet_single_process():
-        dcp.load(sd, checkpoint_id=str(path), planner=SlicesLoadPlanner())
+    _read_tensors(path, sd)
     after_load(optimizer if with_optim else None, sd)
     if getattr(optimizer, "separate_masters", False):  # ZeRO gathering bf16: replicas from the master shards
         optimizer.weights_loaded(masters_loaded=with_optim)
     rng_file = path / f"rng_rank{rank}.pt"
     if rng_file.is_file():
-        set_rng_state(torch.load(rng_file, weights_only=True))
+        set_rng_state(_load_rng(rng_file))
     return state
 
 
 def load_newest(ckpt_root: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, rank: int = 0,
                 model_cfg: dict | None = None, mesh: Mesh | None = None,
                 warn: Callable[[str], None] = print, group: CheckpointGroup | None = None) -> tuple[Path, dict] | None:
-    """Load the newest checkpoint under `ckpt_root` that verifies; returns (path, state.json) or None if none does.
+    """Load the newest checkpoint under `ckpt_root` that verifies; returns (path, state.json), or None when there is
+    no checkpoint at all.
 
     A damaged newer checkpoint is reported through `warn` and skipped; an incompatible one (another model
-    shape) is an error, since falling back would not help."""
+    shape) is an error, since falling back would not help; checkpoints that all fail to verify raise
+    NoUsableCheckpoint (never a silent start from step 0)."""
     candidates = find_checkpoints(ckpt_root)
     if group is not None:  # one list for the job: rank 0's view of the directory
         candidates = group.all_gather(candidates)[0]
-    for path in candidates:
+    problems = []
+    for i, path in enumerate(candidates):
         try:
             return path, load_checkpoint(path, model, optimizer, rank=rank, model_cfg=model_cfg, mesh=mesh,
                                          group=group)
         except CheckpointError as e:
             if "incompatible" in str(e):
                 raise
-            warn(f"WARNING: {e} Falling back to the previous checkpoint.")
+            problems.append(str(e))
+            if i + 1 < len(candidates):
+                warn(f"WARNING: {e} Falling back to the previous checkpoint ({candidates[i + 1].name}).")
+    if candidates:
+        raise NoUsableCheckpoint(ckpt_root, problems)
     return None
+
+
+class NoUsableCheckpoint(CheckpointError):
+    """Checkpoints exist but none verifies: starting from step 0 would silently discard the run and overwrite its
+    checkpoints, so the caller must refuse (the person decides what to do with the damaged ones)."""
+
+    def __init__(self, ckpt_root: Path, problems: list[str]) -> None:
+        self.ckpt_root, self.problems = ckpt_root, problems
+        super().__init__(
+            f"none of the {len(problems)} checkpoint(s) in {ckpt_root} verifies (newest: {problems[0]}); refusing "
+            f"to start from step 0 over them. Move the damaged ones aside (e.g. `mv {ckpt_root} "
+            f"{ckpt_root}.damaged`) to start fresh in this run.dir, or start elsewhere with "
+            "checkpoint.resume=none run.dir=<a new directory>.")

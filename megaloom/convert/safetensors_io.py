@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
@@ -95,7 +95,10 @@ def weight_files(hf_dir: Path) -> list[Path]:
 def load_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for f in weight_files(hf_dir):
-        with safe_open(str(f), framework="pt") as sf:
-            for name in sf.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                out[name] = sf.get_tensor(name)
+        try:
+            with safe_open(str(f), framework="pt") as sf:
+                for name in sf.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    out[name] = sf.get_tensor(name)
+        except SafetensorError as e:  # truncated, a damaged header, not a safetensors file at all
+            raise ConversionError(f"{f}: not a readable safetensors file ({e}); download or export it again.") from e
     return out

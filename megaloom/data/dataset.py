@@ -22,6 +22,7 @@ from megaloom.data.packed import PackedDataset
 from megaloom.data.provenance import check_tokenizer
 from megaloom.data.shuffle import ShuffledDataset, shuffled_index
 from megaloom.data.split import split_ranges
+from megaloom.data.token_range import check_token_ids
 from megaloom.data.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -110,6 +111,8 @@ def build_datasets(cfg: DataConfig, seq_len: int, seed: int, n_train: int, n_val
     except OSError as e:
         raise DataError(f"cannot create the index cache folder {folder} ({e}); set data.cache_dir or "
                         "$MEGALOOM_CACHE to a writable folder") from e
+    for t in tokens:  # ids beyond the vocabulary: an error here, not an IndexError at step 1 (cached per file)
+        check_token_ids(t, folder, tok.vocab_size)
 
     ranges = [split_ranges(t.n_docs, cfg.split) for t in tokens]
     datasets = []

@@ -27,7 +27,10 @@ STALE_AFTER_BEATS = 3  # a file older than this many intervals belongs to a rank
 class Heartbeat:
     def __init__(self, run_dir: Path, rank: int, every_s: float = 10.0, recorder=None):
         self.dir = Path(run_dir) / "heartbeat"
-        self.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            pass  # a full disk: the first beat warns (below) and training goes on
         self.path = self.dir / f"rank{rank}.json"
         self.rank, self.every_s, self.recorder = rank, every_s, recorder
         self.step = 0
@@ -68,9 +71,12 @@ class Heartbeat:
                 os.replace(tmp, self.path)
                 self.writes += 1
             except OSError as e:
+                # A heartbeat is for onlookers: a full disk or a vanished folder must stop neither this thread nor
+                # training. Said once; later beats retry silently and resume when the disk has room again.
+                tmp.unlink(missing_ok=True)
                 if not self._failed:
-                    log.warning(f"WARNING: rank {self.rank}: heartbeat not written ({e.strerror or e}: {self.path}); "
-                                "training continues without it")
+                    log.warning(f"WARNING: rank {self.rank} cannot write its heartbeat {self.path} ({e}); training "
+                                "goes on; `megaloom status` shows its last beat until writes succeed again.")
                 self._failed = True
 
 

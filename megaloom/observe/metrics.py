@@ -27,10 +27,8 @@ class MetricsSink:
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) and k in ("mfu",) else v)
-                 for k, v in record.items()}
         with open(self.path, "a") as f:
-            f.write(json.dumps(clean) + "\n")
+            f.write(json.dumps(json_record(record), allow_nan=False) + "\n")
         if self.tb is not None:
             step = record["step"]
             for k, v in record.items():
@@ -64,6 +62,28 @@ def _step_of(line: str) -> int:
         return int(json.loads(line).get("step", -1))
     except (ValueError, AttributeError, TypeError):
         return -1  # not a record (a torn last line of a killed run): kept, readers skip what they cannot parse
+
+
+def _finite(v: Any) -> Any:
+    """``v`` with every non-finite float (also inside lists and dicts) replaced by None."""
+    if isinstance(v, float):
+        return v if math.isfinite(v) else None
+    if isinstance(v, list | tuple):
+        return [_finite(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    return v
+
+
+def json_record(record: dict[str, Any]) -> dict[str, Any]:
+    """The record as strict JSON: NaN and infinities are not JSON (Python writes a bare `NaN` other readers
+    refuse), so they become null and the keys that held one are listed under ``nonfinite``, e.g.
+    ``"loss": null, ..., "nonfinite": ["loss", "grad_norm"]``. (mfu is null on CPUs by design: not listed.)"""
+    clean = {k: _finite(v) for k, v in record.items()}
+    bad = [k for k, v in record.items() if k != "mfu" and clean[k] != v and v is not None]
+    if bad:
+        clean["nonfinite"] = bad
+    return clean
 
 
 def format_eta(seconds: float) -> str:

@@ -5,9 +5,17 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from megaloom.checkpoint import AsyncCheckpointer, CheckpointError, load_checkpoint, load_newest, save_checkpoint
+from megaloom.checkpoint import (
+    AsyncCheckpointer,
+    CheckpointError,
+    find_checkpoints,
+    load_checkpoint,
+    load_newest,
+    save_checkpoint,
+)
 from megaloom.checkpoint.group import CheckpointGroup
 from megaloom.config import Config
+from megaloom.errors import RunStopped
 from megaloom.observe.log import get_logger
 from megaloom.parallel.mesh import Mesh
 from megaloom.runtime import Runtime
@@ -92,10 +100,16 @@ class RunCheckpoints:
         found = load_newest(self.root, model, optimizer, rank=self.rt.rank, model_cfg=self.cfg.model.__dict__,
                             mesh=self.mesh, warn=self._warn, group=self.group)
         if found is None:
-            raise RuntimeError("non-finite steps in a row and no checkpoint to roll back to; set checkpoint.every "
-                               "lower, lower train.lr, or check the data.")
+            raise RunStopped(f"{self.cfg.resilience.max_bad_steps} non-finite steps in a row and no checkpoint in "
+                             f"{self.root} to roll back to; lower train.lr (now {self.cfg.train.lr:g}) or check the "
+                             "data, and set checkpoint.every so that a checkpoint exists before the bad steps.")
         optimizer.zero_grad(set_to_none=True)
         return int(found[1]["step"])
+
+    def newest_step(self) -> int | None:
+        """The step of the newest finished checkpoint on disk (not verified), None if there is none."""
+        found = find_checkpoints(self.root)
+        return int(found[0].name[len("step_"):]) if found else None
 
     def wait(self) -> None:
         """The background write in flight (if any) is on disk when this returns, on every rank."""

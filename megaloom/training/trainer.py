@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from megaloom.checkpoint.store import remove_partial_saves
 from megaloom.config import Config
 from megaloom.data.dataset import build_datasets
 from megaloom.data.loader import StepBatches, make_loader
@@ -39,6 +40,8 @@ from megaloom.parallel.random import dropout_seed
 from megaloom.parallel.tensor import parallelize_tensor
 from megaloom.parallel.zero import ShardedOptimizer, build_data_parallel, param_gather_dtype
 from megaloom.resilience.guard import Resilience
+from megaloom.resilience.rollbacks import RollbackBudget
+from megaloom.resilience.run_lock import RunLock, lock_run_dir
 from megaloom.runtime import Runtime, init_runtime, resolve_precision, seed_everything
 from megaloom.step import TrainStep, forward_ctx
 from megaloom.training.checkpoints import RunCheckpoints
@@ -80,16 +83,28 @@ class Trainer:
         world = self._runtime.world_size if self._runtime is not None else world_size_from_env()
         checked = preflight(self.requested, world)  # before any process group or data
         self._start_runtime()
-        self._load_data()  # data first: a missing or corrupt corpus fails before the model is built
-        preflight_vocab(self.requested.model, self.tokenizer.vocab_size)  # the tokenizer is known: before the model
-        self.cfg = self._resolve()
-        self._write_run_config()
-        t0 = time.perf_counter()
-        self._build_model_and_optimizer(checked)
-        log.debug(f"model, parallel wrappers and optimizer built in {time.perf_counter() - t0:.2f}s")
-        self._resume()
-        self._start_observers()
+        self._take_run_dir()
+        try:
+            self._load_data()  # data first: a missing or corrupt corpus fails before the model is built
+            preflight_vocab(self.requested.model, self.tokenizer.vocab_size)  # tokenizer known: before the model
+            self.cfg = self._resolve()
+            self._write_run_config()
+            t0 = time.perf_counter()
+            self._build_model_and_optimizer(checked)
+            log.debug(f"model, parallel wrappers and optimizer built in {time.perf_counter() - t0:.2f}s")
+            self._resume()
+            self._start_observers()
+        except BaseException:
+            self.run_lock.release()
+            raise
         return self
+
+    def _take_run_dir(self) -> None:
+        """Rank 0 locks run.dir for the run's life (a second run is refused, naming this one), then removes the
+        partial saves a crash or a full disk left behind: with the lock held, no other run can be writing them."""
+        self.run_lock = lock_run_dir(self.run_dir) if self.rt.is_main else RunLock(None)
+        if self.rt.is_main:
+            remove_partial_saves(self.run_dir / "checkpoints")
 
     def _start_runtime(self) -> None:
         cfg = self.requested
@@ -252,6 +267,7 @@ class Trainer:
         self.pending_stall: float | None = None  # the last save's stall, reported in the next metric record
         self.interval = Interval(loss_sum=torch.zeros((), device=self.device))
         self.skipped = 0
+        self.rollbacks = RollbackBudget(cfg.resilience.max_rollbacks)
 
     # ------------------------------------------------------------------------------------------------- loop
 
@@ -264,13 +280,16 @@ class Trainer:
             log.info(f"run.dir {self.run_dir} already trained to step {self.step} of train.steps="
                      f"{self.cfg.train.steps}: nothing to do; raise train.steps to continue, or set "
                      "checkpoint.resume=none (or another run.dir) to start fresh")
-        while self.step < self.cfg.train.steps:
-            if not self._run_until_rollback(stop_after):
-                break
-        self.ckpt.wait()  # the last checkpoint is on disk before fit() returns
-        self.guard.close()
+        try:
+            while self.step < self.cfg.train.steps:
+                if not self._run_until_rollback(stop_after):
+                    break
+            self.ckpt.wait()  # the last checkpoint is on disk before fit() returns
+        finally:  # also when the run stops with an error: no watchdog left armed in a process that goes on
+            self.guard.close()
+            self.sink.close()
+            self.run_lock.release()
         self.result.final_step = self.step
-        self.sink.close()
         if self.step >= self.cfg.train.steps and self.step > self.resumed_step:
             log.info(self._summary())
         return self.result
@@ -411,8 +430,12 @@ class Trainer:
 
     def _roll_back(self) -> None:
         """resilience.max_bad_steps non-finite steps in a row: restore the newest good checkpoint and skip the
-        data window that produced them (it is never seen again)."""
-        step = self.step
+        data window that produced them (it is never seen again); stop instead when another rollback would not help
+        (resilience/rollbacks.py)."""
+        step, r, t = self.step, self.cfg.resilience, self.cfg.train
+        self.ckpt.wait()  # a background save in flight is on disk (or has failed) before the newest is chosen
+        self.rollbacks.allow(step, r.max_bad_steps, self.ckpt.newest_step(),
+                             f"lower train.lr (now {t.lr:g}) or raise train.warmup_steps, or check the data")
         back_to = self.ckpt.rollback(self.model, self.optimizer)
         self.data_offset += step - back_to
         if self.rt.is_main:
