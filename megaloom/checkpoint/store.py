@@ -12,8 +12,8 @@ Layout of run.dir/checkpoints/:
 A crash at any point leaves the previous checkpoint and `latest` intact: the directory is renamed into
 place only after every byte is written and checksummed, and `latest` moves after the rename. Loading
 verifies the checksums and falls back to the previous checkpoint if a newer one is damaged.
-megaloom unpickles nothing from a checkpoint: DCP tensors, JSON, and `torch.load(weights_only=True)`
-(DCP itself reads its own .metadata file, after the checksums have been verified).
+megaloom unpickles nothing arbitrary from a checkpoint: DCP tensors, JSON, `torch.load(weights_only=True)`,
+and DCP's .metadata through an allow-list unpickler (checkpoint/safe_metadata.py).
 
 The writing stages (begin_save, write_tensors, write_rng, commit_save) are shared with the asynchronous
 two-stage saver in async_save.py; see docs/checkpoints.md.
@@ -36,6 +36,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from megaloom.checkpoint.group import CheckpointGroup
+from megaloom.checkpoint.safe_metadata import safe_load
 from megaloom.checkpoint.sharded import SlicesLoadPlanner, SlicesSavePlanner, after_load, sharded_state
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.state import ensure_optimizer_state
@@ -292,7 +293,7 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         ensure_optimizer_state(model, optimizer)
     sd = sharded_state(model, optimizer if with_optim else None, mesh)  # views of the live tensors
     with torch.no_grad(), _quiet_single_process():
-        dcp.load(sd, checkpoint_id=str(path), planner=SlicesLoadPlanner())
+        safe_load(sd, path, SlicesLoadPlanner())  # DCP's load, unpickling nothing arbitrary (safe_metadata.py)
     after_load(optimizer if with_optim else None, sd)
     rng_file = path / f"rng_rank{rank}.pt"
     if rng_file.is_file():
