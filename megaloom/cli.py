@@ -41,12 +41,16 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     args.trainer = Trainer(cfg)  # main() reads its step and run directory if Ctrl-C stops the run
     with console_verbosity(verbosity):
-        args.trainer.build().fit()
+        result = args.trainer.build().fit()
+    if result.stopped_by is not None:  # SIGTERM/SIGUSR1/Ctrl-C, saved first (resilience.save_on_signal)
+        if os.environ.get("RANK", "0") == "0":
+            print(_interrupted_line(args, result.stopped_by), file=sys.stderr, flush=True)
+        return 130 if result.stopped_by == "SIGINT" else 0
     return 0
 
 
-def _interrupted_line(args: argparse.Namespace) -> str:
-    """What Ctrl-C stopped: the step reached and the newest checkpoint on disk (to resume from)."""
+def _interrupted_line(args: argparse.Namespace, signal_name: str = "SIGINT") -> str:
+    """What a signal stopped: the step reached and the newest checkpoint on disk (to resume from)."""
     trainer = getattr(args, "trainer", None)
     if trainer is None:  # the launcher of --nproc, or before the config was read
         return "megaloom: interrupted"
@@ -62,7 +66,8 @@ def _interrupted_line(args: argparse.Namespace) -> str:
         last = f"the last checkpoint is step {int(name[len('step_'):])} ({ckpt_root / name})"
     else:
         last = "no checkpoint was written"
-    return f"megaloom: interrupted at step {trainer.step}; {last}"
+    what = "interrupted" if signal_name == "SIGINT" else f"stopped by {signal_name}"
+    return f"megaloom: {what} at step {trainer.step}; {last}"
 
 
 def _cmd_preprocess(args: argparse.Namespace) -> int:
