@@ -29,15 +29,20 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.world or args.rank != "0":
         raise ConfigError("--world and --rank belong to --dry-run (a real run takes them from torchrun).")
     if args.nproc and args.nproc > 1 and "LOCAL_RANK" not in os.environ:
-        from megaloom.parallel.launch import torchrun_command
+        from megaloom.parallel.launch import run_torchrun, torchrun_command
         from megaloom.training.preflight import preflight_launch
 
         preflight_launch(cfg, args.nproc)  # a user error prints once here (exit 2), not once per rank
         flags = {"quiet": ["--quiet"], "verbose": ["--verbose"]}.get(verbosity, [])  # the workers log alike
         argv = (["--config", args.config] if args.config else []) + flags + list(args.overrides)
-        return subprocess.call(torchrun_command(args.nproc, argv, max_restarts=args.max_restarts))
+        return run_torchrun(torchrun_command(args.nproc, argv, max_restarts=args.max_restarts))  # signals passed on
     from megaloom.observe.log import console_verbosity
     from megaloom.training.trainer import Trainer
+
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: never train on alone once torchrun is gone
+        from megaloom.parallel.launch import die_with_parent
+
+        die_with_parent()
 
     args.trainer = Trainer(cfg)  # main() reads its step and run directory if Ctrl-C stops the run
     with console_verbosity(verbosity):

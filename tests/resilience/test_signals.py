@@ -84,3 +84,62 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_saved_step(small_corp
     assert r0["agreed_at_every1"] == r1["agreed_at_every1"] == 4
     assert r0["agreed_at_every3"] == r1["agreed_at_every3"] == 6
     print(f"stop-request poll per step (2 gloo ranks): median {r0['poll_s'] * 1e6:.0f} us")
+
+
+def _processes_of(run_dir) -> list[int]:
+    """PIDs whose command line names ``run_dir``: the launcher, torchrun and the workers of that run."""
+    from pathlib import Path
+
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and str(run_dir).encode() in (proc / "cmdline").read_bytes():
+                found.append(int(proc.name))
+        except OSError:  # gone meanwhile
+            pass
+    return found
+
+
+def _gone_within(run_dir, seconds: float) -> list[int]:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while (alive := _processes_of(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return alive
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process death signal is Linux's")
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGUSR1", "kill9_group"])
+def test_killing_the_nproc_launcher_leaves_no_worker(small_corpus, tmp_path, how):
+    import os
+
+    run = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "megaloom", "train", "--nproc", "2",
+                          *tiny_overrides(small_corpus, run, "train.steps=100000", "checkpoint.every=0")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        seen = []
+        for line in p.stdout:
+            seen.append(line)
+            if re.search(r"step\s+2/100000", line):
+                break
+        else:
+            raise AssertionError("no step line:\n" + "".join(seen) + p.stderr.read())
+        assert len(_processes_of(run)) >= 4  # launcher, torchrun, two workers
+        if how.startswith("SIG"):  # SIGUSR1: torchrun must be told to handle it, or it dies and orphans the workers
+            p.send_signal(getattr(signal, how))
+        else:
+            os.killpg(p.pid, signal.SIGKILL)  # the launcher's whole process group, as `kill -9 -PGID`
+        out, err = p.communicate(timeout=120)
+        alive = _gone_within(run, 10)
+        assert not alive, (alive, err[-3000:])
+    finally:
+        for pid in _processes_of(run):
+            os.kill(pid, signal.SIGKILL)
+    if how.startswith("SIG"):  # passed on to every worker: they saved the same step and stopped; one line, exit 0
+        assert p.returncode == 0, err[-3000:]
+        assert "Traceback" not in err, err[-3000:]
+        (line,) = [x for x in err.splitlines() if x.startswith("megaloom:")]
+        m = re.fullmatch(rf"megaloom: stopped by {how} at step (\d+); the last checkpoint is step (\d+) \(.*\)", line)
+        assert m and m[1] == m[2], line
