@@ -31,7 +31,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if args.world or args.rank != "0":
         raise ConfigError("--world and --rank belong to --dry-run (a real run takes them from torchrun).")
     if args.nproc and args.nproc > 1 and "LOCAL_RANK" not in os.environ:
-        from megaloom.parallel.launch import torchrun_command
+        from megaloom.parallel.launch import run_torchrun, torchrun_command
         from megaloom.resilience.run_lock import check_run_dir_free
         from megaloom.training.preflight import preflight_launch
 
@@ -39,18 +39,27 @@ def _cmd_train(args: argparse.Namespace) -> int:
         check_run_dir_free(Path(cfg.run.dir))  # another run in run.dir: refused here, once (rank 0 takes the lock)
         flags = {"quiet": ["--quiet"], "verbose": ["--verbose"]}.get(verbosity, [])  # the workers log alike
         argv = (["--config", args.config] if args.config else []) + flags + list(args.overrides)
-        return subprocess.call(torchrun_command(args.nproc, argv, max_restarts=args.max_restarts))
+        return run_torchrun(torchrun_command(args.nproc, argv, max_restarts=args.max_restarts))  # signals passed on
     from megaloom.observe.log import console_verbosity
     from megaloom.training.trainer import Trainer
 
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: never train on alone once torchrun is gone
+        from megaloom.parallel.launch import die_with_parent
+
+        die_with_parent()
+
     args.trainer = Trainer(cfg)  # main() reads its step and run directory if Ctrl-C stops the run
     with console_verbosity(verbosity):
-        args.trainer.build().fit()
+        result = args.trainer.build().fit()
+    if result.stopped_by is not None:  # SIGTERM/SIGUSR1/Ctrl-C, saved first (resilience.save_on_signal)
+        if os.environ.get("RANK", "0") == "0":
+            print(_interrupted_line(args, result.stopped_by), file=sys.stderr, flush=True)
+        return 130 if result.stopped_by == "SIGINT" else 0
     return 0
 
 
-def _interrupted_line(args: argparse.Namespace) -> str:
-    """What Ctrl-C stopped: the step reached and the newest checkpoint on disk (to resume from)."""
+def _interrupted_line(args: argparse.Namespace, signal_name: str = "SIGINT") -> str:
+    """What a signal stopped: the step reached and the newest checkpoint on disk (to resume from)."""
     trainer = getattr(args, "trainer", None)
     if trainer is None:  # the launcher of --nproc, or before the config was read
         return "megaloom: interrupted"
@@ -66,7 +75,8 @@ def _interrupted_line(args: argparse.Namespace) -> str:
         last = f"the last checkpoint is step {int(name[len('step_'):])} ({ckpt_root / name})"
     else:
         last = "no checkpoint was written"
-    return f"megaloom: interrupted at step {trainer.step}; {last}"
+    what = "interrupted" if signal_name == "SIGINT" else f"stopped by {signal_name}"
+    return f"megaloom: {what} at step {trainer.step}; {last}"
 
 
 def _cmd_preprocess(args: argparse.Namespace) -> int:

@@ -24,10 +24,11 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
+from megaloom.checkpoint.safe_metadata import SafeLoadPlanner
 from megaloom.parallel.layout import layout_of, single_model_name
 from megaloom.parallel.mesh import Mesh
 
@@ -72,8 +73,9 @@ class SlicesSavePlanner(DefaultSavePlanner):
         return obj.__get_tensor_shard__(index) if isinstance(obj, Slices) else super().lookup_object(index)
 
 
-class SlicesLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner that reads into the chunks of `Slices`. Its set-up walks the state dict
+class SlicesLoadPlanner(SafeLoadPlanner):
+    """DCP's default load planner (non-tensor values read without arbitrary unpickling) that reads into the
+    chunks of `Slices`. Its set-up walks the state dict
     with a function that knows only tensor types, so `Slices` sit out that walk behind placeholders."""
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:

@@ -12,8 +12,8 @@ Layout of run.dir/checkpoints/:
 A crash at any point leaves the previous checkpoint and `latest` intact: the directory is renamed into
 place only after every byte is written and checksummed, and `latest` moves after the rename. Loading
 verifies the checksums and falls back to the previous checkpoint if a newer one is damaged.
-megaloom unpickles nothing from a checkpoint: DCP tensors, JSON, and `torch.load(weights_only=True)`
-(DCP itself reads its own .metadata file, after the checksums have been verified).
+megaloom unpickles nothing arbitrary from a checkpoint: DCP tensors, JSON, `torch.load(weights_only=True)`,
+and DCP's .metadata through an allow-list unpickler (checkpoint/safe_metadata.py).
 
 The writing stages (begin_save, write_tensors, write_rng, commit_save) are shared with the asynchronous
 two-stage saver in async_save.py; see docs/checkpoints.md.
@@ -40,6 +40,7 @@ from torch import nn
 from torch.distributed.checkpoint import CheckpointException
 
 from megaloom.checkpoint.group import CheckpointGroup
+from megaloom.checkpoint.safe_metadata import safe_load
 from megaloom.checkpoint.sharded import SlicesLoadPlanner, SlicesSavePlanner, after_load, sharded_state
 from megaloom.errors import RunStopped
 from megaloom.parallel.mesh import Mesh
@@ -408,7 +409,7 @@ def _read_tensors(path: Path, sd: dict) -> None:
     failure is a mismatch with this model (a setting that changes a tensor's name or shape) or an I/O error."""
     try:
         with torch.no_grad(), _quiet_single_process():
-            dcp.load(sd, checkpoint_id=str(path), planner=SlicesLoadPlanner())
+            safe_load(sd, path, SlicesLoadPlanner())  # DCP's load, unpickling nothing arbitrary (safe_metadata.py)
     except CheckpointException as e:
         cause = _dcp_failure(e)
         text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__

@@ -21,9 +21,9 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 import yaml
 
+from megaloom.checkpoint.safe_metadata import SafeLoadPlanner, safe_load
 from megaloom.checkpoint.store import (
     CheckpointError,
     check_compatible,
@@ -168,7 +168,9 @@ def _read_model_tensors(ckpt: Path, m: ModelConfig) -> dict[str, torch.Tensor]:
     try:
         with warnings.catch_warnings():  # DCP's "assuming a single process" notice: intended here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(template, checkpoint_id=str(ckpt), no_dist=True)
+            safe_load(template, ckpt, SafeLoadPlanner(), no_dist=True)  # unpickles nothing arbitrary
+    except CheckpointError as e:  # a forged .metadata or value: refused in one line
+        raise ConversionError(str(e)) from e
     except Exception as e:  # DCP reports missing keys / shape mismatches as generic errors
         raise ConversionError(f"{ckpt}: its tensors do not match the model settings of the run ({e}).") from e
     return template["model"]

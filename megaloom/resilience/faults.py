@@ -6,6 +6,8 @@ MEGALOOM_FAULT holds ';'-separated faults, each `kind:key=value:...`:
     slow:rank=1:seconds=0.05       the rank's compute takes 50 ms longer every step (a straggler)
     nan:step=4:count=3             the data of steps 4..6 makes gradients NaN (all ranks; keyed to the data, so a
                                    rollback that skips that window does not meet it again)
+    signal:rank=1:step=3:sig=15    the rank sends itself signal 15 (SIGTERM) at the start of step 3 (a preemption
+                                   notice that reached one rank only)
 Faults fire only in the first attempt of a torchrun job (TORCHELASTIC_RESTART_COUNT=0), so the restarted job
 recovers, unless `always=1` is given.
 """
@@ -41,8 +43,8 @@ class FaultPlan:
         faults = []
         for item in spec.split(";"):
             kind, *kvs = item.strip().split(":")
-            if kind not in ("kill", "hang", "slow", "nan"):
-                raise ValueError(f"MEGALOOM_FAULT: unknown fault kind '{kind}' (kill, hang, slow, nan)")
+            if kind not in ("kill", "hang", "slow", "nan", "signal"):
+                raise ValueError(f"MEGALOOM_FAULT: unknown fault kind '{kind}' (kill, hang, slow, nan, signal)")
             args = {k: float(v) for k, v in (kv.split("=", 1) for kv in kvs)}
             if first_attempt or args.get("always"):
                 faults.append(Fault(kind, args))
@@ -59,6 +61,9 @@ class FaultPlan:
         """Called at the start of (1-based) step `step`."""
         if self._at("kill", step):
             os.kill(os.getpid(), signal.SIGKILL)
+        sig = self._at("signal", step)
+        if sig:
+            os.kill(os.getpid(), int(sig.args.get("sig", signal.SIGTERM)))
         hang = self._at("hang", step)
         if hang:  # like a hung device: this rank simply never reaches its next collective
             time.sleep(hang.args.get("seconds", 3600))

@@ -42,6 +42,7 @@ from megaloom.parallel.zero import ShardedOptimizer, build_data_parallel, param_
 from megaloom.resilience.guard import Resilience
 from megaloom.resilience.rollbacks import RollbackBudget
 from megaloom.resilience.run_lock import RunLock, lock_run_dir
+from megaloom.resilience.signals import StopRequests, signal_name
 from megaloom.runtime import Runtime, init_runtime, resolve_precision, seed_everything
 from megaloom.step import TrainStep, forward_ctx
 from megaloom.training.checkpoints import RunCheckpoints
@@ -61,6 +62,7 @@ class TrainResult:
     final_step: int
     losses: dict[int, float] = field(default_factory=dict)  # step -> logged (interval-mean) loss
     eval_loss: float | None = None
+    stopped_by: str | None = None  # "SIGTERM", "SIGUSR1" or "SIGINT" when a signal stopped the run early
 
 
 class Trainer:
@@ -263,6 +265,9 @@ class Trainer:
             log.info(f"metrics.jsonl: {dropped} row(s) after the resumed step {self.step} removed (trained again)")
         self.result = TrainResult(run_dir=self.run_dir, final_step=self.step)
         self.guard = Resilience(cfg, self.run_dir, rt.rank, rt.world_size, mesh)
+        self.stops = StopRequests(cfg.resilience.save_on_signal, cfg.checkpoint.timeout_s,  # collective
+                                  cfg.resilience.signal_check_every)
+        self.saved_step: int | None = None  # the step of the last checkpoint this run wrote
         self.ckpt.start_background_saves()
         self.pending_stall: float | None = None  # the last save's stall, reported in the next metric record
         self.interval = Interval(loss_sum=torch.zeros((), device=self.device))
@@ -280,12 +285,15 @@ class Trainer:
             log.info(f"run.dir {self.run_dir} already trained to step {self.step} of train.steps="
                      f"{self.cfg.train.steps}: nothing to do; raise train.steps to continue, or set "
                      "checkpoint.resume=none (or another run.dir) to start fresh")
+        self.stops.install()  # SIGTERM/SIGUSR1/SIGINT now stop at a step boundary, after a save
         try:
             while self.step < self.cfg.train.steps:
                 if not self._run_until_rollback(stop_after):
                     break
+            self.stops.close()
             self.ckpt.wait()  # the last checkpoint is on disk before fit() returns
         finally:  # also when the run stops with an error: no watchdog left armed in a process that goes on
+            self.stops.restore()
             self.guard.close()
             self.sink.close()
             self.run_lock.release()
@@ -315,6 +323,10 @@ class Trainer:
                 self._roll_back()
                 return True
             self._maybe_checkpoint()
+            stop = self.stops.poll(self.step)  # the same answer on every rank
+            if stop is not None:
+                self._stop_for(stop)
+                break
             if stop_after is not None and self.step >= stop_after:
                 break
         return False
@@ -424,9 +436,20 @@ class Trainer:
         if due and self.guard.bad_in_a_row and not last:
             due = False  # never checkpoint inside a run of non-finite steps: a rollback must go before it
         if due or (last and c.final):
-            with self.guard.paused():
-                self.pending_stall = self.ckpt.save(step, self.model, self.optimizer, self.train_step,
-                                                    self.data_offset)
+            self._save()
+
+    def _save(self) -> None:
+        with self.guard.paused():
+            self.pending_stall = self.ckpt.save(self.step, self.model, self.optimizer, self.train_step,
+                                                self.data_offset)
+        self.saved_step = self.step
+
+    def _stop_for(self, signum: int) -> None:
+        """Every rank agreed to stop for `signum` at this step: save it (unless just saved, or inside a run of
+        non-finite steps, which a rollback must go before); fit() then waits for the write and returns."""
+        if self.saved_step != self.step and not self.guard.bad_in_a_row:
+            self._save()
+        self.result.stopped_by = signal_name(signum)
 
     def _roll_back(self) -> None:
         """resilience.max_bad_steps non-finite steps in a row: restore the newest good checkpoint and skip the
