@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +36,37 @@ def save_npy_atomic(path: Path, array: np.ndarray) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def load_npy(path: Path) -> np.ndarray | None:
-    """Load a cached array, or None when it is missing or unreadable (the caller then recomputes)."""
+@contextmanager
+def npy_writer(path: Path, shape: tuple[int, ...], dtype: np.dtype | str) -> Iterator[np.ndarray]:
+    """A writable ``.npy`` memory map of ``shape`` under a temporary name, moved to ``path`` when the block
+    ends without an error: arrays larger than RAM are filled piece by piece and readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tmp_name(path)
     try:
-        return np.load(path, allow_pickle=False)
+        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.dtype(dtype), shape=shape)
+        yield out
+        out.flush()
+        del out
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def load_npy(path: Path, mmap: bool = False) -> np.ndarray | None:
+    """Load a cached array (``mmap``: memory-mapped read-only, so its pages are shared by every process that
+    maps it and read on demand), or None when it is missing or unreadable (the caller then recomputes)."""
+    try:
+        return np.load(path, allow_pickle=False, mmap_mode="r" if mmap else None)
     except (OSError, ValueError, EOFError):
         return None
+
+
+def spot_check(array: np.ndarray, ok: Callable[[np.ndarray], bool], edge: int = 1 << 16,
+               samples: int = 1 << 20) -> bool:
+    """``ok`` on the first and last ``edge`` entries and on about ``samples`` spread over the rest: catches a
+    foreign or garbage file without reading (and paging in) all of a multi-GB memory map."""
+    n = len(array)
+    if n <= 2 * edge + samples:
+        return bool(ok(np.asarray(array)))
+    stride = max(1, n // samples)
+    return bool(ok(np.asarray(array[:edge])) and ok(np.asarray(array[-edge:])) and ok(np.asarray(array[::stride])))
