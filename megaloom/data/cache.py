@@ -61,12 +61,12 @@ def load_npy(path: Path, mmap: bool = False) -> np.ndarray | None:
         return None
 
 
-def spot_check(array: np.ndarray, ok: Callable[[np.ndarray], bool], edge: int = 1 << 16,
-               samples: int = 1 << 20) -> bool:
-    """``ok`` on the first and last ``edge`` entries and on about ``samples`` spread over the rest: catches a
-    foreign or garbage file without reading (and paging in) all of a multi-GB memory map."""
+def spot_check(array: np.ndarray, ok: Callable[[np.ndarray], bool], block: int = 1 << 14, blocks: int = 64) -> bool:
+    """``ok`` on ``blocks`` contiguous runs of ``block`` entries spread evenly over ``array`` (the first and the
+    last included): catches a foreign or garbage file while paging in a few MB of a multi-GB memory map (a
+    strided sample would touch every page)."""
     n = len(array)
-    if n <= 2 * edge + samples:
+    if n <= block * blocks:
         return bool(ok(np.asarray(array)))
-    stride = max(1, n // samples)
-    return bool(ok(np.asarray(array[:edge])) and ok(np.asarray(array[-edge:])) and ok(np.asarray(array[::stride])))
+    starts = np.linspace(0, n - block, blocks).astype(np.int64)
+    return all(ok(np.asarray(array[s:s + block])) for s in starts)
