@@ -6,9 +6,9 @@ large job built and stepped for real (`megaloom train --dry-run`, megaloom/train
         [overrides]                                                                # one dry run (as the CLI)
 
 `mesh` starts a fresh process per world size (a process group is process-wide) and times `Mesh.build` three times
-there (median), with the number of `dist.new_group` calls it makes: every rank calls it for every group of every
-kind, as torch requires of groups created without local synchronisation, so a rank's work is the number of groups,
-which grows linearly with the world (world / size of each kind).
+there (median), with the number of process-group creation calls it makes: one per kind of group
+(megaloom/parallel/groups.py: members-only groups, or one NCCL split of the world per kind), whatever the world;
+only the layout arithmetic (every group's ranks, needed by the split) grows with the world, linearly.
 `bench/dry_run_70b.sh` runs both parts for llama3-70b at tp 8 x pp 8 x dp 16.
 """
 
@@ -39,16 +39,14 @@ def time_mesh(world: int, overrides: list[str], repeats: int = 3) -> dict:
     cfg = load_config(None, overrides)
     sizes = validate_layout(cfg, world)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    c10d = dist.distributed_c10d
     t0 = time.perf_counter()
     layout = mesh_layout(world, sizes)
     layout_s = time.perf_counter() - t0
     seconds, calls = [], 0
     for _ in range(repeats):
-        before = c10d._world.group_count
         mesh = Mesh.build(cfg, world, 0, "cpu")
         seconds.append(mesh.init_seconds)
-        calls = c10d._world.group_count - before
+        calls = mesh.group_calls
     dist.destroy_process_group()
     return {"world": world, "dp": sizes["dp"], "layout_s": layout_s, "build_s": statistics.median(seconds),
             "new_group_calls": calls, "groups_in_layout": sum(len(v) for v in layout.values()),
@@ -64,7 +62,7 @@ def mesh_table(worlds: list[int], overrides: list[str]) -> list[dict]:
                 f"print('ROW' + json.dumps(time_mesh({w}, {over!r})))")
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
         rows.append(json.loads(next(x for x in out.stdout.splitlines() if x.startswith("ROW"))[3:]))
-    print("| world | dp | Mesh.build (median of 3) | new_group calls | per call | layout arithmetic | "
+    print("| world | dp | Mesh.build (median of 3) | group creation calls | per call | layout arithmetic | "
           "groups this rank is in |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from megaloom.data.blend import BlendedDataset, blend_plan, normalize_weights
+from megaloom.data.blend import BlendedDataset, cached_blend_plan, normalize_weights
 from megaloom.data.cache import short_hash
 from megaloom.data.corpus import cache_root, prepare_default
 from megaloom.data.errors import DataError
@@ -28,7 +28,23 @@ from megaloom.data.tokenizer import Tokenizer
 if TYPE_CHECKING:
     from megaloom.config import DataConfig
 
-__all__ = ["BlendedDataset", "PackedDataset", "ShuffledDataset", "build_datasets", "shuffled_index"]
+__all__ = ["BlendedDataset", "PackedDataset", "ShuffledDataset", "SizeOnly", "build_datasets", "shuffled_index"]
+
+# Bumped when the cached sample indices' layout changes (the order of samples for a seed must never change).
+INDEX_VERSION = 2
+
+
+class SizeOnly:
+    """The length of a dataset this rank never reads (a middle pipeline stage): no index, no tokens."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        raise RuntimeError("this rank reads no tokens (a middle pipeline stage): its dataset holds only a length")
 
 
 def _index_cache_file(folder: Path, tokens: IndexedTokens, role: str, doc_range: tuple[int, int],
@@ -76,26 +92,51 @@ def resolve_sources(cfg: DataConfig, root: Path) -> tuple[list[str], Tokenizer]:
 
 def _blend(parts: list[PackedDataset], tokens: list[IndexedTokens], weights: list[float], n: int, seed: int,
            role: str, seq_len: int, split: str, folder: Path) -> BlendedDataset:
-    plan = blend_plan(weights, n)
-    counts = np.bincount(plan[0], minlength=len(parts))
+    if len(parts) == 1:
+        plan, counts = None, np.array([n])
+    else:
+        stem = folder / f"blend-{role}-{short_hash(INDEX_VERSION, weights, n)}"
+        plan = cached_blend_plan(weights, n, stem)
+        counts = _plan_counts(plan[0], plan[1], len(parts))
     shuffled = [
         ShuffledDataset(part, int(c), seed,
                         _index_cache_file(folder, tok, role, part.doc_range, seq_len, seed, split, int(c)))
         for part, tok, c in zip(parts, tokens, counts, strict=True)
     ]
-    return BlendedDataset(shuffled, weights, n, plan=plan)
+    return BlendedDataset(shuffled, weights, n, plan=plan, counts=counts)
 
 
-def build_datasets(cfg: DataConfig, seq_len: int, seed: int, n_train: int, n_valid: int
-                   ) -> tuple[BlendedDataset, BlendedDataset, Tokenizer]:
+def _plan_counts(ids: np.ndarray, local: np.ndarray, n_datasets: int) -> np.ndarray:
+    """Samples the plan takes from each dataset: one more than the last local index of each, found from the end
+    of the plan (each dataset stays within a sample of its share, so its last use is near the end)."""
+    counts = np.zeros(n_datasets, dtype=np.int64)
+    found = np.zeros(n_datasets, dtype=bool)
+    end, step = len(ids), 1 << 16
+    while end > 0 and not found.all():
+        lo = max(0, end - step)
+        block_ids, block_local = np.asarray(ids[lo:end]), np.asarray(local[lo:end])
+        for d in np.flatnonzero(~found):
+            hits = np.flatnonzero(block_ids == d)
+            if len(hits):
+                counts[d], found[d] = block_local[hits[-1]] + 1, True
+        end, step = lo, step * 2
+    return counts
+
+
+def build_datasets(cfg: DataConfig, seq_len: int, seed: int, n_train: int, n_valid: int, *,
+                   reads_data: bool = True) -> tuple[BlendedDataset | SizeOnly, BlendedDataset | SizeOnly, Tokenizer]:
     """(train with exactly ``n_train`` samples, valid with ``n_valid``, tokenizer) from ``data.*`` settings.
 
     Each dataset is split by documents, shuffled epoch by epoch (valid with ``seed + 1``) and the
-    datasets are blended by ``data.weights`` (default: by token count). Shuffled indices are cached
-    under ``<cache>/indices``.
+    datasets are blended by ``data.weights`` (default: by token count). The shuffled indices and the blend
+    plan are cached under ``<cache>/indices``, written once and memory-mapped by every process that reads
+    them; the token files are memory-mapped too, and a sample's tokens are read when it is. ``reads_data=False``
+    (a middle pipeline stage) returns only the tokenizer and the lengths: nothing is opened, built or written.
     """
     root = cache_root(cfg.cache_dir)
     paths, tok = resolve_sources(cfg, root)
+    if not reads_data:
+        return SizeOnly(n_train), SizeOnly(n_valid), tok
     if cfg.weights and len(cfg.weights) != len(paths):
         raise DataError(f"data.weights has {len(cfg.weights)} entries but data.paths has {len(paths)}; "
                         "give one weight per path, or leave data.weights empty to weight by token count")

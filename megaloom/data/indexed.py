@@ -90,6 +90,15 @@ def write_indexed(prefix: str | Path, docs: Iterable[Sequence[int] | np.ndarray]
     return IndexStats(n_docs, n_tokens, dtype.name, time.perf_counter() - t0)
 
 
+def _increasing(offsets: np.ndarray, chunk: int = 1 << 22) -> bool:
+    """Offsets never decrease, checked a chunk at a time (bounded memory for any index size)."""
+    for lo in range(0, len(offsets) - 1, chunk):
+        part = np.asarray(offsets[lo:lo + chunk + 1])
+        if np.any(part[1:] < part[:-1]):
+            return False
+    return True
+
+
 class IndexedTokens:
     """Read-only, memory-mapped view of a ``prefix.bin``/``prefix.idx`` pair, validated on open."""
 
@@ -129,14 +138,16 @@ class IndexedTokens:
                                 f"version {VERSION}; {FIX}")
             if code not in DTYPES:
                 raise DataError(f"index file {path} has unknown dtype code {code}; {FIX}")
-            offsets = np.fromfile(f, dtype="<i8", count=n_docs + 1)
-        if len(offsets) != n_docs + 1:
+        # Memory-mapped, never read whole: at 1T tokens the offsets alone are GBs, and every rank shares the pages.
+        available = (path.stat().st_size - HEADER.size) // 8
+        if available < n_docs + 1:
             raise DataError(f"index file {path} is truncated: header says {n_docs} documents but it holds "
-                            f"{max(len(offsets) - 1, 0)} offsets; {FIX}")
-        if offsets[0] != 0 or np.any(np.diff(offsets) < 0):
+                            f"{max(available - 1, 0)} offsets; {FIX}")
+        offsets = np.memmap(path, dtype="<i8", mode="r", offset=HEADER.size, shape=(n_docs + 1,))
+        if offsets[0] != 0 or not _increasing(offsets):
             raise DataError(f"index file {path} has document offsets that do not start at 0 and increase; "
                             f"it is corrupt; {FIX}")
-        return DTYPES[code], int(vocab_size), offsets.astype(np.int64)
+        return DTYPES[code], int(vocab_size), offsets
 
     def doc(self, i: int) -> np.ndarray:
         """Tokens of document ``i`` (a memmap slice; copy it if you keep it)."""

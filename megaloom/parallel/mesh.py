@@ -28,10 +28,11 @@ import torch.distributed as dist
 from megaloom.config import Config, ConfigError, ModelConfig
 from megaloom.models.transformer import resolved_ffn_dim
 from megaloom.parallel.comm import NullRecorder, OpRecorder
+from megaloom.parallel.groups import partition_group
 
 DIMS = ("pp", "dp", "cp", "tp")
 DEFAULT_ORDER = "pp-dp-cp-tp"
-# Group kinds in the one order every rank creates them (dist.new_group is collective over the world).
+# Group kinds in the one order every rank creates them (one collective creation call per kind, groups.py).
 GROUP_KINDS = ("tp", "cp", "dp", "pp", "dp_cp", "ep", "edp")
 
 
@@ -208,6 +209,7 @@ class Mesh:
     init_seconds: float = 0.0
     # Timeout of the groups this mesh's builders create (resilience.collective_timeout_s); None = torch's default.
     group_timeout: timedelta | None = None
+    group_calls: int = 0  # process-group creation calls this rank made in `build` (one per distinct kind)
     # Records the collective in flight for a watchdog; replace with comm.LastOpRecorder() to enable.
     recorder: OpRecorder = field(default_factory=NullRecorder)
 
@@ -255,12 +257,12 @@ class Mesh:
     @classmethod
     def build(cls, cfg: Config, world_size: int, rank: int, device: torch.device | str,
               order: str = DEFAULT_ORDER) -> Mesh:
-        """Validate the layout and create every process group in one pass.
+        """Validate the layout and create this rank's process groups.
 
         Collective: every rank of the (already initialised) default process group must call it with the same
-        arguments, because dist.new_group is called by all ranks for all groups, in the same order. No
-        barrier per group (torch adds none unless TORCH_DIST_INIT_BARRIER=1). Identical rank lists (e.g.
-        dp_cp == dp when cp == 1) share one group object. World size 1 needs no process group at all.
+        arguments. One creation call per kind of group (`groups.partition_group`: an NCCL split of the world per
+        kind, or a group among its members only), never one per group of the world. Kinds with the same
+        partition (e.g. dp_cp == dp when cp == 1) share one group object. World size 1 needs no process group.
         """
         start = time.perf_counter()
         sizes = validate_layout(cfg, world_size)
@@ -276,17 +278,18 @@ class Mesh:
             raise RuntimeError(f"Mesh.build(world_size={world_size}, rank={rank}) needs torch.distributed "
                                "initialised with that world size and rank first.")
         layout = mesh_layout(world_size, sizes, order)
-        made: dict[tuple[int, ...], Any] = {}
+        made: dict[tuple[tuple[int, ...], ...], Any] = {}
+        calls = [0]
         for kind in GROUP_KINDS:
-            for ranks in layout[kind]:
-                key = tuple(ranks)
-                if key not in made:  # the run's collective timeout (torch's default would be NCCL's 10 min)
-                    made[key] = dist.new_group(ranks, timeout=mesh.group_timeout, use_local_synchronization=False,
-                                               group_desc=f"megaloom_{kind}")
-                if rank in ranks:
-                    setattr(mesh, f"{kind}_group", made[key])
-                    if kind == "pp":
-                        i = ranks.index(rank)
-                        mesh.pp_prev, mesh.pp_next = ranks[i - 1], ranks[(i + 1) % len(ranks)]
+            key = tuple(map(tuple, layout[kind]))
+            if key not in made:
+                made[key] = partition_group(layout[kind], rank, f"mesh:{kind}", calls,
+                                             timeout=mesh.group_timeout)  # the run's, not NCCL's 10 min
+            setattr(mesh, f"{kind}_group", made[key])
+            if kind == "pp":
+                ranks = next(r for r in layout["pp"] if rank in r)
+                i = ranks.index(rank)
+                mesh.pp_prev, mesh.pp_next = ranks[i - 1], ranks[(i + 1) % len(ranks)]
+        mesh.group_calls = calls[0]
         mesh.init_seconds = time.perf_counter() - start
         return mesh

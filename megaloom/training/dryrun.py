@@ -257,7 +257,7 @@ class DryRunReport:
     why: str  # why that mode
     steps: int
     seconds: dict[str, float] = field(default_factory=dict)  # build parts, step_1.., checkpoint
-    groups_created: int | None = None  # dist.new_group calls of this process (all ranks make the same)
+    groups_created: int | None = None  # process-group creation calls of Mesh.build on this rank (one per kind)
     plan: MemoryPlan | None = None  # for what ran
     plan_with_update: MemoryPlan | None = None  # the steady state with updates (when the run left them out)
     budget: int | None = None
@@ -308,7 +308,7 @@ class DryRunReport:
                  f"on {self.device}, fake process group",
                  f"  ran: {self.mode} ({self.why})"]
         sec = self.seconds
-        groups = f", {self.groups_created} new_group calls" if self.groups_created is not None else ""
+        groups = f", {self.groups_created} process-group creation calls" if self.groups_created is not None else ""
         lines.append(f"  build: mesh {sec.get('mesh', 0):.3f}s{groups}; model (meta, plan, pipeline cut) "
                      f"{sec.get('model', 0):.2f}s; materialize {sec.get('materialize', 0):.2f}s; wrappers "
                      f"{sec.get('wrappers', 0):.2f}s; optimizer {sec.get('optimizer', 0):.3f}s")
@@ -421,17 +421,13 @@ def _build_and_step(report: DryRunReport, dcfg: Config, rt, steps: int, budget: 
                               else "resident set (freed blocks may stay in malloc's heap: an upper bound)")
     else:
         report.memory_note = "torch.cuda.max_memory_allocated"
-    c10d = dist.distributed_c10d
-    groups_before = getattr(c10d._world, "group_count", None)
     probe.start()
     report.memory["start"] = probe.base  # what the process held before the build (interpreter, libraries)
     probe.reset_peak()
     vocab = dcfg.model.vocab_size or dcfg.data.default_vocab_size
     trainer = Trainer(dcfg, runtime=rt, datasets=synthetic_datasets(vocab)).build()
     report.memory["build_peak"] = probe.peak()
-    groups_after = getattr(c10d._world, "group_count", None)
-    if groups_before is not None and groups_after is not None:
-        report.groups_created = groups_after - groups_before
+    report.groups_created = trainer.mesh.group_calls
     report.seconds.update(trainer.build_seconds)
     cfg, mesh, model = trainer.cfg, trainer.mesh, trainer.model
     report.memory["weights"] = _tensor_bytes(model.parameters())

@@ -46,6 +46,7 @@ from megaloom.resilience.signals import StopRequests, signal_name
 from megaloom.runtime import Runtime, init_runtime, resolve_precision, seed_everything
 from megaloom.step import TrainStep, forward_ctx
 from megaloom.training.checkpoints import RunCheckpoints
+from megaloom.training.data import load_rank_datasets
 from megaloom.training.evaluate import eval_batches, evaluate, evaluate_pipeline
 from megaloom.training.options import apply_train_options
 from megaloom.training.preflight import Checked, preflight, preflight_vocab, world_size_from_env
@@ -125,9 +126,13 @@ class Trainer:
     def _load_data(self) -> None:
         t = self.requested.train
         self.local_batch = t.global_batch_size // self.mesh.dp  # this data-parallel rank's share of a global batch
-        self.train_ds, self.valid_ds, self.tokenizer = (self._datasets or build_datasets)(
-            self.requested.data, t.seq_len, t.seed, t.steps * t.global_batch_size,
-            t.eval_batches * t.global_batch_size)
+        # Only the ranks that need tokens read them (MegaScale): the first pipeline stage (inputs) and the last
+        # (labels); middle stages load the tokenizer and nothing else. Tensor-parallel peers read the same rows.
+        mesh = self.mesh
+        self.reads_data = mesh.pp == 1 or mesh.is_first_stage or mesh.is_last_stage
+        self.train_ds, self.valid_ds, self.tokenizer = load_rank_datasets(
+            self._datasets, self.requested.data, t.seq_len, t.seed, t.steps * t.global_batch_size,
+            t.eval_batches * t.global_batch_size, self.rt, self.reads_data, default=build_datasets)
         log.debug(f"data: {len(self.train_ds)} training and {len(self.valid_ds)} validation samples; tokenizer "
                   f"{self.tokenizer.path} ({self.tokenizer.vocab_size} tokens)")
 
@@ -254,9 +259,6 @@ class Trainer:
         self.memory_report = MemoryReport.start(cfg, self.model, world_size=rt.world_size, device=self.device,
                                                 pp_rank=mesh.pp_rank, n_micro=self.n_micro, run_dir=self.run_dir,
                                                 enabled=rt.is_main)
-        # Only the ranks that need tokens read them (MegaScale): the first pipeline stage (inputs) and the last
-        # (labels); middle stages get None. Tensor-parallel peers read the same rows.
-        self.reads_data = mesh.pp == 1 or mesh.is_first_stage or mesh.is_last_stage
         self.eval_batches = eval_batches(self.valid_ds, t.eval_batches, t.global_batch_size, self.local_batch, mesh,
                                          self.reads_data)
         self.sink = MetricsSink(self.run_dir, cfg.run.tensorboard, enabled=rt.is_main)
@@ -335,9 +337,9 @@ class Trainer:
         """The batches of steps `self.step + 1 ...` (shifted by the data offset), or Nones on middle stages."""
         cfg, t, step = self.cfg, self.cfg.train, self.step
         if self.data_offset and len(self.train_ds) < (t.steps + self.data_offset) * t.global_batch_size:
-            self.train_ds, _, _ = (self._datasets or build_datasets)(
-                cfg.data, t.seq_len, t.seed, (t.steps + self.data_offset) * t.global_batch_size,
-                t.eval_batches * t.global_batch_size)
+            self.train_ds, _, _ = load_rank_datasets(
+                self._datasets, cfg.data, t.seq_len, t.seed, (t.steps + self.data_offset) * t.global_batch_size,
+                t.eval_batches * t.global_batch_size, self.rt, self.reads_data, default=build_datasets)
         batches = StepBatches(self.train_ds, t.global_batch_size, rank_offset=self.mesh.dp_rank * self.local_batch,
                               rank_size=self.local_batch, start_step=step + self.data_offset, n_steps=t.steps - step)
         if not self.reads_data:

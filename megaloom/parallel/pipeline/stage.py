@@ -18,11 +18,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from megaloom.models.transformer import Span, Transformer
 from megaloom.parallel import comm
+from megaloom.parallel.groups import partition_group
 from megaloom.parallel.layout import copy_layout, set_layout, single_model_name
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.pipeline.partition import Partition
@@ -103,18 +103,15 @@ def build_stage(model: Transformer, partition: Partition, mesh: Mesh) -> Pipelin
 def build_embedding_groups(mesh: Mesh) -> Any:
     """The process group {first stage, last stage} of this rank's pipeline, or None (middle stage, pp == 1).
 
-    Collective over the world: every rank creates every pipeline's pair, in the order of the mesh layout
-    (dist.new_group must be called by all ranks in the same order), whether or not it belongs to it.
+    Collective over the world: one creation call on every rank (`groups.partition_group`), whose partition is
+    the pairs plus every middle-stage rank alone, so that it covers the world.
     """
     if mesh.pp == 1:
         return None
-    mine = None
-    for ranks in Mesh.layout(mesh.world_size, mesh.sizes, mesh.order)["pp"]:
-        pair = [ranks[0], ranks[-1]]
-        group = dist.new_group(pair, timeout=mesh.group_timeout, use_local_synchronization=False)
-        if mesh.rank in pair:
-            mine = group
-    return mine
+    pipelines = Mesh.layout(mesh.world_size, mesh.sizes, mesh.order)["pp"]
+    parts = [[r[0], r[-1]] for r in pipelines] + [[x] for r in pipelines for x in r[1:-1]]
+    group = partition_group(sorted(parts), mesh.rank, "pp:embedding", timeout=mesh.group_timeout)
+    return None if 0 < mesh.pp_rank < mesh.pp - 1 else group
 
 
 def tied_parameter(stage: PipelineStage) -> nn.Parameter | None:

@@ -1,0 +1,42 @@
+"""The datasets of one rank of a job: the sample index built by one process, memory-mapped by the others.
+
+`build_datasets` writes its shuffled indices and blend plan to the cache once and memory-maps them; here the
+ranks take turns so that one process writes each file: global rank 0 first, then (after a barrier) the first
+rank of every other node that reads data (a node-local cache directory gets its own copy, a shared one is
+found already built), then everyone else. Middle pipeline stages read no tokens: they load only the tokenizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from megaloom.data.dataset import build_datasets
+
+if TYPE_CHECKING:
+    from megaloom.config import DataConfig
+    from megaloom.runtime import Runtime
+
+
+def load_rank_datasets(build: Callable | None, data: DataConfig, seq_len: int, seed: int, n_train: int,
+                       n_valid: int, rt: Runtime, reads_data: bool, default: Callable = build_datasets) -> tuple:
+    """(train, valid, tokenizer) for this rank. ``build``: a `build_datasets` stand-in (a dry run's synthetic
+    tokens), called as is on every rank; None builds from ``data`` with ``default`` (`build_datasets`) in the three
+    turns above. Collective when the
+    world has more than one rank (two barriers on the default group)."""
+    if build is not None:
+        return build(data, seq_len, seed, n_train, n_valid)
+
+    def load(reads: bool) -> tuple:
+        return default(data, seq_len, seed, n_train, n_valid, reads_data=reads)
+
+    if rt.world_size == 1:
+        return load(reads_data)
+    out = None
+    if rt.rank == 0:
+        out = load(True)  # rank 0 is on the first pipeline stage: it always reads data
+    rt.barrier()
+    if out is None and rt.local_rank == 0 and reads_data:
+        out = load(True)
+    rt.barrier()
+    return out if out is not None else load(reads_data)
