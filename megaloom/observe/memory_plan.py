@@ -178,9 +178,13 @@ def _qk_norm_bytes(rows: int, hd: int, device: str, autocast: bool) -> int:
     return 8 * rows * hd + 4 * rows
 
 
-def _linear_input_bytes(dm: _Dims, n_linears: int, in_bytes: int = 2) -> int:
+def _linear_input_bytes(dm: _Dims, n_linears: int, in_bytes: int = 2, region: bool = False) -> int:
     """Saved inputs of ``n_linears`` linears reading one [n, d] fp32 tensor: a cast each under autocast
-    (``in_bytes``: 2 for bf16, 1 for tensorwise fp8), the shared fp32 tensor otherwise."""
+    (``in_bytes``: 2 for bf16, 1 for tensorwise fp8), the shared fp32 tensor otherwise. ``region``: the column-
+    parallel linears of a tensor-parallel region (not fp8): with sp they save one shard of n_r tokens in the
+    compute dtype, for all of them (megaloom.parallel.sp_linear)."""
+    if region and dm.sp:
+        return dm.a * dm.n_r * dm.d
     return n_linears * in_bytes * dm.n * dm.d if dm.autocast else 4 * dm.n * dm.d
 
 
@@ -204,8 +208,8 @@ def block_activation_bytes(cfg: Config, *, tokens: int, batch: int, layer: int =
     n, n_r, d, a = dm.n, dm.n_r, dm.d, dm.a
     tr = _traits(m)
     out["attn_norm"] = _norm_bytes(tr.norm, n_r, d, device)
-    # One tensor enters each region; with fp32, sp and a parallel block the attention and MLP gather it twice.
-    out["q/k/v inputs"] = _linear_input_bytes(dm, 3, attn_in)
+    # One tensor enters each region (with sp: its shard, saved once for the region's linears unless in fp8).
+    out["q/k/v inputs"] = _linear_input_bytes(dm, 3, attn_in, region=not fp8 or attn_in == 2)
     if tr.qk_norm:  # an RMSNorm over each query and key head of the projections' outputs, before RoPE
         out["q/k norms"] = _qk_norm_bytes(n * (dm.hl + dm.hkvl), dm.hd, device, dm.autocast)
     q, kv = a * n * dm.hl * dm.hd, a * n * dm.hkvl * dm.hd
@@ -233,12 +237,15 @@ def block_activation_bytes(cfg: Config, *, tokens: int, batch: int, layer: int =
         out["o_proj input (math)"] = a * n * dm.hl * dm.hd
     if not m.parallel_block:
         out["mlp_norm"] = _norm_bytes(tr.norm, n_r, d, device)
-    shares_input = not dm.autocast and m.parallel_block and not dm.sp  # fp32: one normed x for both branches
+    # fp32 and a parallel block: one normed x (or, with sp, its shard) saved for both branches; an MoE layer
+    # gathers its own copy under sp (megaloom.parallel.expert).
+    shares_input = not dm.autocast and m.parallel_block
     if moe:
-        out.update(_moe_bytes(cfg, dm, device, grouped_mm, selective, shares_input))
+        out.update(_moe_bytes(cfg, dm, device, grouped_mm, selective, shares_input and not dm.sp))
     else:
         gated = tr.gated_mlp
-        out["mlp inputs"] = 0 if shares_input else _linear_input_bytes(dm, 2 if gated else 1, lin_in)
+        out["mlp inputs"] = 0 if shares_input else _linear_input_bytes(dm, 2 if gated else 1, lin_in,
+                                                                      region=not fp8)
         if gated:
             out["gate, up, silu, product"] = (3 if selective else 4) * a * n * dm.fl
         else:
@@ -325,7 +332,8 @@ def head_activation_bytes(cfg: Config, *, tokens: int, tp: int = 1, sp: bool = F
         out["fused loss: grad of head input"] = 4 * tokens * m.d_model
         out["fused loss: grad of head weight"] = 4 * v * m.d_model + 4
         return out
-    out["head input"] = (2 if autocast else 4) * tokens * m.d_model
+    # With sp the head saves its input shard, gathered again in backward (megaloom.parallel.sp_linear).
+    out["head input"] = (2 if autocast else 4) * n_r * m.d_model
     if tp > 1:
         out["softmax (fp32, vocab-parallel)"] = 4 * tokens * v
         out["labels"] = 8 * tokens + 2 * tokens + 8  # local labels, owned & valid masks, the token count
