@@ -148,7 +148,9 @@ class VocabParallelEmbedding(nn.Module):
         out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.output_mode == "reduce":
             return comm.reduce_from_tp(out, g, rec)
-        return comm.reduce_scatter_to_seq(out, g, rec)
+        # Reduce-scattered in the compute dtype (half the bytes under bf16 autocast, as every other sp
+        # collective); the residual stream it starts stays in the weights' dtype.
+        return comm.reduce_scatter_to_seq(to_compute_dtype(out), g, rec).to(out.dtype)
 
     def extra_repr(self) -> str:
         return (f"rows {self.vocab_start}..{self.vocab_start + self.num_embeddings} of "
