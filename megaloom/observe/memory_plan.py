@@ -26,7 +26,9 @@ sequence-parallel regions, a = 2 bytes under autocast (4 in fp32):
   QK-norm      per-head RMSNorms of q and k (Traits.qk_norm): bf16 heads with an fp32 weight take the composite
                in fp32 on CPU and CUDA (8 bytes x n x (h + h_kv)/tp x head_dim + 1/rms)
   linears      under autocast every linear casts its fp32 input to bf16 and saves that cast: q, k, v read the
-               same normed x but each saves its own copy (3 x 2nd), gate/up two more; in fp32 they share it
+               same normed x but each saves its own copy (3 x 2nd), gate/up two more; in fp32 they share it.
+               With sp (tp > 1) a region's column-parallel linears save one shard instead: a x n_r x d
+               (megaloom.parallel.sp_linear), and so does the head
   attention    flash / cuDNN / efficient (GPU) and the CPU flash kernel: q, k, v, out (o_proj reads `out`
                through a view) and the fp32 logsumexp; the math backend keeps the [b, h, s, s] probabilities
   MLP          SwiGLU: gate, up, silu(gate), their product (4 x a x n x ffn/tp); GeLU: up, gelu(up)
@@ -209,7 +211,8 @@ def block_activation_bytes(cfg: Config, *, tokens: int, batch: int, layer: int =
     tr = _traits(m)
     out["attn_norm"] = _norm_bytes(tr.norm, n_r, d, device)
     # One tensor enters each region (with sp: its shard, saved once for the region's linears unless in fp8).
-    out["q/k/v inputs"] = _linear_input_bytes(dm, 3, attn_in, region=not fp8 or attn_in == 2)
+    keep_attn = bool(getattr(t, "fp8_keep_attention", False))
+    out["q/k/v inputs"] = _linear_input_bytes(dm, 3, attn_in, region=not fp8 or keep_attn)
     if tr.qk_norm:  # an RMSNorm over each query and key head of the projections' outputs, before RoPE
         out["q/k norms"] = _qk_norm_bytes(n * (dm.hl + dm.hkvl), dm.hd, device, dm.autocast)
     q, kv = a * n * dm.hl * dm.hd, a * n * dm.hkvl * dm.hd

@@ -75,11 +75,11 @@ class _GatheredLinears(Function):
         regathered = comm.gather_along_dim_async(x_local, 1, group, rec)  # in flight under the grad-input GEMMs
         d = x_local.shape[-1]
         grad_x = None
-        if need_x:
-            for g, w in zip(grads, weights, strict=True):
+        if need_x:  # summed last linear first, as autograd would sum them: fp32 results stay bit-identical
+            for g, w in reversed(list(zip(grads, weights, strict=True))):
                 if g is not None:
-                    g2 = g.reshape(-1, g.shape[-1])
-                    grad_x = g2 @ w if grad_x is None else grad_x.addmm_(g2, w)
+                    gx = g.reshape(-1, g.shape[-1]) @ w
+                    grad_x = gx if grad_x is None else grad_x + gx
         x_full = regathered().reshape(-1, d)
         scattered = None
         if grad_x is not None:  # in flight under the weight-gradient GEMMs
@@ -133,7 +133,9 @@ class SeqRegion:
                              if hasattr(m, "seq_region") and getattr(m, "input_mode", None) == "none"]
             for m in self._linears:
                 m.seq_region = self
-        local = to_compute_dtype(args[0])
+        # fp8 linears quantise from the input as it comes (an fp32 input keeps its amax exact): no cast then.
+        fp8 = any(m.fp8_recipe is not None for m in self._linears)
+        local = args[0] if fp8 else to_compute_dtype(args[0])
         full = comm.gather_from_seq(local, self.mesh.tp_group, self.mesh.recorder)
         if lean_path_active():
             self._local, self._full, self._outputs = local, full, None
@@ -141,14 +143,13 @@ class SeqRegion:
 
     def output(self, linear: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         """``linear``'s output on the region's gathered input ``x``, or None (then it runs as a plain linear):
-        ``x`` is something else, or the linear runs in fp8."""
-        if self._full is None or x is not self._full or linear.fp8_recipe is not None:
+        ``x`` is something else, or the region's linears run in fp8 (their own save-sets)."""
+        if self._full is None or x is not self._full or any(m.fp8_recipe is not None for m in self._linears):
             return None
         if self._outputs is None:  # the first of the region's linears: all of them, in one node
-            lean = [m for m in self._linears if m.fp8_recipe is None]
-            outs = gathered_linears(self._local, self._full, [(m.weight, m.bias) for m in lean],
+            outs = gathered_linears(self._local, self._full, [(m.weight, m.bias) for m in self._linears],
                                     self.mesh.tp_group, self.mesh.recorder)
-            self._outputs = {id(m): o for m, o in zip(lean, outs, strict=True)}
+            self._outputs = {id(m): o for m, o in zip(self._linears, outs, strict=True)}
         return self._outputs.pop(id(linear), None)  # a second call on the same input: a plain linear
 
     def leave(self, module: nn.Module, args: tuple, output) -> None:

@@ -70,10 +70,11 @@ class ColumnParallelLinear(nn.Module):
             return y
         if self.input_mode == "copy":
             x = comm.copy_to_tp(x, g, rec)
-        elif self.input_mode == "gather":  # sequence shards, gathered in the compute dtype
-            x = to_compute_dtype(x)
-            if self.fp8_recipe is None and lean_path_active():  # saves the shard, not the gathered sequence
-                return gathered_linears(x, None, [(self.weight, self.bias)], g, rec)[0]
+        elif self.input_mode == "gather":  # sequence shards, gathered in the compute dtype (fp8: as they come)
+            if self.fp8_recipe is None:
+                x = to_compute_dtype(x)
+                if lean_path_active():  # saves the shard, not the gathered sequence
+                    return gathered_linears(x, None, [(self.weight, self.bias)], g, rec)[0]
             x = comm.gather_from_seq(x, g, rec)
         return fp8.linear(x, self.weight, self.bias, self.fp8_recipe, self.fp8_fast_accum)
 
