@@ -22,7 +22,7 @@ from torch.utils.checkpoint import checkpoint
 from megaloom.config import ModelConfig
 from megaloom.models.attention import Attention, KVCache
 from megaloom.models.init import ONES, ZEROS, InitRule, draw_init_seed, fill_slice
-from megaloom.models.layers import MLP, make_norm, rope_tables
+from megaloom.models.layers import MLP, make_norm, norm_input, rope_tables
 from megaloom.models.moe import MoE
 
 if TYPE_CHECKING:
@@ -62,11 +62,14 @@ class Block(nn.Module):
             self.mlp = MLP(tr.gated_mlp, cfg.d_model, ffn, tr.bias, cfg.dropout)
 
     def forward(self, x: torch.Tensor, rope, cache: KVCache | None = None, pos: int = 0) -> torch.Tensor:
+        # The residual stream leaves in the dtype it came in (bf16 with train.bf16_residual; an MoE layer's fp32
+        # combine would promote it); the norms read it in their weights' dtype (fp32 statistics).
+        dtype = x.dtype
         if self.parallel:
-            h = self.attn_norm(x)
-            return x + self.attn(h, rope, cache, pos) + self.mlp(h)
-        x = x + self.attn(self.attn_norm(x), rope, cache, pos)
-        return x + self.mlp(self.mlp_norm(x))
+            h = self.attn_norm(norm_input(x, self.attn_norm))
+            return (x + self.attn(h, rope, cache, pos) + self.mlp(h)).to(dtype)
+        x = x + self.attn(self.attn_norm(norm_input(x, self.attn_norm)), rope, cache, pos)
+        return (x + self.mlp(self.mlp_norm(norm_input(x, self.mlp_norm)))).to(dtype)
 
 
 class CrossEntropyLoss(nn.Module):
@@ -116,6 +119,8 @@ class Transformer(nn.Module):
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         self.recompute_layers = 0  # full recomputation of the first N blocks of each span (apply_recompute)
+        # The residual stream's dtype under autocast (train.bf16_residual: bf16); None keeps the embedding's (fp32).
+        self.residual_dtype: torch.dtype | None = None
         self.reset_parameters()
 
     @property
@@ -174,7 +179,10 @@ class Transformer(nn.Module):
         x = self.tok_emb(tokens)
         if hasattr(self, "pos_emb"):
             x = x + self.pos_emb(torch.arange(pos, pos + tokens.shape[1], device=tokens.device))
-        return self.drop(x)
+        x = self.drop(x)
+        if self.residual_dtype is not None and torch.is_autocast_enabled(x.device.type):
+            x = x.to(self.residual_dtype)
+        return x
 
     def rope(self, t: int, pos: int = 0):
         if not hasattr(self, "rope_cos"):
@@ -202,7 +210,7 @@ class Transformer(nn.Module):
         x = self.run_layers(x, self.rope(seq_len, pos), span.layers, caches, pos)
         if not span.head:
             return x
-        x = self.norm(x)
+        x = self.norm(norm_input(x, self.norm))
         if labels is None:
             return self.head(x)
         # Router auxiliary losses are not added here: each MoE layer attached their gradient to its output

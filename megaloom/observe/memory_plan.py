@@ -35,8 +35,10 @@ sequence-parallel regions, a = 2 bytes under autocast (4 in fp32):
   MoE          router (probs, top-k, weights), the dispatch index, per-row expert inputs and hidden states,
                the fp32 combine; dropless, so every token's top_k rows are counted
   recompute    selective: the attention core (its logsumexp / probabilities) and the SwiGLU activation are
-               recomputed, their inputs stay; full: only each block's input (4 x n_r x d) is kept, and one
-               block's full activations live again while it is recomputed
+               recomputed, their inputs stay; full: only each block's input (4 x n_r x d; 2 x n_r x d with
+               train.bf16_residual) is kept, and one block's full activations live again while it is recomputed
+  bf16 residual  train.bf16_residual: the stream between blocks is bf16; each norm reads an fp32 copy of it and
+               saves that copy, so the norms' bytes above are unchanged
 
 plus the embedding (token ids) and the head: final norm, the head's input cast, and the loss. The largest
 transients are in the loss: logits [n, vocab/tp] in the compute dtype, their fp32 copy and log-softmax
@@ -200,8 +202,9 @@ def block_activation_bytes(cfg: Config, *, tokens: int, batch: int, layer: int =
     m, t = cfg.model, cfg.train
     recompute = recompute or t.recompute
     dm = _dims(m, tokens, batch, compute_precision(cfg, device), tp, sp)
-    if recompute == "full":
-        return {"block input (full recompute)": 4 * dm.n_r * m.d_model}
+    if recompute == "full":  # the residual stream: fp32, or bf16 with train.bf16_residual under autocast
+        residual = 2 if dm.autocast and getattr(t, "bf16_residual", False) else 4
+        return {"block input (full recompute)": residual * dm.n_r * m.d_model}
     attention = attention or attention_backend(cfg, device, tp)
     moe = is_moe_layer(m, layer)
     lin_in = 1 if fp8 and getattr(t, "fp8_recipe", "tensorwise") == "tensorwise" else 2
