@@ -88,3 +88,17 @@ def test_bad_settings_are_refused():
         load_config(None, ["train.precision=fp16", "train.bf16_residual=true"])
     with pytest.raises(ConfigError, match="precision auto is fp32"):
         resolve_precision(load_config(None, ["train.bf16_residual=true"]), torch.device("cpu"))
+
+
+@pytest.mark.slow
+def test_pipeline_messages_halve():
+    """A dry run (rank 0 of 2, fake process group) of pp=2 under bf16: each activation message and its gradient
+    is bf16 with train.bf16_residual, fp32 without (the counted bytes of the pp group's sends and receives)."""
+    from tests.test_dryrun import _calls, _dry
+
+    over = ["parallel.pp=2", "train.micro_batch_size=1", "train.global_batch_size=2", "train.seq_len=64",
+            "model.n_layers=2", "train.precision=bf16"]
+    sent = {flag: _calls(_dry(2, "0", [*over, f"train.bf16_residual={flag}"]))[("pp", "send")]
+            for flag in ("false", "true")}
+    d = load_config(None, over).model.d_model
+    assert sent["false"] == (2, 2 * 64 * d * 4) and sent["true"] == (2, 2 * 64 * d * 2), sent
