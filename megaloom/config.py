@@ -148,6 +148,9 @@ class TrainConfig:
     fused_loss: bool = _f(False, "Compute the output head and cross-entropy fused, in chunks of tokens, never holding "
                                  "the full [tokens, vocab] logits (megaloom.models.fused_ce); needs parallel.tp=1 "
                                  "(tensor parallelism has its own vocab-parallel loss).")
+    bf16_residual: bool = _f(False, "With precision bf16 or fp8: keep the residual stream between blocks in bf16 "
+                                    "(Megatron's default) instead of fp32, halving pipeline messages and saved block "
+                                    "inputs; norms still compute in fp32, the loss too. fp32 runs are unaffected.")
     attention: str = _f("auto", "Preferred SDPA kernel on GPU (the others remain fallbacks); auto = PyTorch's choice.",
                         ("auto", "cudnn", "flash", "efficient", "math"))
     log_every: int = _f(10, "Steps between metric lines (loss is averaged over the interval).")
@@ -468,6 +471,9 @@ def validate(cfg: Config) -> None:
         if p.ep > 1:
             _require(p.zero < 3, f"parallel.ep={p.ep} with parallel.zero=3 is not available yet (FSDP2 would shard "
                                  "the expert weights over all of dp); use parallel.zero=0, 1 or 2.")
+    _require(not t.bf16_residual or t.precision in ("auto", "bf16", "fp8"),
+             f"train.bf16_residual=true with train.precision={t.precision}: a bf16 residual stream needs bf16 "
+             "autocast. Use train.precision=bf16 (or fp8), or train.bf16_residual=false.")
     _require(not (t.fused_loss and p.tp > 1),
              f"train.fused_loss=true with parallel.tp={p.tp}: tensor parallelism computes its own vocab-parallel "
              "loss over the head's shards; set train.fused_loss=false or parallel.tp=1.")

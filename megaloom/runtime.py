@@ -99,7 +99,11 @@ def seed_everything(seed: int) -> None:
 def resolve_precision(cfg: Config, device: torch.device) -> str:
     p = cfg.train.precision
     if p == "auto":
-        return "bf16" if device.type == "cuda" else "fp32"
+        p = "bf16" if device.type == "cuda" else "fp32"
+        if p == "fp32" and cfg.train.bf16_residual:
+            raise ConfigError("train.bf16_residual=true: precision auto is fp32 on this device (no autocast); set "
+                              "train.precision=bf16 or train.bf16_residual=false.")
+        return p
     if p == "fp8":
         if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
             raise ConfigError("train.precision=fp8 needs an FP8-capable GPU (Hopper/Ada, compute capability "

@@ -17,6 +17,13 @@ def make_norm(kind: str, dim: int, eps: float) -> nn.Module:
     return nn.LayerNorm(dim, eps=eps) if kind == "layernorm" else nn.RMSNorm(dim, eps=eps)
 
 
+def norm_input(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    """``x`` in ``norm``'s weight dtype: a bf16 residual stream (train.bf16_residual) is normalised in fp32, as an
+    fp32 one is; a no-op when the dtypes agree (fp32 training, a bf16 model)."""
+    w = getattr(norm, "weight", None)
+    return x.to(w.dtype) if w is not None and x.dtype != w.dtype and x.is_floating_point() else x
+
+
 def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables [max_len, head_dim] for the rotate-half convention (the Hugging Face Llama layout)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))

@@ -23,7 +23,7 @@ from megaloom.config import ModelConfig
 from megaloom.models.attention import Attention, KVCache
 from megaloom.models.documents import Documents
 from megaloom.models.init import ONES, ZEROS, InitRule, draw_init_seed, fill_slice
-from megaloom.models.layers import MLP, make_norm, rope_tables
+from megaloom.models.layers import MLP, make_norm, norm_input, rope_tables
 from megaloom.models.moe import MoE
 
 if TYPE_CHECKING:
@@ -64,11 +64,14 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, rope, cache: KVCache | None = None, pos: int = 0,
                 docs: Documents | None = None) -> torch.Tensor:
+        # The residual stream leaves in the dtype it came in (bf16 with train.bf16_residual; an MoE layer's fp32
+        # combine would promote it); the norms read it in their weights' dtype (fp32 statistics).
+        dtype = x.dtype
         if self.parallel:
-            h = self.attn_norm(x)
-            return x + self.attn(h, rope, cache, pos, docs) + self.mlp(h)
-        x = x + self.attn(self.attn_norm(x), rope, cache, pos, docs)
-        return x + self.mlp(self.mlp_norm(x))
+            h = self.attn_norm(norm_input(x, self.attn_norm))
+            return (x + self.attn(h, rope, cache, pos, docs) + self.mlp(h)).to(dtype)
+        x = x + self.attn(self.attn_norm(norm_input(x, self.attn_norm)), rope, cache, pos, docs)
+        return (x + self.mlp(self.mlp_norm(norm_input(x, self.mlp_norm)))).to(dtype)
 
 
 class CrossEntropyLoss(nn.Module):
@@ -118,6 +121,8 @@ class Transformer(nn.Module):
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         self.recompute_layers = 0  # full recomputation of the first N blocks of each span (apply_recompute)
+        # The residual stream's dtype under autocast (train.bf16_residual: bf16); None keeps the embedding's (fp32).
+        self.residual_dtype: torch.dtype | None = None
         self.reset_parameters()
 
     @property
@@ -178,7 +183,10 @@ class Transformer(nn.Module):
             if positions is None:
                 positions = torch.arange(pos, pos + tokens.shape[1], device=tokens.device)
             x = x + self.pos_emb(positions)
-        return self.drop(x)
+        x = self.drop(x)
+        if self.residual_dtype is not None and torch.is_autocast_enabled(x.device.type):
+            x = x.to(self.residual_dtype)
+        return x
 
     def rope(self, t: int, pos: int = 0, positions: torch.Tensor | None = None):
         """cos/sin [t, head_dim] of positions pos.., or [B, T, head_dim] of per-sample `positions`."""
@@ -214,7 +222,7 @@ class Transformer(nn.Module):
         x = self.run_layers(x, self.rope(seq_len, pos, positions), span.layers, caches, pos, docs)
         if not span.head:
             return x
-        x = self.norm(x)
+        x = self.norm(norm_input(x, self.norm))
         if labels is None:
             return self.head(x)
         # Router auxiliary losses are not added here: each MoE layer attached their gradient to its output

@@ -26,15 +26,19 @@ sequence-parallel regions, a = 2 bytes under autocast (4 in fp32):
   QK-norm      per-head RMSNorms of q and k (Traits.qk_norm): bf16 heads with an fp32 weight take the composite
                in fp32 on CPU and CUDA (8 bytes x n x (h + h_kv)/tp x head_dim + 1/rms)
   linears      under autocast every linear casts its fp32 input to bf16 and saves that cast: q, k, v read the
-               same normed x but each saves its own copy (3 x 2nd), gate/up two more; in fp32 they share it
+               same normed x but each saves its own copy (3 x 2nd), gate/up two more; in fp32 they share it.
+               With sp (tp > 1) a region's column-parallel linears save one shard instead: a x n_r x d
+               (megaloom.parallel.sp_linear), and so does the head
   attention    flash / cuDNN / efficient (GPU) and the CPU flash kernel: q, k, v, out (o_proj reads `out`
                through a view) and the fp32 logsumexp; the math backend keeps the [b, h, s, s] probabilities
   MLP          SwiGLU: gate, up, silu(gate), their product (4 x a x n x ffn/tp); GeLU: up, gelu(up)
   MoE          router (probs, top-k, weights), the dispatch index, per-row expert inputs and hidden states,
                the fp32 combine; dropless, so every token's top_k rows are counted
   recompute    selective: the attention core (its logsumexp / probabilities) and the SwiGLU activation are
-               recomputed, their inputs stay; full: only each block's input (4 x n_r x d) is kept, and one
-               block's full activations live again while it is recomputed
+               recomputed, their inputs stay; full: only each block's input (4 x n_r x d; 2 x n_r x d with
+               train.bf16_residual) is kept, and one block's full activations live again while it is recomputed
+  bf16 residual  train.bf16_residual: the stream between blocks is bf16; each norm reads an fp32 copy of it and
+               saves that copy, so the norms' bytes above are unchanged
 
 plus the embedding (token ids) and the head: final norm, the head's input cast, and the loss. The largest
 transients are in the loss: logits [n, vocab/tp] in the compute dtype, their fp32 copy and log-softmax
@@ -178,9 +182,13 @@ def _qk_norm_bytes(rows: int, hd: int, device: str, autocast: bool) -> int:
     return 8 * rows * hd + 4 * rows
 
 
-def _linear_input_bytes(dm: _Dims, n_linears: int, in_bytes: int = 2) -> int:
+def _linear_input_bytes(dm: _Dims, n_linears: int, in_bytes: int = 2, region: bool = False) -> int:
     """Saved inputs of ``n_linears`` linears reading one [n, d] fp32 tensor: a cast each under autocast
-    (``in_bytes``: 2 for bf16, 1 for tensorwise fp8), the shared fp32 tensor otherwise."""
+    (``in_bytes``: 2 for bf16, 1 for tensorwise fp8), the shared fp32 tensor otherwise. ``region``: the column-
+    parallel linears of a tensor-parallel region (not fp8): with sp they save one shard of n_r tokens in the
+    compute dtype, for all of them (megaloom.parallel.sp_linear)."""
+    if region and dm.sp:
+        return dm.a * dm.n_r * dm.d
     return n_linears * in_bytes * dm.n * dm.d if dm.autocast else 4 * dm.n * dm.d
 
 
@@ -194,8 +202,9 @@ def block_activation_bytes(cfg: Config, *, tokens: int, batch: int, layer: int =
     m, t = cfg.model, cfg.train
     recompute = recompute or t.recompute
     dm = _dims(m, tokens, batch, compute_precision(cfg, device), tp, sp)
-    if recompute == "full":
-        return {"block input (full recompute)": 4 * dm.n_r * m.d_model}
+    if recompute == "full":  # the residual stream: fp32, or bf16 with train.bf16_residual under autocast
+        residual = 2 if dm.autocast and getattr(t, "bf16_residual", False) else 4
+        return {"block input (full recompute)": residual * dm.n_r * m.d_model}
     attention = attention or attention_backend(cfg, device, tp)
     moe = is_moe_layer(m, layer)
     lin_in = 1 if fp8 and getattr(t, "fp8_recipe", "tensorwise") == "tensorwise" else 2
@@ -204,8 +213,9 @@ def block_activation_bytes(cfg: Config, *, tokens: int, batch: int, layer: int =
     n, n_r, d, a = dm.n, dm.n_r, dm.d, dm.a
     tr = _traits(m)
     out["attn_norm"] = _norm_bytes(tr.norm, n_r, d, device)
-    # One tensor enters each region; with fp32, sp and a parallel block the attention and MLP gather it twice.
-    out["q/k/v inputs"] = _linear_input_bytes(dm, 3, attn_in)
+    # One tensor enters each region (with sp: its shard, saved once for the region's linears unless in fp8).
+    keep_attn = bool(getattr(t, "fp8_keep_attention", False))
+    out["q/k/v inputs"] = _linear_input_bytes(dm, 3, attn_in, region=not fp8 or keep_attn)
     if tr.qk_norm:  # an RMSNorm over each query and key head of the projections' outputs, before RoPE
         out["q/k norms"] = _qk_norm_bytes(n * (dm.hl + dm.hkvl), dm.hd, device, dm.autocast)
     q, kv = a * n * dm.hl * dm.hd, a * n * dm.hkvl * dm.hd
@@ -233,12 +243,15 @@ def block_activation_bytes(cfg: Config, *, tokens: int, batch: int, layer: int =
         out["o_proj input (math)"] = a * n * dm.hl * dm.hd
     if not m.parallel_block:
         out["mlp_norm"] = _norm_bytes(tr.norm, n_r, d, device)
-    shares_input = not dm.autocast and m.parallel_block and not dm.sp  # fp32: one normed x for both branches
+    # fp32 and a parallel block: one normed x (or, with sp, its shard) saved for both branches; an MoE layer
+    # gathers its own copy under sp (megaloom.parallel.expert).
+    shares_input = not dm.autocast and m.parallel_block
     if moe:
-        out.update(_moe_bytes(cfg, dm, device, grouped_mm, selective, shares_input))
+        out.update(_moe_bytes(cfg, dm, device, grouped_mm, selective, shares_input and not dm.sp))
     else:
         gated = tr.gated_mlp
-        out["mlp inputs"] = 0 if shares_input else _linear_input_bytes(dm, 2 if gated else 1, lin_in)
+        out["mlp inputs"] = 0 if shares_input else _linear_input_bytes(dm, 2 if gated else 1, lin_in,
+                                                                      region=not fp8)
         if gated:
             out["gate, up, silu, product"] = (3 if selective else 4) * a * n * dm.fl
         else:
@@ -325,7 +338,8 @@ def head_activation_bytes(cfg: Config, *, tokens: int, tp: int = 1, sp: bool = F
         out["fused loss: grad of head input"] = 4 * tokens * m.d_model
         out["fused loss: grad of head weight"] = 4 * v * m.d_model + 4
         return out
-    out["head input"] = (2 if autocast else 4) * tokens * m.d_model
+    # With sp the head saves its input shard, gathered again in backward (megaloom.parallel.sp_linear).
+    out["head input"] = (2 if autocast else 4) * n_r * m.d_model
     if tp > 1:
         out["softmax (fp32, vocab-parallel)"] = 4 * tokens * v
         out["labels"] = 8 * tokens + 2 * tokens + 8  # local labels, owned & valid masks, the token count

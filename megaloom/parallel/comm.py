@@ -370,6 +370,48 @@ def reduce_scatter_along_dim(x: torch.Tensor, dim: int, group: Group,
     return out
 
 
+def gather_along_dim_async(x: torch.Tensor, dim: int, group: Group,
+                           recorder: OpRecorder | None = None) -> Callable[[], torch.Tensor]:
+    """`gather_along_dim` issued without waiting: returns a function that waits for it and returns the gathered
+    tensor (call it once the work that should hide the transfer has been issued)."""
+    size = group_size(group)
+    if size == 1:
+        return lambda: x
+    buf = x.new_empty((size * x.shape[0],) + tuple(x.shape[1:]))
+    pending = all_gather_into_async(buf, x, group, recorder)
+    shape = list(x.shape)
+    shape[dim] *= size
+
+    def finish() -> torch.Tensor:
+        pending.wait()
+        return buf if dim == 0 else buf.view((size,) + tuple(x.shape)).movedim(0, dim).reshape(shape)
+
+    return finish
+
+
+def reduce_scatter_along_dim_async(x: torch.Tensor, dim: int, group: Group,
+                                   recorder: OpRecorder | None = None) -> Callable[[], torch.Tensor]:
+    """`reduce_scatter_along_dim` issued without waiting: returns a function that waits for it and returns this
+    rank's summed slice."""
+    size = group_size(group)
+    if size == 1:
+        return lambda: x
+    if x.shape[dim] % size:
+        raise ValueError(f"cannot reduce-scatter dimension {dim} of length {x.shape[dim]} over {size} ranks "
+                         "(with parallel.sp the sequence length must be divisible by parallel.tp)")
+    chunks = x.unflatten(dim, (size, x.shape[dim] // size)).movedim(dim, 0).contiguous()
+    out = x.new_empty(chunks.shape[1:])
+    pending = reduce_scatter_async(out, chunks.flatten(0, 1), group, recorder)
+    in_flight = [chunks]  # the backend reads it until the op completes
+
+    def finish() -> torch.Tensor:
+        pending.wait()
+        in_flight.clear()
+        return out
+
+    return finish
+
+
 # --------------------------------------------------------------- autograd borders of tensor-parallel regions
 
 

@@ -8,10 +8,12 @@ parameter gets its `Layout` (`layout.py`). Shards live under the original parame
 weights, so the same seed gives the same model as a single process.
 
 "Enter region" (style `Region`) is a forward pre-hook on the attention / MLP module: identity forward +
-all-reduce backward (copy_to_tp), or with sequence parallelism an all-gather of the sequence shards
-(gather_from_seq), done once for q, k and v together. With sp the embedding reduce-scatters its partial
-lookups into sequence shards, the residual stream holds T/tp tokens per rank, and the head's input is
-all-gathered again (`VocabHead`); the loss is the vocab-parallel cross-entropy, so full logits never exist.
+all-reduce backward (copy_to_tp), or with sequence parallelism an all-gather of the sequence shards in the
+compute dtype, done once for q, k and v together, whose column-parallel linears then run as one autograd node
+that saves only this rank's shard and re-gathers it in backward (`sp_linear.SeqRegion`). With sp the
+embedding reduce-scatters its partial lookups into sequence shards, the residual stream holds T/tp tokens per
+rank, and the head's input is all-gathered again (`VocabHead`); the loss is the vocab-parallel cross-entropy,
+so full logits never exist.
 
 When tp > n_kv_heads, each rank holds one KV head (rank r: head r // (tp / n_kv_heads)), which serves its
 local query heads exactly as grouped-query attention maps them (q head h uses kv head h // (n_heads /
@@ -36,6 +38,7 @@ from megaloom.parallel.expert import expert_norm_sq, is_expert_param, paralleliz
 from megaloom.parallel.layout import layout_of, set_layout
 from megaloom.parallel.mesh import Mesh, check_tp_model
 from megaloom.parallel.random import ForkedCall, ForkedDropout, RNGTracker
+from megaloom.parallel.sp_linear import SeqRegion
 from megaloom.parallel.tp_layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from megaloom.parallel.vocab_ce import VocabParallelLoss, gather_vocab_logits, vocab_parallel_cross_entropy
 
@@ -46,14 +49,14 @@ __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding"
 
 
 class _EnterRegion:
-    """Forward pre-hook on an attention / MLP module: its first positional input enters the tp region."""
+    """Forward pre-hook on an attention / MLP module without sp: its first positional input enters the tp
+    region (with sp: `sp_linear.SeqRegion`)."""
 
-    def __init__(self, mesh: Mesh, sp: bool) -> None:
-        self.mesh, self.sp = mesh, sp
+    def __init__(self, mesh: Mesh) -> None:
+        self.mesh = mesh
 
     def __call__(self, module: nn.Module, args: tuple) -> tuple:
-        enter = comm.gather_from_seq if self.sp else comm.copy_to_tp
-        return (enter(args[0], self.mesh.tp_group, self.mesh.recorder),) + tuple(args[1:])
+        return (comm.copy_to_tp(args[0], self.mesh.tp_group, self.mesh.recorder),) + tuple(args[1:])
 
 
 class SequencePositionEmbedding(nn.Module):
@@ -114,8 +117,12 @@ def _apply(style: st.Style, module: nn.Module, ctx: _Context) -> nn.Module | Non
             return ColumnParallelLinear.from_linear(module, mesh, "none")
         case st.Rowwise():
             return RowParallelLinear.from_linear(module, mesh, "reduce_scatter" if sp else "reduce")
+        case st.Region() if sp:  # gathered once; its column-parallel linears save only this rank's shard
+            region = SeqRegion(mesh)
+            module.register_forward_pre_hook(region.enter)
+            module.register_forward_hook(region.leave)
         case st.Region():
-            module.register_forward_pre_hook(_EnterRegion(mesh, sp))
+            module.register_forward_pre_hook(_EnterRegion(mesh))
         case st.LocalHeads() if ctx.cfg.dropout > 0:  # attention probabilities of this rank's heads
             module._core = ForkedCall(module._core, ctx.tracker)
         case st.VocabEmbedding():

@@ -4,7 +4,9 @@ A column-parallel linear splits the output features (weight rows) and is the ent
 a row-parallel linear splits the input features and is its exit, where the partial sums are reduced.
 The pair (column then row) costs one all-reduce forward and one backward. With sequence parallelism the
 activations outside the region are split along the sequence instead of replicated, and the all-reduce
-becomes an all-gather on entry plus a reduce-scatter on exit (same bytes, 1/tp the activation memory).
+becomes an all-gather on entry plus a reduce-scatter on exit (same bytes, 1/tp the activation memory); the
+column-parallel linears then save only this rank's sequence shard and gather it again in backward
+(`sp_linear`), so their saved input shrinks with tp too.
 
 Every parameter carries how it is split, for gradient sync, checkpoints and `gather_full_params`, as its
 `Layout` (megaloom/parallel/layout.py): rows (``tp_dim=0``), columns (``tp_dim=1``) or replicated, copies
@@ -20,6 +22,7 @@ from torch import nn
 from megaloom.parallel import comm
 from megaloom.parallel.layout import Layout, set_layout
 from megaloom.parallel.mesh import Mesh
+from megaloom.parallel.sp_linear import SeqRegion, gathered_linears, lean_path_active, to_compute_dtype
 from megaloom.precision import fp8
 
 INPUT_MODES = ("copy", "gather", "none")
@@ -49,6 +52,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = set_layout(bias, Layout(tp_dim=0, tp_replicas=replicas)) if bias is not None else None
         self.fp8_recipe: str | None = None  # set by precision.fp8.convert_to_float8: the local matmul in fp8
         self.fp8_fast_accum = True
+        self.seq_region: SeqRegion | None = None  # set by the enclosing sp region: outputs come from it
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, mesh: Mesh, input_mode: str = "copy",
@@ -62,9 +66,15 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g, rec = self.mesh.tp_group, self.mesh.recorder
+        if self.seq_region is not None and (y := self.seq_region.output(self, x)) is not None:
+            return y
         if self.input_mode == "copy":
             x = comm.copy_to_tp(x, g, rec)
-        elif self.input_mode == "gather":
+        elif self.input_mode == "gather":  # sequence shards, gathered in the compute dtype (fp8: as they come)
+            if self.fp8_recipe is None:
+                x = to_compute_dtype(x)
+                if lean_path_active():  # saves the shard, not the gathered sequence
+                    return gathered_linears(x, None, [(self.weight, self.bias)], g, rec)[0]
             x = comm.gather_from_seq(x, g, rec)
         return fp8.linear(x, self.weight, self.bias, self.fp8_recipe, self.fp8_fast_accum)
 
@@ -139,7 +149,9 @@ class VocabParallelEmbedding(nn.Module):
         out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.output_mode == "reduce":
             return comm.reduce_from_tp(out, g, rec)
-        return comm.reduce_scatter_to_seq(out, g, rec)
+        # Reduce-scattered in the compute dtype (half the bytes under bf16 autocast, as every other sp
+        # collective); the residual stream it starts stays in the weights' dtype.
+        return comm.reduce_scatter_to_seq(to_compute_dtype(out), g, rec).to(out.dtype)
 
     def extra_repr(self) -> str:
         return (f"rows {self.vocab_start}..{self.vocab_start + self.num_embeddings} of "

@@ -20,6 +20,8 @@ def apply_train_options(model: torch.nn.Module, t: TrainConfig, loss_chunk: int 
         summary = convert_to_float8(model, t.fp8_recipe, t.fp8_keep_first_last, t.fp8_fast_accum,
                                     t.fp8_keep_attention)
     apply_recompute(model, t.recompute, t.recompute_layers or None)
+    # Under autocast only (Transformer.embed checks): the cast has no effect on an fp32 run.
+    model.residual_dtype = torch.bfloat16 if t.bf16_residual else None
     if t.fused_loss:  # head + cross-entropy in chunks, never the full logits
         model.loss = FusedHeadLoss(loss_chunk)
     return summary

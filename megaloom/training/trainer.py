@@ -164,11 +164,14 @@ class Trainer:
         if stage is not None:  # a schedule executor runs the micro-batches across stages
             emb_group = build_embedding_groups(mesh) if cfg.model.tie_embeddings else None  # collective
             auto = lambda: forward_ctx(self.precision, device, t.offload_activations)  # noqa: E731
+            residual = torch.bfloat16 if t.bf16_residual and self.precision != "fp32" else None  # messages
             pipe = PipelineExecutor(stage, build_schedule(cfg.parallel.schedule, mesh.pp, cfg.parallel.vpp,
                                                           self.n_micro),
-                                    mesh, t.micro_batch_size, t.seq_len, sp=cfg.parallel.sp, autocast=auto)
+                                    mesh, t.micro_batch_size, t.seq_len, sp=cfg.parallel.sp, autocast=auto,
+                                    dtype=residual)
             eval_pipe = PipelineExecutor(stage, forward_only(mesh.pp, cfg.parallel.vpp, self.n_micro), mesh,
-                                         t.micro_batch_size, t.seq_len, sp=cfg.parallel.sp, autocast=auto)
+                                         t.micro_batch_size, t.seq_len, sp=cfg.parallel.sp, autocast=auto,
+                                         dtype=residual)
             # Gradient buckets of the stage, reduced (zero 0) or reduce-scattered (zero 1/2) over dp as each chunk
             # finishes its last backward; the tied embedding's bucket then summed over the first and last stage.
             grads = build_data_parallel(model, mesh, cfg.parallel.zero, cfg.parallel.bucket_mb, gather_dtype,

@@ -54,3 +54,14 @@ def assert_element_counts(per_rank: list[dict], tp: int, n_kv: int = 2) -> None:
         assert res["numel"]["tok_emb.weight"][0] == VOCAB * 64 // tp
         assert res["numel"]["layers.0.attn.q_proj.weight"][0] == 64 * 64 // tp
         assert res["numel"]["layers.1.mlp.down_proj.weight"][0] == 64 * 128 // tp
+
+
+def assert_gathered_linears(res: dict) -> None:
+    """The sp region node matches F.linear on the gathered sequence within float32 tolerance, and its backward
+    issues the re-gather before the grad-input GEMMs and the reduce-scatter before the weight GEMMs."""
+    bad = {k: v for k, v in res["errs"].items() if v > 1e-5}
+    assert not bad, f"sequence-parallel linears disagree with F.linear on the gathered sequence: {bad}"
+    ev = res["events"]
+    back = ev[ev.index("all_gather_async"):]
+    assert back == ["all_gather_async", "gemm", "gemm", "wait all_gather", "reduce_scatter_async", "gemm", "gemm",
+                    "wait reduce_scatter"], ev

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from .checks import assert_collectives, assert_element_counts, assert_parity, assert_regions, assert_vocab_ce
+from .checks import (
+    assert_collectives,
+    assert_element_counts,
+    assert_gathered_linears,
+    assert_parity,
+    assert_regions,
+    assert_vocab_ce,
+)
 from .harness import run_world
 from .worlds import suite_world2
 
@@ -38,3 +45,19 @@ def test_region_autograd_and_vocab_ce(world: list[dict]) -> None:
 def test_cached_decoding_matches(world: list[dict]) -> None:
     for res in world:
         assert max(res["decode"].values()) < 1e-4, res["decode"]
+
+
+def test_sequence_parallel_linears_match_and_overlap(world: list[dict]) -> None:
+    for res in world:
+        assert_gathered_linears(res["gathered_linears"])
+
+
+def test_bf16_halves_the_tp_groups_activation_traffic(world: list[dict]) -> None:
+    """Per step, the sequence-parallel all-gathers and reduce-scatters of the tp group move half the bytes
+    under bf16 autocast that they move in fp32; the gradient all-reduces (fp32 gradients) do not change."""
+    for res in world:
+        for arch in ("llama", "gpt2"):
+            fp32, bf16 = res["step_bytes"][(arch, "fp32")], res["step_bytes"][(arch, "bf16")]
+            for op in ("all_gather", "reduce_scatter"):
+                assert bf16[op] * 2 == fp32[op], (arch, op, fp32, bf16)
+            assert sum(bf16.values()) <= 0.55 * sum(fp32.values()), (arch, fp32, bf16)

@@ -8,7 +8,14 @@ import torch
 
 from megaloom.parallel.mesh import Mesh, rank_coords
 
-from .checks import assert_collectives, assert_element_counts, assert_parity, assert_regions, assert_vocab_ce
+from .checks import (
+    assert_collectives,
+    assert_element_counts,
+    assert_gathered_linears,
+    assert_parity,
+    assert_regions,
+    assert_vocab_ce,
+)
 from .harness import run_world
 from .worlds import suite_world4
 
@@ -91,3 +98,8 @@ def test_dropout_masks_agree_where_they_must(world: list[dict], sp: int) -> None
 def test_cached_decoding_matches(world: list[dict]) -> None:
     for res in world:
         assert max(res["decode"].values()) < 1e-4, res["decode"]
+
+
+def test_sequence_parallel_linears_match_and_overlap(world: list[dict]) -> None:
+    for res in world:
+        assert_gathered_linears(res["gathered_linears"])

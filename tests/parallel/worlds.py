@@ -314,6 +314,8 @@ def dropout_case(mesh: Mesh, sp: bool) -> dict:
 
 # ---------------------------------------------------------------------------------------------------- suites
 
+from .sp_checks import check_gathered_linears, step_bytes  # noqa: E402  (they import this module's helpers)
+
 
 def suite_world4(rank: int, world: int, device: torch.device) -> dict:
     res: dict = {}
@@ -334,6 +336,7 @@ def suite_world4(rank: int, world: int, device: torch.device) -> dict:
     # QK-norm with each KV head replicated on two ranks: k_norm's gradient is partial over heads and replicas.
     res["parity-qwen3-tp4-sp1"] = parity_case(mesh, "qwen3", True)
     res["decode"] = {arch: decode_case(mesh, arch) for arch in ("llama", "gpt2")}
+    res["gathered_linears"] = check_gathered_linears(mesh)
     for sp in (False, True):
         res[f"dropout-sp{int(sp)}"] = dropout_case(mesh, sp)
     return res
@@ -352,4 +355,6 @@ def suite_world2(rank: int, world: int, device: torch.device) -> dict:
     res["parity-llama-tp2-sp1-docs"] = parity_case(mesh, "llama", True, steps=3, docs="mask")
     res["parity-gpt2-tp2-sp1-docs-reset"] = parity_case(mesh, "gpt2", True, steps=3, docs="mask+reset")
     res["decode"] = {arch: decode_case(mesh, arch) for arch in ("llama", "gpt2", "qwen3")}
+    res["gathered_linears"] = check_gathered_linears(mesh)
+    res["step_bytes"] = {(arch, p): step_bytes(mesh, arch, p) for arch in ("llama", "gpt2") for p in ("fp32", "bf16")}
     return res
