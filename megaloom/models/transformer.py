@@ -116,6 +116,9 @@ class Transformer(nn.Module):
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
         self.recompute_layers = 0  # full recomputation of the first N blocks of each span (apply_recompute)
+        # Context parallelism (parallel/context) sets this: (local length, device) -> the global positions of this
+        # rank's tokens, which are not contiguous under the load-balanced split. None: positions pos .. pos+T-1.
+        self.seq_positions = None
         self.reset_parameters()
 
     @property
@@ -170,15 +173,25 @@ class Transformer(nn.Module):
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
+    def positions(self, t: int, pos: int, device) -> torch.Tensor:
+        """Global positions of the t tokens this rank holds, starting at ``pos`` (or as context parallelism
+        lays them out)."""
+        if self.seq_positions is not None:
+            return self.seq_positions(t, device)
+        return torch.arange(pos, pos + t, device=device)
+
     def embed(self, tokens: torch.Tensor, pos: int = 0) -> torch.Tensor:
         x = self.tok_emb(tokens)
         if hasattr(self, "pos_emb"):
-            x = x + self.pos_emb(torch.arange(pos, pos + tokens.shape[1], device=tokens.device))
+            x = x + self.pos_emb(self.positions(tokens.shape[1], pos, tokens.device))
         return self.drop(x)
 
     def rope(self, t: int, pos: int = 0):
         if not hasattr(self, "rope_cos"):
             return None
+        if self.seq_positions is not None:
+            idx = self.seq_positions(t, self.rope_cos.device)
+            return self.rope_cos[idx], self.rope_sin[idx]
         return self.rope_cos[pos:pos + t], self.rope_sin[pos:pos + t]
 
     def full_span(self) -> Span:

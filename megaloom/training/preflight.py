@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 
 from megaloom.config import Config, ConfigError, ModelConfig
+from megaloom.parallel.context import check_context
 from megaloom.parallel.mesh import validate_layout
 from megaloom.parallel.pipeline.partition import Partition, validate_pipeline
 
@@ -79,6 +80,11 @@ def refuse_unbuilt(cfg: Config) -> None:
     if p.ep > 1 and not cfg.model.moe_every:
         raise ConfigError(f"parallel.ep={p.ep} splits MoE experts, but this model has none (model.moe_every=0); "
                           "set parallel.ep=1 or choose an MoE preset (e.g. model.preset=mixtral-tiny).")
-    if p.cp != 1:
-        raise ConfigError(f"parallel.cp={p.cp} is not available in this build yet (tensor/sequence, pipeline, "
-                          "expert and data parallelism with ZeRO are); set parallel.cp=1.")
+    check_context(cfg)
+    m = cfg.model
+    if p.cp > 1 and m.moe_every and (m.aux_loss_weight or m.capacity_factor):
+        # Both are functions of the whole sequence's routing statistics, which a cp rank does not see.
+        raise ConfigError(f"parallel.cp={p.cp} with an MoE load-balancing loss (model.aux_loss_weight="
+                          f"{m.aux_loss_weight}) or capacity dropping (model.capacity_factor={m.capacity_factor}) is "
+                          "not available yet: each cp rank sees only its part of the sequence; set both to 0 (the "
+                          "aux-loss-free bias, model.aux_free_bias_rate, works with cp).")
