@@ -7,7 +7,7 @@ ranks, i.e. on the GPUs of one node behind NVLink, while pipeline stages (point-
 
 Expert parallelism is carved out of dp: an ep group is a block of ``ep`` consecutive dp indices with
 all other coordinates equal, and the expert-data-parallel (edp) group holds the dp ranks that own the same
-experts (dp indices equal modulo ep), which is where expert gradients are averaged.
+experts (dp indices equal modulo ep, and every cp index), which is where expert gradients are averaged.
 
 Everything here except `Mesh.build` is pure arithmetic, so layouts are checked (and tested) without
 starting a single process. No module-level state: process groups live on the Mesh object, which is
@@ -162,9 +162,10 @@ def mesh_layout(world_size: int, sizes: dict[str, int],
 
     layout = {d: _grouped({r: key(c, (d,)) for r, c in coords.items()}) for d in ("tp", "cp", "dp", "pp")}
     layout["dp_cp"] = _grouped({r: key(c, ("dp", "cp")) for r, c in coords.items()})
-    # ep: a block of ep consecutive dp indices; edp: the dp indices that are equal modulo ep.
+    # ep: a block of ep consecutive dp indices; edp: the dp indices that are equal modulo ep, over every cp rank
+    # (cp ranks hold other tokens of the same sequences: their expert gradients are summed like dp_cp's).
     layout["ep"] = _grouped({r: key(c, ("dp",)) + (c["dp"] // ep,) for r, c in coords.items()})
-    layout["edp"] = _grouped({r: key(c, ("dp",)) + (c["dp"] % ep,) for r, c in coords.items()})
+    layout["edp"] = _grouped({r: key(c, ("dp", "cp")) + (c["dp"] % ep,) for r, c in coords.items()})
     return {k: layout[k] for k in GROUP_KINDS}
 
 

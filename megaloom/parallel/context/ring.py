@@ -36,8 +36,9 @@ class _Ring:
     def pass_on(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list]:
         """Send ``tensors`` to the next rank, receive the previous rank's into new buffers; returns (buffers,
         works to wait on)."""
+        tensors = [t.contiguous() for t in tensors]  # q/k/v arrive as transposed views
         bufs = [torch.empty_like(t) for t in tensors]
-        works = comm.send_recv([(t.contiguous(), self.next) for t in tensors], [(b, self.prev) for b in bufs],
+        works = comm.send_recv([(t, self.next) for t in tensors], [(b, self.prev) for b in bufs],
                                self.group, self.recorder, wait=False)
         return bufs, works
 
