@@ -6,7 +6,6 @@ steps, weights after them, within 1e-5), and the activation bytes a cp rank save
 from __future__ import annotations
 
 import pytest
-import torch
 
 from megaloom.training.trainer import Trainer
 
