@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megaloom.parallel.context.blocks import ring_step_backward, ring_step_forward
 from megaloom.parallel.context.layout import local_positions, natural_order, shard_sequence
+
+from .simulate import simulated_ring
 
 
 def test_split_holds_mirrored_chunks_and_natural_order_inverts_it():
@@ -22,33 +23,6 @@ def test_split_holds_mirrored_chunks_and_natural_order_inverts_it():
         assert torch.equal(gathered.index_select(1, natural_order(cp, 16 // (2 * cp))), t)
     with pytest.raises(ValueError, match="2 \\* parallel.cp"):
         shard_sequence(torch.arange(10)[None], 2, 0)
-
-
-def simulated_ring(q, k, v, dout, cp):
-    """Every virtual rank's forward (ring order, merged) and backward (dK/dV summed per source) on one process;
-    returns full-length (out, dq, dk, dv) in natural order."""
-    scale = q.shape[-1] ** -0.5
-    part = [[shard_sequence(x, cp, r, dim=2) for r in range(cp)] for x in (q, k, v, dout)]
-    qs, ks, vs, ds = part
-    outs, dqs = [], []
-    dks = [torch.zeros(ks[0].shape) for _ in range(cp)]
-    dvs = [torch.zeros(vs[0].shape) for _ in range(cp)]
-    for r in range(cp):
-        out = torch.zeros(qs[r].shape)
-        lse = torch.full(qs[r].shape[:3], float("-inf"))
-        for step in range(cp):
-            src = (r - step) % cp
-            ring_step_forward(qs[r], ks[src], vs[src], out, lse, r, src, scale)
-        dq = torch.zeros(qs[r].shape)
-        for step in range(cp):
-            src = (r - step) % cp
-            dk, dv = ring_step_backward(ds[r], qs[r], ks[src], vs[src], out, lse, dq, r, src, scale)
-            dks[src] += dk
-            dvs[src] += dv
-        outs.append(out)
-        dqs.append(dq)
-    order = natural_order(cp, q.shape[2] // (2 * cp))
-    return [torch.cat(x, dim=2).index_select(2, order) for x in (outs, dqs, dks, dvs)]
 
 
 @pytest.mark.parametrize("cp,heads,kv_heads", [(1, 4, 4), (2, 4, 2), (3, 2, 1), (4, 4, 4)])
