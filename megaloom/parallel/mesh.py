@@ -110,7 +110,7 @@ def validate_layout(cfg: Config, world_size: int) -> dict[str, int]:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} must be a multiple of "
                           f"train.micro_batch_size ({t.micro_batch_size}) times the data-parallel size "
                           f"({dp}) = {per_step}; train.global_batch_size={lo} or {lo + per_step} would work.")
-    return dict(world=world_size, tp=p.tp, pp=p.pp, cp=p.cp, dp=dp, ep=p.ep, edp=dp // p.ep)
+    return dict(world=world_size, tp=p.tp, pp=p.pp, cp=p.cp, dp=dp, ep=p.ep, edp=dp // p.ep * p.cp)
 
 
 def parse_order(order: str) -> tuple[str, ...]:

@@ -47,7 +47,7 @@ def test_supported_layouts_pass_preflight():
     assert preflight(cfg("parallel.cp=2"), 2).sizes["cp"] == 2
     assert preflight(cfg("parallel.cp=2", "parallel.cp_mode=alltoall", "model.sliding_window=16"), 2)
     moe = ["model.preset=deepseek-v3-tiny", "parallel.ep=2", "parallel.cp=2"]  # aux-loss-free: fine
-    assert preflight(cfg(*moe), 4).sizes == dict(world=4, tp=1, pp=1, cp=2, dp=2, ep=2, edp=1)
+    assert preflight(cfg(*moe), 4).sizes == dict(world=4, tp=1, pp=1, cp=2, dp=2, ep=2, edp=2)
 
 
 def test_memory_plan_divides_activations_by_cp():
