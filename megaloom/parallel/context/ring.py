@@ -51,6 +51,13 @@ def _wait(works: list) -> None:
 class RingAttention(Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, recorder, scale: float):
+        # The blocks choose their own precision (fp32 math, or the flash kernel on bf16/fp16 inputs): autocast
+        # would turn the fp32 matmuls and the merge back into bf16.
+        with torch.autocast(q.device.type, enabled=False):
+            return RingAttention._forward(ctx, q, k, v, group, recorder, scale)
+
+    @staticmethod
+    def _forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, recorder, scale: float):
         ring = _Ring(group, recorder)
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
@@ -94,7 +101,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, rec
                    scale: float | None = None) -> torch.Tensor:
     """Causal attention of this cp rank's queries q [B, H, T/cp, D] over the whole sequence, whose keys and
     values k, v [B, Hkv, T/cp, D] are spread over ``group`` in the load-balanced split (layout.py). Returns
-    [B, H, T/cp, D] in q's dtype: what full causal SDPA gives for these rows."""
+    [B, H, T/cp, D] in q's dtype: what full causal SDPA gives for these rows.
+
+    Document masks (packed samples) will enter here as per-token document ids that travel with the key/value
+    blocks; the per-step kernels (blocks.py) then take a mask instead of the plain causal / unmasked cases."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if comm.group_size(group) == 1:
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
