@@ -96,7 +96,12 @@ class ParallelConfig:
     tp: int = _f(1, "Tensor-parallel size (Megatron column/row layers).")
     pp: int = _f(1, "Pipeline-parallel size.")
     vpp: int = _f(1, "Virtual pipeline stages per pipeline rank (interleaved schedule).")
-    cp: int = _f(1, "Context-parallel size (long sequences).")
+    cp: int = _f(1, "Context-parallel size: each sequence split over cp ranks (load-balanced causal chunks); "
+                    "train.seq_len must be a multiple of 2 * cp.")
+    cp_mode: str = _f("auto", "Context-parallel attention: ring (key/value blocks passed around the cp ranks), "
+                              "alltoall (Ulysses: heads split instead of the sequence; the heads per tp rank must be "
+                              "multiples of cp) or auto (alltoall when the heads divide, else ring).",
+                      ("auto", "ring", "alltoall"))
     ep: int = _f(1, "Expert-parallel size (MoE).")
     sp: bool = _f(False, "Sequence parallelism inside tensor-parallel groups.")
     zero: int = _f(0, "ZeRO stage: 0 off, 1 optimizer state, 2 + gradients, 3 + parameters.", (0, 1, 2, 3))

@@ -54,11 +54,13 @@ def attention_ctx(backend: str, device: torch.device):
     return sdpa_kernel([first] + [b for b in SDPA_BACKENDS.values() if b != first], set_priority=True)
 
 
-def micro_batches(batch: torch.Tensor, micro: int):
-    """Split [B, T+1] token rows into (inputs, labels) pairs of `micro` rows each."""
+def micro_batches(batch: torch.Tensor, micro: int, shard=None):
+    """Split [B, T+1] token rows into (inputs, labels) pairs of `micro` rows each. ``shard``: applied to both
+    (context parallelism: this rank's chunks of the sequence, `parallel.context.SequenceShard`)."""
     for i in range(0, batch.shape[0], micro):
         chunk = batch[i:i + micro]
-        yield chunk[:, :-1], chunk[:, 1:]
+        x, y = chunk[:, :-1], chunk[:, 1:]
+        yield (x, y) if shard is None else (shard(x), shard(y))
 
 
 def model_kwargs(x: torch.Tensor, documents: Callable[[torch.Tensor], Documents] | None) -> dict:
@@ -99,10 +101,12 @@ class TrainStep:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, precision: str,
                  device: torch.device, micro_batch_size: int, grad_clip: float, grads=None,
                  nan_guard: bool = False, pipeline=None, attention: str = "auto", offload: bool = False,
-                 documents: Callable[[torch.Tensor], Documents] | None = None):
+                 documents: Callable[[torch.Tensor], Documents] | None = None, seq_shard=None):
         """`grads`: a megaloom.parallel.grads.GradientSync for parallel runs (reduces and clips over all
         groups); None on one process. `documents`: the document boundaries of an input micro-batch
-        (data.document_mask / data.reset_positions), passed to the model as ``docs``."""
+        (data.document_mask / data.reset_positions), passed to the model as ``docs``. `seq_shard`: context
+        parallelism's split of tokens and labels."""
+        self.seq_shard = seq_shard
         self.model, self.optimizer = model, optimizer
         self.grads = grads
         # The guard reads the norm on the host once per step (a sync); fp16 already pays it for the scaler.
@@ -130,11 +134,13 @@ class TrainStep:
         self._scale_aux_losses(scale / n_micro)
         total = torch.zeros((), device=self.device)
         start_last = getattr(self.grads, "start_last_microbatch", None)
-        for i, (x, y) in enumerate(micro_batches(batch, self.micro)):
+        for i, (x, y) in enumerate(micro_batches(batch, self.micro, self.seq_shard)):
             if start_last is not None and i == n_micro - 1:
                 start_last()  # gradient buckets are reduced while this last backward is still running
             with forward_ctx(self.precision, self.device, self.offload), attention_ctx(self.attention, self.device):
-                loss = self.model(x, y, **model_kwargs(x, self.documents)) / n_micro  # equal tokens per micro-batch
+                # Equal tokens per micro-batch (and per cp rank, whose means the reduction over dp x cp
+                # averages): the mean of means is the mean.
+                loss = self.model(x, y, **model_kwargs(x, self.documents)) / n_micro
             (loss * scale if scale != 1.0 else loss).backward()
             total += loss.detach().float()
         return self._update(total)

@@ -33,7 +33,7 @@ def test_resolved_config_is_new_and_unchanged_after_config_yaml(small_corpus, tm
 
 
 @pytest.mark.parametrize("world,overrides,fragment", [
-    (1, ["parallel.cp=2"], "parallel.cp=2 is not available"),
+    (2, ["parallel.cp=2", "train.seq_len=30"], "parallel.cp=2 cuts each sequence"),
     (1, ["parallel.ep=2"], "model.moe_every=0"),
     (1, ["parallel.zero=1"], "but dp=1"),
     (4, ["parallel.pp=2", "parallel.zero=3"], "parallel.zero=3 together with parallel.pp>1"),

@@ -123,6 +123,9 @@ class Transformer(nn.Module):
         self.recompute_layers = 0  # full recomputation of the first N blocks of each span (apply_recompute)
         # The residual stream's dtype under autocast (train.bf16_residual: bf16); None keeps the embedding's (fp32).
         self.residual_dtype: torch.dtype | None = None
+        # Context parallelism (parallel/context) sets this: (local length, device) -> the global positions of this
+        # rank's tokens, which are not contiguous under the load-balanced split. None: positions pos .. pos+T-1.
+        self.seq_positions = None
         self.reset_parameters()
 
     @property
@@ -177,11 +180,18 @@ class Transformer(nn.Module):
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
+    def positions(self, t: int, pos: int, device) -> torch.Tensor:
+        """Global positions of the t tokens this rank holds, starting at ``pos`` (or as context parallelism
+        lays them out)."""
+        if self.seq_positions is not None:
+            return self.seq_positions(t, device)
+        return torch.arange(pos, pos + t, device=device)
+
     def embed(self, tokens: torch.Tensor, pos: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
         x = self.tok_emb(tokens)
         if hasattr(self, "pos_emb"):
             if positions is None:
-                positions = torch.arange(pos, pos + tokens.shape[1], device=tokens.device)
+                positions = self.positions(tokens.shape[1], pos, tokens.device)
             x = x + self.pos_emb(positions)
         x = self.drop(x)
         if self.residual_dtype is not None and torch.is_autocast_enabled(x.device.type):
@@ -192,8 +202,11 @@ class Transformer(nn.Module):
         """cos/sin [t, head_dim] of positions pos.., or [B, T, head_dim] of per-sample `positions`."""
         if not hasattr(self, "rope_cos"):
             return None
-        if positions is not None:
+        if positions is not None:  # per sample (positions restarting at each document)
             return self.rope_cos[positions], self.rope_sin[positions]
+        if self.seq_positions is not None:
+            idx = self.seq_positions(t, self.rope_cos.device)
+            return self.rope_cos[idx], self.rope_sin[idx]
         return self.rope_cos[pos:pos + t], self.rope_sin[pos:pos + t]
 
     def full_span(self) -> Span:

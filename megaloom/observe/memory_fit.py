@@ -13,6 +13,7 @@ import math
 
 from megaloom.config import Config, ConfigError
 from megaloom.observe.memory_plan import GB, MemoryPlan, plan_memory
+from megaloom.parallel.context import check_context
 from megaloom.parallel.mesh import validate_layout
 
 HEADROOM = 0.95  # the caching allocator's fragmentation: keep 5% of the budget free
@@ -117,6 +118,7 @@ def auto_micro_batch(cfg: Config, world_size: int, budget_gb: float | None) -> t
 def memory_command(cfg: Config, world_size: int, gpu_gb: float | None) -> str:
     cfg = resolve_for_planning(cfg)
     validate_layout(cfg, world_size)
+    check_context(cfg)  # parallel.cp: the sequence split and the attention mode fit (activations are / cp)
     rank, plan = worst_stage(cfg, world_size)
     lines = [plan.table()]
     if cfg.parallel.pp > 1:

@@ -503,9 +503,10 @@ class MemoryPlan:
 
     def table(self) -> str:
         s = self.setup
+        cp = f"cp={s.get('cp')} " if s.get("cp", 1) > 1 else ""
         head = (f"memory plan, per rank ({s.get('preset', '?')}, {s.get('precision')}, recompute={s.get('recompute')},"
                 f" micro-batch {s.get('micro_batch_size')} x {s.get('seq_len')}, tp={s.get('tp')} pp={s.get('pp')} "
-                f"dp={s.get('dp')} zero={s.get('zero')}, attention {self.attention_name()}):")
+                f"{cp}dp={s.get('dp')} zero={s.get('zero')}, attention {self.attention_name()}):")
         layer = sum(self.per_layer.values())
         rows = [
             ("weights", self.weights, f"fp32 master parameters ({s.get('params_local', 0) / 1e6:.1f}M on this rank)"),

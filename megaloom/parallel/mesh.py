@@ -7,7 +7,7 @@ ranks, i.e. on the GPUs of one node behind NVLink, while pipeline stages (point-
 
 Expert parallelism is carved out of dp: an ep group is a block of ``ep`` consecutive dp indices with
 all other coordinates equal, and the expert-data-parallel (edp) group holds the dp ranks that own the same
-experts (dp indices equal modulo ep), which is where expert gradients are averaged.
+experts (dp indices equal modulo ep, and every cp index), which is where expert gradients are averaged.
 
 Everything here except `Mesh.build` is pure arithmetic, so layouts are checked (and tested) without
 starting a single process. No module-level state: process groups live on the Mesh object, which is
@@ -112,7 +112,7 @@ def validate_layout(cfg: Config, world_size: int) -> dict[str, int]:
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} must be a multiple of "
                           f"train.micro_batch_size ({t.micro_batch_size}) times the data-parallel size "
                           f"({dp}) = {per_step}; train.global_batch_size={lo} or {lo + per_step} would work.")
-    return dict(world=world_size, tp=p.tp, pp=p.pp, cp=p.cp, dp=dp, ep=p.ep, edp=dp // p.ep)
+    return dict(world=world_size, tp=p.tp, pp=p.pp, cp=p.cp, dp=dp, ep=p.ep, edp=dp // p.ep * p.cp)
 
 
 def parse_order(order: str) -> tuple[str, ...]:
@@ -164,9 +164,10 @@ def mesh_layout(world_size: int, sizes: dict[str, int],
 
     layout = {d: _grouped({r: key(c, (d,)) for r, c in coords.items()}) for d in ("tp", "cp", "dp", "pp")}
     layout["dp_cp"] = _grouped({r: key(c, ("dp", "cp")) for r, c in coords.items()})
-    # ep: a block of ep consecutive dp indices; edp: the dp indices that are equal modulo ep.
+    # ep: a block of ep consecutive dp indices; edp: the dp indices that are equal modulo ep, over every cp rank
+    # (cp ranks hold other tokens of the same sequences: their expert gradients are summed like dp_cp's).
     layout["ep"] = _grouped({r: key(c, ("dp",)) + (c["dp"] // ep,) for r, c in coords.items()})
-    layout["edp"] = _grouped({r: key(c, ("dp",)) + (c["dp"] % ep,) for r, c in coords.items()})
+    layout["edp"] = _grouped({r: key(c, ("dp", "cp")) + (c["dp"] % ep,) for r, c in coords.items()})
     return {k: layout[k] for k in GROUP_KINDS}
 
 

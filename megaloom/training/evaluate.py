@@ -18,11 +18,11 @@ def eval_batches(valid_ds, n_batches: int, global_batch: int, local_batch: int, 
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, batches: list[torch.Tensor], micro: int, precision: str,
-             device: torch.device, documents=None) -> float:
+             device: torch.device, documents=None, shard=None) -> float:
     model.eval()
     total, n = torch.zeros((), device=device), 0
     for batch in batches:
-        for x, y in micro_batches(batch.to(device, non_blocking=True), micro):
+        for x, y in micro_batches(batch.to(device, non_blocking=True), micro, shard):
             with autocast_ctx(precision, device):
                 total += model(x, y, **model_kwargs(x, documents)).float()
             n += 1

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 
 from megaloom.config import Config, ConfigError, ModelConfig
+from megaloom.parallel.context import check_context
 from megaloom.parallel.mesh import validate_layout
 from megaloom.parallel.pipeline.partition import Partition, validate_pipeline
 
@@ -86,6 +87,15 @@ def refuse_unbuilt(cfg: Config) -> None:
         raise ConfigError(f"{which}=true with parallel.pp={p.pp}: document boundaries do not travel between "
                           "pipeline stages in this build; set parallel.pp=1 (tensor, data and expert parallelism "
                           f"support it) or {which}=false.")
-    if p.cp != 1:
-        raise ConfigError(f"parallel.cp={p.cp} is not available in this build yet (tensor/sequence, pipeline, "
-                          "expert and data parallelism with ZeRO are); set parallel.cp=1.")
+    if (d.document_mask or d.reset_positions) and p.cp > 1:
+        which = "data.document_mask" if d.document_mask else "data.reset_positions"
+        raise ConfigError(f"{which}=true with parallel.cp={p.cp}: document boundaries are not split over context-"
+                          f"parallel ranks in this build; set parallel.cp=1 or {which}=false.")
+    check_context(cfg)
+    m = cfg.model
+    if p.cp > 1 and m.moe_every and (m.aux_loss_weight or m.capacity_factor):
+        # Both are functions of the whole sequence's routing statistics, which a cp rank does not see.
+        raise ConfigError(f"parallel.cp={p.cp} with an MoE load-balancing loss (model.aux_loss_weight="
+                          f"{m.aux_loss_weight}) or capacity dropping (model.capacity_factor={m.capacity_factor}) is "
+                          "not available yet: each cp rank sees only its part of the sequence; set both to 0 (the "
+                          "aux-loss-free bias, model.aux_free_bias_rate, works with cp).")

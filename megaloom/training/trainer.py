@@ -31,6 +31,7 @@ from megaloom.observe.memory import peak_memory_gb
 from megaloom.observe.memory_plan import MemoryReport
 from megaloom.observe.metrics import MetricsSink, console_line, format_eta
 from megaloom.optim import build_optimizer, lr_at, set_lr
+from megaloom.parallel.context import SequenceShard, parallelize_context
 from megaloom.parallel.materialize import materialize
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.pipeline.executor import PipelineExecutor
@@ -198,7 +199,8 @@ class Trainer:
         self.build_seconds["optimizer"] = time.perf_counter() - t1
         self.train_step = TrainStep(model, optimizer, self.precision, device, t.micro_batch_size, t.grad_clip, grads,
                                     nan_guard=cfg.resilience.nan_guard, pipeline=pipe, attention=t.attention,
-                                    offload=t.offload_activations, documents=self.documents())
+                                    offload=t.offload_activations, documents=self.documents(),
+                                    seq_shard=self.seq_shard)
         self.model, self.optimizer, self.pipe, self.eval_pipe = model, optimizer, pipe, eval_pipe
 
     def documents(self):
@@ -228,6 +230,8 @@ class Trainer:
         self.n_params = count_params(model)
         self.flops_per_token = flops_per_token(cfg.model, matmul_params(model), t.seq_len)
         parallelize_tensor(model, mesh, cfg.parallel.sp)
+        parallelize_context(model, mesh, cfg)  # parallel.cp: attention over the cp ranks, positions of our chunks
+        self.seq_shard = SequenceShard(mesh.cp, mesh.cp_rank) if mesh.cp > 1 else None
         fp8_summary = apply_train_options(model, t)  # before stages and compile
         if fp8_summary is not None:
             log.info(f"megaloom: {fp8_summary}")
@@ -428,7 +432,7 @@ class Trainer:
         t = self.cfg.train
         with self.guard.paused():
             ev = (evaluate(self.model, self.eval_batches, t.micro_batch_size, self.precision, self.device,
-                           self.train_step.documents)
+                           self.train_step.documents, self.seq_shard)
                   if self.eval_pipe is None else evaluate_pipeline(self.eval_pipe, self.eval_batches))
         loss = dp_mean(torch.tensor(ev, device=self.device), self.mesh)
         self.result.eval_loss = loss

@@ -86,7 +86,7 @@ def test_every_kind_partitions_the_world(order: str, pp: int, dp: int, cp: int, 
     layout = Mesh.layout(world, sizes, order)
     coords = {r: rank_coords(r, sizes, order) for r in range(world)}
     assert len({tuple(c.values()) for c in coords.values()}) == world
-    expect = dict(tp=tp, cp=cp, dp=dp, pp=pp, dp_cp=dp * cp, ep=ep, edp=dp // ep)
+    expect = dict(tp=tp, cp=cp, dp=dp, pp=pp, dp_cp=dp * cp, ep=ep, edp=dp // ep * cp)
     for kind, groups in layout.items():
         assert sorted(itertools.chain(*groups)) == list(range(world)), kind
         assert all(len(g) == expect[kind] for g in groups), kind

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megaloom.parallel import comm
+from megaloom.parallel.context.layout import SequenceShard
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.pipeline.checker import check_schedule, peer_of
 from megaloom.parallel.pipeline.schedules import Action, Kind, Schedule
@@ -106,7 +107,10 @@ class PipelineExecutor:
         self.rank = mesh.pp_rank
         self.steps = schedule.steps(self.rank)
         self.last = schedule.n_stages - 1
-        local_seq = seq_len // mesh.tp if sp and mesh.tp > 1 else seq_len
+        # Context parallelism: this rank holds seq_len / cp tokens of each sequence (its two chunks).
+        self.seq_len = seq_len // mesh.cp
+        self.shard = SequenceShard(mesh.cp, mesh.cp_rank) if mesh.cp > 1 else (lambda x: x)
+        local_seq = self.seq_len // mesh.tp if sp and mesh.tp > 1 else self.seq_len
         self.shape = (micro_batch_size, local_seq, stage.cfg.d_model)
         self.dtype = dtype or next(p.dtype for p in stage.parameters() if p.is_floating_point())
         # Global ranks of this pipeline, by stage rank (the p2p peers and the loss's broadcast source).
@@ -142,8 +146,8 @@ class PipelineExecutor:
             if batch is None or batch.shape[0] != m * self.micro:
                 got = None if batch is None else tuple(batch.shape)
                 raise ValueError(f"pipeline stage {self.rank} needs a batch of {m} x {self.micro} rows, got {got}")
-            st.tokens = [batch[i * self.micro:(i + 1) * self.micro, :-1] for i in range(m)]
-            st.labels = [batch[i * self.micro:(i + 1) * self.micro, 1:] for i in range(m)]
+            st.tokens = [self.shard(batch[i * self.micro:(i + 1) * self.micro, :-1]) for i in range(m)]
+            st.labels = [self.shard(batch[i * self.micro:(i + 1) * self.micro, 1:]) for i in range(m)]
         device = self.mesh.device
         st.loss = torch.zeros((), dtype=torch.float32, device=device)
         self.events = []
