@@ -19,28 +19,35 @@ M="model.arch=llama model.d_model=768 model.n_layers=14 model.n_heads=12 model.n
    train.lr=1e-3 train.min_lr=1e-4 train.warmup_steps=30 train.eval_every=0 train.log_every=10 checkpoint.every=0
    checkpoint.final=false run.tensorboard=false train.precision=bf16"
 if has tests; then
-  timeout 420 python3 -m pytest -q -p no:cacheprovider -m gpu tests > "$OUT/gpu_tests.log" 2>&1
+  timeout ${TESTS_TIMEOUT:-330} python3 -m pytest -q -p no:cacheprovider -m gpu --durations=15 tests > "$OUT/gpu_tests.log" 2>&1
   echo "gpu tests rc=$? $(tail -1 "$OUT/gpu_tests.log")"
 fi
-train() {  # train NAME PYTHONPATH OVERRIDES...: 300 steps of the model above, metrics to $OUT/metrics_NAME.jsonl
-  local name=$1 path=$2; shift 2
+train() {  # train NAME TREE OVERRIDES...: 300 steps of the model above, metrics to $OUT/metrics_NAME.jsonl
+  # Run from inside TREE: `python -m` puts the working directory first on sys.path, so PYTHONPATH alone would
+  # import this tree's megaloom for the old one too.
+  local name=$1 tree=$2; shift 2
   # shellcheck disable=SC2086
-  PYTHONPATH=$path timeout 170 python3 -m megaloom train $M "$@" run.dir=/tmp/megaloom-run-$name > "/tmp/train_$name.log" 2>&1
-  echo "train $name rc=$?"
-  { echo "=== train $name (PYTHONPATH=$path): $*"; tail -8 "/tmp/train_$name.log"; } >> "$LOG"
+  (cd "$tree" && timeout 170 python3 -m megaloom train $M "$@" run.dir=/tmp/megaloom-run-$name) > "/tmp/train_$name.log" 2>&1
+  echo "train $name rc=$? ($(cd "$tree" && python3 -c 'import megaloom, os; print(os.path.dirname(megaloom.__file__))'))"
+  { echo "=== train $name (tree $tree): $*"; tail -8 "/tmp/train_$name.log"; } >> "$LOG"
   cp /tmp/megaloom-run-$name/metrics.jsonl "$OUT/metrics_$name.jsonl" 2>/dev/null
 }
 if has bf16ab; then
-  train new . ; train old bench/.old
+  train old bench/.old; train new . ; train new_bf16res . train.bf16_residual=true
   python3 - "$OUT" "$(cat bench/.old/COMMIT 2>/dev/null)" <<'PY' | tee -a "$LOG"
 import json, sys
 def tail(name):
     rows = [json.loads(l) for l in open(f"{sys.argv[1]}/metrics_{name}.jsonl")]
     last = rows[-5:]  # steps 260..300
     return sum(r["loss"] for r in last) / len(last), sorted(r["tokens_per_s"] for r in rows[3:])[len(rows[3:]) // 2]
-(a, ta), (b, tb) = tail("old"), tail("new")
-print(f"bf16 300 steps: old ({sys.argv[2]}) loss {a:.4f} at {ta:,.0f} tok/s | new loss {b:.4f} at {tb:,.0f} tok/s | "
-      f"loss gap {100 * (b - a) / a:+.2f}% | speed {tb / ta:.3f}x")
+a, ta = tail("old")
+for name in ("new", "new_bf16res"):
+    try:
+        b, tb = tail(name)
+    except OSError:
+        print(f"{name}: no metrics"); continue
+    print(f"bf16 300 steps: old ({sys.argv[2]}) loss {a:.4f} at {ta:,.0f} tok/s | {name} loss {b:.4f} at {tb:,.0f} "
+          f"tok/s | loss gap {100 * (b - a) / a:+.2f}% | speed {tb / ta:.3f}x")
 PY
 fi
 if has docmask; then

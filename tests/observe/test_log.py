@@ -7,6 +7,7 @@ import pytest
 
 from megaloom import cli
 from megaloom.observe.log import TO_STDERR, configure_logging, console_verbosity, get_logger
+from megaloom.parallel import launch
 from tests.conftest import tiny_overrides
 
 log = get_logger("megaloom.tests")
@@ -67,7 +68,7 @@ def test_console_verbosity_is_restored(capsys):
 def test_flags_pass_through_nproc(flag, monkeypatch):
     calls = []
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    monkeypatch.setattr(cli.subprocess, "call", lambda cmd: calls.append(cmd) or 0)
+    monkeypatch.setattr(launch, "run_torchrun", lambda cmd: calls.append(cmd) or 0)
     assert cli.main(["train", "--nproc", "2", flag, "train.steps=3"]) == 0
     (cmd,) = calls
     assert cmd[cmd.index("megaloom"):] == ["megaloom", "train", flag, "train.steps=3"]

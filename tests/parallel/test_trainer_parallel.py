@@ -84,7 +84,7 @@ def test_layout_errors_before_start(small_corpus, tmp_path):
 
     with pytest.raises(ConfigError, match="parallel.tp"):
         train(load_config(None, tiny_overrides(small_corpus, tmp_path, "parallel.tp=2")))  # world size 1
-    with pytest.raises(ConfigError, match="not available in this build"):
+    with pytest.raises(ConfigError, match=r"parallel.tp \* parallel.pp \* parallel.cp must be one of 1"):
         train(load_config(None, tiny_overrides(small_corpus, tmp_path, "parallel.cp=2")))
     with pytest.raises(ConfigError, match="parallel.zero=1 shards over data-parallel ranks"):
         train(load_config(None, tiny_overrides(small_corpus, tmp_path, "parallel.zero=1")))
