@@ -26,31 +26,44 @@ PEER = "torchtitan-0.2.2"
 UNTIED_1B_PARAMS = 1_498_482_688  # the peer's "1B" flavor: llama3-1b-untied (../shared/bench/README.md)
 
 
-def peer_rows(summaries: list[dict], like: dict) -> list[dict]:
-    """TorchTitan summary lines -> result rows, with the call's identity copied from a megaloom row ``like``."""
+def peer_rows(summaries: list[dict], like: dict, ours: list[dict] | None = None) -> list[dict]:
+    """TorchTitan summary lines -> result rows, with the call's identity copied from a megaloom row ``like``.
+    The sequence length comes from the log's name (``_s32k``: 32768; else 4096), and with it the FLOPs per token
+    of megaloom's row of the same length in ``ours`` (summarize.py's MFU assumes 4096)."""
     rows = []
     for s in summaries:
         if s.get("err") or not s.get("tps"):
             continue
         fp8 = "fp8" in s["run"]
+        seq = _seq_len(s["run"])
+        fpt = next((r["flops_per_token"] for r in ours or [] if r.get("seq_len") == seq and r.get("flops_per_token")),
+                   None)
+        mfu = s["tps"] * fpt / 989e12 if fpt else s["mfu_titan_formula_989"] / 100
         rows.append({
             "run_id": like["run_id"], "date": like["date"], "gpu": like["gpu"], "torch": like.get("torch"),
-            "framework": PEER, "model": "llama3-1b-untied", "params": UNTIED_1B_PARAMS, "seq_len": 4096,
+            "framework": PEER, "model": "llama3-1b-untied", "params": UNTIED_1B_PARAMS, "seq_len": seq,
             "micro_batch": _micro_batch(s["run"]), "precision": "fp8-tensorwise" if fp8 else "bf16",
             "compile": "compile" in s["run"], "tokens_per_s": s["tps"],
-            "mfu": round(s["mfu_titan_formula_989"] / 100, 4), "peak_mem_gb": None,
+            "recompute": "selective" if "selective" in s["run"] else None,
+            "mfu": round(mfu, 4), "peak_mem_gb": None,
             "peak_reserved_gb": s.get("mem_reserved_gib"), "commit": like.get("commit"), "run": s["run"]})
     return rows
 
 
 def _micro_batch(run: str) -> int:
-    """run_peers.sh names its logs ..._bs<N>.log."""
+    """run_peers.sh names its logs ..._bs<N>.log; the long-sequence logs (``_s32k``) ran micro-batch 1."""
     m = re.search(r"_bs(\d+)", run)
-    return int(m.group(1)) if m else 4
+    return int(m.group(1)) if m else (1 if _seq_len(run) != 4096 else 4)
+
+
+def _seq_len(run: str) -> int:
+    m = re.search(r"_s(\d+)k", run)
+    return int(m.group(1)) * 1024 if m else 4096
 
 
 def _key(r: dict) -> tuple:
-    return r.get("run_id"), r.get("framework"), r.get("model"), r.get("precision"), r.get("micro_batch")
+    return (r.get("run_id"), r.get("framework"), r.get("model"), r.get("precision"), r.get("micro_batch"),
+            r.get("seq_len", 4096), r.get("recompute"), r.get("document_mask"))
 
 
 def table(rows: list[dict]) -> str:
@@ -83,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     if not ours:
         print(f"no megaloom rows in {args.out_dir / 'results.jsonl'}", file=sys.stderr)
         return 1
-    rows = ours + peer_rows(read_jsonl(args.out_dir / "peer_summary.jsonl"), ours[0])
+    rows = ours + peer_rows(read_jsonl(args.out_dir / "peer_summary.jsonl"), ours[0], ours)
     print(f"run {ours[0]['run_id']}, {ours[0]['date']}, {ours[0]['gpu']}, torch {ours[0].get('torch')}, "
           f"commit {ours[0].get('commit')}\n")
     print(table(rows))

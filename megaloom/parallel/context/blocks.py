@@ -67,11 +67,14 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     kr, vr = _repeat_kv(k, groups), _repeat_kv(v, groups)
     if _use_flash(q):
         t_q, t_k = q.shape[2], k.shape[2]
-        empty = torch.empty(0, device=q.device)
+        # What the dense forward hands its backward: no cumulative lengths (None: not the varlen kernel, which any
+        # defined tensor would select) and a philox seed/offset that dropout 0 never reads.
+        seed = torch.zeros(2, dtype=torch.uint64, device=q.device)
+        offset = torch.zeros((), dtype=torch.uint64, device=q.device)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
             dout.to(q.dtype).contiguous(), q.contiguous(), kr.contiguous(), vr.contiguous(),
-            out.to(q.dtype).contiguous(), lse.float().contiguous(), empty, empty, t_q, t_k, 0.0, causal,
-            empty, empty, scale=scale)
+            out.to(q.dtype).contiguous(), lse.float().contiguous(), None, None, t_q, t_k, 0.0, causal,
+            seed, offset, scale=scale)
         return dq.float(), _sum_kv(dk.float(), groups), _sum_kv(dv.float(), groups)
     dout, out = dout.float(), out.float()
     p = torch.exp(_scores(q, kr, causal, scale) - lse[..., None])
