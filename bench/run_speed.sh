@@ -10,7 +10,6 @@
 #   bash bench/run_speed.sh profile-fp8  # a profile of megaloom's fp8 step
 #   bash bench/run_speed.sh 8b-peer  # TorchTitan's 8B flavor, seq 8192, full activation checkpointing (needs bench/.peer)
 #   bash bench/run_speed.sh long     # llama3-1b-untied at seq 32k and 64k (+ document masks), TorchTitan beside
-#   bash bench/run_speed.sh long8b   # llama3-8b at seq 32k (full recompute), TorchTitan's 8B beside
 #   bash bench/run_speed.sh ab       # this tree against an older megaloom in bench/.old (a `git archive` of the commit,
 #                                    # carried to the machine): best bf16 mb 4, alternated new/old/new/old
 #                                    # (a refactor's speed check: the same step, two commits, one call)
@@ -98,21 +97,6 @@ elif [ "$PART" = long ]; then  # long sequences on one GPU (cp=1): llama3-1b-unt
     mkdir -p /tmp/peer && cp /tmp/titan32k.log /tmp/peer/titan_compile_s32k.log && \
       cp /tmp/titan64k.log /tmp/peer/titan_compile_s64k_selective.log
     python3 bench/.peer/summarize.py /tmp/peer > /tmp/peer.log 2>&1; peer_collect "TorchTitan long sequences"
-  fi
-elif [ "$PART" = long8b ]; then  # llama3-8b at seq 32k on one GPU (full recompute), TorchTitan's 8B beside
-  B8="python3 bench/bench_train.py --preset llama3-8b --seq-len 32768 --micro-batch 1 --steps 5 --warmup 2 --compile
-      --fused-loss --attention cudnn --recompute full --results $OUT/results.jsonl --run-id $RUN_ID"
-  echo "=== llama3-8b 32k" >> "$LOG"
-  # shellcheck disable=SC2086
-  timeout 240 $B8 --profile /tmp/prof_8b32k > /tmp/run_8b32k.log 2>&1; rc=$?
-  echo "8b 32k rc=$rc $(grep -o '"tokens_per_s": [0-9]*' /tmp/run_8b32k.log)"
-  tail -25 /tmp/run_8b32k.log >> "$LOG"
-  if [ -d bench/.peer/.whl ]; then
-    titan /tmp/titan8b32k.log 240 --model.flavor 8B --training.seq_len 32768 --training.local_batch_size 1 \
-      --training.steps 8 --job.dump_folder /tmp/titan_dump8b32k --activation_checkpoint.mode full
-    echo "titan 8B 32k rc=$?"; { echo "=== TorchTitan 8B 32k"; tail -14 /tmp/titan8b32k.log; } >> "$LOG"
-    mkdir -p /tmp/peer && cp /tmp/titan8b32k.log /tmp/peer/titan_compile_8b_s32k_full.log
-    python3 bench/.peer/summarize.py /tmp/peer > /tmp/peer.log 2>&1; peer_collect "TorchTitan 8B at 32k"
   fi
 elif [ "$PART" = ab ]; then
   OLD_COMMIT=$(cat bench/.old/COMMIT 2>/dev/null || echo old)
