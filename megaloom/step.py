@@ -68,6 +68,19 @@ def model_kwargs(x: torch.Tensor, documents: Callable[[torch.Tensor], Documents]
     return {"docs": documents(x)} if documents is not None else {}
 
 
+def model_inputs(batch: torch.Tensor, micro: int, documents: Callable[[torch.Tensor], Documents] | None = None,
+                 shard=None):
+    """(inputs, labels, model keyword arguments) per micro-batch of `micro` rows. Under context parallelism
+    (``shard``) the document boundaries are found in the whole sequence first, then every part is this rank's."""
+    for x, y in micro_batches(batch, micro):
+        kwargs = model_kwargs(x, documents)
+        if shard is not None:
+            x, y = shard(x), shard(y)
+            if "docs" in kwargs:
+                kwargs["docs"] = kwargs["docs"].sharded(shard)
+        yield x, y, kwargs
+
+
 def folds_grad_scale(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer.step()`` divides the gradients by ``optimizer.grad_scale`` inside its kernel: torch's
     fused Adam/AdamW read that attribute (it is how GradScaler unscales without a pass of its own)."""
@@ -134,13 +147,13 @@ class TrainStep:
         self._scale_aux_losses(scale / n_micro)
         total = torch.zeros((), device=self.device)
         start_last = getattr(self.grads, "start_last_microbatch", None)
-        for i, (x, y) in enumerate(micro_batches(batch, self.micro, self.seq_shard)):
+        for i, (x, y, kwargs) in enumerate(model_inputs(batch, self.micro, self.documents, self.seq_shard)):
             if start_last is not None and i == n_micro - 1:
                 start_last()  # gradient buckets are reduced while this last backward is still running
             with forward_ctx(self.precision, self.device, self.offload), attention_ctx(self.attention, self.device):
                 # Equal tokens per micro-batch (and per cp rank, whose means the reduction over dp x cp
                 # averages): the mean of means is the mean.
-                loss = self.model(x, y, **model_kwargs(x, self.documents)) / n_micro
+                loss = self.model(x, y, **kwargs) / n_micro
             (loss * scale if scale != 1.0 else loss).backward()
             total += loss.detach().float()
         return self._update(total)

@@ -6,6 +6,10 @@ were its own sample; with `data.reset_positions=true` its position (RoPE angle, 
 the start of its document. Both are derived from the input tokens alone, so no data format changes and every
 rank that holds the tokens derives the same boundaries. The EOD token belongs to the document it ends.
 
+Under context parallelism the boundaries come from the whole sequence before it is split (step.model_inputs): each
+rank keeps the positions of its own tokens, and the all-to-all attention core, which sees every token in natural
+order, applies the whole mask (parallel/context/alltoall.py); ring attention does not take masks yet.
+
 The attention kernels take the boundaries in two forms: a dense boolean mask [B, 1, T, T] for SDPA (exact,
 any device; O(T^2) memory, fine up to a few thousand tokens) and, on GPUs, FlexAttention's block mask, which
 skips the blocks that cross documents without materialising the mask.
@@ -46,6 +50,12 @@ class Documents:
             first = torch.cummax(torch.where(starts, t, torch.zeros_like(t)), dim=1).values
             positions = t - first
         return cls(ids, positions, masked=mask)
+
+    def sharded(self, shard) -> Documents:
+        """This context-parallel rank's view (``shard``: [B, T] -> [B, T / cp], parallel.context.SequenceShard):
+        the positions of its own tokens; the document ids stay whole, since the all-to-all attention core sees
+        the whole sequence and builds its mask from them."""
+        return replace(self, positions=None if self.positions is None else shard(self.positions))
 
     def with_mask(self, window: int = 0, flex: bool = False) -> Documents:
         """A copy holding the attention mask (built once per forward, shared by every layer)."""

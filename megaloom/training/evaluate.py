@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from megaloom.parallel.mesh import Mesh
-from megaloom.step import autocast_ctx, micro_batches, model_kwargs
+from megaloom.step import autocast_ctx, model_inputs
 
 
 def eval_batches(valid_ds, n_batches: int, global_batch: int, local_batch: int, mesh: Mesh,
@@ -22,9 +22,9 @@ def evaluate(model: torch.nn.Module, batches: list[torch.Tensor], micro: int, pr
     model.eval()
     total, n = torch.zeros((), device=device), 0
     for batch in batches:
-        for x, y in micro_batches(batch.to(device, non_blocking=True), micro, shard):
+        for x, y, kwargs in model_inputs(batch.to(device, non_blocking=True), micro, documents, shard):
             with autocast_ctx(precision, device):
-                total += model(x, y, **model_kwargs(x, documents)).float()
+                total += model(x, y, **kwargs).float()
             n += 1
     model.train()
     return (total / max(n, 1)).item()

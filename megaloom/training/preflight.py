@@ -87,10 +87,6 @@ def refuse_unbuilt(cfg: Config) -> None:
         raise ConfigError(f"{which}=true with parallel.pp={p.pp}: document boundaries do not travel between "
                           "pipeline stages in this build; set parallel.pp=1 (tensor, data and expert parallelism "
                           f"support it) or {which}=false.")
-    if (d.document_mask or d.reset_positions) and p.cp > 1:
-        which = "data.document_mask" if d.document_mask else "data.reset_positions"
-        raise ConfigError(f"{which}=true with parallel.cp={p.cp}: document boundaries are not split over context-"
-                          f"parallel ranks in this build; set parallel.cp=1 or {which}=false.")
     check_context(cfg)
     m = cfg.model
     if p.cp > 1 and m.moe_every and (m.aux_loss_weight or m.capacity_factor):

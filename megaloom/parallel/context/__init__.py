@@ -67,6 +67,10 @@ def check_context(cfg: Config) -> None:
         raise ConfigError(f"model.sliding_window={m.sliding_window} with parallel.cp={p.cp} needs the all-to-all "
                           "mode (ring attention here is full causal only); set parallel.cp_mode=alltoall "
                           "(the heads per tp rank must be multiples of cp).")
+    if mode == "ring" and cfg.data.document_mask:
+        raise ConfigError(f"data.document_mask=true with parallel.cp={p.cp} needs the all-to-all mode (ring attention "
+                          "here takes no masks yet); set parallel.cp_mode=alltoall (the heads per tp rank must be "
+                          "multiples of cp) or data.document_mask=false. data.reset_positions works in both modes.")
     if m.dropout > 0:
         raise ConfigError(f"model.dropout={m.dropout} with parallel.cp={p.cp} is not supported (attention-probability "
                           "dropout inside the ring); set model.dropout=0.")
@@ -81,14 +85,15 @@ class ContextAttention:
         self.mode, self.mesh, self.window = mode, mesh, window
 
     def __call__(self, q, k, v, pos: int = 0, docs=None):
-        if docs is not None and docs.mask is not None:  # refused at start-up (preflight); a direct caller too
-            raise RuntimeError("document masks are not split over context-parallel ranks in this build")
+        mask = docs.mask if docs is not None else None
+        if mask is not None and self.mode == "ring":  # refused at start-up (preflight); a direct caller too
+            raise RuntimeError("document masks under context parallelism need parallel.cp_mode=alltoall")
         if pos != 0 or q.shape[2] != k.shape[2]:
             raise RuntimeError("context parallelism splits training sequences; decoding with a KV cache runs on "
                                "one process (parallel.cp=1)")
         if self.mode == "ring":
             return ring_attention(q, k, v, self.mesh.cp_group, self.mesh.recorder)
-        return alltoall_attention(q, k, v, self.mesh.cp_group, self.mesh.recorder, self.window)
+        return alltoall_attention(q, k, v, self.mesh.cp_group, self.mesh.recorder, self.window, mask=mask)
 
 
 def parallelize_context(model: nn.Module, mesh, cfg: Config) -> nn.Module:

@@ -39,9 +39,11 @@ def _heads_to_seq(y: torch.Tensor, group, recorder, inverse: torch.Tensor) -> to
 
 
 def alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, recorder=None, window: int = 0,
-                       dropout_p: float = 0.0) -> torch.Tensor:
+                       dropout_p: float = 0.0, mask=None) -> torch.Tensor:
     """Causal attention (optionally within a sliding ``window``) of this cp rank's tokens over the whole
-    sequence; q [B, H, T/cp, D], k, v [B, Hkv, T/cp, D], with cp dividing H and Hkv. Returns [B, H, T/cp, D]."""
+    sequence; q [B, H, T/cp, D], k, v [B, Hkv, T/cp, D], with cp dividing H and Hkv. Returns [B, H, T/cp, D].
+    ``mask``: the whole sequence's attention mask in natural order, which replaces the causal rule (packed
+    documents, models/documents.py: a dense bool [B, 1, T, T] for SDPA or a FlexAttention block mask)."""
     cp = comm.group_size(group)
     h, hkv, t = q.shape[1], k.shape[1], q.shape[2]
     if h % cp or hkv % cp:
@@ -52,7 +54,13 @@ def alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group,
     inverse[order] = torch.arange(order.numel(), device=q.device)
     qf, kf, vf = (_seq_to_heads(x, group, recorder, order) for x in (q, k, v))
     gqa = qf.shape[1] != kf.shape[1]
-    if window:
+    if mask is not None and not isinstance(mask, torch.Tensor):  # a block mask: FlexAttention (GPUs, compiled)
+        from torch.nn.attention.flex_attention import flex_attention
+
+        y = flex_attention(qf, kf, vf, block_mask=mask, enable_gqa=gqa)
+    elif mask is not None:
+        y = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
+    elif window:
         n = qf.shape[2]
         y = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=attention_mask(n, n, 0, window, q.device),
                                            dropout_p=dropout_p, enable_gqa=gqa)

@@ -26,7 +26,10 @@ BASE = ["train.steps=5", "train.seq_len=32", "train.global_batch_size=8", "train
 
 # Trainer cases: name -> overrides (the reference is the same config without the parallel.* keys; `model=` picks it).
 MODELS = {"gqa": [], "mha": ["model.n_kv_heads=4"], "gpt2": ["model.arch=gpt2", "model.n_kv_heads=4"],
-          "moe": ["model.preset=deepseek-v3-tiny"]}
+          "moe": ["model.preset=deepseek-v3-tiny"],
+          # packed documents kept apart, positions restarting per document (data.document_mask/reset_positions)
+          "docs": ["model.n_kv_heads=4", "data.document_mask=true", "data.reset_positions=true"],
+          "gpt2-reset": ["model.arch=gpt2", "model.n_kv_heads=4", "data.reset_positions=true"]}
 CASES = {
     "cp4-ring": ("gqa", ["parallel.cp=4"]),
     "cp4-alltoall": ("mha", ["parallel.cp=4", "parallel.cp_mode=alltoall"]),
@@ -40,11 +43,40 @@ CASES = {
     "cp2pp2-alltoall": ("gqa", ["parallel.cp=2", "parallel.pp=2", "parallel.cp_mode=alltoall"]),
     "cp2dp2-gpt2": ("gpt2", ["parallel.cp=2"]),
     "cp2ep2-moe": ("moe", ["parallel.cp=2", "parallel.ep=2", "parallel.cp_mode=ring"]),
+    "cp4-alltoall-docs": ("docs", ["parallel.cp=4", "parallel.cp_mode=alltoall"]),
+    "cp2tp2sp-alltoall-docs": ("docs", ["parallel.cp=2", "parallel.tp=2", "parallel.sp=true",
+                                        "parallel.cp_mode=alltoall"]),
+    "cp2dp2-ring-reset": ("gpt2-reset", ["parallel.cp=2", "parallel.cp_mode=ring"]),
 }
 
 
+SHORT_DOCUMENTS = {"docs", "gpt2-reset"}  # models trained on `short_documents` (boundaries inside each sample)
+
+
+def short_documents(corpus: dict, root: Path) -> dict:
+    """``corpus`` plus token files of one-line documents (the lines of its source files), so that the 32-token
+    samples of the document cases hold several end-of-document tokens."""
+    from megaloom.data.preprocess import preprocess
+
+    texts = root / "short"
+    texts.mkdir(parents=True, exist_ok=True)
+    n = 0
+    for f in corpus["files"][:8]:
+        lines = f.read_text().splitlines()
+        for line in lines:
+            chunk = line.strip()
+            if len(chunk) > 8:
+                (texts / f"doc{n:05d}.txt").write_text(chunk + "\n")
+                n += 1
+    prefix = str(root / "short-docs")
+    preprocess([str(p) for p in sorted(texts.glob("*.txt"))], corpus["tokenizer"], prefix, workers=1,
+               show_progress=False)
+    return {**corpus, "short_prefix": prefix}
+
+
 def config(corpus: dict, run_dir: Path, model: str, extra: list[str] = ()):
-    return load_config(None, tiny_overrides(corpus, run_dir, *BASE, *MODELS[model], *extra))
+    data = [f"data.paths={corpus['short_prefix']}"] if model in SHORT_DOCUMENTS else []
+    return load_config(None, tiny_overrides(corpus, run_dir, *BASE, *MODELS[model], *data, *extra))
 
 
 def metrics(run_dir: Path) -> dict[int, dict]:

@@ -37,6 +37,7 @@ def test_auto_picks_alltoall_when_the_heads_divide(extra, mode):
     (4, ["parallel.cp=2", "parallel.ep=2", "model.preset=mixtral-tiny"], "model.aux_loss_weight"),
     (8, ["parallel.cp=2", "parallel.tp=4", "parallel.sp=true", "train.seq_len=36"], "divisible by 16"),
     (2, ["parallel.cp_mode=rng"], "parallel.cp_mode"),
+    (2, ["parallel.cp=2", "parallel.cp_mode=ring", "data.document_mask=true"], "parallel.cp_mode=alltoall"),
 ])
 def test_unsupported_combinations_are_refused_by_name(world, extra, fragment):
     with pytest.raises(ConfigError, match=fragment):
@@ -46,6 +47,8 @@ def test_unsupported_combinations_are_refused_by_name(world, extra, fragment):
 def test_supported_layouts_pass_preflight():
     assert preflight(cfg("parallel.cp=2"), 2).sizes["cp"] == 2
     assert preflight(cfg("parallel.cp=2", "parallel.cp_mode=alltoall", "model.sliding_window=16"), 2)
+    assert preflight(cfg("parallel.cp=2", "parallel.cp_mode=alltoall", "data.document_mask=true"), 2)
+    assert preflight(cfg("parallel.cp=2", "parallel.cp_mode=ring", "data.reset_positions=true"), 2)
     moe = ["model.preset=deepseek-v3-tiny", "parallel.ep=2", "parallel.cp=2"]  # aux-loss-free: fine
     assert preflight(cfg(*moe), 4).sizes == dict(world=4, tp=1, pp=1, cp=2, dp=2, ep=2, edp=2)
 

@@ -1,6 +1,7 @@
 """Context parallelism in a world of 4 gloo processes, started once: ring and all-to-all attention against full
 causal attention (forward and backward), `Trainer` runs at cp 4, cp2 x dp2, cp2 x tp2 (+sp), cp2 x dp2 ZeRO-1,
-cp2 x pp2 and cp2 x ep2 (MoE), in both modes, against the single process (loss and gradient norm at each of 5
+cp2 x pp2 and cp2 x ep2 (MoE), in both modes, packed documents (masked under all-to-all at cp4 and cp2 x tp2,
+restarting positions under ring), against the single process (loss and gradient norm at each of 5
 steps, weights after them, within 1e-5), and the activation bytes a cp rank saves (about 1/cp)."""
 
 from __future__ import annotations
@@ -10,22 +11,27 @@ import pytest
 from megaloom.training.trainer import Trainer
 
 from ..harness import run_world
-from .context_worlds import CASES, MODELS, config, metrics, suite_context_world4
+from .context_worlds import CASES, MODELS, config, metrics, short_documents, suite_context_world4
 
 
 @pytest.fixture(scope="module")
-def world(small_corpus, tmp_path_factory) -> list[dict]:
+def corpus(small_corpus, tmp_path_factory) -> dict:
+    return short_documents(small_corpus, tmp_path_factory.mktemp("cp-corpus"))
+
+
+@pytest.fixture(scope="module")
+def world(corpus, tmp_path_factory) -> list[dict]:
     root = tmp_path_factory.mktemp("cp-world")
-    return run_world(4, suite_context_world4, small_corpus, str(root), timeout=900)
+    return run_world(4, suite_context_world4, corpus, str(root), timeout=900)
 
 
 @pytest.fixture(scope="module")
-def references(small_corpus, tmp_path_factory) -> dict[str, dict]:
+def references(corpus, tmp_path_factory) -> dict[str, dict]:
     """The single process's metrics and final weights for each model of the cases."""
     out = {}
     for model in sorted({m for m, _ in CASES.values()}):
         run = tmp_path_factory.mktemp(f"ref-{model}")
-        trainer = Trainer(config(small_corpus, run, model)).build()
+        trainer = Trainer(config(corpus, run, model)).build()
         trainer.fit()
         out[model] = {"metrics": metrics(run),
                       "params": {k: v.detach().clone() for k, v in trainer.model.named_parameters()}}
@@ -70,3 +76,17 @@ def test_activation_bytes_fall_to_one_cp_th(world):
 
 def test_models_cover_every_case():
     assert {m for m, _ in CASES.values()} <= set(MODELS)
+
+
+def test_document_cases_hold_boundaries(corpus, tmp_path):
+    """The packed-document cases are not the plain ones in disguise: their samples hold several documents."""
+    from megaloom.models.documents import Documents
+    from megaloom.training.trainer import Trainer as _T
+
+    for docs in ("docs", "gpt2-reset"):
+        trainer = _T(config(corpus, tmp_path / docs, docs)).build()
+        x = next(iter(trainer._loader()))[:, :-1]
+        ids = Documents.from_tokens(x, trainer.tokenizer.eod_id).ids
+        last = ids.max(dim=1).values  # boundaries per sample
+        assert (last >= 1).float().mean() >= 0.75 and last.float().mean() >= 1.5, ids  # most samples: 2+ documents
+        trainer.fit()
