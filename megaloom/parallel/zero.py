@@ -32,6 +32,7 @@ Checkpoints stay layout-free: `full_optimizer_state` returns full tensors under 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -208,11 +209,14 @@ class FullyShardedGrads:
 
 
 class _WaitForParams:
-    """Forward pre-hook: block until the all-gathers holding this module's own parameters have landed."""
+    """Forward pre-hook: block until the all-gathers holding these parameters have landed."""
 
     def __init__(self, layout: ShardLayout, params: list[nn.Parameter]) -> None:
         self.layout, self.params = layout, params
 
+    # On a compiled block (`Module.compile` compiles the hooks with the forward) the wait runs eagerly, before the
+    # block's graph: a work handle's wait cannot be traced, and it must happen before the graph reads weights.
+    @torch.compiler.disable
     def __call__(self, module: nn.Module, args: tuple) -> None:
         self.layout.wait_params(self.params)
 
@@ -240,7 +244,11 @@ class ShardedOptimizer:
 
     def __init__(self, layout: ShardLayout, optimizer: str = "adamw", lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 overlap_param_gather: bool = True) -> None:
+                 overlap_param_gather: bool = True, whole_modules: Sequence[nn.Module] = ()) -> None:
+        """``overlap_param_gather``: the parameter all-gathers after a step are waited for by forward pre-hooks
+        (the next forward starts while later layers' weights are still arriving); False waits at the step.
+        ``whole_modules``: modules whose one hook waits for all their parameters, none inside them hooked (the
+        compiled blocks: a hook on a module inside a compiled graph would split the graph at every layer)."""
         if optimizer not in OPTIMIZERS:
             raise ConfigError(f"train.optimizer={optimizer!r} is not one of {', '.join(OPTIMIZERS)}; "
                               "set train.optimizer=adamw or train.optimizer=lamb.")
@@ -277,8 +285,12 @@ class ShardedOptimizer:
         self._hooks = []
         if isinstance(layout, DataParallelGrads):
             model = layout.model
+            whole = {id(m) for m in whole_modules}
+            inside = {id(sub) for m in whole_modules for sub in m.modules() if sub is not m}
             for m in model.modules():
-                own = [p for p in m.parameters(recurse=False) if p.requires_grad]
+                if id(m) in inside:
+                    continue
+                own = [p for p in m.parameters(recurse=id(m) in whole) if p.requires_grad]
                 if own:
                     self._hooks.append(m.register_forward_pre_hook(_WaitForParams(layout, own)))
             # Reading or loading the weights (checkpoints) must not race with a gather still in flight.

@@ -193,7 +193,7 @@ class Trainer:
         if cfg.parallel.zero >= 1:
             optimizer = ShardedOptimizer(grads, t.optimizer, lr=t.lr, betas=(t.beta1, t.beta2),
                                          eps=1e-8 if t.optimizer == "adamw" else 1e-6, weight_decay=t.weight_decay,
-                                         overlap_param_gather=not t.compile)
+                                         whole_modules=list(model.layers.values()) if t.compile else ())
         else:
             optimizer = build_optimizer(model, t, device, mesh)
         self.build_seconds["optimizer"] = time.perf_counter() - t1

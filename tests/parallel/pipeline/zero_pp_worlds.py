@@ -61,9 +61,10 @@ class Log(comm.OpRecorder):
         self.events.append((name, self.names.get(group, "other"), nbytes))
 
 
-def optimizer(model, grads, zero: int, kind: str, mesh: Mesh | None):
+def optimizer(model, grads, zero: int, kind: str, mesh: Mesh | None, whole_modules=()):
     if zero:
-        return ShardedOptimizer(grads, kind, lr=LR, betas=BETAS, eps=EPS[kind], weight_decay=WD)
+        return ShardedOptimizer(grads, kind, lr=LR, betas=BETAS, eps=EPS[kind], weight_decay=WD,
+                                whole_modules=whole_modules)
     if kind == "lamb":
         return build_lamb(model, WD, LR, BETAS, EPS["lamb"], mesh=mesh)
     return torch.optim.AdamW(param_groups(model, WD), lr=LR, betas=BETAS, eps=EPS[kind], foreach=True)
@@ -94,16 +95,22 @@ class Layout:
     """One layout's model, gradients, optimizer and step on this rank."""
 
     def __init__(self, base: Transformer, cfg: Config, mesh: Mesh, emb_group, schedule: str, m: int, zero: int,
-                 kind: str, bucket_mb: float = BUCKET_MB, gather_dtype: torch.dtype = torch.float32) -> None:
+                 kind: str, bucket_mb: float = BUCKET_MB, gather_dtype: torch.dtype = torch.float32,
+                 compiled: bool = False) -> None:
+        """``compiled``: every block compiled as the trainer does with train.compile (dynamo's eager backend:
+        the same tracing and hooks, no C++ compiler needed), its parameters waited for by one hook per block."""
         p = cfg.parallel
         model = parallelize_tensor(copy.deepcopy(base), mesh, p.sp)
         self.stage = build_stage(model, partition_layers(cfg.model.n_layers, mesh.pp, p.vpp), mesh)
         self.model = self.stage.model
+        self.blocks = list(self.model.layers.values()) if compiled else []
+        for block in self.blocks:
+            block.compile(backend="eager")
         self.ex = PipelineExecutor(self.stage, build_schedule(schedule, mesh.pp, p.vpp, m), mesh, MICRO, SEQ,
                                    sp=p.sp)
         self.grads = build_data_parallel(self.model, mesh, zero, bucket_mb, gather_dtype,
                                          tied=tied_parameter(self.stage), tied_group=emb_group)
-        self.opt = optimizer(self.model, self.grads, zero, kind, mesh)
+        self.opt = optimizer(self.model, self.grads, zero, kind, mesh, whole_modules=self.blocks)
         self.step = TrainStep(self.model, self.opt, "fp32", mesh.device, MICRO, CLIP, self.grads, pipeline=self.ex)
         self.mesh = mesh
 
@@ -184,13 +191,14 @@ def checkpoint_case(rank: int, mesh: Mesh, emb_group, cache: dict, root: str, wo
     return out
 
 
-def gather_bytes_case(mesh: Mesh, emb_group, cache: dict, gather_dtype: torch.dtype) -> dict:
+def gather_bytes_case(mesh: Mesh, emb_group, cache: dict, gather_dtype: torch.dtype, compiled: bool = False) -> dict:
     """Bytes per step per group with the parameter all-gathers in ``gather_dtype`` (pp2 x dp2 ZeRO-1), the order of
-    the gathers against the next forward's computation, and the loss curve."""
+    the gathers against the next forward's computation, and the loss curve. ``compiled``: blocks compiled."""
     cfg = config(mesh.pp, world=mesh.world_size)
     data = batches(mesh, 4, 3)
     ref = reference(cfg, "adamw", data, mesh.device, cache)
-    lay = Layout(ref["base"], cfg, mesh, emb_group, "1f1b", 4, 1, "adamw", gather_dtype=gather_dtype)
+    lay = Layout(ref["base"], cfg, mesh, emb_group, "1f1b", 4, 1, "adamw", gather_dtype=gather_dtype,
+                 compiled=compiled)
     tally = comm.CommTally({mesh.dp_cp_group: "dp", mesh.pp_group: "pp", emb_group: "emb"})
     order: list[tuple] = []
 
@@ -199,11 +207,17 @@ def gather_bytes_case(mesh: Mesh, emb_group, cache: dict, gather_dtype: torch.dt
             tally.enter(name, group, nbytes)
             order.append(("comm", name, tally.name_of(group)))
 
+    @torch.compiler.disable  # runs when the module is called, also before a compiled block's graph
     def mark(module, args, name=None):
         order.append(("forward", name))
 
+    inside = {id(sub) for b in lay.blocks for sub in b.modules() if sub is not b}
     hooks = [mod.register_forward_pre_hook(lambda mod, args, n=n: mark(mod, args, n))
-             for n, mod in lay.model.named_modules() if list(mod.parameters(recurse=False))]
+             for n, mod in lay.model.named_modules()
+             if id(mod) not in inside and (list(mod.parameters(recurse=False)) or mod in lay.blocks)]
+    from torch._dynamo.utils import counters
+
+    counters.clear()
     mesh.recorder = Both()
     try:
         loss, _ = lay.run(data[:1])  # the first step's gather is in flight when it returns
@@ -217,7 +231,9 @@ def gather_bytes_case(mesh: Mesh, emb_group, cache: dict, gather_dtype: torch.dt
     return dict(rows=tally.rows(), order=order, loss=loss + more, loss_ref=ref["loss"],
                 param_dtype=str(next(lay.model.parameters()).dtype), n_buckets=len(lay.grads.buckets),
                 numel=sum(b.padded for b in lay.grads.buckets),
-                master_dtype=str(lay.opt.tensors[0].dtype), separate=lay.opt.separate_masters)
+                master_dtype=str(lay.opt.tensors[0].dtype), separate=lay.opt.separate_masters,
+                # graph breaks at the parameter waits (the test's own `mark` hooks break at each block's start)
+                wait_breaks=sum(n for why, n in counters["graph_break"].items() if "_WaitForParams" in why))
 
 
 def suite_zero_pp_world4(rank: int, world: int, device: torch.device, root: str) -> dict:
@@ -238,6 +254,7 @@ def suite_zero_pp_world4(rank: int, world: int, device: torch.device, root: str)
     res["ckpt"] = checkpoint_case(rank, mesh, emb, cache, root, world)
     res["gather-fp32"] = gather_bytes_case(mesh, emb, cache, torch.float32)
     res["gather-bf16"] = gather_bytes_case(mesh, emb, cache, torch.bfloat16)
+    res["gather-bf16-compiled"] = gather_bytes_case(mesh, emb, cache, torch.bfloat16, compiled=True)
     mesh = Mesh.build(config(pp=2, ep=2, world=world, moe=True), world, rank, device)  # pp2 x dp2 (ep2)
     emb = build_embedding_groups(mesh)
     for zero in (0, 1, 2):
