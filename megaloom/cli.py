@@ -1,5 +1,5 @@
-"""Command-line entry points: `megaloom train | preprocess | tokenizer | generate | plot | doctor | schedule | status
-| convert | memory | config`."""
+"""Command-line entry points: `megaloom train | preprocess | tokenizer | generate | plot | doctor | evict | schedule
+| status | convert | memory | config`."""
 
 from __future__ import annotations
 
@@ -127,11 +127,23 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     if "LOCAL_RANK" not in os.environ:  # not under torchrun: start it (one process without --nproc)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                str(args.nproc or 1), "-m", "megaloom", "doctor", "--factor", str(args.factor), "--matmul-n",
-               str(args.matmul_n)]
+               str(args.matmul_n)] + (["--run-dir", args.run_dir] if args.run_dir else [])
         return subprocess.call(cmd)
     from megaloom.resilience.doctor import doctor
 
-    return doctor(factor=args.factor, matmul_n=args.matmul_n)
+    return doctor(factor=args.factor, matmul_n=args.matmul_n, run_dir=args.run_dir)
+
+
+def _cmd_evict(args: argparse.Namespace) -> int:
+    from megaloom.resilience.suspects import read, to_evict
+
+    if not Path(args.run_dir).is_dir():
+        raise ConfigError(f"megaloom evict: {args.run_dir} is not a run directory.")
+    evict = to_evict(read(args.run_dir), args.times)
+    for node, why in evict.items():
+        print(f"evict {node}: {'; '.join(why)}", file=sys.stderr)
+    print(",".join(evict))
+    return 0
 
 
 def _cmd_schedule(args: argparse.Namespace) -> int:
@@ -240,7 +252,17 @@ def _add_doctor(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--nproc", type=int, default=0, help="start N local processes through torchrun (default: one)")
     d.add_argument("--factor", type=float, default=2.0, help="slow = more than FACTOR x the median time")
     d.add_argument("--matmul-n", type=int, default=512)
+    d.add_argument("--run-dir", default=None, help="record the nodes of unhealthy ranks in this run directory, "
+                                                    "for `megaloom evict` to leave them out of the next restart")
     d.set_defaults(fn=_cmd_doctor)
+
+
+def _add_evict(sub: argparse._SubParsersAction) -> None:
+    e = sub.add_parser("evict", help="the nodes a restart should leave out (failed the doctor, or named slow or "
+                                     "stuck twice), comma-separated for `srun --exclude`")
+    e.add_argument("run_dir")
+    e.add_argument("--times", type=int, default=2, help="events naming a node slow or stuck before it is evicted")
+    e.set_defaults(fn=_cmd_evict)
 
 
 def _add_schedule(sub: argparse._SubParsersAction) -> None:
@@ -284,8 +306,8 @@ def _add_config(sub: argparse._SubParsersAction) -> None:
 
 
 # The subcommands in the order `megaloom --help` lists them.
-_SUBCOMMANDS = (_add_train, _add_preprocess, _add_tokenizer, _add_generate, _add_plot, _add_doctor, _add_schedule,
-                _add_status, _add_convert, _add_memory, _add_config)
+_SUBCOMMANDS = (_add_train, _add_preprocess, _add_tokenizer, _add_generate, _add_plot, _add_doctor, _add_evict,
+                _add_schedule, _add_status, _add_convert, _add_memory, _add_config)
 
 
 def build_parser() -> argparse.ArgumentParser:

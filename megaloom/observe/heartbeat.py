@@ -1,6 +1,6 @@
 """Per-rank heartbeat files that a person or a scheduler can read while the job runs (`megaloom status`).
 
-run.dir/heartbeat/rank<N>.json holds {rank, step, time, pid, last_op, op_count, every_s}, replaced atomically
+run.dir/heartbeat/rank<N>.json holds {rank, node, step, time, pid, last_op, op_count, every_s}, replaced atomically
 (write a temporary file, rename), so a reader never sees half a file. One background thread per rank is the only
 regular writer: one small write every `resilience.heartbeat_every_s` (10 s by default), however fast the steps
 are, so 1,024 ranks make ~100 create+rename per second on a shared file system, not thousands. The training loop
@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from megaloom.observe.log import get_logger
+from megaloom.resilience.suspects import node_name
 
 log = get_logger(__name__)
 
@@ -33,6 +34,7 @@ class Heartbeat:
             pass  # a full disk: the first beat warns (below) and training goes on
         self.path = self.dir / f"rank{rank}.json"
         self.rank, self.every_s, self.recorder = rank, every_s, recorder
+        self.node = node_name()
         self.step = 0
         self.writes = 0
         self._lock = threading.Lock()
@@ -62,7 +64,7 @@ class Heartbeat:
         """One beat now. Never raises: a full disk must not end training through its heartbeat (warned once)."""
         rec = self.recorder
         last_op = rec.describe() if rec is not None and hasattr(rec, "describe") else None
-        record = {"rank": self.rank, "step": self.step, "time": time.time(), "pid": os.getpid(),
+        record = {"rank": self.rank, "node": self.node, "step": self.step, "time": time.time(), "pid": os.getpid(),
                   "last_op": last_op, "op_count": getattr(rec, "count", 0), "every_s": self.every_s}
         with self._lock:  # the thread and the watchdog's forced beat share one temporary name
             tmp = self.path.with_suffix(f".tmp{os.getpid()}")
@@ -109,10 +111,11 @@ def status_table(run_dir: str | Path, now: float | None = None) -> str:
     stale = [b["rank"] for b in beats if is_stale(b, now)]
     lines = [f"{len(beats)} ranks, steps {min(steps)}..{max(steps)}; "
              + (f"STALE (no beat for {STALE_AFTER_BEATS} intervals): {_short(stale)}" if stale else "all beating"),
-             f"{'rank':>4}  {'step':>8}  {'age':>8}  last op"]
+             f"{'rank':>4}  {'node':<16}  {'step':>8}  {'age':>8}  last op"]
     for b in beats:
         flag = "  STALE" if is_stale(b, now) else ""
-        lines.append(f"{b['rank']:>4}  {b['step']:>8}  {now - b['time']:>7.1f}s  {b.get('last_op') or '-'}{flag}")
+        lines.append(f"{b['rank']:>4}  {str(b.get('node', '-'))[:16]:<16}  {b['step']:>8}  {now - b['time']:>7.1f}s  "
+                     f"{b.get('last_op') or '-'}{flag}")
     return "\n".join(lines)
 
 

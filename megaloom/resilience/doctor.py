@@ -26,6 +26,7 @@ from megaloom.parallel import comm
 from megaloom.parallel.host_group import HostGroup
 from megaloom.resilience.faults import FaultPlan
 from megaloom.resilience.straggler import slower_than_others
+from megaloom.resilience.suspects import node_name, record
 
 log = get_logger(__name__)
 
@@ -87,11 +88,12 @@ def verdicts(table: np.ndarray, keys: list[str], factor: float) -> list[str]:
 
 
 def doctor(factor: float = 2.0, matmul_n: int = 512, comm_mb: float = 4.0, repeats: int = 5,
-           group=None) -> int:
+           group=None, run_dir: str | None = None) -> int:
     """Run under torchrun; returns the exit code (0 healthy, 1 a slow or failing rank).
 
     ``group``: the group whose collectives are timed (default: the world). The table and the verdict always
-    travel over a gloo side group, whatever the world's backend."""
+    travel over a gloo side group, whatever the world's backend. ``run_dir``: the nodes of unhealthy ranks are
+    recorded there for the next restart to leave out (suspects.py, `megaloom evict`)."""
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -108,15 +110,22 @@ def doctor(factor: float = 2.0, matmul_n: int = 512, comm_mb: float = 4.0, repea
         log.error(f"rank {rank}: self-check failed: {e!r}")
         mine = [0.0] * len(keys) + [1.0]
     table = host.all_gather_floats(mine).numpy()
+    nodes = host.gather(node_name())  # rank 0: every rank's node (for the eviction record)
     code = 0
     if rank == 0:
         log.info(f"megaloom doctor: {world} ranks on {device.type}; slow = more than {factor:g}x the median time "
                  "of the other ranks")
         log.info(f"{'rank':>4}  " + "  ".join(f"{k:>14}" for k in keys) + "  verdict")
+        bad: dict[int, str] = {}
         for r, (row, verdict) in enumerate(zip(table.tolist(), verdicts(table, keys, factor), strict=True)):
             if verdict != "ok":
                 code = 1
+                bad[r] = nodes[r]
             log.info(f"{r:>4}  " + "  ".join(f"{v * 1e3:>12.2f}ms" for v in row[:-1]) + f"  {verdict}")
+        if run_dir and bad:
+            record(run_dir, "doctor", 0, bad, f"factor {factor:g}")
+            log.info(f"doctor: node(s) {sorted(set(bad.values()))} recorded in {run_dir} for eviction "
+                     "(`megaloom evict`)")
         log.info("doctor: all ranks healthy" if code == 0 else "doctor: unhealthy ranks found (see above)")
     code = host.broadcast_int(code, src=0)
     if started:  # a caller's process group (tests) stays theirs

@@ -13,6 +13,7 @@ from megaloom.parallel.comm import LastOpRecorder
 from megaloom.parallel.host_group import HostGroup
 from megaloom.resilience.faults import FaultPlan
 from megaloom.resilience.straggler import StragglerDetector
+from megaloom.resilience.suspects import node_name
 from megaloom.resilience.watchdog import Watchdog
 
 
@@ -30,6 +31,9 @@ class Resilience:
         # the checkpoint group, which the background writer thread uses at the same time.
         control = HostGroup(r.collective_timeout_s) if world_size > 1 and r.straggler_every > 0 else None
         self.straggler = StragglerDetector(world_size, r.straggler_factor, self.recorder, control)
+        # Every rank's node, on rank 0 (once; O(world) names): a straggler is reported with its node, for the
+        # bad-node eviction of the next restart (suspects.py).
+        self.nodes = control.gather(node_name()) if control is not None else [node_name()]
         self.bad_in_a_row = 0
         self._poison = None
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from megaloom.observe.heartbeat import Heartbeat, read_heartbeats
 from megaloom.observe.log import TO_STDERR, get_logger
-from megaloom.resilience import flight_recorder
+from megaloom.resilience import flight_recorder, suspects
 
 log = get_logger(__name__)
 
@@ -133,6 +133,9 @@ class Watchdog:
             if self.reports_table:
                 beats = read_heartbeats(self.run_dir)
                 path.write_text(self.report(idle, dumps, beats))
+                top = max((b.get("op_count", 0) for b in beats), default=0)
+                stuck = {b["rank"]: b.get("node", "?") for b in beats if b.get("op_count", 0) < top}
+                suspects.record(self.run_dir, "hang", self.step, stuck, f"behind in the collectives; {path.name}")
         log.error(self.report(idle, dumps, beats, stacks=False, most_rows=32) + f"\n(full report: {path})",
                   extra=TO_STDERR)
         os._exit(self.exit_code)  # the main thread is stuck; only a hard exit gets torchrun to restart us

@@ -40,6 +40,7 @@ from megaloom.parallel.pipeline.stage import build_embedding_groups, build_stage
 from megaloom.parallel.random import dropout_seed
 from megaloom.parallel.tensor import parallelize_tensor
 from megaloom.parallel.zero import ShardedOptimizer, build_data_parallel, param_gather_dtype
+from megaloom.resilience import suspects
 from megaloom.resilience.guard import Resilience
 from megaloom.resilience.rollbacks import RollbackBudget
 from megaloom.resilience.run_lock import RunLock, lock_run_dir
@@ -386,8 +387,11 @@ class Trainer:
             return None
         slow, times = self.guard.straggler.check()
         if slow and self.rt.is_main:
-            log.warning(f"WARNING: straggler rank(s) {slow} at step {self.step}: compute s/step per rank "
-                        f"{[round(x, 4) for x in times]}")
+            nodes = self.guard.nodes
+            log.warning(f"WARNING: straggler rank(s) {slow} (node(s) {sorted({nodes[r] for r in slow})}) at step "
+                        f"{self.step}: compute s/step per rank {[round(x, 4) for x in times]}")
+            suspects.record(self.run_dir, "straggler", self.step, {r: nodes[r] for r in slow},
+                            f"compute s/step {[round(times[r], 4) for r in slow]}")
         return {"stragglers": slow, "compute_s_per_rank": times}
 
     # -------------------------------------------------------------------------------- log, evaluate, checkpoint

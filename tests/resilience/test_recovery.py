@@ -9,6 +9,7 @@ import time
 import pytest
 
 from megaloom.config import load_config
+from megaloom.resilience import suspects
 from megaloom.train import train
 from tests.conftest import tiny_overrides
 
@@ -59,6 +60,9 @@ def test_watchdog_names_the_hung_rank_and_the_job_recovers(small_corpus, tmp_pat
     text = "\n".join(r.read_text() for r in reports)
     assert "suspect rank(s): [1]" in text
     assert "waiting in:" in text and "all_reduce" in text
+    # ... and recorded with its node for the next restart's eviction (suspects.py)
+    hangs = [(r["rank"], r["reason"]) for r in suspects.read(run)]
+    assert hangs and set(hangs) == {(1, "hang")}, hangs
     for r in reports:  # fired within the timeout plus a small margin
         idle = float(r.read_text().split("no progress for ")[1].split("s")[0])
         assert 4 <= idle < 7, idle
@@ -98,7 +102,7 @@ def test_nan_is_skipped_then_repeated_nans_roll_back(small_corpus, tmp_path, mon
     assert finite and all(v == v and v < 10 for v in finite)
 
 
-def test_doctor_passes_healthy_and_names_a_slow_rank():
+def test_doctor_passes_healthy_and_names_a_slow_rank(tmp_path):
     """Verdicts that no machine load can flip: each timing is the fastest of its repeats (load only adds time);
     the healthy world is judged at factor 20, the slow rank's matmul is made 200 ms slower (60x a ~3 ms matmul,
     so > 2x even if the other rank is loaded 30x), and only the injected rank's verdict is asserted."""
@@ -108,7 +112,11 @@ def test_doctor_passes_healthy_and_names_a_slow_rank():
     assert ok.returncode == 0 and "all ranks healthy" in ok.stdout, ok.stdout + ok.stderr[-1000:]
     assert [x.split()[0] for x in ok.stdout.splitlines() if x.strip().startswith(("0 ", "1 "))] == ["0", "1"]
     env["MEGALOOM_FAULT"] = "slow:rank=1:seconds=0.2"
-    bad = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    bad = subprocess.run([*cmd, "--run-dir", str(tmp_path)], capture_output=True, text=True, timeout=120, env=env)
     assert bad.returncode != 0
     line = next(x for x in bad.stdout.splitlines() if x.strip().startswith("1 "))
     assert "SLOW: matmul_s" in line
+    # the slow rank's node is recorded; one doctor failure is enough for `megaloom evict`
+    rows = suspects.read(tmp_path)
+    assert (1, "doctor") in {(r["rank"], r["reason"]) for r in rows}, rows
+    assert suspects.evict_command(str(tmp_path)) == suspects.node_name()
