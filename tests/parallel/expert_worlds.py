@@ -109,3 +109,17 @@ def suite_expert_world4(rank: int, world: int, device: torch.device) -> dict:
     res["layer-tp2-ep1-sp1"] = layer_case(mesh, sp=True, capacity_factor=0.0)
     dist.barrier()
     return res
+
+
+def suite_expert_trainer_world4(rank: int, world: int, device: torch.device, runs: dict[str, list[str]]) -> dict:
+    """`Trainer` at each MoE layout of ``runs`` (name -> the run's full overrides, run.dir included), one after
+    the other in this world of 4: the test compares their metrics and checkpoints with the single process."""
+    from megaloom.config import load_config
+    from megaloom.runtime import Runtime
+    from megaloom.training.trainer import Trainer
+
+    for overrides in runs.values():
+        Trainer(load_config(None, overrides),
+                runtime=Runtime(device=device, rank=rank, world_size=world, local_rank=rank)).build().fit()
+        dist.barrier()
+    return {}

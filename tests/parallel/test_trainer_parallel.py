@@ -1,5 +1,6 @@
-"""`megaloom train` itself under torchrun (gloo): tensor/sequence/data parallel runs reproduce the single
-process, and their layout-free checkpoints resume under another layout and feed single-process generation."""
+"""`megaloom train` under torchrun (gloo), and `Trainer` in one started world for the MoE layouts: parallel runs
+reproduce the single process, and their layout-free checkpoints resume under another layout and feed
+single-process generation."""
 
 import json
 import subprocess
@@ -11,6 +12,9 @@ import torch
 from megaloom.config import load_config
 from megaloom.train import train
 from tests.conftest import tiny_overrides
+
+from .expert_worlds import suite_expert_trainer_world4
+from .harness import run_world
 
 
 def losses(run_dir):
@@ -122,7 +126,7 @@ def test_moe_data_parallel_matches_single_process(small_corpus, tmp_path):
 
 def test_expert_parallel_layouts_match_single_process(small_corpus, tmp_path):
     """Mixtral-style MoE (aux + z losses, a shared expert; capacity 1.0, so tokens are dropped, or dropless) under
-    ep 2 and 4, ep x tp (sp), ep with ZeRO-1/2 (edp 1 and 2), ep with full recompute, ep with LAMB, and MoE
+    ep 2 and 4, ep x tp (sp), ep with ZeRO-1/2 (edp 2), ep with full recompute, ep with LAMB, and MoE
     under tp x pp: the single process's loss at every step (the same tokens dropped, the same aux-loss gradients),
     its gradient norm (expert gradients reduced over the right ranks) and its final weights. Checkpoints move
     between ep=2 and one process both ways. (ep x pp, dropless, at ZeRO 0/1/2: the pipeline world,
@@ -136,14 +140,17 @@ def test_expert_parallel_layouts_match_single_process(small_corpus, tmp_path):
     train(load_config(None, tiny_overrides(small_corpus, tmp_path / "ref-lamb", *base, *lamb)))
     dropless = ["model.capacity_factor=0"]  # every token reaches its experts
     train(load_config(None, tiny_overrides(small_corpus, tmp_path / "ref-dropless", *base, *dropless)))
-    runs = {"ep2": (2, ["parallel.ep=2"]), "ep4dropless": (4, ["parallel.ep=4", *dropless]),
-            "ep2tp2sp": (4, ["parallel.ep=2", "parallel.tp=2", "parallel.sp=true"]),
-            "ep2z1": (2, ["parallel.ep=2", "parallel.zero=1"]), "ep2z2dp4": (4, ["parallel.ep=2", "parallel.zero=2"]),
-            "ep2recompute": (2, ["parallel.ep=2", "train.recompute=full"]),  # all-to-all again in backward
-            "tp2pp2": (4, ["parallel.tp=2", "parallel.pp=2"]),
-            "ep2lamb": (2, ["parallel.ep=2", *lamb]), "ep2z1lamb": (2, ["parallel.ep=2", "parallel.zero=1", *lamb])}
-    for name, (nproc, extra) in runs.items():
-        torchrun(nproc, tiny_overrides(small_corpus, tmp_path / name, *base, *extra))
+    # One world of 4 processes runs every layout (dp fills the ranks that ep, tp and pp leave: ep2 is ep2 x edp2).
+    runs = {"ep2": ["parallel.ep=2"], "ep4dropless": ["parallel.ep=4", *dropless],
+            "ep2tp2sp": ["parallel.ep=2", "parallel.tp=2", "parallel.sp=true"],
+            "ep2z1": ["parallel.ep=2", "parallel.zero=1"], "ep2z2": ["parallel.ep=2", "parallel.zero=2"],
+            "ep2recompute": ["parallel.ep=2", "train.recompute=full"],  # all-to-all again in backward
+            "tp2pp2": ["parallel.tp=2", "parallel.pp=2"],
+            "ep2lamb": ["parallel.ep=2", *lamb], "ep2z1lamb": ["parallel.ep=2", "parallel.zero=1", *lamb]}
+    run_world(4, suite_expert_trainer_world4,
+              {name: tiny_overrides(small_corpus, tmp_path / name, *base, *extra) for name, extra in runs.items()},
+              timeout=600)
+    for name in runs:
         want_run = tmp_path / ("ref-lamb" if "lamb" in name else "ref-dropless" if "dropless" in name else "ref")
         got = losses(tmp_path / name)
         assert sorted(got) == list(range(1, 6)), name
