@@ -65,9 +65,12 @@ SCALING = {  # name -> (GPUs, overrides) on llama3-1b-untied, micro-batch 4 per 
 }
 
 
+RUNS = Path(os.environ.get("MEGALOOM_MULTI_RUNS", "/tmp/megaloom-multi-runs"))  # run dirs, apart from the logs
+
+
 def megaloom_train(name: str, gpus: int, overrides: list[str], out: Path, timeout: int) -> dict:
-    """One `megaloom train` run; its metrics rows (or the failure's tail)."""
-    run = out / name
+    """One `megaloom train` run (its run.dir under RUNS); its metrics rows (or the failure's tail)."""
+    run = RUNS / name
     cmd = [sys.executable, "-m", "megaloom", "train", *(["--nproc", str(gpus)] if gpus > 1 else []),
            *overrides, f"run.dir={run}", "checkpoint.resume=none"]
     t0 = time.perf_counter()
