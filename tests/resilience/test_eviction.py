@@ -19,10 +19,11 @@ from megaloom.resilience import suspects
 from megaloom.train import train
 from tests.conftest import tiny_overrides
 
-# A 1 s delay against a 2x threshold: a tiny step takes 0.05-0.3 s on two cores however loaded, so the slow rank
-# is named at every check and the healthy one at none (0.25 s against 4x missed checks under heavy load).
+# A check every step, a 1 s delay against a 2x threshold: the healthy rank can never be named (it would need
+# twice the slow rank's time), and on two cores loaded by other work a tiny step's time varies enough that one
+# check in a few may miss the slow rank, so it is asserted named at most checks (eviction needs two).
 BASE = ["train.steps=12", "train.micro_batch_size=2", "checkpoint.every=4", "train.log_every=1",
-        "resilience.straggler_every=2", "resilience.straggler_factor=2"]
+        "resilience.straggler_every=1", "resilience.straggler_factor=2"]
 
 
 def losses(run_dir) -> dict[int, float]:
@@ -62,7 +63,7 @@ def test_the_slow_failing_node_is_evicted_and_the_run_continues_without_it(small
     assert any(p.returncode != 0 for p in procs), outs  # the job failed
     rows = suspects.read(run)
     assert {r["reason"] for r in rows} == {"straggler"} and {r["rank"] for r in rows} == {1}, rows
-    assert sorted(r["step"] for r in rows) == [2, 4, 6, 8], rows  # named at every check before the kill
+    assert len({r["step"] for r in rows}) >= 5, rows  # named at most of the 9 checks before the kill
     bad = rows[0]["node"]
     beat = json.loads((run / "heartbeat" / "rank1.json").read_text())
     assert beat["node"] == bad  # the heartbeat names the same node
