@@ -28,3 +28,15 @@ def tiny_overrides(corpus: dict, run_dir: Path, *extra: str) -> list[str]:
             "train.seq_len=64", "train.global_batch_size=8", "train.micro_batch_size=4", "train.log_every=1",
             "train.warmup_steps=5", "train.lr=3e-3", "train.eval_every=0", "train.eval_batches=2",
             "data.num_workers=0", "run.tensorboard=false", *extra]
+
+
+def wait_for_step(proc, step: int, steps: int) -> None:
+    """Read a running `megaloom train`'s console until it logs ``step``/``steps`` (then signal it, etc.)."""
+    import re
+
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if re.search(rf"step\s+{step}/{steps}\b", line):
+            return
+    raise AssertionError("no step line:\n" + "".join(seen) + proc.stderr.read())

@@ -7,7 +7,7 @@ import pytest
 from megaloom.cli import main
 from megaloom.config import ConfigError, load_config
 from megaloom.train import resolve_model_shape
-from tests.conftest import tiny_overrides
+from tests.conftest import tiny_overrides, wait_for_step
 
 
 def test_bad_key_exits_2_with_suggestion(capsys):
@@ -127,13 +127,7 @@ def test_ctrl_c_saves_then_stops_training_with_one_line_and_exit_130(small_corpu
                           *tiny_overrides(small_corpus, run, "train.steps=100000", "checkpoint.every=0")],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        seen = []
-        for line in p.stdout:  # the console lines; SIGINT once steps are running
-            seen.append(line)
-            if re.search(r"step\s+2/100000", line):
-                break
-        else:
-            raise AssertionError("no step line:\n" + "".join(seen) + p.stderr.read())
+        wait_for_step(p, 2, 100000)
         p.send_signal(signal.SIGINT)
         out, err = p.communicate(timeout=120)
     finally:

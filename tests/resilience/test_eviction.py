@@ -18,20 +18,13 @@ from megaloom.config import load_config
 from megaloom.resilience import suspects
 from megaloom.train import train
 from tests.conftest import tiny_overrides
+from tests.resilience.test_recovery import last_losses
 
 # A check every step, a 1 s delay against a 2x threshold: the healthy rank can never be named (it would need
 # twice the slow rank's time), and on two cores loaded by other work a tiny step's time varies enough that one
 # check in a few may miss the slow rank, so it is asserted named at most checks (eviction needs two).
 BASE = ["train.steps=12", "train.micro_batch_size=2", "checkpoint.every=4", "train.log_every=1",
         "resilience.straggler_every=1", "resilience.straggler_factor=2"]
-
-
-def losses(run_dir) -> dict[int, float]:
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        out[r["step"]] = r["loss"]
-    return out
 
 
 def free_port() -> int:
@@ -52,7 +45,7 @@ def agent(node: str, nnodes: int, port: int, args: list[str], fault: str = "") -
 
 
 def test_the_slow_failing_node_is_evicted_and_the_run_continues_without_it(small_corpus, tmp_path, capsys):
-    ref = losses(train(load_config(None, tiny_overrides(small_corpus, tmp_path / "ref", *BASE))).run_dir)
+    ref = last_losses(train(load_config(None, tiny_overrides(small_corpus, tmp_path / "ref", *BASE))).run_dir)
     run = tmp_path / "run"
     args = tiny_overrides(small_corpus, run, *BASE)
     # Attempt 1 on nodeA + nodeB: rank 1 (whichever node the rendezvous gave it) is slow every step, then dies.
@@ -79,7 +72,7 @@ def test_the_slow_failing_node_is_evicted_and_the_run_continues_without_it(small
     out = proc.communicate(timeout=240)[0]
     assert proc.returncode == 0, out[-3000:]
     assert "resumed from" in out, out[-3000:]
-    got = losses(run)
+    got = last_losses(run)
     assert sorted(got) == list(range(1, 13))
     for step, want in ref.items():  # dp 2 then dp 1 against one process: float32 reduction order only
         assert abs(got[step] - want) <= 1e-5 * want, (step, got[step], want)

@@ -11,7 +11,7 @@ import pytest
 
 from megaloom.config import load_config
 from megaloom.train import train
-from tests.conftest import tiny_overrides
+from tests.conftest import tiny_overrides, wait_for_step
 from tests.parallel.harness import run_world
 from tests.resilience.signal_worlds import signal_suite
 
@@ -52,13 +52,7 @@ def test_sigterm_from_outside_exits_0_with_one_line_after_saving(small_corpus, t
                           *tiny_overrides(small_corpus, run, "train.steps=100000", "checkpoint.every=0")],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        seen = []
-        for line in p.stdout:
-            seen.append(line)
-            if re.search(r"step\s+2/100000", line):
-                break
-        else:
-            raise AssertionError("no step line:\n" + "".join(seen) + p.stderr.read())
+        wait_for_step(p, 2, 100000)
         p.send_signal(signal.SIGTERM)
         out, err = p.communicate(timeout=120)
     finally:
@@ -119,13 +113,7 @@ def test_killing_the_nproc_launcher_leaves_no_worker(small_corpus, tmp_path, how
                           *tiny_overrides(small_corpus, run, "train.steps=100000", "checkpoint.every=0")],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        seen = []
-        for line in p.stdout:
-            seen.append(line)
-            if re.search(r"step\s+2/100000", line):
-                break
-        else:
-            raise AssertionError("no step line:\n" + "".join(seen) + p.stderr.read())
+        wait_for_step(p, 2, 100000)
         assert len(_processes_of(run)) >= 4  # launcher, torchrun, two workers
         if how.startswith("SIG"):  # SIGUSR1: torchrun must be told to handle it, or it dies and orphans the workers
             p.send_signal(getattr(signal, how))
