@@ -54,13 +54,11 @@ def attention_ctx(backend: str, device: torch.device):
     return sdpa_kernel([first] + [b for b in SDPA_BACKENDS.values() if b != first], set_priority=True)
 
 
-def micro_batches(batch: torch.Tensor, micro: int, shard=None):
-    """Split [B, T+1] token rows into (inputs, labels) pairs of `micro` rows each. ``shard``: applied to both
-    (context parallelism: this rank's chunks of the sequence, `parallel.context.SequenceShard`)."""
+def micro_batches(batch: torch.Tensor, micro: int):
+    """Split [B, T+1] token rows into (inputs, labels) pairs of `micro` rows each."""
     for i in range(0, batch.shape[0], micro):
         chunk = batch[i:i + micro]
-        x, y = chunk[:, :-1], chunk[:, 1:]
-        yield (x, y) if shard is None else (shard(x), shard(y))
+        yield chunk[:, :-1], chunk[:, 1:]
 
 
 def model_kwargs(x: torch.Tensor, documents: Callable[[torch.Tensor], Documents] | None) -> dict:
