@@ -104,6 +104,9 @@ class ParallelConfig:
                       ("auto", "ring", "alltoall"))
     ep: int = _f(1, "Expert-parallel size (MoE).")
     sp: bool = _f(False, "Sequence parallelism inside tensor-parallel groups.")
+    async_tp: bool = _f(False, "With sp: each tp region's all-gather and reduce-scatter as tp ring steps, each "
+                               "transfer overlapped with the GEMM on the previous chunk (collective matmul, "
+                               "Megatron's tp-comm-overlap / TorchTitan's async TP). Eager mode only.")
     zero: int = _f(0, "ZeRO stage: 0 off, 1 optimizer state, 2 + gradients, 3 + parameters.", (0, 1, 2, 3))
     schedule: str = _f("1f1b", "Pipeline schedule.", ("gpipe", "1f1b", "interleaved", "zb"))
     pp_first_stage_layers: int = _f(0, "Layers on the first pipeline stage (which also embeds); 0 = balanced.")
@@ -473,9 +476,11 @@ def validate(cfg: Config) -> None:
         _require(m.n_experts % p.ep == 0,
                  f"parallel.ep={p.ep} does not divide model.n_experts={m.n_experts} (each ep rank owns whole "
                  f"experts); parallel.ep values that would work: {_divisors(m.n_experts)}.")
-        if p.ep > 1:
-            _require(p.zero < 3, f"parallel.ep={p.ep} with parallel.zero=3 is not available yet (FSDP2 would shard "
-                                 "the expert weights over all of dp); use parallel.zero=0, 1 or 2.")
+    if p.async_tp and p.tp > 1:
+        _require(p.sp, "parallel.async_tp=true overlaps sequence parallelism's all-gathers and reduce-scatters with "
+                       "the GEMMs; set parallel.sp=true (or parallel.async_tp=false).")
+        _require(not t.compile, "parallel.async_tp=true runs its ring steps in eager mode, which compiled blocks "
+                                "bypass; set train.compile=false (or parallel.async_tp=false).")
     _require(not t.bf16_residual or t.precision in ("auto", "bf16", "fp8"),
              f"train.bf16_residual=true with train.precision={t.precision}: a bf16 residual stream needs bf16 "
              "autocast. Use train.precision=bf16 (or fp8), or train.bf16_residual=false.")

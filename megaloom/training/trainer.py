@@ -230,7 +230,7 @@ class Trainer:
             model = get_family(cfg.model.arch).build(cfg.model)
         self.n_params = count_params(model)
         self.flops_per_token = flops_per_token(cfg.model, matmul_params(model), t.seq_len)
-        parallelize_tensor(model, mesh, cfg.parallel.sp)
+        parallelize_tensor(model, mesh, cfg.parallel.sp, async_tp=cfg.parallel.async_tp)
         parallelize_context(model, mesh, cfg)  # parallel.cp: attention over the cp ranks, positions of our chunks
         self.seq_shard = SequenceShard(mesh.cp, mesh.cp_rank) if mesh.cp > 1 else None
         fp8_summary = apply_train_options(model, t)  # before stages and compile
