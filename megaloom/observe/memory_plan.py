@@ -224,11 +224,11 @@ def block_activation_bytes(cfg: Config, *, tokens: int, batch: int, layer: int =
     if attention in ("flash", "efficient"):
         out["q, k, v"] = q + 2 * kv
         out["attention out"] = q  # o_proj reads it through a view (the kernels write [b, s, h, hd])
-        if not selective:  # efficient attention pads the logsumexp's sequence dimension to 32
-            t_lse = 32 * math.ceil(dm.t / 32) if attention == "efficient" else dm.t
-            out["logsumexp"] = 4 * dm.b * dm.hl * t_lse
-            if device == "cuda":
-                out["rng seed, offset"] = 16
+        # Selective recompute leaves the fused kernels' core alone (apply_recompute): its logsumexp stays saved.
+        t_lse = 32 * math.ceil(dm.t / 32) if attention == "efficient" else dm.t  # efficient pads it to 32
+        out["logsumexp"] = 4 * dm.b * dm.hl * t_lse
+        if device == "cuda":
+            out["rng seed, offset"] = 16
         if m.sliding_window:  # boolean window mask converted to an additive one in the compute dtype
             t_pad = dm.t if device != "cuda" else 16 * math.ceil(dm.t / 16)
             out["window mask"] = a * dm.t * t_pad
@@ -316,7 +316,7 @@ def embedding_activation_bytes(cfg: Config, *, tokens: int, batch: int, tp: int 
 def fused_loss(cfg: Config) -> bool:
     """train.fused_loss: the head and loss fused in chunks (megaloom.models.fused_ce; tensor parallelism uses its
     vocab-parallel loss instead)."""
-    return bool(getattr(cfg.train, "fused_loss", False)) and cfg.parallel.tp == 1
+    return getattr(cfg.train, "fused_loss", False) is True and cfg.parallel.tp == 1  # "auto": resolved by _layout
 
 
 def _fused_chunk_tokens(vocab: int) -> int:
@@ -646,6 +646,9 @@ def _layout(cfg: Config, world_size: int, device: str, pp_rank: int, n_micro: in
     precision = compute_precision(cfg, device)
     if precision != t.precision:
         cfg = _with_precision(cfg, precision)
+    from megaloom.training.levers import resolve_levers  # compile / fused loss "auto": as training on `device`
+
+    cfg = resolve_levers(cfg, device)[0]
     return _Layout(cfg=cfg, device=device, world_size=world_size, tp=tp, pp=pp, vpp=p.vpp, cp=cp, dp=dp,
                    zero=p.zero, pp_rank=pp_rank, n_micro=n_micro, precision=precision,
                    tokens=t.micro_batch_size * t.seq_len // cp, batch=t.micro_batch_size, sp=p.sp and tp > 1,
