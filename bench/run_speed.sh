@@ -10,6 +10,8 @@
 #   bash bench/run_speed.sh profile-fp8  # a profile of megaloom's fp8 step
 #   bash bench/run_speed.sh 8b-peer  # TorchTitan's 8B flavor, seq 8192, full activation checkpointing (needs bench/.peer)
 #   bash bench/run_speed.sh long     # llama3-1b-untied at seq 32k and 64k (+ document masks), TorchTitan beside
+#   bash bench/run_speed.sh defaults # `megaloom train` with only model + batch (levers at auto) vs bench_train's best,
+#                                    # same micro-batch (DEFAULTS_MODEL / _SEQ / _MB / _EXTRA / _BENCH_ARGS for llama3-8b)
 #   bash bench/run_speed.sh ab       # this tree against an older megaloom in bench/.old (a `git archive` of the commit,
 #                                    # carried to the machine): best bf16 mb 4, alternated new/old/new/old
 #                                    # (a refactor's speed check: the same step, two commits, one call)
@@ -98,6 +100,31 @@ elif [ "$PART" = long ]; then  # long sequences on one GPU (cp=1): llama3-1b-unt
       cp /tmp/titan64k.log /tmp/peer/titan_compile_s64k_selective.log
     python3 bench/.peer/summarize.py /tmp/peer > /tmp/peer.log 2>&1; peer_collect "TorchTitan long sequences"
   fi
+elif [ "$PART" = defaults ]; then  # `megaloom train` as a user types it (levers at auto) vs bench_train's best path
+  export MEGALOOM_CACHE=/tmp/megaloom-cache
+  MODEL=${DEFAULTS_MODEL:-llama3-1b-untied} SEQ=${DEFAULTS_SEQ:-4096} MB=${DEFAULTS_MB:-8}
+  EXTRA=${DEFAULTS_EXTRA:-}  # e.g. "train.recompute=full" for llama3-8b (bench_train gets --recompute full)
+  BARGS=${DEFAULTS_BENCH_ARGS:-}
+  # shellcheck disable=SC2086
+  B="${B/--preset llama3-1b-untied --seq-len 4096/--preset $MODEL --seq-len $SEQ}" run best --micro-batch "$MB" \
+    --fused-loss --attention cudnn $BARGS
+  # shellcheck disable=SC2086
+  timeout 300 python3 -m megaloom train model.preset="$MODEL" train.seq_len="$SEQ" train.global_batch_size="$MB" \
+    train.steps=20 train.log_every=1 checkpoint.final=false run.dir=/tmp/defaults-run $EXTRA > /tmp/defaults.log 2>&1
+  echo "megaloom train rc=$?"; { echo "=== megaloom train (defaults)"; grep -v "^step\|^  " /tmp/defaults.log; } >> "$LOG"
+  grep "auto:" /tmp/defaults.log
+  python3 - "$MODEL" "$SEQ" "$MB" "$RUN_ID" "$OUT/results.jsonl" <<'PY'
+import json, statistics, sys
+model, seq, mb, run_id, results = sys.argv[1:]
+rows = [json.loads(line) for line in open("/tmp/defaults-run/metrics.jsonl")]
+steady = [r["tokens_per_s"] for r in rows if r["step"] >= 8]
+row = {"bench": "megaloom_train_defaults", "run_id": run_id, "preset": model, "seq_len": int(seq),
+       "micro_batch": int(mb), "tokens_per_s": round(statistics.median(steady)), "steps_timed": len(steady),
+       "mfu": statistics.median(r["mfu"] for r in rows if r["step"] >= 8 and r["mfu"]) if steady else None,
+       "peak_memory_gb": max(r.get("mem_gb", 0) or 0 for r in rows)}
+print(json.dumps(row))
+open(results, "a").write(json.dumps(row) + "\n")
+PY
 elif [ "$PART" = ab ]; then
   OLD_COMMIT=$(cat bench/.old/COMMIT 2>/dev/null || echo old)
   for round in 1 2; do
