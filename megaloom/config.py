@@ -132,7 +132,9 @@ class TrainConfig:
     seed: int = _f(1234, "Seed for initialisation, data order and dropout.")
     global_batch_size: int = _f(16, "Sequences per optimizer step, summed over data-parallel ranks.")
     micro_batch_size: int = _f(8, "Sequences per forward/backward pass; the rest is gradient accumulation. 0 = auto: "
-                                  "the largest that divides the per-rank batch and fits the GPU per the memory plan.")
+                                  "the largest that divides the per-rank batch and fits the GPU per the memory plan "
+                                  "(on CPU: at most 8). Not given and parallel.pp=1: auto. (With pipelines it is "
+                                  "chosen by hand: the micro-batch count sets the bubble; 8 when not given.)")
     seq_len: int = _f(128, "Tokens per training sequence.")
     lr: float = _f(3e-3, "Peak learning rate. Models wider than 256 (the published presets) default by width "
                          "instead: 6e-4 to 1.5e-4 (megaloom/models/recipes.py).")
@@ -161,8 +163,8 @@ class TrainConfig:
                                   "(of the model without pipeline); 0 = all.")
     offload_activations: bool = _f(False, "Keep the large tensors saved for backward in pinned CPU memory "
                                           "(GPU only; trades PCIe traffic for activation memory).")
-    compile: AutoBool = _f("auto", "torch.compile each transformer block. auto = on CUDA for dense models (measured "
-                                   "to pay; megaloom/training/levers.py), off on CPU, for MoE and with "
+    compile: AutoBool = _f("auto", "torch.compile each transformer block. auto = on CUDA (measured to pay for dense "
+                                   "and MoE models; megaloom/training/levers.py), off on CPU and with "
                                    "parallel.async_tp.", AUTO_BOOL)
     fused_loss: AutoBool = _f("auto", "Compute the output head and cross-entropy fused, in chunks of tokens, never "
                                       "holding the full [tokens, vocab] logits (megaloom.models.fused_ce); needs "
@@ -401,6 +403,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         obj = getattr(cfg, section)
         setattr(obj, name, _coerce(k, v, _field_types(type(obj))[name]))
     _apply_size_defaults(cfg, set(values))
+    if "train.micro_batch_size" not in values and cfg.parallel.pp == 1:
+        cfg.train.micro_batch_size = 0  # auto: the memory plan picks it for the device (training/resolve.py)
     validate(cfg)
     return cfg
 

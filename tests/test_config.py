@@ -34,7 +34,7 @@ def test_yaml_file_then_cli(tmp_path):
     ("model.preset=llama9", "model.preset: unknown preset"),
     ("parallel.zero=4", "parallel.zero"),
     ("model.n_heads=5", "divisible by model.n_heads"),
-    ("train.global_batch_size=10", "multiple of train.micro_batch_size"),
+    ("train.micro_batch_size=3", "multiple of train.micro_batch_size"),
     ("train.seq_len=4096", "exceeds model.max_seq_len"),
     ("parallel.sp=maybe", "expected true or false"),
     ("noequals", "key=value"),

@@ -24,13 +24,13 @@ def test_hopper_takes_the_measured_fast_path():
 
 
 @pytest.mark.parametrize("overrides,key,value", [
-    (["model.preset=mixtral-tiny"], "train.compile", False),  # MoE: not measured to pay
+    (["model.preset=mixtral-tiny"], "train.compile", True),  # MoE too (measured: 1.42x on qwen3-moe-2.6b)
     (["parallel.tp=2", "parallel.sp=true", "parallel.async_tp=true"], "train.compile", False),  # eager ring steps
     (["parallel.tp=2"], "train.fused_loss", False),  # the vocab-parallel loss
     (["parallel.cp=2"], "train.fused_loss", False),
     (["parallel.tp=2"], "train.compile", True),
 ])
-def test_where_a_lever_does_not_apply_it_stays_off(overrides, key, value):
+def test_each_lever_where_it_applies(overrides, key, value):
     assert chosen(overrides, "cuda", (9, 0))[key] == value
 
 

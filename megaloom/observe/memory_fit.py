@@ -17,6 +17,7 @@ from megaloom.parallel.context import check_context
 from megaloom.parallel.mesh import validate_layout
 
 HEADROOM = 0.95  # the caching allocator's fragmentation: keep 5% of the budget free
+NO_BUDGET_MICRO = 8  # train.micro_batch_size auto without a device memory limit (CPU): at most this
 
 
 def resolve_for_planning(cfg: Config) -> Config:
@@ -100,12 +101,13 @@ def auto_micro_batch(cfg: Config, world_size: int, budget_gb: float | None) -> t
     """``train.micro_batch_size=0``: the largest micro-batch that divides this rank's share of the global batch
     (so the global batch, and with it the training, is unchanged) and whose planned peak stays under
     ``HEADROOM * budget_gb``. Returns (micro-batch, planned peak in GB). ``budget_gb`` None (no device limit
-    known, e.g. on CPU): the whole per-rank batch in one micro-batch. ``cfg`` has its shapes resolved."""
+    known, e.g. on CPU): the largest divisor up to `NO_BUDGET_MICRO` (8: what CPU runs always used; a larger one
+    would only hold more activations at once). ``cfg`` has its shapes resolved."""
     sizes = validate_layout(cfg, world_size)
     local = cfg.train.global_batch_size // sizes["dp"]
     candidates = [d for d in range(local, 0, -1) if local % d == 0]
     if budget_gb is None:
-        return local, None
+        return next(d for d in candidates if d <= NO_BUDGET_MICRO), None
     peak = None
     for mb in candidates:
         peak = planned_peak(cfg, world_size, micro_batch_size=mb)
@@ -120,8 +122,17 @@ def memory_command(cfg: Config, world_size: int, gpu_gb: float | None) -> str:
     cfg = resolve_for_planning(cfg)
     validate_layout(cfg, world_size)
     check_context(cfg)  # parallel.cp: the sequence split and the attention mode fit (activations are / cp)
+    lines = []
+    if cfg.train.micro_batch_size == 0:  # auto: as `megaloom train` would choose it on a GPU of gpu_gb
+        try:
+            mb, _ = auto_micro_batch(cfg, world_size, gpu_gb)
+            why = f"fits {HEADROOM:.0%} of {gpu_gb:g} GB" if gpu_gb else "no --gpu-gb: at most 8"
+        except ConfigError:  # nothing fits as configured: show the plan of micro-batch 1 (the fit below says more)
+            mb, why = 1, f"even 1 does not fit {HEADROOM:.0%} of {gpu_gb:g} GB as configured; the plan of 1"
+        cfg.train.micro_batch_size = mb
+        lines.append(f"train.micro_batch_size=0 (auto) -> {mb} ({why})")
     rank, plan = worst_stage(cfg, world_size)
-    lines = [plan.table()]
+    lines.append(plan.table())
     if cfg.parallel.pp > 1:
         lines.append(f"(pipeline stage {rank} of {cfg.parallel.pp}: the stage with the highest peak)")
     if gpu_gb:

@@ -58,7 +58,8 @@ def test_auto_micro_batch_takes_the_largest_divisor_that_fits():
     budget = (peak(6) + peak(8)) / 2 / HEADROOM
     mb, planned = auto_micro_batch(cfg, 1, budget)
     assert (mb, round(planned, 6)) == (6, round(peak(6), 6))
-    assert auto_micro_batch(cfg, 2, None) == (12, None)  # no limit known (CPU): the whole per-rank batch
+    assert auto_micro_batch(cfg, 2, None) == (6, None)  # no limit known (CPU): 12's largest divisor up to 8
+    assert auto_micro_batch(cfg, 4, None) == (6, None) and auto_micro_batch(cfg, 6, None) == (4, None)
     with pytest.raises(ConfigError, match="even micro-batch 1"):
         auto_micro_batch(cfg, 1, peak(1) * 0.5)
 
@@ -78,7 +79,7 @@ def test_fit_tries_the_fused_loss_and_no_accumulation_and_says_so(capsys):
     """Issue 24 (5): llama3-8b at 8192 on 141 GB fits only with full recompute, the fused loss and one
     micro-batch per step; the planner used to answer "does not fit" for every mode (README said micro-batch 3)."""
     assert main(["memory", "--gpu-gb", "141", "model.preset=llama3-8b", "train.seq_len=8192",
-                 "train.fused_loss=false"]) == 0
+                 "train.fused_loss=false", "train.micro_batch_size=8"]) == 0
     out = capsys.readouterr().out
     assert "as configured: 2 micro-batch(es) per step, train.fused_loss=false" in out
     full = next(line for line in out.splitlines() if "recompute=full" in line and "micro-batch" in line)
@@ -92,3 +93,18 @@ def test_fit_as_configured_suggests_no_change():
                                                   "train.fused_loss=false"]))
     rows = fit_micro_batch(cfg, 1, 141, modes=("full",), max_micro=4)
     assert rows[0]["micro_batch"] == 4 and not rows[0]["fused_loss"] and rows[0]["micro_batches"] == 2
+
+
+def test_micro_batch_not_given_is_chosen_by_the_plan():
+    """Not given (and no pipeline): auto, so `megaloom train model.preset=... train.global_batch_size=3` works; on
+    CPU auto is at most 8 (what runs always used). Given, or with pipelines (8 when not given), it stays."""
+    assert load_config(None, []).train.micro_batch_size == 0
+    assert load_config(None, ["train.global_batch_size=3"]).train.micro_batch_size == 0
+    assert load_config(None, ["train.micro_batch_size=8"]).train.micro_batch_size == 8
+    assert load_config(None, ["parallel.pp=2", "model.n_layers=4"]).train.micro_batch_size == 8
+    assert auto_micro_batch(resolve_for_planning(load_config(None, [])), 1, None) == (8, None)  # 16 per step
+
+
+def test_cli_memory_resolves_an_auto_micro_batch(capsys):
+    assert main(["memory", "train.micro_batch_size=0", "train.global_batch_size=12"]) == 0
+    assert "train.micro_batch_size=0 (auto) -> 6 (no --gpu-gb: at most 8)" in capsys.readouterr().out
