@@ -21,7 +21,8 @@ KINDS = [
     # cuDNN's attention runs helper kernels beside its fprop/bprop (cudnn::fusion::compute_dot_do_o, ...)
     ("attention", re.compile(r"flash|fmha|cudnn.*(attn|sdpa)|cudnn::fusion|sdpa|attention|_efficient_attention",
                              re.I)),
-    ("optimizer", re.compile(r"adam|multi_tensor|foreach|lamb", re.I)),
+    # Not "lamb" alone: eager elementwise kernels are named after their C++ lambdas ("...{lambda(float)#1}...").
+    ("optimizer", re.compile(r"adam|multi_tensor|foreach|lamb(?!da)", re.I)),
     ("gemm", re.compile(r"gemm|cutlass|nvjet|xmma|cublas|_scaled_mm|grouped_mm|\bmm\b|addmm|matmul|bmm|linear",
                         re.I)),
     ("loss", re.compile(r"softmax|cross_entropy|nll_loss", re.I)),
