@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from megaloom.models.family import Family
 from megaloom.models.llama import TRAITS
+from megaloom.models.llava.hf import HF
 from megaloom.models.llava.model import Llava
 from megaloom.models.llava.presets import PRESETS
 from megaloom.models.plan import DECODER_PLAN
@@ -21,4 +22,4 @@ PLAN = {**DECODER_PLAN, **vision_plan("vision"), "merge": SequenceScatter()}
 
 
 FAMILY = Family(name="llava", description="ViT encoder + MLP projector + Llama decoder (LLaVA-1.5 style)",
-                traits=TRAITS, plan=PLAN, presets=PRESETS, hf=None, module=Llava)
+                traits=TRAITS, plan=PLAN, presets=PRESETS, hf=HF, module=Llava)
