@@ -197,9 +197,9 @@ class DataConfig:
                                     "tokenizer's EOD token): as if every document were its own sample.")
     reset_positions: bool = _f(False, "Positions (RoPE angles, learned position rows) restart at 0 with each "
                                       "document of a packed sample.")
-    images: str = _f("", "Image-text data for a multimodal model (model.vision_layers > 0): a folder of *.jsonl records "
-                         "with their images, or of WebDataset-style *.tar shards; empty = a generated synthetic set "
-                         "(shapes and colours with captions).")
+    images: str = _f("", "Image-text data for a multimodal model (model.vision_layers > 0): a folder of *.jsonl "
+                         "records with their images, or of WebDataset-style *.tar shards; empty = a generated "
+                         "synthetic set (shapes and colours with captions).")
     max_images: int = _f(4, "Most images in one packed training row (several image-text samples share a row).")
     synthetic_samples: int = _f(2000, "Image-text pairs in the generated synthetic set (data.images empty).")
 

@@ -36,8 +36,8 @@ from megaloom.convert.errors import ConversionError
 from megaloom.convert.hf_config import DTYPES, hf_config, model_settings
 from megaloom.convert.hf_names import from_hf_names, to_hf_names
 from megaloom.convert.safetensors_io import DEFAULT_SHARD_BYTES, INDEX, SINGLE, load_weights, save_weights
-from megaloom.models.registry import get_family
 from megaloom.models.presets import PRESETS
+from megaloom.models.registry import get_family
 
 
 def to_hf(run_or_ckpt_dir: str | Path, out_dir: str | Path, show_progress: bool = True, dtype: str = "float32",

@@ -42,7 +42,8 @@ class _Prefixed:
 
 def from_hf_names(hf: HFTensors, m: ModelConfig) -> Tensors:
     sd = llama_hf.from_hf_names(_Prefixed(hf), m)
-    sd.update({f"{ml}.{leaf}": hf.take(f"{PROJ}{name}.{leaf}") for ml, name in PROJECTOR for leaf in ("weight", "bias")})
+    sd.update({f"{ml}.{leaf}": hf.take(f"{PROJ}{name}.{leaf}")
+               for ml, name in PROJECTOR for leaf in ("weight", "bias")})
     sd.update(vit_hf.from_hf_names(hf, m, VISION, "vision."))
     return sd
 
