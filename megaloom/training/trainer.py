@@ -20,10 +20,10 @@ import torch
 
 from megaloom.checkpoint.store import remove_partial_saves
 from megaloom.config import Config
-from megaloom.data.dataset import build_datasets
 from megaloom.data.loader import StepBatches, make_loader
 from megaloom.models import count_params
 from megaloom.models.documents import Documents
+from megaloom.models.freeze import freeze_parts
 from megaloom.models.registry import get_family
 from megaloom.observe.flops import device_peak_flops, flops_per_token, matmul_params
 from megaloom.observe.log import get_logger
@@ -48,7 +48,7 @@ from megaloom.resilience.signals import StopRequests, signal_name
 from megaloom.runtime import Runtime, init_runtime, resolve_precision, seed_everything
 from megaloom.step import TrainStep, forward_ctx
 from megaloom.training.checkpoints import RunCheckpoints
-from megaloom.training.data import load_rank_datasets
+from megaloom.training.data import default_builder, load_rank_datasets
 from megaloom.training.evaluate import eval_batches, evaluate, evaluate_pipeline
 from megaloom.training.options import apply_train_options
 from megaloom.training.preflight import Checked, preflight, preflight_vocab, world_size_from_env
@@ -134,14 +134,14 @@ class Trainer:
         self.reads_data = mesh.pp == 1 or mesh.is_first_stage or mesh.is_last_stage
         self.train_ds, self.valid_ds, self.tokenizer = load_rank_datasets(
             self._datasets, self.requested.data, t.seq_len, t.seed, t.steps * t.global_batch_size,
-            t.eval_batches * t.global_batch_size, self.rt, self.reads_data, default=build_datasets)
+            t.eval_batches * t.global_batch_size, self.rt, self.reads_data, default=default_builder(self.requested))
         log.debug(f"data: {len(self.train_ds)} training and {len(self.valid_ds)} validation samples; tokenizer "
                   f"{self.tokenizer.path} ({self.tokenizer.vocab_size} tokens)")
 
     def _resolve(self) -> Config:
         """The resolved config (a new object): sizes, precision, tokenizer path, and the micro-batch."""
         cfg = resolve_config(self.requested, precision=self.precision, tokenizer_path=self.tokenizer.path,
-                             tokenizer_vocab=self.tokenizer.vocab_size)
+                             tokenizer_vocab=self.tokenizer.vocab_size, image_token_id=self.tokenizer.image_id)
         if cfg.train.micro_batch_size == 0:
             cfg = with_micro_batch(cfg, choose_micro_batch(cfg, self.rt, self.device))  # a collective
         self.n_micro = self.local_batch // cfg.train.micro_batch_size
@@ -234,6 +234,7 @@ class Trainer:
         parallelize_context(model, mesh, cfg)  # parallel.cp: attention over the cp ranks, positions of our chunks
         self.seq_shard = SequenceShard(mesh.cp, mesh.cp_rank) if mesh.cp > 1 else None
         fp8_summary = apply_train_options(model, t)  # before stages and compile
+        freeze_parts(model, cfg.model.freeze)  # before the gradient buckets and the optimizer, which skip them
         if fp8_summary is not None:
             log.info(f"megaloom: {fp8_summary}")
         stage = build_stage(model, checked.partition, mesh) if mesh.pp > 1 else None  # prunes the model
@@ -347,7 +348,7 @@ class Trainer:
         if self.data_offset and len(self.train_ds) < (t.steps + self.data_offset) * t.global_batch_size:
             self.train_ds, _, _ = load_rank_datasets(
                 self._datasets, cfg.data, t.seq_len, t.seed, (t.steps + self.data_offset) * t.global_batch_size,
-                t.eval_batches * t.global_batch_size, self.rt, self.reads_data, default=build_datasets)
+                t.eval_batches * t.global_batch_size, self.rt, self.reads_data, default=default_builder(cfg))
         batches = StepBatches(self.train_ds, t.global_batch_size, rank_offset=self.mesh.dp_rank * self.local_batch,
                               rank_size=self.local_batch, start_step=step + self.data_offset, n_steps=t.steps - step)
         if not self.reads_data:
