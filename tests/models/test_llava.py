@@ -1,0 +1,114 @@
+"""The llava family: the decoder it wraps is unchanged for text, image features land only at <image> positions,
+`megaloom train model.preset=llava-tiny` learns the synthetic set, and frozen parts get no gradients, no optimizer
+state and keep their values (LLaVA's projector-only stage)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megaloom.config import ConfigError, load_config
+from megaloom.models import Transformer
+from megaloom.models.registry import get_family
+from megaloom.train import train
+from megaloom.training.preflight import preflight
+from megaloom.training.trainer import Trainer
+
+VOCAB, IMAGE_ID = 96, 95
+
+
+def llava_config(*extra):
+    return load_config(None, ["model.preset=llava-tiny", f"model.vocab_size={VOCAB}",
+                              f"model.image_token_id={IMAGE_ID}", "train.seq_len=64", *extra])
+
+
+def rows_with_images(per_image: int):
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, IMAGE_ID, (2, 64), generator=gen)
+    tokens[0, 10:10 + per_image] = IMAGE_ID
+    tokens[1, 4:4 + per_image] = IMAGE_ID
+    tokens[1, 30:30 + per_image] = IMAGE_ID
+    images = torch.randn(2, 2, 3, 32, 32, generator=gen)
+    return tokens, images, torch.tensor([1, 2])
+
+
+def test_text_only_forward_is_the_decoders():
+    cfg = llava_config()
+    torch.manual_seed(0)
+    llava = get_family("llava").build(cfg.model)
+    text_cfg = load_config(None, ["model.preset=llava-tiny", "model.arch=llama", f"model.vocab_size={VOCAB}"]).model
+    decoder = Transformer(text_cfg)
+    missing = decoder.load_state_dict({k: v for k, v in llava.state_dict().items()
+                                       if not k.startswith(("vision.", "projector."))})
+    assert not missing.missing_keys and not missing.unexpected_keys
+    tokens = torch.randint(0, IMAGE_ID, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(llava(tokens), decoder(tokens))
+        assert torch.equal(llava(tokens[:, :-1], tokens[:, 1:]), decoder(tokens[:, :-1], tokens[:, 1:]))
+
+
+def test_images_change_only_what_follows_their_tokens():
+    cfg = llava_config()
+    torch.manual_seed(0)
+    model = get_family("llava").build(cfg.model).eval()
+    tokens, images, n = rows_with_images(model.tokens_per_image)
+    with torch.no_grad():
+        a = model(tokens, images=images, n_images=n)
+        other = images.clone()
+        other[1, 1] += 1.0  # row 1's second image only
+        b = model(tokens, images=other, n_images=n)
+        unused = images.clone()
+        unused[0, 1] += 1.0  # row 0 uses one slot: the second is padding
+        c = model(tokens, images=unused, n_images=n)
+    changed = (a - b).abs().amax(-1) > 1e-6
+    assert not changed[0].any() and not changed[1, :30].any() and changed[1, 30:].all()
+    assert torch.equal(a, c)
+    with pytest.raises(ValueError, match="<image> tokens"):
+        model(tokens, images=images, n_images=torch.tensor([1, 1]))
+
+
+def test_llava_tiny_learns_the_synthetic_set(tmp_path):
+    cfg = load_config(None, ["model.preset=llava-tiny", f"run.dir={tmp_path / 'run'}", "train.steps=16",
+                             "train.seq_len=96", "train.global_batch_size=4", "train.micro_batch_size=2",
+                             "train.warmup_steps=3", "train.log_every=4", "train.eval_every=0",
+                             "train.eval_batches=1", "checkpoint.every=0", "checkpoint.final=false",
+                             "data.num_workers=1", "data.synthetic_samples=400", f"data.cache_dir={tmp_path / 'c'}",
+                             "run.tensorboard=false"])
+    res = train(cfg)
+    first, last = res.losses[4], res.losses[16]
+    assert last < first - 1.5, (first, last)
+    resolved = load_config(tmp_path / "run" / "config.yaml")
+    assert resolved.model.image_token_id >= 0 and resolved.data.tokenizer
+
+
+def test_frozen_parts_get_no_gradients_no_optimizer_state_and_keep_their_values(tmp_path):
+    cfg = load_config(None, ["model.preset=llava-tiny", f"run.dir={tmp_path / 'run'}", "train.steps=3",
+                             "train.seq_len=96", "train.global_batch_size=2", "train.micro_batch_size=2",
+                             "train.warmup_steps=0", "train.log_every=1", "train.eval_every=0",
+                             "train.eval_batches=1", "checkpoint.every=0", "checkpoint.final=false",
+                             "data.num_workers=0", "data.synthetic_samples=100", f"data.cache_dir={tmp_path / 'c'}",
+                             "run.tensorboard=false", "model.freeze=vision,language"])
+    trainer = Trainer(cfg).build()
+    model, opt = trainer.model, trainer.optimizer
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer.fit()
+    projector = {n for n, _ in model.named_parameters() if n.startswith("projector.")}
+    for n, p in model.named_parameters():
+        assert p.grad is None, n
+        assert p.requires_grad == (n in projector), n
+        assert torch.equal(p, before[n]) != (n in projector), n  # frozen: unchanged; projector: trained
+    stateful = {id(p) for p in opt.state}
+    assert stateful == {id(p) for n, p in model.named_parameters() if n in projector}
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(projector)
+
+    with pytest.raises(ConfigError, match="model.freeze"):
+        load_config(None, ["model.preset=llava-tiny", "model.freeze=vision,projector,language"])
+    with pytest.raises(ConfigError, match="model.freeze: 'encoder'"):
+        load_config(None, ["model.preset=llava-tiny", "model.freeze=encoder"])
+
+
+def test_pipeline_and_context_parallel_refused_naming_the_setting():
+    with pytest.raises(ConfigError, match="parallel.pp=2 with an image encoder"):
+        preflight(llava_config("parallel.pp=2", "train.global_batch_size=4", "train.micro_batch_size=1"), 2)
+    with pytest.raises(ConfigError, match="parallel.cp=2 with an image encoder"):
+        preflight(llava_config("parallel.cp=2"), 2)
