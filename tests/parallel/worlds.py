@@ -314,6 +314,7 @@ def dropout_case(mesh: Mesh, sp: bool) -> dict:
 
 # ---------------------------------------------------------------------------------------------------- suites
 
+from .llava_worlds import llava_parity_case  # noqa: E402
 from .sp_checks import check_gathered_linears, step_bytes  # noqa: E402  (they import this module's helpers)
 
 
@@ -354,6 +355,8 @@ def suite_world2(rank: int, world: int, device: torch.device) -> dict:
     res["parity-gpt2-tp2-sp0-untied"] = parity_case(mesh, "gpt2", False, tie=False, steps=3)
     res["parity-llama-tp2-sp1-docs"] = parity_case(mesh, "llama", True, steps=3, docs="mask")
     res["parity-gpt2-tp2-sp1-docs-reset"] = parity_case(mesh, "gpt2", True, steps=3, docs="mask+reset")
+    for sp in (False, True):  # LLaVA: a ViT split over tp (never over the sequence), image features merged
+        res[f"parity-llava-tp2-sp{int(sp)}"] = llava_parity_case(mesh, sp)
     res["decode"] = {arch: decode_case(mesh, arch) for arch in ("llama", "gpt2", "qwen3")}
     res["gathered_linears"] = check_gathered_linears(mesh)
     res["step_bytes"] = {(arch, p): step_bytes(mesh, arch, p) for arch in ("llama", "gpt2") for p in ("fp32", "bf16")}
