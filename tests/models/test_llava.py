@@ -112,3 +112,30 @@ def test_pipeline_and_context_parallel_refused_naming_the_setting():
         preflight(llava_config("parallel.pp=2", "train.global_batch_size=4", "train.micro_batch_size=1"), 2)
     with pytest.raises(ConfigError, match="parallel.cp=2 with an image encoder"):
         preflight(llava_config("parallel.cp=2"), 2)
+
+
+def test_generate_answers_about_an_image(tmp_path, capsys):
+    from megaloom.cli import main
+    from megaloom.data.image_text.synthetic import draw
+    from megaloom.generate import generate, image_prompt, load_for_generation
+
+    run = tmp_path / "run"
+    train(load_config(None, ["model.preset=llava-tiny", f"run.dir={run}", "train.steps=2", "train.seq_len=96",
+                             "train.global_batch_size=2", "train.micro_batch_size=2", "train.warmup_steps=0",
+                             "train.eval_every=0", "train.eval_batches=1", "data.num_workers=0",
+                             "data.synthetic_samples=100", f"data.cache_dir={tmp_path / 'c'}",
+                             "run.tensorboard=false"]))
+    image = tmp_path / "shape.png"
+    draw(0, 3, 0).save(image)
+    model, tok = load_for_generation(run, torch.device("cpu"))
+    prompt, images = image_prompt(model, tok, "What is in the image?", [str(image)], torch.device("cpu"))
+    assert (prompt == tok.image_id).sum() == model.tokens_per_image and prompt[0, -1] != tok.eod_id
+    cached = generate(model, prompt, 8, temperature=0, images=images)
+    assert torch.equal(cached, generate(model, prompt, 8, temperature=0, images=images, use_cache=False))
+    other = {**images, "images": -images["images"]}
+    assert not torch.equal(model(prompt, **images), model(prompt, **other))  # the answer depends on the image
+
+    assert main(["generate", "--run", str(run), "--image", str(image), "--prompt", "What is in the image?",
+                 "--temperature", "0", "--max-new-tokens", "8"]) == 0
+    answer = capsys.readouterr().out
+    assert answer.strip() and "USER:" not in answer
