@@ -102,10 +102,6 @@ def refuse_unbuilt(cfg: Config) -> None:
 def refuse_unbuilt_vision(cfg: Config) -> None:
     """A model with an image encoder (llava): what its layouts do not support yet."""
     p, m = cfg.parallel, cfg.model
-    if p.pp > 1:
-        raise ConfigError(f"parallel.pp={p.pp} with an image encoder (model.vision_layers={m.vision_layers}): the "
-                          "images do not travel to the first pipeline stage's encoder in this build; set "
-                          "parallel.pp=1 (tensor, sequence and data parallelism / ZeRO support it).")
     if p.cp > 1:
         raise ConfigError(f"parallel.cp={p.cp} with an image encoder (model.vision_layers={m.vision_layers}): image "
                           "features are not split over context-parallel ranks in this build; set parallel.cp=1.")

@@ -107,9 +107,10 @@ def test_frozen_parts_get_no_gradients_no_optimizer_state_and_keep_their_values(
         load_config(None, ["model.preset=llava-tiny", "model.freeze=encoder"])
 
 
-def test_pipeline_and_context_parallel_refused_naming_the_setting():
-    with pytest.raises(ConfigError, match="parallel.pp=2 with an image encoder"):
-        preflight(llava_config("parallel.pp=2", "train.global_batch_size=4", "train.micro_batch_size=1"), 2)
+def test_context_parallel_and_indivisible_vision_heads_refused_naming_the_setting():
+    preflight(llava_config("parallel.pp=2", "train.global_batch_size=4", "train.micro_batch_size=1"), 2)  # runs
+    with pytest.raises(ConfigError, match="model.vision_heads=4"):
+        preflight(llava_config("parallel.tp=8", "model.n_heads=8", "model.n_kv_heads=8"), 8)
     with pytest.raises(ConfigError, match="parallel.cp=2 with an image encoder"):
         preflight(llava_config("parallel.cp=2"), 2)
 
@@ -139,3 +140,24 @@ def test_generate_answers_about_an_image(tmp_path, capsys):
                  "--temperature", "0", "--max-new-tokens", "8"]) == 0
     answer = capsys.readouterr().out
     assert answer.strip() and "USER:" not in answer
+
+
+def test_fine_tuning_stage_starts_from_the_projector_stage_weights(tmp_path):
+    """LLaVA's two stages by config: projector-only pretraining, then full fine-tuning from its checkpoint (its
+    weights, step 0, a fresh optimizer: the first stage's optimizer state covers the projector only)."""
+    common = ["model.preset=llava-tiny", "train.seq_len=96", "train.global_batch_size=2", "train.micro_batch_size=2",
+              "train.warmup_steps=0", "train.eval_every=0", "train.eval_batches=1", "data.num_workers=0",
+              "data.synthetic_samples=100", f"data.cache_dir={tmp_path / 'c'}", "run.tensorboard=false"]
+    stage1 = Trainer(load_config(None, [*common, f"run.dir={tmp_path / 's1'}", "train.steps=2",
+                                        "model.freeze=vision,language"])).build()
+    stage1.fit()
+    trained = {n: p.detach().clone() for n, p in stage1.model.named_parameters()}
+    ckpt = tmp_path / "s1" / "checkpoints" / "step_00000002"
+    stage2 = Trainer(load_config(None, [*common, f"run.dir={tmp_path / 's2'}", "train.steps=2",
+                                        f"checkpoint.resume={ckpt}"])).build()
+    assert stage2.step == 0 and not stage2.optimizer.state
+    for n, p in stage2.model.named_parameters():
+        assert torch.equal(p, trained[n]) and p.requires_grad, n
+    stage2.fit()
+    assert all(p.grad is None for p in stage2.model.parameters())
+    assert len(stage2.optimizer.state) == len(list(stage2.model.parameters()))

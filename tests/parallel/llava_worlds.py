@@ -175,3 +175,61 @@ def llava_dp_case(mesh: Mesh, zero: int, freeze: str = "", steps: int = 4) -> di
                 state_bytes=opt.state_bytes(),
                 frozen_unchanged=all(torch.equal(final[n], initial[n]) for n in initial if n not in trainable),
                 grads_of_frozen=[n for n, p in model.named_parameters() if not p.requires_grad and p.grad is not None])
+
+
+def llava_image_text_batch(rows: int, seed: int):
+    """An `ImageTextBatch` as the loader makes it (image tokens not targets) from `llava_batches`' rows."""
+    from megaloom.data.image_text.batch import ImageTextBatch
+
+    b = llava_batches(rows, 1, torch.device("cpu"), seed=seed)[0]
+    tokens = torch.cat([b["x"], b["y"][:, -1:].clamp(min=0)], dim=1)
+    return ImageTextBatch(tokens, tokens != IMAGE_ID, b["images"], b["n_images"])
+
+
+def llava_pipeline_case(mesh: Mesh, emb_group, schedule: str, m: int, steps: int = 3) -> dict:
+    """pp=2 with the image encoder and projector on the first stage (the images travel with its micro-batches,
+    the masked labels with the last stage's) against the single process: losses, every gradient of step 1,
+    the clipped norm over both stages, and a forward-only evaluation."""
+    from megaloom.parallel.pipeline.executor import PipelineExecutor
+    from megaloom.parallel.pipeline.grads import PipelineGradientSync
+    from megaloom.parallel.pipeline.partition import partition_layers
+    from megaloom.parallel.pipeline.schedules import build_schedule, forward_only
+    from megaloom.parallel.pipeline.stage import build_stage
+
+    cfg = llava_config(world=mesh.world_size)
+    ref = llava_model(cfg, mesh.device)
+    stage = build_stage(copy.deepcopy(ref), partition_layers(cfg.model.n_layers, mesh.pp), mesh)
+    ex = PipelineExecutor(stage, build_schedule(schedule, mesh.pp, 1, m), mesh, 1, SEQ)
+    sync = PipelineGradientSync(stage, mesh, emb_group)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
+    opt = torch.optim.AdamW(stage.parameters(), lr=3e-3, weight_decay=0.1)
+    out: dict = dict(loss=[], loss_ref=[], norm=[], norm_ref=[], first_stage_has_vision=stage.has_embedding
+                     and stage.model.vision is not None, names=[n for n, _ in stage.model.named_parameters()])
+    for step in range(steps):
+        batch = llava_image_text_batch(m, seed=step).to(mesh.device)
+        total = 0.0
+        for x, y, kw in batch.micro_inputs(1):
+            loss = ref(x, y, **kw) / m
+            loss.backward()
+            total += loss.item()
+        ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
+        out["norm_ref"].append(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5).item())
+        loss = ex.run(batch)
+        sync.finish()
+        if step == 0:
+            grads = gather_full_grads(stage.model, mesh)
+            out["grad_err"] = {n: (_err(g, ref_grads[n if n in ref_grads else "tok_emb.weight"]),
+                                   torch.allclose(g, ref_grads[n if n in ref_grads else "tok_emb.weight"],
+                                                  rtol=1e-4, atol=1e-5)) for n, g in grads.items()}
+        out["norm"].append(sync.clip(0.5).item())
+        for o in (opt_ref, opt):
+            o.step()
+            o.zero_grad(set_to_none=True)
+        out["loss_ref"].append(total)
+        out["loss"].append(loss.item())
+    ev = PipelineExecutor(stage, forward_only(mesh.pp, 1, m), mesh, 1, SEQ)
+    batch = llava_image_text_batch(m, seed=50).to(mesh.device)
+    with torch.no_grad():
+        ref_eval = sum(ref(x, y, **kw).item() for x, y, kw in batch.micro_inputs(1)) / m
+        out["eval"] = (ev.run(batch).item(), ref_eval)
+    return out

@@ -61,3 +61,22 @@ def test_bf16_halves_the_tp_groups_activation_traffic(world: list[dict]) -> None
             for op in ("all_gather", "reduce_scatter"):
                 assert bf16[op] * 2 == fp32[op], (arch, op, fp32, bf16)
             assert sum(bf16.values()) <= 0.55 * sum(fp32.values()), (arch, fp32, bf16)
+
+
+@pytest.mark.parametrize("case", ["pipeline-llava-pp2-1f1b", "pipeline-llava-pp2-zb"])
+def test_llava_pipeline_with_the_encoder_on_the_first_stage(world: list[dict], case: str) -> None:
+    held: set[str] = set()
+    for rank, res in enumerate(world):
+        r = res[case]
+        for loss, ref in zip(r["loss"], r["loss_ref"], strict=True):
+            assert abs(loss - ref) <= 1e-5 * abs(ref), (rank, r["loss"], r["loss_ref"])
+        for norm, ref in zip(r["norm"], r["norm_ref"], strict=True):
+            assert abs(norm - ref) <= 1e-5 * ref, (rank, r["norm"], r["norm_ref"])
+        bad = {n: e for n, e in r["grad_err"].items() if not e[1]}
+        assert not bad, bad
+        ev, ref_ev = r["eval"]
+        assert abs(ev - ref_ev) <= 1e-5 * ref_ev
+        assert r["first_stage_has_vision"] == (rank == 0)
+        assert any(n.startswith("vision.") for n in r["names"]) == (rank == 0)  # the encoder lives on stage 0 only
+        held |= set(r["names"])
+    assert any(n.startswith("projector.") for n in held) and "norm.weight" in held

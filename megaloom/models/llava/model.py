@@ -62,6 +62,9 @@ class ImageMerge(nn.Module):
 
 
 class Llava(Transformer):
+    # A pipeline keeps these with the embedding, on the first stage (parallel/pipeline/stage.py).
+    first_stage_modules = ("vision", "projector")
+
     def __init__(self, cfg: ModelConfig, family=None):
         super().__init__(cfg, family)
         if cfg.image_token_id < 0:
@@ -83,7 +86,8 @@ class Llava(Transformer):
 
     def part_params(self) -> dict[str, list[nn.Parameter]]:
         """The parameters of each part `model.freeze` names."""
-        own = {"vision": list(self.vision.parameters()), "projector": list(self.projector.parameters())}
+        own = {name: list(m.parameters()) if m is not None else [] for name, m in
+               (("vision", self.vision), ("projector", self.projector))}
         taken = {id(p) for ps in own.values() for p in ps}
         return {**own, "language": [p for p in self.parameters() if id(p) not in taken]}
 
