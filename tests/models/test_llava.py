@@ -161,3 +161,26 @@ def test_fine_tuning_stage_starts_from_the_projector_stage_weights(tmp_path):
     stage2.fit()
     assert all(p.grad is None for p in stage2.model.parameters())
     assert len(stage2.optimizer.state) == len(list(stage2.model.parameters()))
+
+
+def test_pipeline_partition_counts_the_image_encoder_on_the_first_stage():
+    from megaloom.parallel.pipeline.partition import encoder_block_equivalents, validate_pipeline
+
+    def sizes(*extra):
+        cfg = load_config(None, ["model.preset=llava-1.5-8b", "train.micro_batch_size=1",
+                                 "train.global_batch_size=8", *extra])
+        p = cfg.parallel  # as preflight passes them
+        return encoder_block_equivalents(cfg), validate_pipeline(cfg, 1, p.pp_first_stage_layers or None,
+                                                                 p.pp_last_stage_layers or None).sizes()
+
+    blocks, split = sizes("train.seq_len=1024", "parallel.pp=8")  # 4 images of 577 patches per 1024-token row
+    assert 3 < blocks < 4 and split == [1, 4, 4, 4, 4, 5, 5, 5] and sum(split) == 32
+    blocks, split = sizes("train.seq_len=4096", "parallel.pp=4")
+    assert 0.5 < blocks < 1 and split == [7, 8, 8, 9]
+    assert sizes("train.seq_len=2048", "parallel.pp=4", "data.max_images=1")[1] == [8] * 4  # < half a block
+    # explicit counts win; a text model keeps the even split
+    assert sizes("train.seq_len=1024", "parallel.pp=8", "parallel.pp_first_stage_layers=4",
+                 "parallel.pp_last_stage_layers=4")[1] == [4] * 8
+    cfg = load_config(None, ["model.preset=llama3-8b", "parallel.pp=8", "train.micro_batch_size=1",
+                             "train.global_batch_size=8", "train.seq_len=1024"])
+    assert validate_pipeline(cfg, 1).sizes() == [4] * 8
