@@ -20,6 +20,7 @@ import torch
 
 from megaloom.checkpoint.store import remove_partial_saves
 from megaloom.config import Config
+from megaloom.data.dataset import build_datasets
 from megaloom.data.loader import StepBatches, make_loader
 from megaloom.models import count_params
 from megaloom.models.documents import Documents
@@ -134,14 +135,16 @@ class Trainer:
         self.reads_data = mesh.pp == 1 or mesh.is_first_stage or mesh.is_last_stage
         self.train_ds, self.valid_ds, self.tokenizer = load_rank_datasets(
             self._datasets, self.requested.data, t.seq_len, t.seed, t.steps * t.global_batch_size,
-            t.eval_batches * t.global_batch_size, self.rt, self.reads_data, default=default_builder(self.requested))
+            t.eval_batches * t.global_batch_size, self.rt, self.reads_data,
+            default=default_builder(self.requested, build_datasets))
         log.debug(f"data: {len(self.train_ds)} training and {len(self.valid_ds)} validation samples; tokenizer "
                   f"{self.tokenizer.path} ({self.tokenizer.vocab_size} tokens)")
 
     def _resolve(self) -> Config:
         """The resolved config (a new object): sizes, precision, tokenizer path, and the micro-batch."""
         cfg = resolve_config(self.requested, precision=self.precision, tokenizer_path=self.tokenizer.path,
-                             tokenizer_vocab=self.tokenizer.vocab_size, image_token_id=self.tokenizer.image_id)
+                             tokenizer_vocab=self.tokenizer.vocab_size,
+                             image_token_id=getattr(self.tokenizer, "image_id", None))
         if cfg.train.micro_batch_size == 0:
             cfg = with_micro_batch(cfg, choose_micro_batch(cfg, self.rt, self.device))  # a collective
         self.n_micro = self.local_batch // cfg.train.micro_batch_size
@@ -348,7 +351,8 @@ class Trainer:
         if self.data_offset and len(self.train_ds) < (t.steps + self.data_offset) * t.global_batch_size:
             self.train_ds, _, _ = load_rank_datasets(
                 self._datasets, cfg.data, t.seq_len, t.seed, (t.steps + self.data_offset) * t.global_batch_size,
-                t.eval_batches * t.global_batch_size, self.rt, self.reads_data, default=default_builder(cfg))
+                t.eval_batches * t.global_batch_size, self.rt, self.reads_data,
+                default=default_builder(cfg, build_datasets))
         batches = StepBatches(self.train_ds, t.global_batch_size, rank_offset=self.mesh.dp_rank * self.local_batch,
                               rank_size=self.local_batch, start_step=step + self.data_offset, n_steps=t.steps - step)
         if not self.reads_data:
