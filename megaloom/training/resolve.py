@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from megaloom.config import Config, ModelConfig
+from megaloom.config import Config, ConfigError, ModelConfig
 from megaloom.models.transformer import resolved_ffn_dim
 from megaloom.observe.log import get_logger
 from megaloom.observe.memory_fit import auto_micro_batch
@@ -55,7 +55,10 @@ def resolve_config(cfg: Config, *, precision: str, tokenizer_path: str | Path, t
     ``image_token_id``: the tokenizer's <image> token, for model.image_token_id=-1 of a model with images."""
     cfg = copy.deepcopy(cfg)
     model = resolved_model(cfg.model, tokenizer_vocab, vocab_pad_multiple(cfg))
-    if model.vision_layers and model.image_token_id < 0 and image_token_id is not None:
+    if model.vision_layers and model.image_token_id < 0:
+        if image_token_id is None:
+            raise ConfigError("model.image_token_id=-1 asks for the tokenizer's <image> token, but the tokenizer has "
+                              "none; set model.image_token_id to the id of the image placeholder token")
         model = dataclasses.replace(model, image_token_id=image_token_id)
     return dataclasses.replace(
         cfg,

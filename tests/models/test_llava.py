@@ -184,3 +184,24 @@ def test_pipeline_partition_counts_the_image_encoder_on_the_first_stage():
     cfg = load_config(None, ["model.preset=llama3-8b", "parallel.pp=8", "train.micro_batch_size=1",
                              "train.global_batch_size=8", "train.seq_len=1024"])
     assert validate_pipeline(cfg, 1).sizes() == [4] * 8
+
+
+def test_image_token_resolved_from_the_tokenizer_or_refused():
+    from megaloom.training.resolve import resolve_config
+
+    cfg = load_config(None, ["model.preset=llava-tiny"])
+    assert resolve_config(cfg, precision="fp32", tokenizer_path="", tokenizer_vocab=100,
+                          image_token_id=99).model.image_token_id == 99
+    with pytest.raises(ConfigError, match="model.image_token_id=-1"):
+        resolve_config(cfg, precision="fp32", tokenizer_path="", tokenizer_vocab=100)
+
+
+def test_an_moe_decoder_takes_images_too():
+    cfg = llava_config("model.moe_every=1", "model.n_experts=4", "model.top_k=2")
+    torch.manual_seed(0)
+    model = get_family("llava").build(cfg.model)
+    tokens, images, n = rows_with_images(model.tokens_per_image)
+    loss = model(tokens[:, :-1], tokens[:, 1:], images=images, n_images=n)
+    loss.backward()
+    assert torch.isfinite(loss) and model.projector.fc1.weight.grad.abs().sum() > 0
+    assert model.moe_layers and all(p.grad is not None for p in model.vision.parameters())
