@@ -233,3 +233,52 @@ def llava_pipeline_case(mesh: Mesh, emb_group, schedule: str, m: int, steps: int
         ref_eval = sum(ref(x, y, **kw).item() for x, y, kw in batch.micro_inputs(1)) / m
         out["eval"] = (ev.run(batch).item(), ref_eval)
     return out
+
+
+def llava_pipeline_frozen_case(mesh: Mesh, emb_group, steps: int = 3) -> dict:
+    """pp=2 in projector-only pretraining (vision and language frozen), wired as the trainer wires it (freeze,
+    then the stage cut, then the gradient buckets with the tied embedding): the last stage then holds no trainable
+    parameter at all. Losses against the single process, no gradients or buckets for frozen parameters."""
+    from megaloom.models.freeze import freeze_parts
+    from megaloom.parallel.data_parallel import DataParallelGrads
+    from megaloom.parallel.pipeline.executor import PipelineExecutor
+    from megaloom.parallel.pipeline.partition import partition_layers
+    from megaloom.parallel.pipeline.schedules import build_schedule
+    from megaloom.parallel.pipeline.stage import build_stage, tied_parameter
+
+    cfg = llava_config(world=mesh.world_size, freeze="vision,language")
+    ref = llava_model(cfg, mesh.device)
+    model = copy.deepcopy(ref)
+    for m in (ref, model):
+        freeze_parts(m, ["vision", "language"])
+    stage = build_stage(model, partition_layers(cfg.model.n_layers, mesh.pp), mesh)
+    grads = DataParallelGrads(stage.model, mesh, 0, 0.05, tied=tied_parameter(stage), tied_group=emb_group)
+    ex = PipelineExecutor(stage, build_schedule("1f1b", mesh.pp, 1, 2), mesh, 1, SEQ)
+    trainable = [p for p in stage.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=3e-3) if trainable else None
+    opt_ref = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=3e-3)
+    before = {n: p.detach().clone() for n, p in stage.model.named_parameters()}
+    out: dict = dict(loss=[], loss_ref=[])
+    for step in range(steps):
+        batch = llava_image_text_batch(2, seed=step).to(mesh.device)
+        total = 0.0
+        for x, y, kw in batch.micro_inputs(1):
+            loss = ref(x, y, **kw) / 2
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.requires_grad], 0.5)
+        loss = ex.run(batch)
+        grads.finish()
+        grads.clip(0.5)
+        out["frozen_grads"] = [n for n, p in stage.model.named_parameters()
+                               if not p.requires_grad and p.grad is not None]
+        for o in (opt_ref, opt):
+            if o is not None:
+                o.step()
+                o.zero_grad(set_to_none=True)
+        out["loss_ref"].append(total)
+        out["loss"].append(loss.item())
+    out["trainable"] = sorted(n for n, p in stage.model.named_parameters() if p.requires_grad)
+    out["bucketed"] = sorted(n for n, _ in grads.named_params)
+    out["changed"] = sorted(n for n, p in stage.model.named_parameters() if not torch.equal(p, before[n]))
+    return out

@@ -80,3 +80,12 @@ def test_llava_pipeline_with_the_encoder_on_the_first_stage(world: list[dict], c
         assert any(n.startswith("vision.") for n in r["names"]) == (rank == 0)  # the encoder lives on stage 0 only
         held |= set(r["names"])
     assert any(n.startswith("projector.") for n in held) and "norm.weight" in held
+
+
+def test_llava_pipeline_projector_only_stage(world: list[dict]) -> None:
+    for rank, res in enumerate(world):
+        r = res["pipeline-llava-pp2-frozen"]
+        for loss, ref in zip(r["loss"], r["loss_ref"], strict=True):
+            assert abs(loss - ref) <= 1e-5 * abs(ref), (rank, r["loss"], r["loss_ref"])
+        assert not r["frozen_grads"] and r["bucketed"] == r["trainable"] == r["changed"]
+        assert all(n.startswith("projector.") for n in r["trainable"]) and bool(r["trainable"]) == (rank == 0)

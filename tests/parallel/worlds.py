@@ -316,7 +316,7 @@ def dropout_case(mesh: Mesh, sp: bool) -> dict:
 
 from megaloom.parallel.pipeline.stage import build_embedding_groups  # noqa: E402
 
-from .llava_worlds import llava_parity_case, llava_pipeline_case  # noqa: E402
+from .llava_worlds import llava_parity_case, llava_pipeline_case, llava_pipeline_frozen_case  # noqa: E402
 from .sp_checks import check_gathered_linears, step_bytes  # noqa: E402  (they import this module's helpers)
 
 
@@ -364,6 +364,7 @@ def suite_world2(rank: int, world: int, device: torch.device) -> dict:
     emb_group = build_embedding_groups(pp_mesh)
     for schedule in ("1f1b", "zb"):
         res[f"pipeline-llava-pp2-{schedule}"] = llava_pipeline_case(pp_mesh, emb_group, schedule, 2)
+    res["pipeline-llava-pp2-frozen"] = llava_pipeline_frozen_case(pp_mesh, emb_group)  # last stage all frozen
     res["decode"] = {arch: decode_case(mesh, arch) for arch in ("llama", "gpt2", "qwen3")}
     res["gathered_linears"] = check_gathered_linears(mesh)
     res["step_bytes"] = {(arch, p): step_bytes(mesh, arch, p) for arch in ("llama", "gpt2") for p in ("fp32", "bf16")}

@@ -46,7 +46,7 @@ def prune_to_stages(model: Transformer, partition: Partition, pp_rank: int) -> T
     if not has_head:
         model.norm = model.head = model.loss = None
     elif tied and not has_embedding:  # the embedding lives on another rank: keep an equal copy
-        copy = nn.Parameter(model.head.weight.detach().clone())
+        copy = nn.Parameter(model.head.weight.detach().clone(), requires_grad=model.head.weight.requires_grad)
         copy_layout(model.head.weight, copy)
         model.head.weight = set_layout(copy, tied_copy=True)
     return model
