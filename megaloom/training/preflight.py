@@ -91,6 +91,10 @@ def refuse_unbuilt(cfg: Config) -> None:
     m = cfg.model
     if m.vision_layers:
         refuse_unbuilt_vision(cfg)
+    if m.freeze and p.zero == 3:  # FSDP2 trains with frozen parameters, but its checkpoint shards are then wrong
+        raise ConfigError(f"model.freeze={','.join(m.freeze)} with parallel.zero=3 is not available yet (the "
+                          "checkpoints of FSDP2's frozen parameters do not save); use parallel.zero=1 or 2, whose "
+                          "gradient buckets and optimizer leave frozen parameters out too.")
     if p.cp > 1 and m.moe_every and (m.aux_loss_weight or m.capacity_factor):
         # Both are functions of the whole sequence's routing statistics, which a cp rank does not see.
         raise ConfigError(f"parallel.cp={p.cp} with an MoE load-balancing loss (model.aux_loss_weight="

@@ -109,6 +109,9 @@ def test_frozen_parts_get_no_gradients_no_optimizer_state_and_keep_their_values(
 
 def test_context_parallel_and_indivisible_vision_heads_refused_naming_the_setting():
     preflight(llava_config("parallel.pp=2", "train.global_batch_size=4", "train.micro_batch_size=1"), 2)  # runs
+    with pytest.raises(ConfigError, match="model.freeze=vision with parallel.zero=3"):
+        preflight(llava_config("parallel.zero=3", "model.freeze=vision", "train.global_batch_size=2",
+                               "train.micro_batch_size=1"), 2)
     with pytest.raises(ConfigError, match="model.vision_heads=4"):
         preflight(llava_config("parallel.tp=8", "model.n_heads=8", "model.n_kv_heads=8"), 8)
     with pytest.raises(ConfigError, match="parallel.cp=2 with an image encoder"):
