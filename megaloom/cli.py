@@ -105,11 +105,19 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, tok = load_for_generation(Path(args.run), device)
-    ids = tok.encode(args.prompt) or [tok.eod_id]
-    prompt = torch.tensor([ids], device=device)
+    images = None
+    if args.image:  # a multimodal run: the images' tokens, then the question (if any)
+        from megaloom.generate import image_prompt
+
+        prompt, images = image_prompt(model, tok, args.prompt, args.image, device)
+    else:
+        prompt = torch.tensor([tok.encode(args.prompt) or [tok.eod_id]], device=device)
     out = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                   use_cache=not args.no_cache, seed=args.seed, eod_id=tok.eod_id)
-    print(tok.decode(out[0].tolist()))
+                   use_cache=not args.no_cache, seed=args.seed, eod_id=tok.eod_id, images=images)
+    ids = out[0].tolist()
+    if images is not None:  # the answer only: the image tokens and the question are the prompt
+        ids = ids[prompt.shape[1]:]
+    print(tok.decode(ids))
     return 0
 
 
@@ -235,6 +243,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--top-p", type=float, default=0.95)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-cache", action="store_true", help="recompute the whole prefix each step (slow)")
+    g.add_argument("--image", action="append", default=[], metavar="FILE",
+                   help="an image for a multimodal run (repeat for several); --prompt is then the question about "
+                        "them (empty: a caption)")
     g.set_defaults(fn=_cmd_generate)
 
 

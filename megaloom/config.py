@@ -96,6 +96,24 @@ class ModelConfig:
                                      "(they keep only the residual); 0 = dropless.")
     aux_free_bias_rate: float = _f(0.0, "DeepSeek-V3 aux-loss-free balancing: per-expert selection-bias step after "
                                         "each optimizer step; 0 = off.")
+    # Multimodal families (llava): a ViT image encoder whose patch features, through a 2-layer MLP projector, take
+    # the place of the <image> tokens of the text. 0 vision layers = a text-only model (these keys are unused).
+    vision_layers: int = _f(0, "ViT blocks of the image encoder (multimodal families such as llava); 0 = text only.")
+    vision_d_model: int = _f(0, "Hidden size of the image encoder.")
+    vision_heads: int = _f(0, "Attention heads of the image encoder.")
+    vision_ffn_dim: int = _f(0, "MLP hidden size of the image encoder; 0 = 4 * model.vision_d_model.")
+    vision_act: str = _f("quick_gelu", "Image encoder MLP activation: quick_gelu (CLIP) or gelu.",
+                         ("quick_gelu", "gelu"))
+    vision_cls: bool = _f(True, "A class token before the patches (CLIP); its output is not passed to the language "
+                                "model (LLaVA's 'default' feature selection).")
+    vision_norm_eps: float = _f(1e-5, "Epsilon of the image encoder's LayerNorms.")
+    image_size: int = _f(224, "Side of the square images the encoder reads (pixels); images are resized to it.")
+    patch_size: int = _f(14, "Side of one image patch (pixels): (image_size / patch_size)^2 tokens per image.")
+    image_token_id: int = _f(-1, "Token id of <image> placeholders (each image fills (image_size/patch_size)^2 of "
+                                 "them); -1 = the tokenizer's <image> token.")
+    freeze: list[str] = _f([], "Parts trained frozen (no gradients, no optimizer state, skipped by the gradient "
+                               "reduction): any of vision, projector, language; e.g. vision,language = LLaVA's "
+                               "projector-only pretraining.")
 
 
 @dataclass
@@ -197,6 +215,11 @@ class DataConfig:
                                     "tokenizer's EOD token): as if every document were its own sample.")
     reset_positions: bool = _f(False, "Positions (RoPE angles, learned position rows) restart at 0 with each "
                                       "document of a packed sample.")
+    images: str = _f("", "Image-text data for a multimodal model (model.vision_layers > 0): a folder of *.jsonl "
+                         "records with their images, or of WebDataset-style *.tar shards; empty = a generated "
+                         "synthetic set (shapes and colours with captions).")
+    max_images: int = _f(4, "Most images in one packed training row (several image-text samples share a row).")
+    synthetic_samples: int = _f(2000, "Image-text pairs in the generated synthetic set (data.images empty).")
 
 
 @dataclass
@@ -500,6 +523,7 @@ def validate(cfg: Config) -> None:
     _require(t.min_lr <= t.lr, f"train.min_lr ({t.min_lr}) must not exceed train.lr ({t.lr}).")
     _require(0 <= m.dropout < 1, f"model.dropout must be in [0, 1), got {m.dropout}.")
     _require(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1 and train.beta2 must be in [0, 1).")
+    _check_vision(m, cfg.data, t.seq_len)
     _require(m.d_model % m.n_heads == 0,
              f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads}); "
              f"head counts that would work: {_divisors(m.d_model, m.n_heads)}.")
@@ -547,6 +571,28 @@ def validate(cfg: Config) -> None:
                  "give one weight per path or none.")
     r = cfg.checkpoint.resume
     _require(r in ("auto", "none") or bool(r), "checkpoint.resume must be auto, none or a checkpoint directory.")
+
+
+def _check_vision(m: ModelConfig, d: DataConfig, seq_len: int) -> None:
+    """The image encoder's shape fits together, and one image's tokens fit a training row."""
+    parts = ("vision", "projector", "language")
+    for part in m.freeze:
+        _require(part in parts, f"model.freeze: {part!r} is not one of {', '.join(parts)}.")
+    if not m.vision_layers:
+        _require(not ({"vision", "projector"} & set(m.freeze)),
+                 f"model.freeze={','.join(m.freeze)}: this model has no image encoder (model.vision_layers=0).")
+        return
+    _require(m.vision_d_model > 0 and m.vision_heads > 0 and m.vision_d_model % m.vision_heads == 0,
+             f"model.vision_d_model ({m.vision_d_model}) must be a positive multiple of model.vision_heads "
+             f"({m.vision_heads}).")
+    _require(m.patch_size > 0 and m.image_size % m.patch_size == 0,
+             f"model.image_size ({m.image_size}) must be a multiple of model.patch_size ({m.patch_size}).")
+    per_image = (m.image_size // m.patch_size) ** 2
+    _require(per_image < seq_len, f"one image is {per_image} tokens ((model.image_size / model.patch_size)^2) but "
+                                  f"train.seq_len is {seq_len}; raise train.seq_len or model.patch_size.")
+    _require(d.max_images >= 1, f"data.max_images must be >= 1, got {d.max_images}.")
+    _require(len(set(m.freeze)) < 3, "model.freeze lists every part (vision, projector, language): nothing would "
+                                     "train; leave at least one out.")
 
 
 def _divisors(n: int, near: int | None = None) -> str:

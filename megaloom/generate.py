@@ -34,16 +34,18 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
 @torch.no_grad()
 def generate(model: Transformer, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
              top_k: int = 0, top_p: float = 1.0, use_cache: bool = True, seed: int = 0,
-             eod_id: int | None = None) -> torch.Tensor:
+             eod_id: int | None = None, images: dict | None = None) -> torch.Tensor:
     """Continue prompt [B, T]; returns [B, T + n]. With use_cache=False every step re-runs the whole prefix
-    (the reference that the cached path must agree with)."""
+    (the reference that the cached path must agree with). ``images``: a multimodal model's image keywords
+    (``images``, ``n_images``) for the prompt's <image> tokens, passed with every forward from position 0."""
+    images = images or {}
     model.eval()
     gen = torch.Generator(device=prompt.device).manual_seed(seed)
     limit = model.cfg.max_seq_len
     max_new_tokens = min(max_new_tokens, limit - prompt.shape[1])
     out = prompt
     caches = model.new_caches(prompt.shape[0], prompt.shape[1] + max_new_tokens) if use_cache else None
-    logits = model(prompt, caches=caches, pos=0)[:, -1]
+    logits = model(prompt, caches=caches, pos=0, **images)[:, -1]
     for _ in range(max_new_tokens):
         nxt = sample_next(logits, temperature, top_k, top_p, gen)
         out = torch.cat([out, nxt[:, None]], dim=1)
@@ -54,15 +56,42 @@ def generate(model: Transformer, prompt: torch.Tensor, max_new_tokens: int, temp
         if use_cache:
             logits = model(nxt[:, None], caches=caches, pos=out.shape[1] - 1)[:, -1]
         else:
-            logits = model(out)[:, -1]
+            logits = model(out, **images)[:, -1]
     return out
 
 
 def load_for_generation(run_dir: Path, device: torch.device) -> tuple[Transformer, Tokenizer]:
+    from megaloom.models.registry import get_family
     from megaloom.train import load_run_config
 
     cfg = load_run_config(run_dir)
-    model = Transformer(cfg.model).to(device)
+    model = get_family(cfg.model.arch).build(cfg.model).to(device)
     if load_newest(run_dir / "checkpoints", model, None, model_cfg=cfg.model.__dict__) is None:
         raise CheckpointError(f"--run {run_dir}: no usable checkpoint in {run_dir / 'checkpoints'}.")
     return model, Tokenizer.from_file(cfg.data.tokenizer)
+
+
+def image_prompt(model: Transformer, tok: Tokenizer, text: str, image_files: list[str],
+                 device: torch.device) -> tuple[torch.Tensor, dict]:
+    """The prompt ids [1, T] and image keywords for a question about images (`megaloom generate --image`): each
+    "<image>" in ``text`` (or, if it has none, one before it per image) becomes the image's tokens; a question
+    is wrapped as the training conversations are ("USER: ...\nASSISTANT: "), no text asks for a caption."""
+    from megaloom.data.errors import DataError
+    from megaloom.data.image_text.images import decode
+    from megaloom.data.image_text.tokens import encode_records
+
+    if not hasattr(model, "image_features"):
+        raise DataError(f"--image: the run's model ({model.cfg.arch}) has no image encoder; use a multimodal run "
+                        "(e.g. model.preset=llava-tiny)")
+    if tok.image_id is None or tok.image_id != model.cfg.image_token_id:
+        raise DataError(f"--image: the run's tokenizer has no <image> token matching model.image_token_id="
+                        f"{model.cfg.image_token_id}")
+    turn = f"USER: {text}\nASSISTANT: " if text else ""
+    if turn.count("<image>") > len(image_files):
+        raise DataError(f"--prompt has {turn.count('<image>')} <image> placeholders but {len(image_files)} --image")
+    rec = {"images": list(image_files), "turns": [("prompt", "<image>" * (len(image_files) - turn.count("<image>"))
+                                                   + turn)]}
+    (ids, _), = encode_records([rec], tok, model.tokens_per_image)
+    pixels = torch.stack([torch.from_numpy(decode(f, model.cfg.image_size, f)) for f in image_files])
+    return (torch.tensor(ids[:-1], dtype=torch.long, device=device)[None],  # without the closing end-of-document
+            {"images": pixels[None].to(device), "n_images": torch.tensor([len(image_files)], device=device)})

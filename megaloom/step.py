@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from megaloom.data.image_text.batch import ImageTextBatch
 from megaloom.models.documents import Documents
 from megaloom.models.transformer import moe_layers
 from megaloom.parallel import comm
@@ -70,7 +71,11 @@ def model_kwargs(x: torch.Tensor, documents: Callable[[torch.Tensor], Documents]
 def model_inputs(batch: torch.Tensor, micro: int, documents: Callable[[torch.Tensor], Documents] | None = None,
                  shard=None):
     """(inputs, labels, model keyword arguments) per micro-batch of `micro` rows. Under context parallelism
-    (``shard``) the document boundaries are found in the whole sequence first, then every part is this rank's."""
+    (``shard``) the document boundaries are found in the whole sequence first, then every part is this rank's.
+    An image-text batch (multimodal models) gives its own: masked labels, and the rows' images as keywords."""
+    if isinstance(batch, ImageTextBatch):
+        yield from batch.micro_inputs(micro)
+        return
     for x, y in micro_batches(batch, micro):
         kwargs = model_kwargs(x, documents)
         if shard is not None:

@@ -42,8 +42,16 @@ class StepBatches(Dataset):
         if not 0 <= k < self.n_steps:
             raise IndexError(f"step item {k} out of range ({self.n_steps} steps)")
         first = (self.start_step + k) * self.gbs + self.rank_offset
-        rows = [self.dataset[i] for i in range(first, first + self.rank_size)]
-        return torch.from_numpy(np.stack(rows).astype(np.int64, copy=False))
+        return stack_rows([self.dataset[i] for i in range(first, first + self.rank_size)])
+
+
+def stack_rows(rows: list):
+    """Samples -> one batch: token rows [B, T+1] int64, or an `ImageTextBatch` of image-text rows (dicts)."""
+    if isinstance(rows[0], dict):
+        from megaloom.data.image_text.batch import ImageTextBatch
+
+        return ImageTextBatch.stack(rows)
+    return torch.from_numpy(np.stack(rows).astype(np.int64, copy=False))
 
 
 def make_loader(batches: StepBatches, num_workers: int, prefetch: int, pin_memory: bool) -> DataLoader:

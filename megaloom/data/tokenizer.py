@@ -14,6 +14,7 @@ from megaloom.data.cache import tmp_name
 from megaloom.data.errors import DataError
 
 EOD_TOKEN = "<|endoftext|>"
+IMAGE_TOKEN = "<image>"  # where an image's features go in a multimodal model's input
 # Conventional end-of-document tokens of common tokenizer families, most specific first.
 EOD_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 # Every byte must be a token of its own for byte-level BPE to encode any text; plus the EOD token.
@@ -54,6 +55,11 @@ class Tokenizer:
             raise DataError(f"tokenizer {self.path} has no end-of-document token (looked for "
                             f"{', '.join(EOD_CANDIDATES)}); add one of them as a special token")
         return self._eod_id
+
+    @property
+    def image_id(self) -> int | None:
+        """The id of the ``<image>`` placeholder token (multimodal models), or None if the tokenizer has none."""
+        return self.hf.token_to_id(IMAGE_TOKEN)
 
     def encode(self, text: str) -> list[int]:
         return self.hf.encode(text, add_special_tokens=False).ids

@@ -79,9 +79,12 @@ class Family:
     hf: HFMapping | None = None
     validate: Callable[[ModelConfig], None] | None = None  # family-specific config rules (raise ConfigError)
     extra: dict[str, Any] = field(default_factory=dict)
+    # The family's module class, a subclass of the shared decoder (llava: the decoder plus an image encoder);
+    # None: `megaloom.models.transformer.Transformer` itself.
+    module: Callable[..., nn.Module] | None = None
 
     def build(self, cfg: ModelConfig) -> nn.Module:
         """The family's module on the current default device (use ``torch.device("meta")`` to build no storage)."""
         from megaloom.models.transformer import Transformer
 
-        return Transformer(cfg, self)
+        return (self.module or Transformer)(cfg, self)

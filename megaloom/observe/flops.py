@@ -53,6 +53,8 @@ def matmul_params(model: torch.nn.Module) -> int:
             continue
         if name.startswith(("tok_emb", "pos_emb")) and not name.startswith("head"):
             continue
+        if name.startswith(("vision.", "projector.")):  # an image encoder runs per image patch, not per token
+            continue
         seen.add(id(p))
         n += p.numel() * active_share.get(id(p), 1.0)
     return int(n)

@@ -450,9 +450,10 @@ class DataParallelGrads:
                 total = tp_grad_norm(self.model, self.mesh)
         else:
             total = sharded_grad_norm(self._shard_views.views, self.mesh)
-        if math.isfinite(max_norm):
+        local = self.local_grads()
+        if math.isfinite(max_norm) and local:  # a pipeline stage may hold only frozen parameters (model.freeze)
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            torch._foreach_mul_(self.local_grads(), coef)
+            torch._foreach_mul_(local, coef)
         return total
 
     # ------------------------------------------------------------------------------ parameters (zero >= 1)

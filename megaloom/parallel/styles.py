@@ -33,13 +33,19 @@ class Colwise(Style):
 @dataclass(frozen=True)
 class Rowwise(Style):
     """nn.Linear split by input features; its output leaves the region (all-reduce, or reduce-scatter to
-    sequence shards with sp)."""
+    sequence shards with sp). ``sequence=False``: always an all-reduce (a stream that sp never splits, such as an
+    image encoder's patches)."""
+
+    sequence: bool = True
 
 
 @dataclass(frozen=True)
 class Region(Style):
     """The module's first input enters the tp region once (identity forward + all-reduce backward, or the
-    all-gather of sequence shards with sp), e.g. once for q, k and v together."""
+    all-gather of sequence shards with sp), e.g. once for q, k and v together. ``sequence=False``: the input is
+    never sequence-sharded (an image encoder's patches), so it enters as without sp."""
+
+    sequence: bool = True
 
 
 @dataclass(frozen=True)
@@ -87,6 +93,13 @@ class PartialGrad(Style):
 class SequenceDropout(Style):
     """Dropout on the residual stream: with sp the ranks hold different tokens, so masks come from the
     tp-forked RNG stream; without sp the stream is replicated and the masks must agree (left alone)."""
+
+
+@dataclass(frozen=True)
+class SequenceScatter(Style):
+    """A module that writes a full-sequence, replicated tensor (image features placed at <image> positions) into
+    the residual stream: with sp it keeps this rank's sequence shard and all-gathers the gradient in backward,
+    so what feeds it gets the whole gradient on every rank. Its ``split`` attribute is set; nothing without sp."""
 
 
 @dataclass(frozen=True)

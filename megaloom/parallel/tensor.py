@@ -59,6 +59,16 @@ class _EnterRegion:
         return (comm.copy_to_tp(args[0], self.mesh.tp_group, self.mesh.recorder),) + tuple(args[1:])
 
 
+class _SplitToSeq:
+    """This rank's sequence shard of a replicated [B, T, ...] tensor; the gradient all-gathered in backward."""
+
+    def __init__(self, mesh: Mesh) -> None:
+        self.mesh = mesh
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return comm.scatter_to_seq(x, self.mesh.tp_group, self.mesh.recorder)
+
+
 class SequencePositionEmbedding(nn.Module):
     """A learned position embedding under sp: the rows of this rank's sequence shard (same Parameter, so the
     name ``pos_emb.weight`` and checkpoints are unchanged; its gradient is a partial sum over tp)."""
@@ -116,11 +126,11 @@ def _apply(style: st.Style, module: nn.Module, ctx: _Context) -> nn.Module | Non
             return ColumnParallelLinear.from_linear(module, mesh, "none", rows, reps)
         case st.Colwise():
             return ColumnParallelLinear.from_linear(module, mesh, "none")
-        case st.Rowwise():
-            row = RowParallelLinear.from_linear(module, mesh, "reduce_scatter" if sp else "reduce")
-            row.ring = sp and ctx.ring
+        case st.Rowwise(sequence=seq):
+            row = RowParallelLinear.from_linear(module, mesh, "reduce_scatter" if sp and seq else "reduce")
+            row.ring = sp and seq and ctx.ring
             return row
-        case st.Region() if sp:  # gathered once; its column-parallel linears save only this rank's shard
+        case st.Region(sequence=True) if sp:  # gathered once; its column-parallel linears save only this rank's shard
             region = SeqRegion(mesh, ring=ctx.ring)
             module.register_forward_pre_hook(region.enter)
             module.register_forward_hook(region.leave)
@@ -144,6 +154,8 @@ def _apply(style: st.Style, module: nn.Module, ctx: _Context) -> nn.Module | Non
             _mark_partial(module)
         case st.SequenceDropout() if sp and ctx.cfg.dropout > 0:  # ranks hold different tokens
             return ForkedDropout(ctx.cfg.dropout, ctx.tracker)
+        case st.SequenceScatter() if sp:
+            module.split = _SplitToSeq(mesh)
         case st.Experts():
             parallelize_moe(module, mesh, sp)
     return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from megaloom.checkpoint import (
     save_checkpoint,
 )
 from megaloom.checkpoint.group import CheckpointGroup
+from megaloom.checkpoint.store import STATE
 from megaloom.config import Config
 from megaloom.errors import RunStopped
 from megaloom.observe.log import get_logger
@@ -59,6 +61,12 @@ class RunCheckpoints:
             path = Path(choice)
             if not path.is_dir():
                 raise CheckpointError(f"checkpoint.resume: directory '{choice}' not found.")
+            if self._another_stage(path):  # e.g. LLaVA: projector-only pretraining -> full fine-tuning
+                load_checkpoint(path, model, None, rank=rt.rank, model_cfg=cfg.model.__dict__, mesh=mesh,
+                                group=self.group)
+                log.info(f"checkpoint.resume={path}: saved with another model.freeze (a new training stage): this "
+                         f"run starts from its weights at step 0 with a fresh optimizer")
+                return 0, {}
             state = load_checkpoint(path, model, optimizer, rank=rt.rank, model_cfg=cfg.model.__dict__, mesh=mesh,
                                     group=self.group)
         _check_data_compatible(state, cfg)
@@ -66,6 +74,15 @@ class RunCheckpoints:
         for line in resume_changes(state, cfg, self.layout()):
             log.info(line)
         return int(state["step"]), state
+
+    def _another_stage(self, path: Path) -> bool:
+        """The checkpoint was trained with other parts frozen (model.freeze): its optimizer state does not cover
+        this run's trainable parameters, and its step counts another stage's schedule."""
+        try:
+            saved = json.loads((path / STATE).read_text()).get("model") or {}
+        except (OSError, ValueError):
+            return False  # load_checkpoint's verification names what is wrong with it
+        return sorted(saved.get("freeze") or []) != sorted(self.cfg.model.freeze)
 
     def layout(self) -> dict:
         """The parallel layout of this run, as saved with every checkpoint and compared with it on resume."""

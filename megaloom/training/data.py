@@ -9,13 +9,24 @@ found already built), then everyone else. Middle pipeline stages read no tokens:
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
 from megaloom.data.dataset import build_datasets
 
 if TYPE_CHECKING:
-    from megaloom.config import DataConfig
+    from megaloom.config import Config, DataConfig
     from megaloom.runtime import Runtime
+
+
+def default_builder(cfg: Config, text: Callable = build_datasets) -> Callable:
+    """``text`` (`build_datasets`: token files), or for a model with an image encoder the image-text datasets
+    (data/image_text/) with its image settings bound."""
+    if cfg.model.vision_layers:
+        from megaloom.data.image_text.build import build_image_text_datasets
+
+        return partial(build_image_text_datasets, model=cfg.model)
+    return text
 
 
 def load_rank_datasets(build: Callable | None, data: DataConfig, seq_len: int, seed: int, n_train: int,

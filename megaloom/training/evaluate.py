@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from megaloom.data.loader import stack_rows
 from megaloom.parallel.mesh import Mesh
 from megaloom.step import autocast_ctx, model_inputs
 
@@ -12,8 +13,8 @@ def eval_batches(valid_ds, n_batches: int, global_batch: int, local_batch: int, 
                  reads_data: bool) -> list[torch.Tensor | None]:
     """This data-parallel rank's rows of each of the first `n_batches` global validation batches (None on the
     pipeline ranks that read no tokens)."""
-    return [torch.stack([torch.as_tensor(valid_ds[i * global_batch + mesh.dp_rank * local_batch + j])
-                         for j in range(local_batch)]) if reads_data else None for i in range(n_batches)]
+    return [stack_rows([valid_ds[i * global_batch + mesh.dp_rank * local_batch + j] for j in range(local_batch)])
+            if reads_data else None for i in range(n_batches)]
 
 
 @torch.no_grad()

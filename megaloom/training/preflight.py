@@ -89,9 +89,26 @@ def refuse_unbuilt(cfg: Config) -> None:
                           f"support it) or {which}=false.")
     check_context(cfg)
     m = cfg.model
+    if m.vision_layers:
+        refuse_unbuilt_vision(cfg)
+    if m.freeze and p.zero == 3:  # FSDP2 trains with frozen parameters, but its checkpoint shards are then wrong
+        raise ConfigError(f"model.freeze={','.join(m.freeze)} with parallel.zero=3 is not available yet (the "
+                          "checkpoints of FSDP2's frozen parameters do not save); use parallel.zero=1 or 2, whose "
+                          "gradient buckets and optimizer leave frozen parameters out too.")
     if p.cp > 1 and m.moe_every and (m.aux_loss_weight or m.capacity_factor):
         # Both are functions of the whole sequence's routing statistics, which a cp rank does not see.
         raise ConfigError(f"parallel.cp={p.cp} with an MoE load-balancing loss (model.aux_loss_weight="
                           f"{m.aux_loss_weight}) or capacity dropping (model.capacity_factor={m.capacity_factor}) is "
                           "not available yet: each cp rank sees only its part of the sequence; set both to 0 (the "
                           "aux-loss-free bias, model.aux_free_bias_rate, works with cp).")
+
+
+def refuse_unbuilt_vision(cfg: Config) -> None:
+    """A model with an image encoder (llava): what its layouts do not support yet."""
+    p, m = cfg.parallel, cfg.model
+    if p.cp > 1:
+        raise ConfigError(f"parallel.cp={p.cp} with an image encoder (model.vision_layers={m.vision_layers}): image "
+                          "features are not split over context-parallel ranks in this build; set parallel.cp=1.")
+    if m.vision_heads % p.tp:
+        raise ConfigError(f"parallel.tp={p.tp} does not divide model.vision_heads={m.vision_heads} (each tp rank "
+                          "runs whole heads of the image encoder too); choose a tp that divides both head counts.")

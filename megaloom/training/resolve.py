@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from megaloom.config import Config, ModelConfig
+from megaloom.config import Config, ConfigError, ModelConfig
 from megaloom.models.transformer import resolved_ffn_dim
 from megaloom.observe.log import get_logger
 from megaloom.observe.memory_fit import auto_micro_batch
@@ -48,13 +48,21 @@ def resolve_model_shape(cfg: Config, tokenizer_vocab: int, pad_multiple: int = 6
         setattr(cfg.model, f.name, getattr(resolved, f.name))
 
 
-def resolve_config(cfg: Config, *, precision: str, tokenizer_path: str | Path, tokenizer_vocab: int) -> Config:
+def resolve_config(cfg: Config, *, precision: str, tokenizer_path: str | Path, tokenizer_vocab: int,
+                   image_token_id: int | None = None) -> Config:
     """A new Config: `cfg` with the model shape, precision and tokenizer path resolved (`cfg` is not changed).
-    train.micro_batch_size=0 stays 0 here: its choice needs this resolved shape (`with_micro_batch`)."""
+    train.micro_batch_size=0 stays 0 here: its choice needs this resolved shape (`with_micro_batch`).
+    ``image_token_id``: the tokenizer's <image> token, for model.image_token_id=-1 of a model with images."""
     cfg = copy.deepcopy(cfg)
+    model = resolved_model(cfg.model, tokenizer_vocab, vocab_pad_multiple(cfg))
+    if model.vision_layers and model.image_token_id < 0:
+        if image_token_id is None:
+            raise ConfigError("model.image_token_id=-1 asks for the tokenizer's <image> token, but the tokenizer has "
+                              "none; set model.image_token_id to the id of the image placeholder token")
+        model = dataclasses.replace(model, image_token_id=image_token_id)
     return dataclasses.replace(
         cfg,
-        model=resolved_model(cfg.model, tokenizer_vocab, vocab_pad_multiple(cfg)),
+        model=model,
         train=dataclasses.replace(cfg.train, precision=precision),
         data=dataclasses.replace(cfg.data, tokenizer=cfg.data.tokenizer or _resolved_path(tokenizer_path)))
 

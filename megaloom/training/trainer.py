@@ -24,6 +24,7 @@ from megaloom.data.dataset import build_datasets
 from megaloom.data.loader import StepBatches, make_loader
 from megaloom.models import count_params
 from megaloom.models.documents import Documents
+from megaloom.models.freeze import freeze_parts
 from megaloom.models.registry import get_family
 from megaloom.observe.flops import device_peak_flops, flops_per_token, matmul_params
 from megaloom.observe.log import get_logger
@@ -48,7 +49,7 @@ from megaloom.resilience.signals import StopRequests, signal_name
 from megaloom.runtime import Runtime, init_runtime, resolve_precision, seed_everything
 from megaloom.step import TrainStep, forward_ctx
 from megaloom.training.checkpoints import RunCheckpoints
-from megaloom.training.data import load_rank_datasets
+from megaloom.training.data import default_builder, load_rank_datasets
 from megaloom.training.evaluate import eval_batches, evaluate, evaluate_pipeline
 from megaloom.training.levers import describe_levers, resolve_levers
 from megaloom.training.options import apply_train_options
@@ -135,14 +136,16 @@ class Trainer:
         self.reads_data = mesh.pp == 1 or mesh.is_first_stage or mesh.is_last_stage
         self.train_ds, self.valid_ds, self.tokenizer = load_rank_datasets(
             self._datasets, self.requested.data, t.seq_len, t.seed, t.steps * t.global_batch_size,
-            t.eval_batches * t.global_batch_size, self.rt, self.reads_data, default=build_datasets)
+            t.eval_batches * t.global_batch_size, self.rt, self.reads_data,
+            default=default_builder(self.requested, build_datasets))
         log.debug(f"data: {len(self.train_ds)} training and {len(self.valid_ds)} validation samples; tokenizer "
                   f"{self.tokenizer.path} ({self.tokenizer.vocab_size} tokens)")
 
     def _resolve(self) -> Config:
         """The resolved config (a new object): sizes, precision, tokenizer path, and the micro-batch."""
         cfg = resolve_config(self.requested, precision=self.precision, tokenizer_path=self.tokenizer.path,
-                             tokenizer_vocab=self.tokenizer.vocab_size)
+                             tokenizer_vocab=self.tokenizer.vocab_size,
+                             image_token_id=getattr(self.tokenizer, "image_id", None))
         capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
         cfg, levers = resolve_levers(cfg, self.device.type, capability)  # compile, fused loss, attention "auto"
         if levers and self.rt.is_main:  # on CPU every lever stays off: said at debug level only
@@ -241,6 +244,7 @@ class Trainer:
         # Selective recompute re-runs the attention core only where the kernel keeps the scores (math).
         kernel = attention_backend(cfg, self.device.type, cfg.parallel.tp)
         fp8_summary = apply_train_options(model, t, recompute_attention=kernel == "math")  # before stages, compile
+        freeze_parts(model, cfg.model.freeze)  # before the gradient buckets and the optimizer, which skip them
         if fp8_summary is not None:
             log.info(f"megaloom: {fp8_summary}")
         stage = build_stage(model, checked.partition, mesh) if mesh.pp > 1 else None  # prunes the model
@@ -354,7 +358,8 @@ class Trainer:
         if self.data_offset and len(self.train_ds) < (t.steps + self.data_offset) * t.global_batch_size:
             self.train_ds, _, _ = load_rank_datasets(
                 self._datasets, cfg.data, t.seq_len, t.seed, (t.steps + self.data_offset) * t.global_batch_size,
-                t.eval_batches * t.global_batch_size, self.rt, self.reads_data, default=build_datasets)
+                t.eval_batches * t.global_batch_size, self.rt, self.reads_data,
+                default=default_builder(cfg, build_datasets))
         batches = StepBatches(self.train_ds, t.global_batch_size, rank_offset=self.mesh.dp_rank * self.local_batch,
                               rank_size=self.local_batch, start_step=step + self.data_offset, n_steps=t.steps - step)
         if not self.reads_data:

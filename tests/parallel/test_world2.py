@@ -17,7 +17,8 @@ from .worlds import suite_world2
 
 PARITY = ["parity-llama-tp2-sp0", "parity-llama-tp2-sp1", "parity-gpt2-tp2-sp0", "parity-gpt2-tp2-sp1",
           "parity-qwen3-tp2-sp0", "parity-qwen3-tp2-sp1", "parity-gpt2-tp2-sp0-untied", "parity-llama-tp2-sp1-docs",
-          "parity-gpt2-tp2-sp1-docs-reset", "parity-qwen3-tp2-sp1-async"]
+          "parity-gpt2-tp2-sp1-docs-reset", "parity-qwen3-tp2-sp1-async", "parity-llava-tp2-sp0",
+          "parity-llava-tp2-sp1"]
 
 
 @pytest.fixture(scope="module")
@@ -71,3 +72,31 @@ def test_async_tp_replaces_the_region_collectives_by_ring_steps(world: list[dict
         assert sync.get("send", 0) == 0 and sync["all_gather"] > 4, sync
         assert ring["send"] > 0 and ring["send"] == ring["recv"], ring
         assert ring.get("all_gather", 0) <= 1 and ring.get("reduce_scatter", 0) <= 1, ring
+
+
+@pytest.mark.parametrize("case", ["pipeline-llava-pp2-1f1b", "pipeline-llava-pp2-zb"])
+def test_llava_pipeline_with_the_encoder_on_the_first_stage(world: list[dict], case: str) -> None:
+    held: set[str] = set()
+    for rank, res in enumerate(world):
+        r = res[case]
+        for loss, ref in zip(r["loss"], r["loss_ref"], strict=True):
+            assert abs(loss - ref) <= 1e-5 * abs(ref), (rank, r["loss"], r["loss_ref"])
+        for norm, ref in zip(r["norm"], r["norm_ref"], strict=True):
+            assert abs(norm - ref) <= 1e-5 * ref, (rank, r["norm"], r["norm_ref"])
+        bad = {n: e for n, e in r["grad_err"].items() if not e[1]}
+        assert not bad, bad
+        ev, ref_ev = r["eval"]
+        assert abs(ev - ref_ev) <= 1e-5 * ref_ev
+        assert r["first_stage_has_vision"] == (rank == 0)
+        assert any(n.startswith("vision.") for n in r["names"]) == (rank == 0)  # the encoder lives on stage 0 only
+        held |= set(r["names"])
+    assert any(n.startswith("projector.") for n in held) and "norm.weight" in held
+
+
+def test_llava_pipeline_projector_only_stage(world: list[dict]) -> None:
+    for rank, res in enumerate(world):
+        r = res["pipeline-llava-pp2-frozen"]
+        for loss, ref in zip(r["loss"], r["loss_ref"], strict=True):
+            assert abs(loss - ref) <= 1e-5 * abs(ref), (rank, r["loss"], r["loss_ref"])
+        assert not r["frozen_grads"] and r["bucketed"] == r["trainable"] == r["changed"]
+        assert all(n.startswith("projector.") for n in r["trainable"]) and bool(r["trainable"]) == (rank == 0)

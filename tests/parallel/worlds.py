@@ -322,6 +322,9 @@ def dropout_case(mesh: Mesh, sp: bool) -> dict:
 
 # ---------------------------------------------------------------------------------------------------- suites
 
+from megaloom.parallel.pipeline.stage import build_embedding_groups  # noqa: E402
+
+from .llava_worlds import llava_parity_case, llava_pipeline_case, llava_pipeline_frozen_case  # noqa: E402
 from .sp_checks import check_gathered_linears, step_bytes  # noqa: E402  (they import this module's helpers)
 
 
@@ -366,6 +369,14 @@ def suite_world2(rank: int, world: int, device: torch.device) -> dict:
     res["parity-llama-tp2-sp1-docs"] = parity_case(mesh, "llama", True, steps=3, docs="mask")
     res["parity-gpt2-tp2-sp1-docs-reset"] = parity_case(mesh, "gpt2", True, steps=3, docs="mask+reset")
     res["parity-qwen3-tp2-sp1-async"] = parity_case(mesh, "qwen3", True, steps=3, async_tp=True)
+    for sp in (False, True):  # LLaVA: a ViT split over tp (never over the sequence), image features merged
+        res[f"parity-llava-tp2-sp{int(sp)}"] = llava_parity_case(mesh, sp)
+    # LLaVA at pp=2: the encoder on the first stage, the images carried with its micro-batches.
+    pp_mesh = Mesh.build(tiny_config(pp=2, world=world), world, rank, device)
+    emb_group = build_embedding_groups(pp_mesh)
+    for schedule in ("1f1b", "zb"):
+        res[f"pipeline-llava-pp2-{schedule}"] = llava_pipeline_case(pp_mesh, emb_group, schedule, 2)
+    res["pipeline-llava-pp2-frozen"] = llava_pipeline_frozen_case(pp_mesh, emb_group)  # last stage all frozen
     res["decode"] = {arch: decode_case(mesh, arch) for arch in ("llama", "gpt2", "qwen3")}
     res["gathered_linears"] = check_gathered_linears(mesh)
     res["step_bytes"] = {(arch, p): step_bytes(mesh, arch, p) for arch in ("llama", "gpt2") for p in ("fp32", "bf16")}

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megaloom.data.image_text.batch import ImageTextBatch
 from megaloom.parallel import comm
 from megaloom.parallel.context.layout import SequenceShard
 from megaloom.parallel.mesh import Mesh
@@ -77,6 +78,7 @@ class _Msg:
 class _StepState:
     tokens: list[torch.Tensor] = field(default_factory=list)
     labels: list[torch.Tensor] = field(default_factory=list)
+    first_kwargs: list[dict] = field(default_factory=list)  # the first stage's model keywords (images) per mb
     inputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
     inbox_f: dict[tuple[int, int], _Msg] = field(default_factory=dict)  # stage input, by (mb, stage)
@@ -146,8 +148,12 @@ class PipelineExecutor:
             if batch is None or batch.shape[0] != m * self.micro:
                 got = None if batch is None else tuple(batch.shape)
                 raise ValueError(f"pipeline stage {self.rank} needs a batch of {m} x {self.micro} rows, got {got}")
-            st.tokens = [self.shard(batch[i * self.micro:(i + 1) * self.micro, :-1]) for i in range(m)]
-            st.labels = [self.shard(batch[i * self.micro:(i + 1) * self.micro, 1:]) for i in range(m)]
+            if isinstance(batch, ImageTextBatch):  # masked labels; the images go to the first stage (the encoder)
+                st.tokens, st.labels, st.first_kwargs = (list(v) for v in zip(*batch.micro_inputs(self.micro),
+                                                                                strict=True))
+            else:
+                st.tokens = [self.shard(batch[i * self.micro:(i + 1) * self.micro, :-1]) for i in range(m)]
+                st.labels = [self.shard(batch[i * self.micro:(i + 1) * self.micro, 1:]) for i in range(m)]
         device = self.mesh.device
         st.loss = torch.zeros((), dtype=torch.float32, device=device)
         self.events = []
@@ -249,8 +255,9 @@ class PipelineExecutor:
             x = st.inbox_f.pop((mb, s)).get()
             if self.schedule.backward:
                 x = x.detach().requires_grad_()
+        kwargs = st.first_kwargs[mb] if s == 0 and st.first_kwargs else {}
         with self.autocast():
-            out = self.stage(x, chunk, st.labels[mb] if s == self.last else None, seq_len=self.seq_len)
+            out = self.stage(x, chunk, st.labels[mb] if s == self.last else None, seq_len=self.seq_len, **kwargs)
         if s == self.last:
             loss = out / self.schedule.microbatches  # as TrainStep: mean of equal-size micro-batch means
             st.loss += loss.detach().float()

@@ -7,7 +7,9 @@ neighbouring ranks and the activations travel round a ring.
 
 By default the layers are split evenly. The first stage also runs the embedding and the last the final norm,
 the head and the loss (with a large vocabulary these weigh several layers), so either may be given an explicit
-layer count and the remaining layers are spread evenly over the other stages.
+layer count and the remaining layers are spread evenly over the other stages. A multimodal model's first stage
+also runs the image encoder: unless the end stages are given counts, it takes fewer decoder layers by the
+encoder's cost in decoder blocks (`encoder_block_equivalents`, vpp = 1).
 
 Everything here is pure arithmetic: it runs in the launcher before any process exists.
 """
@@ -164,4 +166,45 @@ def validate_pipeline(cfg: Config, dp: int, first_stage_layers: int | None = Non
     """Every pipeline check for a config, before any process group: partition, schedule, micro-batches."""
     p, t = cfg.parallel, cfg.train
     check_microbatches(p.schedule, p.pp, p.vpp, t.global_batch_size, t.micro_batch_size, dp)
+    if cfg.model.vision_layers and first_stage_layers is None and last_stage_layers is None and p.vpp == 1:
+        balanced = encoder_balanced(cfg.model.n_layers, p.pp, encoder_block_equivalents(cfg))
+        if balanced is not None:
+            return balanced
     return partition_layers(cfg.model.n_layers, p.pp, p.vpp, first_stage_layers, last_stage_layers)
+
+
+def encoder_block_equivalents(cfg: Config) -> float:
+    """A multimodal model's image encoder and projector, run on the first pipeline stage: their matmul FLOPs per
+    row (data.max_images images, the most a row holds) in units of one decoder block's (attention scores
+    included). Dense MLP width for MoE decoders: an estimate for balancing, not an accounting."""
+    m, seq = cfg.model, cfg.train.seq_len
+    hd = m.d_model // m.n_heads
+    kv = m.n_kv_heads or m.n_heads
+    ffn = m.ffn_dim or 256 * -(-int(8 * m.d_model / 3) // 256)
+    block = seq * (m.d_model * (2 * m.n_heads + 2 * kv) * hd + 3 * m.d_model * ffn) + 2 * seq * seq * m.d_model
+    dv, vffn = m.vision_d_model, m.vision_ffn_dim or 4 * m.vision_d_model
+    patches = (m.image_size // m.patch_size) ** 2
+    tokens = patches + int(m.vision_cls)
+    per_image = (m.vision_layers * tokens * (4 * dv * dv + 2 * dv * vffn + 2 * tokens * dv)
+                 + patches * (dv * m.d_model + m.d_model * m.d_model))
+    return cfg.data.max_images * per_image / block
+
+
+def encoder_balanced(n_layers: int, pp: int, encoder_blocks: float) -> Partition | None:
+    """The layers per stage when the first stage also runs an image encoder worth ``encoder_blocks`` decoder
+    blocks: it takes that many (rounded) fewer than an even share, the others share the rest (differing by one
+    at most, the later stages taking the extra ones). None when the encoder is worth less than half a block
+    (the even split stands)."""
+    fewer = round(encoder_blocks)
+    if fewer < 1 or pp < 2:
+        return None
+    first = max(1, n_layers // pp - fewer)
+    rest = n_layers - first
+    if rest < pp - 1:
+        return None
+    base, extra = divmod(rest, pp - 1)
+    sizes = [first] + [base + (i >= pp - 1 - extra) for i in range(pp - 1)]
+    starts = [0]
+    for n in sizes:
+        starts.append(starts[-1] + n)
+    return Partition(n_layers, pp, 1, tuple(starts))

@@ -41,10 +41,12 @@ def prune_to_stages(model: Transformer, partition: Partition, pp_rank: int) -> T
         model.tok_emb = None
         if getattr(model, "pos_emb", None) is not None:
             model.pos_emb = None
+        for name in getattr(model, "first_stage_modules", ()):  # what feeds the embedding (an image encoder)
+            setattr(model, name, None)
     if not has_head:
         model.norm = model.head = model.loss = None
     elif tied and not has_embedding:  # the embedding lives on another rank: keep an equal copy
-        copy = nn.Parameter(model.head.weight.detach().clone())
+        copy = nn.Parameter(model.head.weight.detach().clone(), requires_grad=model.head.weight.requires_grad)
         copy_layout(model.head.weight, copy)
         model.head.weight = set_layout(copy, tied_copy=True)
     return model
@@ -66,11 +68,11 @@ class PipelineStage:
         self.tied_across_stages = tied and partition.pp > 1 and (self.has_embedding or self.has_head)
 
     def __call__(self, x: torch.Tensor, chunk: int = 0, labels: torch.Tensor | None = None,
-                 seq_len: int | None = None) -> torch.Tensor:
+                 seq_len: int | None = None, **kwargs) -> torch.Tensor:
         """Chunk ``chunk``: tokens [B, T] on the first stage, else hidden states [B, T(/tp with sp), D] and
         ``seq_len`` the full sequence length. Hidden states out, or on the last stage the loss (logits
-        without labels)."""
-        return self.model(x, labels, span=self.spans[chunk], seq_len=seq_len)
+        without labels). ``kwargs``: the first stage's extra model inputs (a multimodal model's images)."""
+        return self.model(x, labels, span=self.spans[chunk], seq_len=seq_len, **kwargs)
 
     def parameters(self):
         return self.model.parameters()
@@ -81,6 +83,7 @@ class PipelineStage:
         mods: list[nn.Module] = [m.layers[str(i)] for i in span.layers]
         if span.embed:
             mods += [m.tok_emb] + ([m.pos_emb] if getattr(m, "pos_emb", None) is not None else [])
+            mods += [getattr(m, name) for name in getattr(m, "first_stage_modules", ())]
         if span.head:
             mods += [m.norm, m.head]
         seen: set[int] = set()

@@ -31,6 +31,7 @@ from megaloom.parallel.zero import (
     load_full_optimizer_state,
 )
 
+from ..llava_worlds import llava_dp_case
 from ..worlds import SEQ, VOCAB, tiny_config
 
 GLOBAL_BATCH, STEPS, LR, WD, BETAS = 8, 10, 3e-3, 0.1, (0.9, 0.95)
@@ -247,6 +248,8 @@ def suite_dp2(rank: int, world: int, device: torch.device) -> dict:
     res["z1-roundtrip"] = dp_case(mesh, 1, roundtrip=True, cache=cache)
     res["z3-roundtrip"] = dp_case(mesh, 3, roundtrip=True, cache=cache)
     res["z2-lamb-roundtrip"] = dp_case(mesh, 2, "lamb", roundtrip=True, cache=cache)
+    res["z1-llava"] = llava_dp_case(mesh, 1)  # images through a ViT and projector, ZeRO-1
+    res["z1-llava-frozen"] = llava_dp_case(mesh, 1, freeze="vision,language")  # projector-only pretraining
     return res
 
 

@@ -19,8 +19,26 @@ def world() -> list[dict]:
     return run_world(2, suite_dp2)
 
 
+LLAVA = ["z1-llava", "z1-llava-frozen"]
+
+
 def test_every_case_ran(world: list[dict]) -> None:
-    assert sorted(world[0]) == sorted(CASES)
+    assert sorted(world[0]) == sorted(CASES + LLAVA)
+
+
+def test_llava_dp2_zero1_matches_single_process_and_leaves_frozen_parts_out(world: list[dict]) -> None:
+    for res in world:
+        for case in LLAVA:
+            r = res[case]
+            for loss, ref in zip(r["loss"], r["ref_loss"], strict=True):
+                assert abs(loss - ref) <= 1e-5 * abs(ref), (case, r["loss"], r["ref_loss"])
+            assert r["param_err"] < 1e-5, (case, r["param_err"])
+            assert r["bucketed"] == r["trainable"] and not r["grads_of_frozen"] and r["frozen_unchanged"]
+        full, frozen = res["z1-llava"], res["z1-llava-frozen"]
+        assert all(n.startswith("projector.") for n in frozen["trainable"]) and frozen["trainable"]
+        # AdamW state (2 fp32 moments) for this rank's 1/dp share of the trainable elements only
+        assert frozen["state_bytes"] == 2 * 4 * frozen["bucket_elements"] // 2
+        assert frozen["bucket_elements"] < full["bucket_elements"] // 10
 
 
 @pytest.mark.parametrize("case", CASES)
