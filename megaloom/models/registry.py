@@ -3,13 +3,14 @@ its line here; nothing else in megaloom names a family."""
 
 from __future__ import annotations
 
-from megaloom.models import gpt2, llama, qwen3
+from megaloom.models import bert, gpt2, llama, qwen3
 from megaloom.models.family import Family
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     llama.FAMILY,
     gpt2.FAMILY,
     qwen3.FAMILY,
+    bert.FAMILY,
 )}
 
 

@@ -22,6 +22,7 @@ from megaloom.checkpoint.store import remove_partial_saves
 from megaloom.config import Config
 from megaloom.data.dataset import build_datasets
 from megaloom.data.loader import StepBatches, make_loader
+from megaloom.data.objective import ObjectiveDataset
 from megaloom.models import count_params
 from megaloom.models.documents import Documents
 from megaloom.models.registry import get_family
@@ -135,13 +136,20 @@ class Trainer:
         self.train_ds, self.valid_ds, self.tokenizer = load_rank_datasets(
             self._datasets, self.requested.data, t.seq_len, t.seed, t.steps * t.global_batch_size,
             t.eval_batches * t.global_batch_size, self.rt, self.reads_data, default=build_datasets)
+        # A family whose objective is not next-token prediction (BERT's masked LM) turns each row into
+        # (inputs, labels) as the loader reads it, from (seed, sample index) alone (data/objective.py).
+        objective = get_family(self.requested.model.arch).objective
+        self.objective = objective.build(self.requested, self.tokenizer) if objective is not None else None
+        if self.objective is not None:
+            self.train_ds = ObjectiveDataset(self.train_ds, self.objective, "train")
+            self.valid_ds = ObjectiveDataset(self.valid_ds, self.objective, "valid")
         log.debug(f"data: {len(self.train_ds)} training and {len(self.valid_ds)} validation samples; tokenizer "
                   f"{self.tokenizer.path} ({self.tokenizer.vocab_size} tokens)")
 
     def _resolve(self) -> Config:
         """The resolved config (a new object): sizes, precision, tokenizer path, and the micro-batch."""
         cfg = resolve_config(self.requested, precision=self.precision, tokenizer_path=self.tokenizer.path,
-                             tokenizer_vocab=self.tokenizer.vocab_size)
+                             tokenizer_vocab=(self.objective or self.tokenizer).vocab_size)
         if cfg.train.micro_batch_size == 0:
             cfg = with_micro_batch(cfg, choose_micro_batch(cfg, self.rt, self.device))  # a collective
         self.n_micro = self.local_batch // cfg.train.micro_batch_size

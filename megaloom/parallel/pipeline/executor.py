@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megaloom.data.objective import inputs_and_labels
 from megaloom.parallel import comm
 from megaloom.parallel.context.layout import SequenceShard
 from megaloom.parallel.mesh import Mesh
@@ -146,8 +147,9 @@ class PipelineExecutor:
             if batch is None or batch.shape[0] != m * self.micro:
                 got = None if batch is None else tuple(batch.shape)
                 raise ValueError(f"pipeline stage {self.rank} needs a batch of {m} x {self.micro} rows, got {got}")
-            st.tokens = [self.shard(batch[i * self.micro:(i + 1) * self.micro, :-1]) for i in range(m)]
-            st.labels = [self.shard(batch[i * self.micro:(i + 1) * self.micro, 1:]) for i in range(m)]
+            pairs = [inputs_and_labels(batch[i * self.micro:(i + 1) * self.micro]) for i in range(m)]
+            st.tokens = [self.shard(x) for x, _ in pairs]
+            st.labels = [self.shard(y) for _, y in pairs]
         device = self.mesh.device
         st.loss = torch.zeros((), dtype=torch.float32, device=device)
         self.events = []
