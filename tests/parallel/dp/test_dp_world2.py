@@ -10,7 +10,7 @@ from .checks import assert_case
 from .dp_worlds import suite_dp2
 
 CASES = ["z0-adamw", "z1-adamw", "z2-adamw", "z3-adamw", "z1-adamw-clip", "z2-adamw-clip", "z3-adamw-clip",
-         "z0-lamb", "z1-lamb", "z2-lamb", "z3-lamb", "z1-gpt2", "z1-qwen3", "z1-roundtrip", "z3-roundtrip",
+         "z0-lamb", "z1-lamb", "z2-lamb", "z3-lamb", "z1-gpt2", "z1-qwen3", "z1-bert", "z1-roundtrip", "z3-roundtrip",
          "z2-lamb-roundtrip"]
 
 
