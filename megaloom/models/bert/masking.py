@@ -1,8 +1,9 @@
 """BERT's masked-LM objective on packed token rows (Devlin et al. 2019): each row becomes
-``[CLS] tokens [SEP]`` of ``seq_len`` tokens; 15% of its ordinary tokens are chosen (the exact count, rounded, at
-least one, as Megatron picks them), and of those 80% become ``[MASK]``, 10% a random ordinary token and 10% stay;
-labels hold the original token at the chosen positions and -100 everywhere else (ignored by the loss). Special
-tokens ([CLS], [SEP], [MASK], the end-of-document token, the tokenizer's other special tokens) are never chosen.
+``[CLS] tokens [SEP]`` of ``seq_len`` tokens; 15% of its ordinary tokens are chosen (a count per row, as
+Megatron picks them, rounded up or down at random so that the expected share is 15%; at least one), and of
+those 80% become ``[MASK]``, 10% a random ordinary token and 10% stay; labels hold the original token at the
+chosen positions and -100 everywhere else (ignored by the loss). Special tokens ([CLS], [SEP], [MASK], the
+end-of-document token, the tokenizer's other special tokens) are never chosen.
 
 Every draw comes from a generator seeded by (train.seed, the split, the sample's global index): the masks of a
 sample do not depend on which rank reads it, in which step, or whether the run was resumed.
@@ -45,7 +46,10 @@ class MaskedLM:
         labels = np.full(t, -100, dtype=np.int64)
         candidates = np.flatnonzero(~np.isin(inputs, self.special))
         rng = np.random.default_rng([self.seed, SPLITS[split], index])
-        n = min(len(candidates), max(1, round(self.mask_prob * len(candidates))))
+        # 15% of the candidates, rounded up or down at random so that the expected share is exactly mask_prob
+        # (always rounding would bias it: 18 of 123 is 14.6%); at least one, so that every row has a label.
+        want = self.mask_prob * len(candidates)
+        n = min(len(candidates), max(1, int(want) + int(rng.random() < want - int(want))))
         chosen = np.sort(rng.choice(candidates, size=n, replace=False))
         labels[chosen] = inputs[chosen]
         u = rng.random(n)
