@@ -7,8 +7,10 @@ from pathlib import Path
 import torch
 
 from megaloom.checkpoint import CheckpointError, load_newest
+from megaloom.config import ConfigError
 from megaloom.data.tokenizer import Tokenizer
 from megaloom.models import Transformer
+from megaloom.models.registry import get_family
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
@@ -62,6 +64,10 @@ def load_for_generation(run_dir: Path, device: torch.device) -> tuple[Transforme
     from megaloom.train import load_run_config
 
     cfg = load_run_config(run_dir)
+    family = get_family(cfg.model.arch)
+    if not family.traits.causal:  # an encoder predicts masked tokens from both sides: there is no next token
+        raise ConfigError(f"--run {run_dir}: model.arch={cfg.model.arch} is a bidirectional encoder, trained to fill "
+                          "in masked tokens; megaloom generate samples causal models only.")
     model = Transformer(cfg.model).to(device)
     if load_newest(run_dir / "checkpoints", model, None, model_cfg=cfg.model.__dict__) is None:
         raise CheckpointError(f"--run {run_dir}: no usable checkpoint in {run_dir / 'checkpoints'}.")

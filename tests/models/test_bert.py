@@ -17,6 +17,7 @@ from megaloom.config import ConfigError, load_config
 from megaloom.data.loader import StepBatches
 from megaloom.data.objective import ObjectiveDataset, inputs_and_labels
 from megaloom.data.tokenizer import Tokenizer
+from megaloom.generate import load_for_generation
 from megaloom.models import Transformer
 from megaloom.models.bert.masking import MaskedLMObjective
 from megaloom.models.registry import get_family
@@ -180,3 +181,11 @@ def test_exact_resume_after_stop(small_corpus, tmp_path):
     resumed = train(load_config(None, [*part_cfg, *base]))
     for step in range(5, 9):
         assert resumed.losses[step] == ref.losses[step], step  # bit-exact on CPU fp32
+
+
+def test_generate_refuses_an_encoder(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(load_config(None, ["model.preset=bert-tiny", "model.vocab_size=64"]).to_yaml())
+    with pytest.raises(ConfigError, match="bidirectional encoder"):
+        load_for_generation(run, torch.device("cpu"))
