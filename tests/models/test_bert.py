@@ -18,7 +18,7 @@ from megaloom.data.loader import StepBatches
 from megaloom.data.objective import ObjectiveDataset, inputs_and_labels
 from megaloom.data.tokenizer import Tokenizer
 from megaloom.generate import load_for_generation
-from megaloom.models import Transformer
+from megaloom.models import Transformer, apply_recompute
 from megaloom.models.bert.masking import MaskedLMObjective
 from megaloom.models.registry import get_family
 from megaloom.train import train
@@ -189,3 +189,37 @@ def test_generate_refuses_an_encoder(tmp_path):
     (run / "config.yaml").write_text(load_config(None, ["model.preset=bert-tiny", "model.vocab_size=64"]).to_yaml())
     with pytest.raises(ConfigError, match="bidirectional encoder"):
         load_for_generation(run, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_recomputation_gives_the_same_gradients(mode):
+    cfg = load_config(None, ["model.preset=bert-tiny", "model.vocab_size=64", "model.max_seq_len=16",
+                             "train.seq_len=16"])
+    torch.manual_seed(0)
+    model = Transformer(cfg.model)
+    x = torch.randint(0, 64, (2, 16))
+    y = torch.where(torch.rand(2, 16, generator=torch.Generator().manual_seed(1)) < 0.3, x, -100)
+
+    def grads() -> dict:
+        model.zero_grad(set_to_none=True)
+        model(x, y).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    plain = grads()
+    apply_recompute(model, mode)
+    for n, g in grads().items():
+        assert torch.equal(g, plain[n]), n
+
+
+def test_bf16_autocast_loss_close_to_fp32():
+    cfg = load_config(None, ["model.preset=bert-tiny", "model.vocab_size=64", "model.max_seq_len=16",
+                             "train.seq_len=16"])
+    torch.manual_seed(0)
+    model = Transformer(cfg.model)
+    x = torch.randint(0, 64, (2, 16))
+    y = torch.where(torch.rand(2, 16, generator=torch.Generator().manual_seed(1)) < 0.3, x, -100)
+    with torch.no_grad():
+        ref = model(x, y)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = model(x, y)
+    assert low.dtype == torch.float32 and abs(low.item() - ref.item()) < 0.05 * ref.item()
