@@ -65,9 +65,9 @@ def load_for_generation(run_dir: Path, device: torch.device) -> tuple[Transforme
 
     cfg = load_run_config(run_dir)
     family = get_family(cfg.model.arch)
-    if not family.traits.causal:  # an encoder predicts masked tokens from both sides: there is no next token
-        raise ConfigError(f"--run {run_dir}: model.arch={cfg.model.arch} is a bidirectional encoder, trained to fill "
-                          "in masked tokens; megaloom generate samples causal models only.")
+    if not family.traits.causal:  # an encoder (bert) has no next token; t5's encoder-decoder sampling is not built
+        raise ConfigError(f"--run {run_dir}: model.arch={cfg.model.arch} is not a decoder-only model "
+                          f"({family.description}); megaloom generate samples decoder-only models.")
     model = Transformer(cfg.model).to(device)
     if load_newest(run_dir / "checkpoints", model, None, model_cfg=cfg.model.__dict__) is None:
         raise CheckpointError(f"--run {run_dir}: no usable checkpoint in {run_dir / 'checkpoints'}.")

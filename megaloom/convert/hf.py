@@ -36,8 +36,8 @@ from megaloom.convert.errors import ConversionError
 from megaloom.convert.hf_config import DTYPES, hf_config, model_settings
 from megaloom.convert.hf_names import from_hf_names, to_hf_names
 from megaloom.convert.safetensors_io import DEFAULT_SHARD_BYTES, INDEX, SINGLE, load_weights, save_weights
-from megaloom.models import Transformer
 from megaloom.models.presets import PRESETS
+from megaloom.models.registry import get_family
 
 
 def to_hf(run_or_ckpt_dir: str | Path, out_dir: str | Path, show_progress: bool = True, dtype: str = "float32",
@@ -91,7 +91,7 @@ def from_hf(hf_dir: str | Path, out_run_dir: str | Path) -> Path:
     _refuse_existing(run_dir, ("config.yaml", "checkpoints"), "the output run directory")
     cfg = _run_config(settings, run_dir, str(cfg_path))
     tensors = from_hf_names(cfg.model, load_weights(src), str(src))
-    model = Transformer(cfg.model)
+    model = get_family(cfg.model.arch).build(cfg.model)  # the family's module (t5: encoder-decoder)
     try:
         model.load_state_dict(tensors, strict=True)
     except RuntimeError as e:  # shapes that disagree with config.json
@@ -163,7 +163,7 @@ def _model_config(run_dir: Path, state: dict, ckpt: Path) -> ModelConfig:
 def _read_model_tensors(ckpt: Path, m: ModelConfig) -> dict[str, torch.Tensor]:
     """The checkpoint's model tensors, full size, under megaloom names (fp32, as training keeps them)."""
     with torch.device("meta"):  # names and shapes only: no memory, no init
-        meta = Transformer(m).state_dict()
+        meta = get_family(m.arch).build(m).state_dict()
     template = {"model": {k: torch.empty(v.shape, dtype=v.dtype) for k, v in meta.items()}}
     try:
         with warnings.catch_warnings():  # DCP's "assuming a single process" notice: intended here
