@@ -41,6 +41,12 @@ def is_encoder(arch: str) -> bool:
     return get_family(arch).objective is not None
 
 
+class _StandInTokenizer:
+    """What an objective reads of a tokenizer: the vocabulary (half the model's; the objective's own ids above)."""
+
+    vocab_size, eod_id = VOCAB // 2, 0
+
+
 def token_rows(gen: torch.Generator, rows: int, arch: str = "llama") -> torch.Tensor:
     """Random training rows for ``arch``: [rows, SEQ + 1] tokens (shifted into inputs and labels), or for an
     encoder [rows, 2, SEQ] (inputs, labels) as its objective makes them: labels -100 except ENCODER_LABELS
@@ -48,6 +54,10 @@ def token_rows(gen: torch.Generator, rows: int, arch: str = "llama") -> torch.Te
     whatever the micro-batching."""
     if not is_encoder(arch):
         return torch.randint(0, VOCAB, (rows, SEQ + 1), generator=gen)
+    if arch == "t5":  # its own objective's rows (span corruption: the same label count in every row by design)
+        obj = get_family(arch).objective.build(tiny_config(arch), _StandInTokenizer())
+        tokens = torch.randint(1, VOCAB // 2, (rows, SEQ + 1), generator=gen).numpy()
+        return torch.stack([torch.from_numpy(obj.sample(t, i, "train")) for i, t in enumerate(tokens)])
     x = torch.randint(0, VOCAB, (rows, SEQ), generator=gen)
     y = torch.full_like(x, -100)
     for r in range(rows):

@@ -20,6 +20,7 @@ from torch import nn
 from megaloom.data.objective import inputs_and_labels
 from megaloom.lamb import build_lamb
 from megaloom.models import Transformer
+from megaloom.models.registry import get_family
 from megaloom.optim import param_groups
 from megaloom.parallel import comm
 from megaloom.parallel.mesh import Mesh
@@ -84,7 +85,7 @@ def global_batches(steps: int = STEPS, arch: str = "llama") -> list[torch.Tensor
 def base_model(arch: str, mesh: Mesh) -> Transformer:
     cfg = tiny_config(arch, tp=mesh.tp, world=mesh.world_size)
     torch.manual_seed(1234)
-    return Transformer(cfg.model).to(mesh.device)
+    return get_family(arch).build(cfg.model).to(mesh.device)  # t5: its encoder-decoder module
 
 
 def plain_optimizer(model: nn.Module, kind: str, mesh: Mesh | None) -> torch.optim.Optimizer:
@@ -246,6 +247,7 @@ def suite_dp2(rank: int, world: int, device: torch.device) -> dict:
     res["z1-gpt2"] = dp_case(mesh, 1, arch="gpt2", cache=cache)
     res["z1-qwen3"] = dp_case(mesh, 1, arch="qwen3", cache=cache)
     res["z1-bert"] = dp_case(mesh, 1, arch="bert", cache=cache)
+    res["z1-t5"] = dp_case(mesh, 1, arch="t5", cache=cache)
     res["z1-roundtrip"] = dp_case(mesh, 1, roundtrip=True, cache=cache)
     res["z3-roundtrip"] = dp_case(mesh, 3, roundtrip=True, cache=cache)
     res["z2-lamb-roundtrip"] = dp_case(mesh, 2, "lamb", roundtrip=True, cache=cache)
