@@ -141,12 +141,14 @@ def test_recomputation_gives_the_same_gradients(mode):
         assert torch.equal(g, plain[n]), n
 
 
-@pytest.mark.parametrize("override,key", [("parallel.tp=2", "parallel.tp"), ("parallel.pp=2", "parallel.pp"),
+@pytest.mark.parametrize("override,key", [("parallel.tp=2 parallel.sp=true", "train.seq_len=16 would"),
+                                          ("parallel.pp=2", "parallel.pp"),
                                           ("parallel.cp=2", "parallel.cp"),
                                           ("data.document_mask=true", "data.document_mask")])
 def test_refusals_name_the_setting(override, key):
     with pytest.raises(ConfigError, match=key):
-        preflight(load_config(None, ["model.preset=t5-tiny", "model.n_layers=2", override]), 2)
+        preflight(load_config(None, ["model.preset=t5-tiny", "model.n_layers=2", "train.seq_len=18",
+                                     *override.split()]), 2)
 
 
 def test_cli_training_smoke_loss_falls(small_corpus, tmp_path):

@@ -34,6 +34,7 @@ from megaloom.parallel.tensor import (
 
 VOCAB, SEQ, BATCH = 128, 16, 2
 ENCODER_LABELS = 4  # predicted positions per row of an encoder's batch (the rest -100)
+T5_TOKENS = 24  # tokens per span-corruption row
 
 
 def is_encoder(arch: str) -> bool:
@@ -56,7 +57,8 @@ def token_rows(gen: torch.Generator, rows: int, arch: str = "llama") -> torch.Te
         return torch.randint(0, VOCAB, (rows, SEQ + 1), generator=gen)
     if arch == "t5":  # its own objective's rows (span corruption: the same label count in every row by design)
         obj = get_family(arch).objective.build(tiny_config(arch), _StandInTokenizer())
-        tokens = torch.randint(1, VOCAB // 2, (rows, SEQ + 1), generator=gen).numpy()
+        # 24 tokens: encoder 22 and decoder 6 positions, both divisible by tp=2 for sequence parallelism
+        tokens = torch.randint(1, VOCAB // 2, (rows, T5_TOKENS + 1), generator=gen).numpy()
         return torch.stack([torch.from_numpy(obj.sample(t, i, "train")) for i, t in enumerate(tokens)])
     x = torch.randint(0, VOCAB, (rows, SEQ), generator=gen)
     y = torch.full_like(x, -100)
@@ -241,7 +243,7 @@ def parity_case(mesh: Mesh, arch: str, sp: bool, tie: bool = True, steps: int = 
     `docs`: "mask" or "mask+reset": packed documents (token 0 ends one) kept apart, positions restarting."""
     cfg = tiny_config(arch, tp=mesh.tp, sp=sp, tie=tie, world=mesh.world_size)
     torch.manual_seed(1234)
-    ref = Transformer(cfg.model).to(mesh.device)
+    ref = get_family(arch).build(cfg.model).to(mesh.device)
     model = parallelize_tensor(copy.deepcopy(ref), mesh, sp)
     # eps 1e-6, not 1e-8: a gradient that is zero in exact arithmetic (gpt2's key bias: softmax ignores a shift
     # shared by all keys) is rounding noise of ~1e-12 on both sides, which Adam with eps 1e-8 turns into steps of
@@ -293,7 +295,7 @@ def parity_case(mesh: Mesh, arch: str, sp: bool, tie: bool = True, steps: int = 
     # holding the same (gathered) weights: Adam's magnification of last-bit gradient differences (an untied
     # head's rarely seen rows) must not be mistaken for a wrong path.
     with torch.no_grad():
-        x = inputs_and_labels(batches[0])[0][:, :SEQ]
+        x = inputs_and_labels(batches[0])[0]
         local_logits = model(x)
         ref.load_state_dict({**ref.state_dict(), **final})
         out["logits_err"] = _err(gather_vocab_logits(local_logits, mesh.tp_group), ref(x))
@@ -388,6 +390,8 @@ def suite_world2(rank: int, world: int, device: torch.device) -> dict:
     res["parity-gpt2-tp2-sp0-untied"] = parity_case(mesh, "gpt2", False, tie=False, steps=3)
     for sp in (False, True):  # the encoder: bidirectional, post-norm, segment + embedding norm, MLM head and bias
         res[f"parity-bert-tp2-sp{int(sp)}"] = parity_case(mesh, "bert", sp)
+        # the encoder-decoder: cross-attention over the encoder's output, bias tables split by heads
+        res[f"parity-t5-tp2-sp{int(sp)}"] = parity_case(mesh, "t5", sp)
     res["parity-llama-tp2-sp1-docs"] = parity_case(mesh, "llama", True, steps=3, docs="mask")
     res["parity-gpt2-tp2-sp1-docs-reset"] = parity_case(mesh, "gpt2", True, steps=3, docs="mask+reset")
     res["decode"] = {arch: decode_case(mesh, arch) for arch in ("llama", "gpt2", "qwen3")}

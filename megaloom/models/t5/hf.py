@@ -49,8 +49,11 @@ def _pairs(m: ModelConfig) -> list[tuple[str, str]]:
     return out
 
 
+BIAS_TABLES = ("enc_bias.weight", "dec_bias.weight")  # [heads, buckets] here, [buckets, heads] in HF
+
+
 def to_hf_names(sd: Tensors, m: ModelConfig) -> Tensors:
-    return {hf: sd[ml] for ml, hf in _pairs(m)}
+    return {hf: sd[ml].t() if ml in BIAS_TABLES else sd[ml] for ml, hf in _pairs(m)}
 
 
 def normalize(hf: Tensors) -> Tensors:
@@ -59,7 +62,7 @@ def normalize(hf: Tensors) -> Tensors:
 
 
 def from_hf_names(hf: HFTensors, m: ModelConfig) -> Tensors:
-    return {ml: hf.take(name) for ml, name in _pairs(m)}
+    return {ml: hf.take(name).t() if ml in BIAS_TABLES else hf.take(name) for ml, name in _pairs(m)}
 
 
 def to_hf_config(m: ModelConfig) -> dict:

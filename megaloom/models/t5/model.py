@@ -6,6 +6,8 @@ part of megaloom that builds, initialises, checkpoints, recomputes or converts a
 - no position embeddings: a learned bias per head and relative-position bucket is added to the attention scores
   (``enc_bias``: buckets of both directions; ``dec_bias``: of the past only), computed once per forward and shared
   by every layer of its stack; attention scores are not scaled by 1/sqrt(head_dim) (T5 folds it into the init);
+- tensor parallelism (the family's plan): heads, MLP units and vocabulary split as in the decoder; the bias
+  tables split by heads; the encoder's output enters the decoder's regions once (``enc_out``);
 - pre-norm blocks with RMSNorm and a gated-GeLU MLP (``gate_proj`` = wi_0 under GeLU-tanh, ``up_proj`` = wi_1,
   ``down_proj`` = wo), no biases; decoder blocks add cross-attention ``cross`` (``cross_norm``) over the
   encoder's output;
@@ -50,10 +52,12 @@ def relative_buckets(rel: torch.Tensor, bidirectional: bool, num_buckets: int = 
     return out + torch.where(n < exact, n, large)
 
 
-def position_bias(table: nn.Embedding, t: int, bidirectional: bool) -> torch.Tensor:
-    """[1, heads, t, t] bias of a stack's self-attention; the decoder's also masks the future (-inf)."""
+def position_bias(table: nn.Linear, t: int, bidirectional: bool) -> torch.Tensor:
+    """[1, heads, t, t] bias of a stack's self-attention; the decoder's also masks the future (-inf). ``table``'s
+    weight is [heads, buckets]: a Linear, so that tensor parallelism splits it by heads as a column-parallel
+    layer (each rank then holds, and computes the bias of, its own heads)."""
     pos = torch.arange(t, device=table.weight.device)
-    bias = table(relative_buckets(pos[None, :] - pos[:, None], bidirectional)).permute(2, 0, 1).unsqueeze(0)
+    bias = table.weight[:, relative_buckets(pos[None, :] - pos[:, None], bidirectional)].unsqueeze(0)
     if not bidirectional:
         bias = bias.masked_fill(pos[None, :] > pos[:, None], float("-inf"))
     return bias
@@ -140,9 +144,12 @@ class T5Model(Transformer):
         self.init_seed = draw_init_seed()
         d, n = cfg.d_model, cfg.n_layers
         self.tok_emb = nn.Embedding(cfg.vocab_size, d)
-        self.enc_bias = nn.Embedding(NUM_BUCKETS, cfg.n_heads)
-        self.dec_bias = nn.Embedding(NUM_BUCKETS, cfg.n_heads)
+        self.enc_bias = nn.Linear(NUM_BUCKETS, cfg.n_heads, bias=False)  # tables [heads, buckets]
+        self.dec_bias = nn.Linear(NUM_BUCKETS, cfg.n_heads, bias=False)
         self.drop = nn.Dropout(cfg.dropout)
+        # The encoder's output enters the decoder's tensor-parallel regions here, once for every cross-attention:
+        # an identity whose plan entry is Region (copy to tp, or with sp the all-gather of the sequence shards).
+        self.enc_out = nn.Identity()
         self.layers = nn.ModuleDict({str(i): T5Block(cfg, cross=i >= n) for i in range(2 * n)})
         self.enc_norm = nn.RMSNorm(d, eps=cfg.norm_eps)
         self.norm = nn.RMSNorm(d, eps=cfg.norm_eps)
@@ -169,7 +176,7 @@ class T5Model(Transformer):
     def encode(self, ids: torch.Tensor) -> torch.Tensor:
         n = self.cfg.n_layers
         x = self._stack(self.drop(self.tok_emb(ids)), range(n), position_bias(self.enc_bias, ids.shape[1], True), None)
-        return self.drop(self.enc_norm(x))
+        return self.enc_out(self.drop(self.enc_norm(x)))
 
     def seq2seq(self, enc_ids: torch.Tensor, dec_ids: torch.Tensor, labels: torch.Tensor | None = None):
         """Encoder tokens [B, Te], decoder input tokens [B, Td] -> logits [B, Td, V], or with labels [B, Td] the

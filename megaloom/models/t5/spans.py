@@ -96,11 +96,13 @@ class SpanCorruptionObjective:
             raise ConfigError(f"parallel.pp={p.pp} with model.arch={arch}: pipelines of an encoder-decoder (encoder "
                               "stages, then decoder stages each fed the encoder's output) are not built; set "
                               "parallel.pp=1 (docs/architecture.md says why).")
-        if p.tp > 1:
-            raise ConfigError(f"parallel.tp={p.tp} with model.arch={arch}: tensor parallelism of the encoder-decoder "
-                              "(cross-attention's keys and values read the encoder's states, which need a region "
-                              "border of their own, and the relative position bias split by heads) is not built; set "
-                              "parallel.tp=1 (data parallelism and ZeRO work).")
+        if p.sp and p.tp > 1 and any(n % p.tp for n in lengths(cfg.train.seq_len)):
+            fits = [n for n in range(max(MIN_SEQ, cfg.train.seq_len - 64), cfg.train.seq_len + 65)
+                    if not any(k % p.tp for k in lengths(n))]
+            near = min(fits, key=lambda n: abs(n - cfg.train.seq_len)) if fits else None
+            raise ConfigError(f"train.seq_len={cfg.train.seq_len} with model.arch={arch} and parallel.sp=true: the "
+                              f"encoder and decoder lengths {lengths(cfg.train.seq_len)} must both divide by "
+                              f"parallel.tp={p.tp}" + (f"; train.seq_len={near} would work." if near else "."))
         if p.cp > 1:
             raise ConfigError(f"parallel.cp={p.cp} with model.arch={arch}: context parallelism is for causal "
                               "decoders; set parallel.cp=1.")
