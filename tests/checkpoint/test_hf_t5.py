@@ -85,3 +85,22 @@ def test_hf_t5_refuses_what_it_would_compute_differently(tmp_path, field, value)
     transformers.T5ForConditionalGeneration(hf_config(**{field: value})).save_pretrained(tmp_path / "hf")
     with pytest.raises(ConversionError, match=field.replace("tie_word_embeddings", "scale_decoder_outputs")):
         from_hf(tmp_path / "hf", tmp_path / "run")
+
+
+def test_generation_encodes_once_and_decodes_with_a_cache_as_transformers_would(tmp_path):
+    """Greedy answers with the KV cache equal those without, and each token is transformers' argmax after the
+    same prefix (the start token 0, T5's decoder_start_token_id)."""
+    from megaloom.generate import generate
+
+    ref = hf_model()
+    ref.save_pretrained(tmp_path / "hf")
+    from_hf(tmp_path / "hf", tmp_path / "run")
+    model, _ = megaloom_from_run(tmp_path / "run")
+    model.decoder_start_id = 0
+    enc = ids(12, 3)
+    cached = generate(model, enc, 10, temperature=0.0)
+    assert cached.shape == (2, 10)
+    assert torch.equal(cached, generate(model, enc, 10, temperature=0.0, use_cache=False))
+    dec = torch.cat([torch.zeros(2, 1, dtype=torch.long), cached[:, :-1]], dim=1)
+    with torch.no_grad():
+        assert torch.equal(ref(input_ids=enc, decoder_input_ids=dec).logits.argmax(-1), cached)

@@ -187,7 +187,7 @@ def test_generate_refuses_an_encoder(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.yaml").write_text(load_config(None, ["model.preset=bert-tiny", "model.vocab_size=64"]).to_yaml())
-    with pytest.raises(ConfigError, match="not a decoder-only model"):
+    with pytest.raises(ConfigError, match="neither a decoder nor an encoder-decoder"):
         load_for_generation(run, torch.device("cpu"))
 
 

@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megaloom.config import ModelConfig
+from megaloom.models.attention import KVCache
 from megaloom.models.init import draw_init_seed
 from megaloom.models.t5.spans import encoder_length
 from megaloom.models.transformer import CrossEntropyLoss, Transformer, family_of
@@ -77,12 +78,21 @@ class T5Attention(nn.Module):
         p = self.attn_dropout if self.training else 0.0
         return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=p, scale=1.0)
 
-    def forward(self, x: torch.Tensor, kv: torch.Tensor | None = None, bias: torch.Tensor | None = None):
-        src = x if kv is None else kv
+    def keys_values(self, src: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [B, H, S, D] of ``src`` (a cross-attention's, computed once per generation)."""
+        b, n = src.shape[:2]
+        return (self.k_proj(src).view(b, n, -1, self.head_dim).transpose(1, 2),
+                self.v_proj(src).view(b, n, -1, self.head_dim).transpose(1, 2))
+
+    def forward(self, x: torch.Tensor, kv: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                cache: KVCache | None = None, pos: int = 0, kv_states: tuple | None = None):
+        """``kv``: the sequence attended to (None: ``x``); ``kv_states``: its keys and values already projected;
+        ``cache``: a decoder's self-attention KV cache, ``x`` then holding the tokens from position ``pos``."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(src).view(b, src.shape[1], -1, self.head_dim).transpose(1, 2)
-        v = self.v_proj(src).view(b, src.shape[1], -1, self.head_dim).transpose(1, 2)
+        k, v = kv_states if kv_states is not None else self.keys_values(x if kv is None else kv)
+        if cache is not None:
+            k, v = cache.update(k, v, pos)
         if bias is not None:
             bias = bias.to(q.dtype)
         if self.recompute_core and torch.is_grad_enabled():
@@ -188,6 +198,35 @@ class T5Model(Transformer):
         if self.tie_embeddings_active():  # T5 scales the decoder's output before the tied head
             x = x * self.cfg.d_model ** -0.5
         return self.head(x) if labels is None else self.loss(self.head, x, labels)
+
+    @torch.no_grad()
+    def start_decoding(self, enc_ids: torch.Tensor, max_len: int) -> dict:
+        """Generation: run the encoder once on ``enc_ids`` and prepare the decoder's state for up to ``max_len``
+        tokens: a KV cache per decoder layer, every cross-attention's keys and values, the bias table."""
+        enc, n = self.encode(enc_ids), self.cfg.n_layers
+        decoder = [self.layers[str(i)] for i in range(n, 2 * n)]
+        w = decoder[0].attn.k_proj.weight
+        hd = decoder[0].attn.head_dim
+        return {"caches": [KVCache(enc_ids.shape[0], w.shape[0] // hd, max_len, hd, w.dtype, w.device)
+                           for _ in decoder],
+                "cross": [layer.cross.keys_values(enc) for layer in decoder],
+                "bias": position_bias(self.dec_bias, max_len, False)}
+
+    @torch.no_grad()
+    def decode_step(self, tokens: torch.Tensor, state: dict, pos: int) -> torch.Tensor:
+        """Logits [B, t, V] of decoder tokens [B, t] at positions pos.. (the earlier ones are in the caches)."""
+        n, t = self.cfg.n_layers, tokens.shape[1]
+        bias = state["bias"][:, :, pos:pos + t, :pos + t]
+        x = self.drop(self.tok_emb(tokens))
+        for j, i in enumerate(range(n, 2 * n)):
+            layer = self.layers[str(i)]
+            x = x + layer.attn(layer.attn_norm(x), None, bias, cache=state["caches"][j], pos=pos)
+            x = x + layer.cross(layer.cross_norm(x), kv_states=state["cross"][j])
+            x = x + layer.mlp(layer.mlp_norm(x))
+        x = self.drop(self.norm(x))
+        if self.tie_embeddings_active():
+            x = x * self.cfg.d_model ** -0.5
+        return self.head(x)
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, span=None, **kwargs) -> torch.Tensor:
         """A span-corruption row [B, Te + Td] (encoder input, then decoder input; spans.py) -> decoder logits or,
