@@ -23,7 +23,7 @@ from megaloom.config import Config
 from megaloom.data.dataset import build_datasets
 from megaloom.data.loader import StepBatches, make_loader
 from megaloom.data.objective import ObjectiveDataset
-from megaloom.models import count_params
+from megaloom.models import count_params, registry
 from megaloom.models.documents import Documents
 from megaloom.models.registry import get_family
 from megaloom.observe.flops import device_peak_flops, flops_per_token, matmul_params
@@ -138,7 +138,7 @@ class Trainer:
             t.eval_batches * t.global_batch_size, self.rt, self.reads_data, default=build_datasets)
         # A family whose objective is not next-token prediction (BERT's masked LM) turns each row into
         # (inputs, labels) as the loader reads it, from (seed, sample index) alone (data/objective.py).
-        objective = get_family(self.requested.model.arch).objective
+        objective = registry.get_family(self.requested.model.arch).objective  # a lookup: no model is built
         self.objective = objective.build(self.requested, self.tokenizer) if objective is not None else None
         if self.objective is not None:
             self.train_ds = ObjectiveDataset(self.train_ds, self.objective, "train")
