@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from megaloom.checkpoint.store import remove_partial_saves
-from megaloom.config import Config
+from megaloom.config import Config, ConfigError
 from megaloom.data.dataset import build_datasets
 from megaloom.data.loader import StepBatches, make_loader
 from megaloom.data.objective import ObjectiveDataset
@@ -148,6 +148,12 @@ class Trainer:
 
     def _resolve(self) -> Config:
         """The resolved config (a new object): sizes, precision, tokenizer path, and the micro-batch."""
+        m, ob = self.requested.model, self.objective
+        if ob is not None and m.vocab_size and self.tokenizer.vocab_size <= m.vocab_size < ob.vocab_size:
+            raise ConfigError(f"model.vocab_size={m.vocab_size}: the tokenizer's {self.tokenizer.vocab_size} tokens "
+                              f"and the {ob.vocab_size - self.tokenizer.vocab_size} special ids the model.arch="
+                              f"{m.arch} objective adds (those the tokenizer lacks) need {ob.vocab_size}; set "
+                              f"model.vocab_size>={ob.vocab_size} (or 0 to follow the tokenizer).")
         cfg = resolve_config(self.requested, precision=self.precision, tokenizer_path=self.tokenizer.path,
                              tokenizer_vocab=(self.objective or self.tokenizer).vocab_size)
         if cfg.train.micro_batch_size == 0:

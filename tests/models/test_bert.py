@@ -23,6 +23,7 @@ from megaloom.models.bert.masking import MaskedLMObjective
 from megaloom.models.registry import get_family
 from megaloom.train import train
 from megaloom.training.preflight import preflight
+from megaloom.training.trainer import Trainer
 from tests.conftest import tiny_overrides
 
 V, EOD, SEQ = 1000, 0, 128
@@ -223,3 +224,10 @@ def test_bf16_autocast_loss_close_to_fp32():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             low = model(x, y)
     assert low.dtype == torch.float32 and abs(low.item() - ref.item()) < 0.05 * ref.item()
+
+
+def test_a_vocabulary_without_room_for_the_objectives_ids_is_refused(small_corpus, tmp_path):
+    data = [o for o in tiny_overrides(small_corpus, tmp_path / "r") if not o.startswith("model.")]
+    cfg = load_config(None, [*data, "model.preset=bert-tiny", "model.vocab_size=512"])
+    with pytest.raises(ConfigError, match=r"model.vocab_size=512: .* 3 special ids .* model.vocab_size>=515"):
+        Trainer(cfg).build()

@@ -98,8 +98,10 @@ class MaskedLMObjective:
     def build(cfg: Config, tokenizer) -> MaskedLM:
         vocab = tokenizer.vocab_size
         ids, reserved = {}, 0
+        if getattr(tokenizer, "hf", None) is None:  # no vocabulary file (a dry run's synthetic tokens): its last ids
+            ids = {"mask": vocab - 1, "cls": vocab - 2, "sep": vocab - 3}
         for role in ("mask", "cls", "sep"):
-            found = _find(tokenizer, role)
+            found = ids.get(role, _find(tokenizer, role))
             if found is None:
                 found, reserved = vocab + reserved, reserved + 1
             ids[role] = found
