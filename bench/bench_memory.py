@@ -30,9 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megaloom.config import load_config  # noqa: E402
 from megaloom.models import apply_recompute  # noqa: E402
 from megaloom.models.transformer import build_on_device  # noqa: E402
-from megaloom.observe.memory_plan import GB, plan_memory  # noqa: E402
+from megaloom.observe.memory_plan import GB, attention_backend, plan_memory  # noqa: E402
 from megaloom.optim import build_optimizer  # noqa: E402
 from megaloom.step import TrainStep  # noqa: E402
+from megaloom.training.levers import resolve_levers  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train import git_commit  # noqa: E402  (one definition of the commit stamp)
@@ -71,14 +72,16 @@ def run_one(spec: str, steps: int, device: torch.device, attention: str) -> dict
                              f"model.max_seq_len={max(c['seq'], 1024)}", f"train.micro_batch_size={c['mb']}",
                              f"train.global_batch_size={gbs}", f"train.recompute={c['recompute']}",
                              f"train.precision={c['precision']}", f"train.attention={attention}", *c["overrides"]])
+    cfg = resolve_levers(cfg, "cuda")[0]  # train.fused_loss "auto" as a GPU run chooses it (the plan does the same)
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)  # whatever a previous configuration left (should be ~0)
     torch.manual_seed(0)
     model = build_on_device(cfg.model, device)
-    apply_recompute(model, c["recompute"])
-    if getattr(cfg.train, "fused_loss", False):
+    # As the trainer: selective recompute re-runs the attention core only under the math kernel.
+    apply_recompute(model, c["recompute"], core_attention=attention_backend(cfg, "cuda") == "math")
+    if getattr(cfg.train, "fused_loss", False) is True:
         from megaloom.models.fused_ce import FusedHeadLoss
 
         model.loss = FusedHeadLoss()

@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megaloom.config import load_config  # noqa: E402
 from megaloom.models.transformer import build_on_device  # noqa: E402
 from megaloom.observe.flops import device_peak_flops, flops_per_token, matmul_params  # noqa: E402
+from megaloom.observe.memory_plan import attention_backend  # noqa: E402
 from megaloom.optim import build_optimizer  # noqa: E402
 from megaloom.step import TrainStep  # noqa: E402
 from megaloom.train import apply_train_options  # noqa: E402
@@ -90,7 +91,10 @@ def main() -> None:
     t.recompute, t.recompute_layers, t.fused_loss = args.recompute, args.recompute_layers, args.fused_loss
     torch.manual_seed(0)
     model = build_on_device(cfg.model, device)
-    fp8_summary = apply_train_options(model, t, loss_chunk=args.loss_chunk or None)
+    # As the trainer: selective recompute re-runs the attention core only under the math kernel.
+    kernel = attention_backend(cfg, device.type)
+    fp8_summary = apply_train_options(model, t, loss_chunk=args.loss_chunk or None,
+                                      recompute_attention=kernel == "math")
     if fp8_summary is not None:
         print(fp8_summary, flush=True)
     if args.compile:

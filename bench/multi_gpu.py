@@ -43,10 +43,13 @@ PARITY = {
     "dp8-z1": (8, ["parallel.zero=1"]), "dp8-z3": (8, ["parallel.zero=3"]),
     "tp8-sp": (8, ["parallel.tp=8", "parallel.sp=true"]),
     "cp2-tp2-dp2": (8, ["parallel.cp=2", "parallel.tp=2", "parallel.sp=true"]),
+    "tp2-sp-async": (2, ["parallel.tp=2", "parallel.sp=true", "parallel.async_tp=true"]),
+    "tp4-sp-async": (4, ["parallel.tp=4", "parallel.sp=true", "parallel.async_tp=true"]),
 }
 PARITY_MOE = {  # the MoE preset's own reference (one GPU, same preset)
     "ep2": (2, ["parallel.ep=2"]), "ep4": (4, ["parallel.ep=4"]), "ep8": (8, ["parallel.ep=8"]),
     "tp2-ep2-dp2": (8, ["parallel.tp=2", "parallel.sp=true", "parallel.ep=2"]),
+    "ep2-dp4-z3": (4, ["parallel.ep=2", "parallel.zero=3"]),  # experts sharded over edp=2 by their own FSDP2 unit
 }
 SMALL = ["model.arch=llama", "model.d_model=1024", "model.n_layers=16", "model.n_heads=16", "model.n_kv_heads=8",
          "model.ffn_dim=2816", "model.max_seq_len=1024", "train.seq_len=1024", "train.global_batch_size=32",
@@ -61,6 +64,10 @@ SCALING = {  # name -> (GPUs, overrides) on llama3-1b-untied, micro-batch 4 per 
     "dp": [(g, []) for g in (1, 2, 4, 8)], "z1": [(g, ["parallel.zero=1"]) for g in (2, 4, 8)],
     "z3": [(g, ["parallel.zero=3"]) for g in (2, 4, 8)],
     "tp": [(g, [f"parallel.tp={g}", "parallel.sp=true"]) for g in (2, 4, 8)],
+    # collective matmuls run eager: compared with the same eager tp layout (the exposed tp communication they hide)
+    "tp-eager": [(g, [f"parallel.tp={g}", "parallel.sp=true", "train.compile=false"]) for g in (2, 4, 8)],
+    "tp-async": [(g, [f"parallel.tp={g}", "parallel.sp=true", "parallel.async_tp=true", "train.compile=false"])
+                 for g in (2, 4, 8)],
     "pp": [(g, [f"parallel.pp={g}", "parallel.schedule=1f1b"]) for g in (2, 4)],
 }
 

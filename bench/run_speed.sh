@@ -10,6 +10,11 @@
 #   bash bench/run_speed.sh profile-fp8  # a profile of megaloom's fp8 step
 #   bash bench/run_speed.sh 8b-peer  # TorchTitan's 8B flavor, seq 8192, full activation checkpointing (needs bench/.peer)
 #   bash bench/run_speed.sh long     # llama3-1b-untied at seq 32k and 64k (+ document masks), TorchTitan beside
+#   bash bench/run_speed.sh defaults # `megaloom train` with only model + batch (levers at auto) vs bench_train's best,
+#                                    # same micro-batch (DEFAULTS_MODEL / _SEQ / _MB / _STEPS / _EXTRA / _BENCH_ARGS, and
+#                                    # RUN_TIMEOUT, for llama3-8b)
+#   bash bench/run_speed.sh moe      # qwen3-moe-2.6b eager (profiled) and compiled vs TorchTitan's qwen3 moe-2.6B
+#                                    # (bench/titan_moe.py; needs bench/.peer)
 #   bash bench/run_speed.sh ab       # this tree against an older megaloom in bench/.old (a `git archive` of the commit,
 #                                    # carried to the machine): best bf16 mb 4, alternated new/old/new/old
 #                                    # (a refactor's speed check: the same step, two commits, one call)
@@ -27,7 +32,7 @@ B="python3 bench/bench_train.py --preset llama3-1b-untied --seq-len 4096 --steps
 run() {
   local name=$1; shift
   echo "=== $name: $*" >> "$LOG"
-  timeout 150 $B "$@" > /tmp/run_$name.log 2>&1; local rc=$?
+  timeout "${RUN_TIMEOUT:-150}" $B "$@" > /tmp/run_$name.log 2>&1; local rc=$?
   tail -25 /tmp/run_$name.log >> "$LOG"
   echo "$name rc=$rc $(grep -o '"tokens_per_s": [0-9]*' /tmp/run_$name.log)"
 }
@@ -39,7 +44,8 @@ titan() {  # titan LOG TIMEOUT ARGS...: TorchTitan's own trainer from bench/.pee
   (cd bench/.peer/torchtitan && mkdir -p data/synth && { [ -s data/synth/data.json ] ||
      python3 make_data.py data/synth/data.json > /dev/null; } &&
    RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29513 PYTHONPATH=/tmp/peer-site \
-   HF_HUB_OFFLINE=1 timeout "$limit" python3 run_titan.py --model.name llama3 --model.hf_assets_path assets/tokenizer \
+   HF_HUB_OFFLINE=1 timeout "$limit" python3 "${TITAN_SCRIPT:-run_titan.py}" --model.name "${TITAN_MODEL:-llama3}" \
+     --model.hf_assets_path assets/tokenizer \
      --training.dataset c4_test --training.dataset_path data/synth --metrics.log_freq 1 \
      --metrics.disable_color_printing --lr_scheduler.warmup_steps 2 --compile.enable "$@") > "$log" 2>&1
 }
@@ -97,6 +103,55 @@ elif [ "$PART" = long ]; then  # long sequences on one GPU (cp=1): llama3-1b-unt
     mkdir -p /tmp/peer && cp /tmp/titan32k.log /tmp/peer/titan_compile_s32k.log && \
       cp /tmp/titan64k.log /tmp/peer/titan_compile_s64k_selective.log
     python3 bench/.peer/summarize.py /tmp/peer > /tmp/peer.log 2>&1; peer_collect "TorchTitan long sequences"
+  fi
+elif [ "$PART" = defaults ]; then  # `megaloom train` as a user types it (levers at auto) vs bench_train's best path
+  export MEGALOOM_CACHE=/tmp/megaloom-cache
+  MODEL=${DEFAULTS_MODEL:-llama3-1b-untied} SEQ=${DEFAULTS_SEQ:-4096} MB=${DEFAULTS_MB:-8}
+  EXTRA=${DEFAULTS_EXTRA:-}  # e.g. "train.recompute=full" for llama3-8b (bench_train gets --recompute full)
+  BARGS=${DEFAULTS_BENCH_ARGS:-}
+  # shellcheck disable=SC2086
+  B="${B/--preset llama3-1b-untied --seq-len 4096/--preset $MODEL --seq-len $SEQ}" run best --micro-batch "$MB" \
+    --fused-loss --attention cudnn $BARGS
+  # shellcheck disable=SC2086
+  timeout 300 python3 -m megaloom train model.preset="$MODEL" train.seq_len="$SEQ" train.global_batch_size="$MB" \
+    train.steps="${DEFAULTS_STEPS:-20}" train.log_every=1 checkpoint.final=false run.dir=/tmp/defaults-run $EXTRA \
+    > /tmp/defaults.log 2>&1
+  echo "megaloom train rc=$?"; { echo "=== megaloom train (defaults)"; grep -v "^step\|^  " /tmp/defaults.log; } >> "$LOG"
+  grep "auto:" /tmp/defaults.log
+  python3 - "$MODEL" "$SEQ" "$MB" "$RUN_ID" "$OUT/results.jsonl" <<'PY'
+import json, statistics, sys
+model, seq, mb, run_id, results = sys.argv[1:]
+rows = [json.loads(line) for line in open("/tmp/defaults-run/metrics.jsonl")]
+steady = [r["tokens_per_s"] for r in rows if r["step"] >= 8]
+row = {"bench": "megaloom_train_defaults", "run_id": run_id, "preset": model, "seq_len": int(seq),
+       "micro_batch": int(mb), "tokens_per_s": round(statistics.median(steady)), "steps_timed": len(steady),
+       "mfu": statistics.median(r["mfu"] for r in rows if r["step"] >= 8 and r["mfu"]) if steady else None,
+       "peak_memory_gb": max(r.get("mem_gb", 0) or 0 for r in rows)}
+print(json.dumps(row))
+open(results, "a").write(json.dumps(row) + "\n")
+PY
+elif [ "$PART" = moe ]; then  # MoE race: qwen3-moe-2.6b (every block MoE, 32 experts top-4) vs TorchTitan's qwen3
+  M="python3 bench/bench_train.py --preset qwen3-moe-2.6b --seq-len 4096 --steps 12 --warmup 4 --fused-loss
+     --attention cudnn --micro-batch ${MOE_MB:-4} --results $OUT/results.jsonl --run-id $RUN_ID"
+  moe_run() {  # moe_run NAME ARGS...
+    local name=$1; shift
+    echo "=== $name: $*" >> "$LOG"
+    # shellcheck disable=SC2086
+    timeout 200 $M "$@" > /tmp/run_$name.log 2>&1; local rc=$?
+    tail -20 /tmp/run_$name.log >> "$LOG"
+    echo "$name rc=$rc $(grep -o '"tokens_per_s": [0-9]*\|"peak_mem_gb": [0-9.]*' /tmp/run_$name.log | tr '\n' ' ')"
+  }
+  moe_run moe_eager --profile /tmp/prof_moe_eager
+  grep -A12 "^kind" /tmp/run_moe_eager.log
+  moe_run moe_compiled --compile
+  if [ -d bench/.peer/.whl ]; then
+    rm -rf /tmp/peer /tmp/peer.log && mkdir -p /tmp/peer && cp bench/titan_moe.py bench/.peer/torchtitan/
+    # compiled (titan() always enables compile: TorchTitan's best path)
+    TITAN_SCRIPT=titan_moe.py TITAN_MODEL=qwen3 titan /tmp/peer/titan_moe_compile.log 200 --model.flavor moe-2.6B \
+      --training.seq_len 4096 --training.local_batch_size "${MOE_MB:-4}" --training.steps 15 \
+      --job.dump_folder /tmp/titan_dump_moe --activation_checkpoint.mode none
+    echo "titan moe rc=$?"; { echo "=== TorchTitan moe-2.6B compiled"; tail -12 /tmp/peer/titan_moe_compile.log; } >> "$LOG"
+    python3 bench/.peer/summarize.py /tmp/peer > /tmp/peer.log 2>&1; peer_collect "TorchTitan qwen3 moe-2.6B"
   fi
 elif [ "$PART" = ab ]; then
   OLD_COMMIT=$(cat bench/.old/COMMIT 2>/dev/null || echo old)

@@ -44,6 +44,12 @@ def _choices(f: dataclasses.Field) -> tuple | None:
     return ch() if callable(ch) else ch
 
 
+# A switch that "auto" leaves to megaloom (train.compile, train.fused_loss): true, false or "auto", resolved to a
+# bool for the device before the run's config.yaml is written (megaloom/training/levers.py).
+AutoBool = bool | str
+AUTO_BOOL = ("auto", True, False)
+
+
 def _f(default: Any, help: str, choices: tuple | None = None) -> Any:
     """A dataclass field with a docstring (``help``) and, optionally, the values it may take."""
     meta = {"help": help, "choices": choices}
@@ -72,7 +78,8 @@ class ModelConfig:
     qkv_bias: bool = _f(False, "Biases on the q/k/v projections only (Qwen style); families with biases everywhere "
                                "(gpt2) have them anyway.")
     dropout: float = _f(0.0, "Dropout on attention probabilities and residual branches.")
-    init_std: float = _f(0.02, "Std of the normal init; output projections use init_std/sqrt(2*n_layers).")
+    init_std: float = _f(0.02, "Std of the normal init; output projections use init_std/sqrt(2*n_layers). Models "
+                               "wider than 256: min(0.02, sqrt(2/(5*d_model))) (megaloom/models/recipes.py).")
     parallel_block: bool = _f(False, "MegaScale/GPT-J parallel block: attention and MLP read the same normed input.")
     sliding_window: int = _f(0, "Sliding-window attention span in tokens; 0 = full causal attention.")
     moe_every: int = _f(0, "Mixture-of-Experts instead of the MLP in blocks i with (i+1) % moe_every == 0 "
@@ -105,6 +112,9 @@ class ParallelConfig:
                       ("auto", "ring", "alltoall"))
     ep: int = _f(1, "Expert-parallel size (MoE).")
     sp: bool = _f(False, "Sequence parallelism inside tensor-parallel groups.")
+    async_tp: bool = _f(False, "With sp: each tp region's all-gather and reduce-scatter as tp ring steps, each "
+                               "transfer overlapped with the GEMM on the previous chunk (collective matmul, "
+                               "Megatron's tp-comm-overlap / TorchTitan's async TP). Eager mode only.")
     zero: int = _f(0, "ZeRO stage: 0 off, 1 optimizer state, 2 + gradients, 3 + parameters.", (0, 1, 2, 3))
     schedule: str = _f("1f1b", "Pipeline schedule.", ("gpipe", "1f1b", "interleaved", "zb"))
     pp_first_stage_layers: int = _f(0, "Layers on the first pipeline stage (which also embeds); 0 = balanced.")
@@ -125,9 +135,11 @@ class TrainConfig:
     micro_batch_size: int = _f(8, "Sequences per forward/backward pass; the rest is gradient accumulation. 0 = auto: "
                                   "the largest that divides the per-rank batch and fits the GPU per the memory plan.")
     seq_len: int = _f(128, "Tokens per training sequence.")
-    lr: float = _f(3e-3, "Peak learning rate.")
-    min_lr: float = _f(3e-4, "Learning rate at the end of the cosine decay.")
-    warmup_steps: int = _f(50, "Linear warmup steps from 0 to lr.")
+    lr: float = _f(3e-3, "Peak learning rate. Models wider than 256 (the published presets) default by width "
+                         "instead: 6e-4 to 1.5e-4 (megaloom/models/recipes.py).")
+    min_lr: float = _f(3e-4, "Learning rate at the end of the cosine decay (models wider than 256: lr / 10).")
+    warmup_steps: int = _f(50, "Linear warmup steps from 0 to lr (models wider than 256: 700 or 2000 by width, at most "
+                               "a tenth of train.steps).")
     lr_decay_steps: int = _f(0, "Steps of cosine decay after which lr stays at min_lr; 0 = train.steps.")
     optimizer: str = _f("adamw", "adamw, or lamb (layer-wise trust ratio: MegaScale's choice for large batches).",
                         ("adamw", "lamb"))
@@ -150,15 +162,19 @@ class TrainConfig:
                                   "(of the model without pipeline); 0 = all.")
     offload_activations: bool = _f(False, "Keep the large tensors saved for backward in pinned CPU memory "
                                           "(GPU only; trades PCIe traffic for activation memory).")
-    compile: bool = _f(False, "torch.compile each transformer block.")
-    fused_loss: bool = _f(False, "Compute the output head and cross-entropy fused, in chunks of tokens, never holding "
-                                 "the full [tokens, vocab] logits (megaloom.models.fused_ce); needs parallel.tp=1 "
-                                 "(tensor parallelism has its own vocab-parallel loss).")
+    compile: AutoBool = _f("auto", "torch.compile each transformer block. auto = on CUDA for dense models (measured "
+                                   "to pay; megaloom/training/levers.py), off on CPU, for MoE and with "
+                                   "parallel.async_tp.", AUTO_BOOL)
+    fused_loss: AutoBool = _f("auto", "Compute the output head and cross-entropy fused, in chunks of tokens, never "
+                                      "holding the full [tokens, vocab] logits (megaloom.models.fused_ce); needs "
+                                      "parallel.tp=1 (tensor parallelism has its own vocab-parallel loss). auto = on "
+                                      "CUDA with tp=1 and cp=1, off otherwise.", AUTO_BOOL)
     bf16_residual: bool = _f(False, "With precision bf16 or fp8: keep the residual stream between blocks in bf16 "
                                     "(Megatron's default) instead of fp32, halving pipeline messages and saved block "
                                     "inputs; norms still compute in fp32, the loss too. fp32 runs are unaffected.")
-    attention: str = _f("auto", "Preferred SDPA kernel on GPU (the others remain fallbacks); auto = PyTorch's choice.",
-                        ("auto", "cudnn", "flash", "efficient", "math"))
+    attention: str = _f("auto", "Preferred SDPA kernel on GPU (the others remain fallbacks); torch = PyTorch's own "
+                                "order; auto = cudnn on Hopper or newer (measured fastest there), else torch.",
+                        ("auto", "torch", "cudnn", "flash", "efficient", "math"))
     log_every: int = _f(10, "Steps between metric lines (loss is averaged over the interval).")
     eval_every: int = _f(200, "Steps between evaluations on the validation split; 0 = only at the end.")
     eval_batches: int = _f(4, "Global batches per evaluation.")
@@ -269,6 +285,13 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
         if not isinstance(value, list | tuple):
             raise ConfigError(f"{key}: expected a list, got {value!r}. Use a YAML list or comma-separated values.")
         return [_coerce(f"{key}[{i}]", v, item) for i, v in enumerate(value)]
+    if typ == AutoBool:  # true / false / auto
+        if isinstance(value, str) and value.lower() == "auto":
+            return "auto"
+        try:
+            return _coerce(key, value, bool)
+        except ConfigError:
+            raise ConfigError(f"{key}: expected true, false or auto, got {value!r}.") from None
     if typ is bool:
         if isinstance(value, bool):
             return value
@@ -378,8 +401,27 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         section, name = k.split(".", 1)
         obj = getattr(cfg, section)
         setattr(obj, name, _coerce(k, v, _field_types(type(obj))[name]))
+    _apply_size_defaults(cfg, set(values))
     validate(cfg)
     return cfg
+
+
+def _apply_size_defaults(cfg: Config, given: set[str]) -> None:
+    """Learning rate, warm-up, min_lr and init std by the model's width (megaloom/models/recipes.py), for each key
+    the user did not give."""
+    from megaloom.models.recipes import train_defaults
+
+    defaults = train_defaults(cfg.model)
+    if not defaults:
+        return
+    for key, value in defaults.items():
+        if key not in given:
+            section, name = key.split(".", 1)
+            setattr(getattr(cfg, section), name, value)
+    if "train.warmup_steps" not in given:  # a short run still reaches its peak lr
+        cfg.train.warmup_steps = min(cfg.train.warmup_steps, max(1, cfg.train.steps // 10))
+    if "train.min_lr" not in given:
+        cfg.train.min_lr = float(f"{cfg.train.lr / 10:.6g}")
 
 
 def config_from_dict(d: dict) -> Config:
@@ -474,13 +516,15 @@ def validate(cfg: Config) -> None:
         _require(m.n_experts % p.ep == 0,
                  f"parallel.ep={p.ep} does not divide model.n_experts={m.n_experts} (each ep rank owns whole "
                  f"experts); parallel.ep values that would work: {_divisors(m.n_experts)}.")
-        if p.ep > 1:
-            _require(p.zero < 3, f"parallel.ep={p.ep} with parallel.zero=3 is not available yet (FSDP2 would shard "
-                                 "the expert weights over all of dp); use parallel.zero=0, 1 or 2.")
+    if p.async_tp and p.tp > 1:
+        _require(p.sp, "parallel.async_tp=true overlaps sequence parallelism's all-gathers and reduce-scatters with "
+                       "the GEMMs; set parallel.sp=true (or parallel.async_tp=false).")
+        _require(t.compile is not True, "parallel.async_tp=true runs its ring steps in eager mode, which compiled "
+                                        "blocks bypass; set train.compile=false or auto (or parallel.async_tp=false).")
     _require(not t.bf16_residual or t.precision in ("auto", "bf16", "fp8"),
              f"train.bf16_residual=true with train.precision={t.precision}: a bf16 residual stream needs bf16 "
              "autocast. Use train.precision=bf16 (or fp8), or train.bf16_residual=false.")
-    _require(not (t.fused_loss and p.tp > 1),
+    _require(not (t.fused_loss is True and p.tp > 1),
              f"train.fused_loss=true with parallel.tp={p.tp}: tensor parallelism computes its own vocab-parallel "
              "loss over the head's shards; set train.fused_loss=false or parallel.tp=1.")
     _require(t.seq_len <= m.max_seq_len,

@@ -48,8 +48,9 @@ def forward_ctx(precision: str, device: torch.device, offload: bool = False):
 
 def attention_ctx(backend: str, device: torch.device):
     """Prefer one SDPA kernel on GPU (`train.attention`): cuDNN's is the fastest for causal attention on Hopper
-    (../shared/bench probe: 2.6 ms vs flash 4.2 ms per layer at seq 4096); `auto` leaves PyTorch's choice."""
-    if backend == "auto" or device.type != "cuda":
+    (../shared/bench probe: 2.6 ms vs flash 4.2 ms per layer at seq 4096); `torch` (and an unresolved `auto`) leaves
+    PyTorch's choice."""
+    if backend in ("auto", "torch") or device.type != "cuda":
         return contextlib.nullcontext()
     first = SDPA_BACKENDS[backend]
     return sdpa_kernel([first] + [b for b in SDPA_BACKENDS.values() if b != first], set_priority=True)

@@ -310,12 +310,15 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), labels.reshape(-1))
 
 
-def apply_recompute(model: Transformer, mode: str, n_layers: int | None = None) -> None:
-    """`full`: recompute whole blocks (the first n_layers, default all); `selective`: only attention core
-    and MLP activation, whose saved tensors are large but cheap to recompute (Korthikanti et al. 2022)."""
+def apply_recompute(model: Transformer, mode: str, n_layers: int | None = None, core_attention: bool = True) -> None:
+    """`full`: recompute whole blocks (the first n_layers, default all); `selective`: the MLP activation and, with
+    ``core_attention``, the attention core, whose saved tensors are large but cheap to recompute (Korthikanti et
+    al. 2022). The trainer passes ``core_attention`` only for the math kernel: the fused kernels (flash, cuDNN,
+    efficient) save q, k, v and the output, which the projections keep anyway, plus a logsumexp, so recomputing
+    them frees almost nothing and costs an attention forward (12% of the step at 64k tokens on an H200)."""
     model.recompute_layers = (n_layers if n_layers is not None else len(model.layers)) if mode == "full" else 0
     for layer in model.layers.values():
-        layer.attn.recompute_core = mode == "selective"
+        layer.attn.recompute_core = mode == "selective" and core_attention
         layer.mlp.recompute_activation = mode == "selective"
 
 

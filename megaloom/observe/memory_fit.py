@@ -22,11 +22,12 @@ HEADROOM = 0.95  # the caching allocator's fragmentation: keep 5% of the budget 
 def resolve_for_planning(cfg: Config) -> Config:
     """A copy with the sizes that follow the tokenizer filled in as `megaloom train` would (the default
     tokenizer's vocabulary when model.vocab_size = 0)."""
+    from megaloom.training.levers import resolve_levers
     from megaloom.training.resolve import resolve_model_shape
 
     cfg = copy.deepcopy(cfg)
     resolve_model_shape(cfg, cfg.data.default_vocab_size, pad_multiple=math.lcm(64, cfg.parallel.tp))
-    return cfg
+    return resolve_levers(cfg, "cuda")[0]  # the levers left at auto, as a GPU run would choose them
 
 
 def worst_stage(cfg: Config, world_size: int, device: str = "cuda") -> tuple[int, MemoryPlan]:

@@ -79,6 +79,7 @@ from torch import nn
 
 from megaloom.config import Config, ModelConfig
 from megaloom.observe.log import get_logger
+from megaloom.parallel.layout import layout_of
 
 log = get_logger(__name__)
 GB = 1e9  # the report's unit, as megaloom.observe.memory.peak_memory_gb
@@ -223,11 +224,11 @@ def block_activation_bytes(cfg: Config, *, tokens: int, batch: int, layer: int =
     if attention in ("flash", "efficient"):
         out["q, k, v"] = q + 2 * kv
         out["attention out"] = q  # o_proj reads it through a view (the kernels write [b, s, h, hd])
-        if not selective:  # efficient attention pads the logsumexp's sequence dimension to 32
-            t_lse = 32 * math.ceil(dm.t / 32) if attention == "efficient" else dm.t
-            out["logsumexp"] = 4 * dm.b * dm.hl * t_lse
-            if device == "cuda":
-                out["rng seed, offset"] = 16
+        # Selective recompute leaves the fused kernels' core alone (apply_recompute): its logsumexp stays saved.
+        t_lse = 32 * math.ceil(dm.t / 32) if attention == "efficient" else dm.t  # efficient pads it to 32
+        out["logsumexp"] = 4 * dm.b * dm.hl * t_lse
+        if device == "cuda":
+            out["rng seed, offset"] = 16
         if m.sliding_window:  # boolean window mask converted to an additive one in the compute dtype
             t_pad = dm.t if device != "cuda" else 16 * math.ceil(dm.t / 16)
             out["window mask"] = a * dm.t * t_pad
@@ -315,7 +316,7 @@ def embedding_activation_bytes(cfg: Config, *, tokens: int, batch: int, tp: int 
 def fused_loss(cfg: Config) -> bool:
     """train.fused_loss: the head and loss fused in chunks (megaloom.models.fused_ce; tensor parallelism uses its
     vocab-parallel loss instead)."""
-    return bool(getattr(cfg.train, "fused_loss", False)) and cfg.parallel.tp == 1
+    return getattr(cfg.train, "fused_loss", False) is True and cfg.parallel.tp == 1  # "auto": resolved by _layout
 
 
 def _fused_chunk_tokens(vocab: int) -> int:
@@ -395,6 +396,7 @@ class ParamCounts:
     largest: int  # the largest single parameter (optimizer temporaries)
     exact: bool  # counted from the module (True) or from the config
     embedding: int = 0  # the token embedding's weight on this rank (0 without one)
+    expert: int = 0  # of ``local``, the expert-parallel weights (ZeRO shards them over edp, not dp x cp)
 
 
 def _local_numel(p) -> int:
@@ -411,12 +413,14 @@ def count_model_params(model: nn.Module) -> ParamCounts:
     mm_head = head_w.numel() if head_w is not None else 0
     emb_w = getattr(getattr(model, "tok_emb", None), "weight", None)
     embedding = _local_numel(emb_w) if emb_w is not None else 0
+    expert = 0
     for name, p in model.named_parameters():
         if id(p) in seen or not p.requires_grad:
             continue
         seen.add(id(p))
         nl = _local_numel(p)
         local += nl
+        expert += nl if layout_of(p).expert else 0
         largest = max(largest, nl)
         parts = name.split(".")
         if parts[0] == "layers" and len(parts) > 1 and parts[1].isdigit():
@@ -428,7 +432,8 @@ def count_model_params(model: nn.Module) -> ParamCounts:
             root += p.numel()
     for i in blocks:
         mm_layers.setdefault(i, 0)
-    return ParamCounts(local, mm_layers, mm_head, blocks, root, largest, exact=True, embedding=embedding)
+    return ParamCounts(local, mm_layers, mm_head, blocks, root, largest, exact=True, embedding=embedding,
+                       expert=expert)
 
 
 def analytic_params(cfg: Config, layers: list[int], has_embedding: bool = True, has_head: bool = True,
@@ -445,13 +450,14 @@ def analytic_params(cfg: Config, layers: list[int], has_embedding: bool = True, 
     norm = 2 * d if tr.norm == "layernorm" else d  # LayerNorm: weight and bias
     qk_norm = 2 * hd if tr.qk_norm else 0  # q_norm, k_norm: one weight of head_dim each (replicated over tp)
     mm_layers, blocks = {}, {}
-    largest = 0
+    largest = expert = 0
     for i in layers:
         attn_mm = d * (d // tp) + 2 * d * hkvl * hd + (d // tp) * d
         attn_b = ((d // tp + 2 * hkvl * hd) if qkv_bias else 0) + (d if bias else 0)
         if is_moe_layer(m, i):
             mlp_mm = (d * m.n_experts + 3 * (m.n_experts // ep) * d * (fe // tp)
                       + 3 * d * (m.n_shared_experts * fe // tp))
+            expert += 3 * (m.n_experts // ep) * d * (fe // tp) if ep > 1 else 0
             mlp_b = 0
         else:
             mlp_mm = (3 if tr.gated_mlp else 2) * d * (ffn // tp)
@@ -476,7 +482,7 @@ def analytic_params(cfg: Config, layers: list[int], has_embedding: bool = True, 
     if has_embedding or has_head:
         largest = max(largest, vocab)
     return ParamCounts(sum(blocks.values()) + root, mm_layers, head_mm, blocks, root, largest, exact=False,
-                       embedding=vocab if has_embedding else 0)
+                       embedding=vocab if has_embedding else 0, expert=expert)
 
 
 # ----------------------------------------------------------------------------------------------- the plan
@@ -643,6 +649,9 @@ def _layout(cfg: Config, world_size: int, device: str, pp_rank: int, n_micro: in
     precision = compute_precision(cfg, device)
     if precision != t.precision:
         cfg = _with_precision(cfg, precision)
+    from megaloom.training.levers import resolve_levers  # compile / fused loss "auto": as training on `device`
+
+    cfg = resolve_levers(cfg, device)[0]
     return _Layout(cfg=cfg, device=device, world_size=world_size, tp=tp, pp=pp, vpp=p.vpp, cp=cp, dp=dp,
                    zero=p.zero, pp_rank=pp_rank, n_micro=n_micro, precision=precision,
                    tokens=t.micro_batch_size * t.seq_len // cp, batch=t.micro_batch_size, sp=p.sp and tp > 1,
@@ -827,14 +836,17 @@ def _persistent_state(lay: _Layout, counts: ParamCounts) -> _State:
     fsdp = zero == 3 and lay.world_size > 1
     buckets = lay.world_size > 1 and not fsdp  # pipelines too: each stage's gradients in buckets
     weights = 4 * p_local
-    p_opt = p_local // dp if (zero >= 1 and buckets) or fsdp else p_local
+    # ZeRO shards dense parameters over dp x cp, expert weights over edp (the dp ranks holding the same experts)
+    ep = lay.cfg.parallel.ep
+    shard = (p_local - counts.expert) // (dp * lay.cp) + counts.expert // max(1, dp // ep * lay.cp)
+    p_opt = shard if (zero >= 1 and buckets) or fsdp else p_local
     if fsdp and counts.exact:
         p_opt = p_local  # the module's parameters are already the 1/dp shards
     if fsdp and not counts.exact:
-        weights, p_opt = 4 * p_local // dp, p_local // dp
+        weights, p_opt = 4 * shard, shard
     grad_persistent = 0
     if buckets:
-        grad_persistent = (4 * p_local if zero in (0, 1) else 0) + (4 * p_local // dp if zero in (1, 2) else 0)
+        grad_persistent = (4 * p_local if zero in (0, 1) else 0) + (4 * shard if zero in (1, 2) else 0)
     full_local = sum(counts.block_params.values()) + counts.root_params  # unsharded (tp-local) size
     if buckets:
         grad_after_backward = 4 * p_local if zero == 2 else 0  # zero 2: buckets live from first grad to reduction

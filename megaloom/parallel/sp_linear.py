@@ -30,6 +30,7 @@ from torch import nn
 from torch.autograd import Function
 
 from megaloom.parallel import comm
+from megaloom.parallel.collective_matmul import all_gather_linears
 from megaloom.parallel.comm import Group, OpRecorder
 
 
@@ -101,14 +102,17 @@ class _GatheredLinears(Function):
 
 def gathered_linears(x_local: torch.Tensor, x_full: torch.Tensor | None,
                      params: Sequence[tuple[torch.Tensor, torch.Tensor | None]], group: Group,
-                     recorder: OpRecorder | None = None) -> tuple[torch.Tensor, ...]:
+                     recorder: OpRecorder | None = None, ring: bool = False) -> tuple[torch.Tensor, ...]:
     """The outputs of linears ``params`` ((weight, bias) pairs, this rank's rows) on the all-gathered sequence of
     ``x_local`` [B, T/tp, D] (already in the compute dtype), saving only ``x_local`` for backward. ``x_full``:
     the gathered sequence if the caller already has it (gathered here otherwise). The weights are cast to
-    x_local's dtype as autocast would (the casts are saved, as autocast's are)."""
+    x_local's dtype as autocast would (the casts are saved, as autocast's are). ``ring``: gather as ring steps
+    overlapped with the GEMMs (`collective_matmul`, parallel.async_tp); ``x_full`` is then not read."""
     dtype = x_local.dtype
     ws = [w if w.dtype == dtype else w.to(dtype) for w, _ in params]
     bs = [b if b is None or b.dtype == dtype else b.to(dtype) for _, b in params]
+    if ring:
+        return all_gather_linears(x_local, list(zip(ws, bs, strict=True)), group, recorder)
     full = None if x_full is None else x_full.detach()
     return _GatheredLinears.apply(x_local, full, group, recorder, len(params), *ws, *bs)
 
@@ -118,10 +122,16 @@ class SeqRegion:
 
     ``enter`` (forward pre-hook) casts the module's input shard to the compute dtype and all-gathers it;
     ``output(linear, x)`` gives a column-parallel child its output from one `_GatheredLinears` node for all of
-    them; ``leave`` (forward hook) drops the bookkeeping, so nothing outlives the module's forward."""
+    them; ``leave`` (forward hook) drops the bookkeeping, so nothing outlives the module's forward.
 
-    def __init__(self, mesh) -> None:
-        self.mesh = mesh
+    ``ring`` (parallel.async_tp): nothing is gathered on entry; the module gets a stand-in of the gathered
+    sequence's shape (a stride-0 view of the shard, no memory) and its column-parallel linears gather the shard
+    as ring steps under their GEMMs (`collective_matmul`). This relies on the module reading its input only
+    through those linears and its shape, as megaloom's attention and MLP do; a module that reads the values
+    otherwise must not be a ring region."""
+
+    def __init__(self, mesh, ring: bool = False) -> None:
+        self.mesh, self.ring = mesh, ring
         self._linears: list[nn.Module] | None = None
         self._local: torch.Tensor | None = None
         self._full: torch.Tensor | None = None
@@ -136,6 +146,11 @@ class SeqRegion:
         # fp8 linears quantise from the input as it comes (an fp32 input keeps its amax exact): no cast then.
         fp8 = any(m.fp8_recipe is not None for m in self._linears)
         local = args[0] if fp8 else to_compute_dtype(args[0])
+        if self.ring and not fp8 and lean_path_active() and self._linears:
+            b, t, d = local.shape
+            full = local.detach().as_strided((b, t * self.mesh.tp, d), (local.stride(0), 0, local.stride(2)))
+            self._local, self._full, self._outputs = local, full, None
+            return (full,) + tuple(args[1:])
         full = comm.gather_from_seq(local, self.mesh.tp_group, self.mesh.recorder)
         if lean_path_active():
             self._local, self._full, self._outputs = local, full, None
@@ -148,9 +163,13 @@ class SeqRegion:
             return None
         if self._outputs is None:  # the first of the region's linears: all of them, in one node
             outs = gathered_linears(self._local, self._full, [(m.weight, m.bias) for m in self._linears],
-                                    self.mesh.tp_group, self.mesh.recorder)
+                                    self.mesh.tp_group, self.mesh.recorder, ring=self.ring)
             self._outputs = {id(m): o for m, o in zip(self._linears, outs, strict=True)}
-        return self._outputs.pop(id(linear), None)  # a second call on the same input: a plain linear
+        y = self._outputs.pop(id(linear), None)  # a second call on the same input: a plain linear
+        if y is None and self.ring:  # ... which would read the stand-in's values
+            raise RuntimeError(f"parallel.async_tp: {type(linear).__name__} read its region's input a second time; "
+                               "ring regions need each column-parallel linear called once per forward")
+        return y
 
     def leave(self, module: nn.Module, args: tuple, output) -> None:
         self._local = self._full = self._outputs = None

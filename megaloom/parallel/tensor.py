@@ -82,6 +82,7 @@ class _Context:
     sp: bool
     cfg: ModelConfig
     tracker: RNGTracker
+    ring: bool = False  # parallel.async_tp: sp's all-gathers / reduce-scatters as ring steps under the GEMMs
 
     @property
     def kv_rows(self) -> tuple[tuple[int, int] | None, int]:
@@ -116,9 +117,11 @@ def _apply(style: st.Style, module: nn.Module, ctx: _Context) -> nn.Module | Non
         case st.Colwise():
             return ColumnParallelLinear.from_linear(module, mesh, "none")
         case st.Rowwise():
-            return RowParallelLinear.from_linear(module, mesh, "reduce_scatter" if sp else "reduce")
+            row = RowParallelLinear.from_linear(module, mesh, "reduce_scatter" if sp else "reduce")
+            row.ring = sp and ctx.ring
+            return row
         case st.Region() if sp:  # gathered once; its column-parallel linears save only this rank's shard
-            region = SeqRegion(mesh)
+            region = SeqRegion(mesh, ring=ctx.ring)
             module.register_forward_pre_hook(region.enter)
             module.register_forward_hook(region.leave)
         case st.Region():
@@ -130,7 +133,9 @@ def _apply(style: st.Style, module: nn.Module, ctx: _Context) -> nn.Module | Non
         case st.SequencePositions() if sp:
             return SequencePositionEmbedding(module, mesh)
         case st.VocabHead():
-            return ColumnParallelLinear.from_linear(module, mesh, "gather" if sp else "copy")
+            head = ColumnParallelLinear.from_linear(module, mesh, "gather" if sp else "copy")
+            head.ring = sp and ctx.ring
+            return head
         case st.VocabLoss():
             return VocabParallelLoss(mesh)
         case st.SequenceParallel() if sp:
@@ -169,9 +174,11 @@ def apply_plan(model: nn.Module, plan: st.Plan, ctx: _Context) -> None:
                 owned.append(name)
 
 
-def parallelize_tensor(model: nn.Module, mesh: Mesh, sp: bool, plan: st.Plan | None = None) -> nn.Module:
+def parallelize_tensor(model: nn.Module, mesh: Mesh, sp: bool, plan: st.Plan | None = None,
+                       async_tp: bool = False) -> nn.Module:
     """Split ``model`` over ``mesh.tp`` (and its MoE experts over ``mesh.ep``) in place, parameter names
-    unchanged, following ``plan`` (default: the plan of the model's family, ``model.plan``)."""
+    unchanged, following ``plan`` (default: the plan of the model's family, ``model.plan``). ``async_tp``
+    (with sp): the region borders as collective matmuls (`collective_matmul`)."""
     plan = plan if plan is not None else model.plan
     if mesh.tp == 1:
         if mesh.ep > 1:  # expert parallelism alone
@@ -183,7 +190,7 @@ def parallelize_tensor(model: nn.Module, mesh: Mesh, sp: bool, plan: st.Plan | N
         raise ValueError("parallelize_tensor: this model is already tensor-parallel")
     check_tp_model(model.cfg, mesh.tp)
     tied = model.tie_embeddings_active()
-    apply_plan(model, plan, _Context(mesh, sp, model.cfg, RNGTracker.for_mesh(mesh)))
+    apply_plan(model, plan, _Context(mesh, sp, model.cfg, RNGTracker.for_mesh(mesh), ring=sp and async_tp))
     if tied:  # the head shares the embedding's (vocabulary-split) rows
         model.head.weight = model.tok_emb.weight
     return model

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from functools import partial
 from typing import Protocol
 
 import torch
@@ -113,6 +114,24 @@ class FullyShardedGrads:
         self.param_dtype = param_dtype
         policy = MixedPrecisionPolicy() if param_dtype == torch.float32 else \
             MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        # Expert weights (ep > 1) exist only on the edp ranks that share an ep rank: they are sharded over edp,
+        # by their own FSDP2 unit inside the block (as TorchTitan shards experts over dp mod ep). Their local
+        # gradient already sums the tokens of the whole ep group, so its reduction over edp divides by the full
+        # data-parallel size like every dense gradient's (not by edp, FSDP2's default).
+        expert_units = [m for m in model.modules() if m is not model and
+                        any(is_expert_param(p) for p in m.parameters(recurse=False))] if mesh.ep > 1 else []
+        self.expert_size = self.expert_rank = None
+        if expert_units:
+            edp_mesh = DeviceMesh.from_group(mesh.edp_group, mesh.device.type)
+            self.expert_size, self.expert_rank = comm.group_size(mesh.edp_group), comm.group_rank(mesh.edp_group)
+            for unit in expert_units:
+                if any(not is_expert_param(p) for p in unit.parameters()):
+                    raise ValueError(f"zero=3 with ep: {type(unit).__name__} mixes expert and dense parameters")
+                fully_shard(unit, mesh=edp_mesh, mp_policy=policy)
+                # FSDP2 averages over edp; the hook (run on its reduced shard, also when edp is 1) divides by the
+                # rest, dp x cp / edp = ep. Not set_gradient_divide_factor: a pre-scaled sum, which gloo lacks,
+                # and with one rank some torch versions divide by it twice.
+                unit.set_all_reduce_hook(partial(torch.Tensor.div_, other=float(mesh.ep)))
         for block in getattr(model, "layers", {}).values():
             fully_shard(block, mesh=self.device_mesh, mp_policy=policy)
         fully_shard(model, mesh=self.device_mesh, mp_policy=policy)
@@ -124,12 +143,18 @@ class FullyShardedGrads:
         self.stats = ReductionStats()
         self._armed = False
 
+    def _shard_of(self, p: torch.Tensor) -> tuple[int, int]:
+        """(ranks, index) of the group a parameter is sharded over: edp for expert weights, else dp x cp."""
+        if self.expert_size is not None and is_expert_param(p):
+            return self.expert_size, self.expert_rank
+        return self.size, self.rank
+
     def shard_segments(self) -> list[Segment]:
         segs = []
         for i, p in enumerate(self.params):
             local = _local(p.detach())
             row = math.prod(p.shape[1:])
-            start = _dim0_start(p.shape[0], self.size, self.rank) * row
+            start = _dim0_start(p.shape[0], *self._shard_of(p)) * row
             if local.numel():
                 segs.append(Segment(i, start, local, None))
         return segs
@@ -199,7 +224,7 @@ class FullyShardedGrads:
                 src = shard_of(sd[k], params[k], self.mesh) if k in params else sd[k]
                 local = _local(t)
                 if hasattr(t, "to_local") and local.numel():
-                    start = _dim0_start(src.shape[0], self.size, self.rank)
+                    start = _dim0_start(src.shape[0], *self._shard_of(params.get(k, t)))
                     src = src[start:start + local.shape[0]]
                 if local.numel():
                     local.copy_(src)

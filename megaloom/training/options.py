@@ -10,19 +10,22 @@ from megaloom.models.fused_ce import FusedHeadLoss
 from megaloom.precision.fp8 import convert_to_float8
 
 
-def apply_train_options(model: torch.nn.Module, t: TrainConfig, loss_chunk: int | None = None):
+def apply_train_options(model: torch.nn.Module, t: TrainConfig, loss_chunk: int | None = None,
+                        recompute_attention: bool = True):
     """What train.* changes in the built (tensor-parallel) model before pipeline stages and compile: the blocks'
     linears in float8 (precision=fp8; tp collectives stay bf16), activation recomputation, and the fused
     head + loss (validate() refuses it with tp > 1). Shared with bench/bench_train.py, so that what is measured is
-    what trains. ``loss_chunk``: tokens per fused-loss chunk (None: the default). Returns the fp8 summary or None."""
+    what trains. ``loss_chunk``: tokens per fused-loss chunk (None: the default). ``recompute_attention``: selective
+    recompute includes the attention core (only worth it for the math kernel: `apply_recompute`). Returns the fp8
+    summary or None."""
     summary = None
     if t.precision == "fp8":
         summary = convert_to_float8(model, t.fp8_recipe, t.fp8_keep_first_last, t.fp8_fast_accum,
                                     t.fp8_keep_attention)
-    apply_recompute(model, t.recompute, t.recompute_layers or None)
+    apply_recompute(model, t.recompute, t.recompute_layers or None, core_attention=recompute_attention)
     # Under autocast only (Transformer.embed checks): the cast has no effect on an fp32 run.
     model.residual_dtype = torch.bfloat16 if t.bf16_residual else None
-    if t.fused_loss:  # head + cross-entropy in chunks, never the full logits
+    if t.fused_loss is True:  # head + cross-entropy in chunks, never the full logits
         model.loss = FusedHeadLoss(loss_chunk)
     return summary
 

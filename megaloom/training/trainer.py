@@ -29,7 +29,7 @@ from megaloom.models.registry import get_family
 from megaloom.observe.flops import device_peak_flops, flops_per_token, matmul_params
 from megaloom.observe.log import get_logger
 from megaloom.observe.memory import peak_memory_gb
-from megaloom.observe.memory_plan import MemoryReport
+from megaloom.observe.memory_plan import MemoryReport, attention_backend
 from megaloom.observe.metrics import MetricsSink, console_line, format_eta
 from megaloom.optim import build_optimizer, lr_at, set_lr
 from megaloom.parallel.context import SequenceShard, parallelize_context
@@ -51,6 +51,7 @@ from megaloom.step import TrainStep, forward_ctx
 from megaloom.training.checkpoints import RunCheckpoints
 from megaloom.training.data import load_rank_datasets
 from megaloom.training.evaluate import eval_batches, evaluate, evaluate_pipeline
+from megaloom.training.levers import describe_levers, resolve_levers
 from megaloom.training.options import apply_train_options
 from megaloom.training.preflight import Checked, preflight, preflight_vocab, world_size_from_env
 from megaloom.training.records import Interval, dp_mean, moe_fields
@@ -156,6 +157,10 @@ class Trainer:
                               f"model.vocab_size>={ob.vocab_size} (or 0 to follow the tokenizer).")
         cfg = resolve_config(self.requested, precision=self.precision, tokenizer_path=self.tokenizer.path,
                              tokenizer_vocab=(self.objective or self.tokenizer).vocab_size)
+        capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
+        cfg, levers = resolve_levers(cfg, self.device.type, capability)  # compile, fused loss, attention "auto"
+        if levers and self.rt.is_main:  # on CPU every lever stays off: said at debug level only
+            (log.info if self.device.type == "cuda" else log.debug)(f"megaloom: {describe_levers(levers)}")
         if cfg.train.micro_batch_size == 0:
             cfg = with_micro_batch(cfg, choose_micro_batch(cfg, self.rt, self.device))  # a collective
         self.n_micro = self.local_batch // cfg.train.micro_batch_size
@@ -244,10 +249,12 @@ class Trainer:
             model = get_family(cfg.model.arch).build(cfg.model)
         self.n_params = count_params(model)
         self.flops_per_token = flops_per_token(cfg.model, matmul_params(model), t.seq_len)
-        parallelize_tensor(model, mesh, cfg.parallel.sp)
+        parallelize_tensor(model, mesh, cfg.parallel.sp, async_tp=cfg.parallel.async_tp)
         parallelize_context(model, mesh, cfg)  # parallel.cp: attention over the cp ranks, positions of our chunks
         self.seq_shard = SequenceShard(mesh.cp, mesh.cp_rank) if mesh.cp > 1 else None
-        fp8_summary = apply_train_options(model, t)  # before stages and compile
+        # Selective recompute re-runs the attention core only where the kernel keeps the scores (math).
+        kernel = attention_backend(cfg, self.device.type, cfg.parallel.tp)
+        fp8_summary = apply_train_options(model, t, recompute_attention=kernel == "math")  # before stages, compile
         if fp8_summary is not None:
             log.info(f"megaloom: {fp8_summary}")
         stage = build_stage(model, checked.partition, mesh) if mesh.pp > 1 else None  # prunes the model

@@ -79,7 +79,8 @@ def block_and_inputs(cfg, family: Family, selective: bool):
     """Block 0 of ``cfg`` (recomputation flags set), an input [B, T, D] and the RoPE tables (None: learned)."""
     torch.manual_seed(0)
     block = Block(cfg.model, 0, family)
-    block.attn.recompute_core = block.mlp.recompute_activation = selective
+    block.mlp.recompute_activation = selective
+    block.attn.recompute_core = False  # the CPU flash kernel: selective leaves the attention core (apply_recompute)
     rope = None
     if family.traits.positions == "rope":
         cos, sin = rope_tables(D // cfg.model.n_heads, T, cfg.model.rope_theta)

@@ -77,7 +77,8 @@ def test_auto_micro_batch_config_rules():
 def test_fit_tries_the_fused_loss_and_no_accumulation_and_says_so(capsys):
     """Issue 24 (5): llama3-8b at 8192 on 141 GB fits only with full recompute, the fused loss and one
     micro-batch per step; the planner used to answer "does not fit" for every mode (README said micro-batch 3)."""
-    assert main(["memory", "--gpu-gb", "141", "model.preset=llama3-8b", "train.seq_len=8192"]) == 0
+    assert main(["memory", "--gpu-gb", "141", "model.preset=llama3-8b", "train.seq_len=8192",
+                 "train.fused_loss=false"]) == 0
     out = capsys.readouterr().out
     assert "as configured: 2 micro-batch(es) per step, train.fused_loss=false" in out
     full = next(line for line in out.splitlines() if "recompute=full" in line and "micro-batch" in line)
@@ -87,6 +88,7 @@ def test_fit_tries_the_fused_loss_and_no_accumulation_and_says_so(capsys):
 
 def test_fit_as_configured_suggests_no_change():
     cfg = resolve_for_planning(load_config(None, ["model.preset=llama3-1b", "train.seq_len=2048",
-                                                  "train.micro_batch_size=1", "train.global_batch_size=2"]))
+                                                  "train.micro_batch_size=1", "train.global_batch_size=2",
+                                                  "train.fused_loss=false"]))
     rows = fit_micro_batch(cfg, 1, 141, modes=("full",), max_micro=4)
     assert rows[0]["micro_batch"] == 4 and not rows[0]["fused_loss"] and rows[0]["micro_batches"] == 2

@@ -25,6 +25,7 @@ from megaloom.config import load_config
 from megaloom.models import Transformer, apply_recompute
 from megaloom.observe.memory_plan import (
     analytic_params,
+    attention_backend,
     block_activation_bytes,
     count_model_params,
     embedding_activation_bytes,
@@ -54,8 +55,10 @@ def measure_saved(cfg, device: str = "cpu", attention=None) -> tuple[int, int]:
     """(activation bytes, weight-cast bytes) saved for backward by one forward with labels."""
     torch.manual_seed(0)
     model = Transformer(cfg.model).to(device)
-    apply_recompute(model, cfg.train.recompute)
-    if getattr(cfg.train, "fused_loss", False):
+    # As the trainer: selective recompute re-runs the attention core only under the math kernel.
+    apply_recompute(model, cfg.train.recompute,
+                    core_attention=(attention or attention_backend(cfg, device)) == "math")
+    if getattr(cfg.train, "fused_loss", False) is True:
         from megaloom.models.fused_ce import FusedHeadLoss
 
         model.loss = FusedHeadLoss()
@@ -90,7 +93,7 @@ def predicted(cfg, device: str = "cpu", attention=None) -> tuple[int, int, int]:
     counts = analytic_params(cfg, list(range(cfg.model.n_layers)))
     casts = 0
     if cfg.train.precision == "bf16":  # full recompute: only the head's copy is saved (the blocks' are cached)
-        casts = 0 if getattr(cfg.train, "fused_loss", False) else 2 * counts.matmul_head
+        casts = 0 if getattr(cfg.train, "fused_loss", False) is True else 2 * counts.matmul_head
         casts += 0 if cfg.train.recompute == "full" else 2 * sum(counts.matmul_layers.values())
     return acts, casts, blocks[-1]
 
@@ -209,7 +212,7 @@ def test_analytic_parameter_counts_match_the_module(preset, extra):
 def _big(recompute: str, *extra: str):
     return load_config(None, ["model.preset=llama3-1b-untied", "train.seq_len=4096", "model.max_seq_len=8192",
                               "train.micro_batch_size=2", "train.global_batch_size=2", f"train.recompute={recompute}",
-                              "train.precision=bf16", *extra])
+                              "train.precision=bf16", "train.fused_loss=false", *extra])
 
 
 def test_plan_orders_recompute_modes_and_reports():

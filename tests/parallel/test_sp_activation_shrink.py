@@ -57,7 +57,7 @@ def _block_bytes(arch: str, precision: str, tp: int) -> int:
     with _fake_world(tp):
         mesh = Mesh.build(cfg, tp, 0, "cpu")
         model = parallelize_tensor(Transformer(cfg.model), mesh, sp=True)
-        apply_recompute(model, "selective")
+        apply_recompute(model, "selective", core_attention=False)  # as the trainer with the CPU flash kernel
         x = torch.randn(B, T // tp, cfg.model.d_model)  # this rank's sequence shard of the residual stream
         auto = torch.bfloat16 if precision == "bf16" else None
         return measured_block_activation_bytes(model.layers["0"], x, model.rope(T), autocast=auto)

@@ -126,7 +126,8 @@ def test_moe_data_parallel_matches_single_process(small_corpus, tmp_path):
 
 def test_expert_parallel_layouts_match_single_process(small_corpus, tmp_path):
     """Mixtral-style MoE (aux + z losses, a shared expert; capacity 1.0, so tokens are dropped, or dropless) under
-    ep 2 and 4, ep x tp (sp), ep with ZeRO-1/2 (edp 2), ep with full recompute, ep with LAMB, and MoE
+    ep 2 and 4, ep x tp (sp, also with async tp), ep with ZeRO-1/2/3 (edp 2; ZeRO-3 also at edp 1), ep with full
+    recompute, ep with LAMB, and MoE
     under tp x pp: the single process's loss at every step (the same tokens dropped, the same aux-loss gradients),
     its gradient norm (expert gradients reduced over the right ranks) and its final weights. Checkpoints move
     between ep=2 and one process both ways. (ep x pp, dropless, at ZeRO 0/1/2: the pipeline world,
@@ -143,7 +144,11 @@ def test_expert_parallel_layouts_match_single_process(small_corpus, tmp_path):
     # One world of 4 processes runs every layout (dp fills the ranks that ep, tp and pp leave: ep2 is ep2 x edp2).
     runs = {"ep2": ["parallel.ep=2"], "ep4dropless": ["parallel.ep=4", *dropless],
             "ep2tp2sp": ["parallel.ep=2", "parallel.tp=2", "parallel.sp=true"],
+            "ep2tp2sp-async": ["parallel.ep=2", "parallel.tp=2", "parallel.sp=true", "parallel.async_tp=true"],
             "ep2z1": ["parallel.ep=2", "parallel.zero=1"], "ep2z2": ["parallel.ep=2", "parallel.zero=2"],
+            # ZeRO-3: experts sharded over edp (2, and 1 at ep4), dense weights over all of dp
+            "ep2z3": ["parallel.ep=2", "parallel.zero=3"], "ep4z3dropless": ["parallel.ep=4", "parallel.zero=3",
+                                                                            *dropless],
             "ep2recompute": ["parallel.ep=2", "train.recompute=full"],  # all-to-all again in backward
             "tp2pp2": ["parallel.tp=2", "parallel.pp=2"],
             "ep2lamb": ["parallel.ep=2", *lamb], "ep2z1lamb": ["parallel.ep=2", "parallel.zero=1", *lamb]}

@@ -17,8 +17,8 @@ from .worlds import suite_world2
 
 PARITY = ["parity-llama-tp2-sp0", "parity-llama-tp2-sp1", "parity-gpt2-tp2-sp0", "parity-gpt2-tp2-sp1",
           "parity-qwen3-tp2-sp0", "parity-qwen3-tp2-sp1", "parity-gpt2-tp2-sp0-untied", "parity-llama-tp2-sp1-docs",
-          "parity-gpt2-tp2-sp1-docs-reset", "parity-bert-tp2-sp0", "parity-bert-tp2-sp1",
-          "parity-t5-tp2-sp0", "parity-t5-tp2-sp1"]
+          "parity-gpt2-tp2-sp1-docs-reset", "parity-qwen3-tp2-sp1-async", "parity-bert-tp2-sp0",
+          "parity-bert-tp2-sp1", "parity-t5-tp2-sp0", "parity-t5-tp2-sp1"]
 
 
 @pytest.fixture(scope="module")
@@ -62,3 +62,13 @@ def test_bf16_halves_the_tp_groups_activation_traffic(world: list[dict]) -> None
             for op in ("all_gather", "reduce_scatter"):
                 assert bf16[op] * 2 == fp32[op], (arch, op, fp32, bf16)
             assert sum(bf16.values()) <= 0.55 * sum(fp32.values()), (arch, fp32, bf16)
+
+
+def test_async_tp_replaces_the_region_collectives_by_ring_steps(world: list[dict]) -> None:
+    """parallel.async_tp: the regions' all-gathers and reduce-scatters became point-to-point ring steps (parity
+    is checked above); what is left of them is the embedding's reduce-scatter (and its backward all-gather)."""
+    for res in world:
+        sync, ring = res["parity-qwen3-tp2-sp1"]["tp_ops"], res["parity-qwen3-tp2-sp1-async"]["tp_ops"]
+        assert sync.get("send", 0) == 0 and sync["all_gather"] > 4, sync
+        assert ring["send"] > 0 and ring["send"] == ring["recv"], ring
+        assert ring.get("all_gather", 0) <= 1 and ring.get("reduce_scatter", 0) <= 1, ring

@@ -21,7 +21,8 @@ from .worlds import suite_world4
 
 WORLD = 4
 PARITY = ["parity-llama-tp4-sp0", "parity-llama-tp4-sp1", "parity-gpt2-tp4-sp0", "parity-gpt2-tp4-sp1",
-          "parity-llama-tp4-sp1-untied", "parity-qwen3-tp4-sp1"]
+          "parity-llama-tp4-sp1-untied", "parity-qwen3-tp4-sp1", "parity-llama-tp4-sp1-async",
+          "parity-gpt2-tp4-sp1-async-untied"]
 
 
 @pytest.fixture(scope="module")
@@ -103,3 +104,13 @@ def test_cached_decoding_matches(world: list[dict]) -> None:
 def test_sequence_parallel_linears_match_and_overlap(world: list[dict]) -> None:
     for res in world:
         assert_gathered_linears(res["gathered_linears"])
+
+
+def test_async_tp_replaces_the_region_collectives_by_ring_steps(world: list[dict]) -> None:
+    """parallel.async_tp: the regions' all-gathers and reduce-scatters became point-to-point ring steps (parity
+    is checked above); what is left of them is the embedding's reduce-scatter (and its backward all-gather)."""
+    for res in world:
+        sync, ring = res["parity-llama-tp4-sp1"]["tp_ops"], res["parity-llama-tp4-sp1-async"]["tp_ops"]
+        assert sync.get("send", 0) == 0 and sync["all_gather"] > 4, sync
+        assert ring["send"] > 0 and ring["send"] == ring["recv"], ring
+        assert ring.get("all_gather", 0) <= 1 and ring.get("reduce_scatter", 0) <= 1, ring

@@ -238,13 +238,16 @@ def check_rng(mesh: Mesh) -> dict:
 # ---------------------------------------------------------------------------------------------------- parity
 
 
-def parity_case(mesh: Mesh, arch: str, sp: bool, tie: bool = True, steps: int = 10, docs: str = "") -> dict:
+def parity_case(mesh: Mesh, arch: str, sp: bool, tie: bool = True, steps: int = 10, docs: str = "",
+                async_tp: bool = False) -> dict:
     """Train the same model in this process (reference) and tensor-parallel for `steps` AdamW steps.
-    `docs`: "mask" or "mask+reset": packed documents (token 0 ends one) kept apart, positions restarting."""
+    `docs`: "mask" or "mask+reset": packed documents (token 0 ends one) kept apart, positions restarting.
+    `async_tp`: the sp borders as collective matmuls (ring steps); the first step's tp ops are counted."""
     cfg = tiny_config(arch, tp=mesh.tp, sp=sp, tie=tie, world=mesh.world_size)
     torch.manual_seed(1234)
     ref = get_family(arch).build(cfg.model).to(mesh.device)
-    model = parallelize_tensor(copy.deepcopy(ref), mesh, sp)
+    model = parallelize_tensor(copy.deepcopy(ref), mesh, sp, async_tp=async_tp)
+    tally = comm.CommTally({mesh.tp_group: "tp"})
     # eps 1e-6, not 1e-8: a gradient that is zero in exact arithmetic (gpt2's key bias: softmax ignores a shift
     # shared by all keys) is rounding noise of ~1e-12 on both sides, which Adam with eps 1e-8 turns into steps of
     # up to lr; the weights would then differ by float noise x 1e9 without anything being wrong.
@@ -263,8 +266,13 @@ def parity_case(mesh: Mesh, arch: str, sp: bool, tie: bool = True, steps: int = 
         x, y = inputs_and_labels(batch)
         loss_ref = ref(x, y, **kw(x))
         loss_ref.backward()
+        if step == 0:
+            mesh.recorder = tally
         loss = model(x, y, **kw(x))
         loss.backward()
+        if step == 0:
+            mesh.recorder = comm.NullRecorder()
+            out["tp_ops"] = {op: n for (group, op), n in tally.calls.items() if group == "tp"}
         if step == 0:  # gradients as produced by backward, then after the tp sync (what the optimizer sees)
             raw = gather_full_grads(model, mesh, synced=False)
         sync_tp_grads(model, mesh)
@@ -369,6 +377,9 @@ def suite_world4(rank: int, world: int, device: torch.device) -> dict:
         for sp in (False, True):
             res[f"parity-{arch}-tp4-sp{int(sp)}"] = parity_case(mesh, arch, sp)
     res["parity-llama-tp4-sp1-untied"] = parity_case(mesh, "llama", True, tie=False, steps=3)
+    # Collective matmuls around a ring of 4 (biases: gpt2; untied head: its own gather as ring steps).
+    res["parity-llama-tp4-sp1-async"] = parity_case(mesh, "llama", True, steps=3, async_tp=True)
+    res["parity-gpt2-tp4-sp1-async-untied"] = parity_case(mesh, "gpt2", True, tie=False, steps=3, async_tp=True)
     # QK-norm with each KV head replicated on two ranks: k_norm's gradient is partial over heads and replicas.
     res["parity-qwen3-tp4-sp1"] = parity_case(mesh, "qwen3", True)
     res["decode"] = {arch: decode_case(mesh, arch) for arch in ("llama", "gpt2")}
@@ -394,6 +405,7 @@ def suite_world2(rank: int, world: int, device: torch.device) -> dict:
         res[f"parity-t5-tp2-sp{int(sp)}"] = parity_case(mesh, "t5", sp)
     res["parity-llama-tp2-sp1-docs"] = parity_case(mesh, "llama", True, steps=3, docs="mask")
     res["parity-gpt2-tp2-sp1-docs-reset"] = parity_case(mesh, "gpt2", True, steps=3, docs="mask+reset")
+    res["parity-qwen3-tp2-sp1-async"] = parity_case(mesh, "qwen3", True, steps=3, async_tp=True)
     res["decode"] = {arch: decode_case(mesh, arch) for arch in ("llama", "gpt2", "qwen3")}
     res["gathered_linears"] = check_gathered_linears(mesh)
     res["step_bytes"] = {(arch, p): step_bytes(mesh, arch, p) for arch in ("llama", "gpt2") for p in ("fp32", "bf16")}

@@ -87,7 +87,7 @@ class MaskedLMObjective:
             raise ConfigError(f"parallel.cp={p.cp} with model.arch={cfg.model.arch}: context parallelism splits "
                               "causal attention; bidirectional attention over split sequences is not built; set "
                               "parallel.cp=1.")
-        if cfg.train.fused_loss:
+        if cfg.train.fused_loss is True:  # "auto" turns it off for a head with a bias (training/levers.py)
             raise ConfigError(f"train.fused_loss=true with model.arch={cfg.model.arch}: the masked-LM head has a "
                               "bias, which the fused head + loss does not support; set train.fused_loss=false.")
         if cfg.train.seq_len < 3:
@@ -98,7 +98,7 @@ class MaskedLMObjective:
     def build(cfg: Config, tokenizer) -> MaskedLM:
         vocab = tokenizer.vocab_size
         ids, reserved = {}, 0
-        if getattr(tokenizer, "hf", None) is None:  # no vocabulary file (a dry run's synthetic tokens): its last ids
+        if getattr(tokenizer, "path", None) == "":  # no vocabulary file (a dry run's synthetic tokens): its last ids
             ids = {"mask": vocab - 1, "cls": vocab - 2, "sep": vocab - 3}
         for role in ("mask", "cls", "sep"):
             found = ids.get(role, _find(tokenizer, role))

@@ -20,6 +20,13 @@ PRESETS: dict[str, dict] = {
                        max_seq_len=40960, tie_embeddings=True, rope_theta=1e6, norm_eps=1e-6),
     "qwen3-8b": dict(n_layers=36, d_model=4096, n_heads=32, n_kv_heads=8, ffn_dim=12288, vocab_size=151936,
                      max_seq_len=40960, tie_embeddings=False, rope_theta=1e6, norm_eps=1e-6),
+    # A Qwen3-MoE-style model (2.56B parameters) that fits one H200 with fp32 AdamW, for the MoE speed race against
+    # TorchTitan's qwen3 with the same shape (flavor "moe-2.6B", bench/titan_moe.py): every block MoE, 32 experts of
+    # width 768, top-4 softmax renormalised (Qwen3-MoE's routing), no shared expert, aux-loss-free balancing.
+    "qwen3-moe-2.6b": dict(n_layers=12, d_model=2048, n_heads=16, n_kv_heads=4, ffn_dim=6144, vocab_size=151936,
+                           max_seq_len=40960, tie_embeddings=False, rope_theta=1e6, norm_eps=1e-6, moe_every=1,
+                           n_experts=32, top_k=4, n_shared_experts=0, expert_ffn_dim=768, router_score="softmax",
+                           aux_loss_weight=0.0, aux_free_bias_rate=1e-3),
     "qwen3-14b": dict(n_layers=40, d_model=5120, n_heads=40, n_kv_heads=8, ffn_dim=17408, vocab_size=151936,
                       max_seq_len=40960, tie_embeddings=False, rope_theta=1e6, norm_eps=1e-6),
 }

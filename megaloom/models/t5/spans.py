@@ -119,7 +119,7 @@ class SpanCorruptionObjective:
         vocab, hf = tokenizer.vocab_size, getattr(tokenizer, "hf", None)
         n = span_counts(cfg.train.seq_len)[1]
         find = (lambda s: hf.token_to_id(s)) if hf is not None else (lambda s: None)  # noqa: E731
-        if hf is None:  # no vocabulary file (a dry run's synthetic tokens): its last ids serve
+        if getattr(tokenizer, "path", None) == "":  # no vocabulary file (a dry run's synthetic tokens): its last ids
             return SpanCorruption(vocab_size=vocab, sentinels=np.arange(vocab - 1 - n, vocab - 1, dtype=np.int64)[::-1],
                                   eos_id=tokenizer.eod_id, start_id=vocab - 1, seed=cfg.train.seed)
         reserved = 0

@@ -1,0 +1,95 @@
+"""The speed levers a user leaves at "auto" (train.compile, train.fused_loss, train.attention), chosen for the device.
+
+A run typed with only the model and the batch should take the fastest path that is proven equal to the plain
+one. Each lever turns on where it is supported and was measured to pay (one H200, llama3-1b-untied, seq 4096, bf16;
+bench/RESULTS.md), and stays off elsewhere, so CPU runs are what they were:
+
+- ``train.compile``: each block compiled (57.8k -> 61.9k tok/s together with the fused loss; fp8 needs it to pay).
+  Off on CPU (compile time dominates tiny models), for MoE models (the dispatch syncs with the host and breaks the
+  graph; not measured to pay) and with parallel.async_tp (its ring steps run eagerly).
+- ``train.fused_loss``: the chunked head + loss (+7% tok/s and -20 GB at a 128k vocabulary). Needs tp=1 (tensor
+  parallelism has its own vocab-parallel loss) and a head without bias (not bert's); kept off with context
+  parallelism (not tested there).
+- ``train.attention``: cuDNN's SDPA on Hopper or newer (2.6 vs flash's 4.2 ms per layer at seq 4096; the other
+  kernels stay fallbacks); PyTorch's own order elsewhere.
+
+Explicit true/false (or a kernel name) is never changed. `resolve_levers` returns the resolved copy, written to
+run.dir/config.yaml, and one line per choice for the start-up log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from megaloom.config import Config
+from megaloom.models.registry import get_family
+
+
+@dataclass(frozen=True)
+class LeverChoice:
+    key: str  # e.g. "train.compile"
+    value: object
+    why: str
+
+    def describe(self) -> str:
+        shown = ("on" if self.value else "off") if isinstance(self.value, bool) else self.value
+        return f"{self.key.removeprefix('train.')} {shown} ({self.why})"
+
+
+def _compile(cfg: Config, device: str) -> LeverChoice:
+    if device != "cuda":
+        return LeverChoice("train.compile", False, "not on CPU")
+    if cfg.model.moe_every:
+        return LeverChoice("train.compile", False, "MoE: not measured to pay")
+    if cfg.parallel.async_tp and cfg.parallel.tp > 1:
+        return LeverChoice("train.compile", False, "parallel.async_tp runs eagerly")
+    return LeverChoice("train.compile", True, "CUDA")
+
+
+def _fused_loss(cfg: Config, device: str) -> LeverChoice:
+    if device != "cuda":
+        return LeverChoice("train.fused_loss", False, "not on CPU")
+    if cfg.parallel.tp > 1:
+        return LeverChoice("train.fused_loss", False, "tp>1 has its vocab-parallel loss")
+    if cfg.parallel.cp > 1:
+        return LeverChoice("train.fused_loss", False, "not with cp>1")
+    if get_family(cfg.model.arch).traits.head_bias:
+        return LeverChoice("train.fused_loss", False, "the head has a bias (bert)")
+    return LeverChoice("train.fused_loss", True, "CUDA, tp=1")
+
+
+def _attention(device: str, capability: tuple[int, int] | None) -> LeverChoice:
+    if device == "cuda" and capability is not None and capability >= (9, 0):
+        return LeverChoice("train.attention", "cudnn", f"compute capability {capability[0]}.{capability[1]}")
+    why = "not on CPU" if device != "cuda" else "before Hopper" if capability is not None else "GPU unknown"
+    return LeverChoice("train.attention", "torch", why)
+
+
+def choose_levers(cfg: Config, device: str, capability: tuple[int, int] | None = None) -> list[LeverChoice]:
+    """The choice for every lever of ``cfg`` left at "auto" on ``device`` ("cuda" or "cpu"; ``capability``: the
+    GPU's compute capability when known)."""
+    t = cfg.train
+    out = []
+    if t.compile == "auto":
+        out.append(_compile(cfg, device))
+    if t.fused_loss == "auto":
+        out.append(_fused_loss(cfg, device))
+    if t.attention == "auto":
+        out.append(_attention(device, capability))
+    return out
+
+
+def resolve_levers(cfg: Config, device: str,
+                   capability: tuple[int, int] | None = None) -> tuple[Config, list[LeverChoice]]:
+    """A copy of ``cfg`` with its "auto" levers resolved, and the choices made (``cfg`` is not changed)."""
+    choices = choose_levers(cfg, device, capability)
+    if not choices:
+        return cfg, []
+    train = dataclasses.replace(cfg.train, **{c.key.removeprefix("train."): c.value for c in choices})
+    return dataclasses.replace(cfg, train=train), choices
+
+
+def describe_levers(choices: list[LeverChoice]) -> str:
+    """The start-up line: what "auto" chose and why."""
+    return "auto: " + ", ".join(c.describe() for c in choices)

@@ -1,0 +1,62 @@
+"""train.compile / train.fused_loss / train.attention left at "auto": chosen per device (megaloom/training/levers.py);
+CPU runs as before, the measured fast path on a GPU, explicit values untouched."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from megaloom.config import ConfigError, load_config
+from megaloom.training.levers import choose_levers, describe_levers, resolve_levers
+
+
+def chosen(overrides: list[str], device: str, capability=None) -> dict:
+    return {c.key: c.value for c in choose_levers(load_config(None, overrides), device, capability)}
+
+
+def test_cpu_keeps_the_plain_path():
+    assert chosen([], "cpu") == {"train.compile": False, "train.fused_loss": False, "train.attention": "torch"}
+
+
+def test_hopper_takes_the_measured_fast_path():
+    assert chosen([], "cuda", (9, 0)) == {"train.compile": True, "train.fused_loss": True, "train.attention": "cudnn"}
+    assert chosen([], "cuda", (8, 0))["train.attention"] == "torch"  # cuDNN measured faster on Hopper only
+
+
+@pytest.mark.parametrize("overrides,key,value", [
+    (["model.preset=mixtral-tiny"], "train.compile", False),  # MoE: not measured to pay
+    (["parallel.tp=2", "parallel.sp=true", "parallel.async_tp=true"], "train.compile", False),  # eager ring steps
+    (["parallel.tp=2"], "train.fused_loss", False),  # the vocab-parallel loss
+    (["parallel.cp=2"], "train.fused_loss", False),
+    (["model.preset=bert-tiny"], "train.fused_loss", False),  # the masked-LM head has a bias
+    (["model.preset=t5-tiny"], "train.fused_loss", True),
+    (["parallel.tp=2"], "train.compile", True),
+])
+def test_where_a_lever_does_not_apply_it_stays_off(overrides, key, value):
+    assert chosen(overrides, "cuda", (9, 0))[key] == value
+
+
+def test_explicit_values_are_never_changed():
+    cfg = load_config(None, ["train.compile=false", "train.fused_loss=true", "train.attention=flash"])
+    resolved, choices = resolve_levers(cfg, "cuda", (9, 0))
+    assert choices == [] and resolved is cfg
+
+
+def test_resolution_is_a_copy_and_says_why():
+    cfg = load_config(None, [])
+    resolved, choices = resolve_levers(cfg, "cuda", (9, 0))
+    assert cfg.train.compile == "auto" and resolved.train.compile is True and resolved.train.fused_loss is True
+    line = describe_levers(choices)
+    assert line.startswith("auto: compile on (CUDA)") and "attention cudnn (compute capability 9.0)" in line
+    assert yaml.safe_load(resolved.to_yaml())["train"]["compile"] is True  # config.yaml holds the choice
+
+
+def test_auto_values_parse_and_bad_ones_name_the_key():
+    assert load_config(None, ["train.compile=auto"]).train.compile == "auto"
+    assert load_config(None, ["train.compile=on"]).train.compile is True
+    with pytest.raises(ConfigError, match="train.compile: expected true, false or auto"):
+        load_config(None, ["train.compile=fast"])
+    # async_tp refuses only an explicit compile (auto turns compile off for it)
+    with pytest.raises(ConfigError, match="parallel.async_tp"):
+        load_config(None, ["parallel.tp=2", "parallel.sp=true", "parallel.async_tp=true", "train.compile=true"])
+    load_config(None, ["parallel.tp=2", "parallel.sp=true", "parallel.async_tp=true"])
