@@ -164,3 +164,17 @@ def test_cli_training_smoke_loss_falls(small_corpus, tmp_path):
     assert records[-1]["eval_loss"] is not None
     resolved = load_config(run / "config.yaml")
     assert resolved.model.arch == "t5" and resolved.model.vocab_size == 576  # 512 + <pad> + 3 sentinels, padded
+
+
+def test_bf16_autocast_loss_close_to_fp32():
+    cfg = load_config(None, ["model.preset=t5-tiny", "model.vocab_size=64"])
+    torch.manual_seed(0)
+    model = get_family("t5").build(cfg.model)
+    te, td = lengths(16)
+    x = torch.randint(0, 64, (2, te + td))
+    y = torch.cat([torch.full((2, te), -100), torch.randint(0, 64, (2, td))], dim=1)
+    with torch.no_grad():
+        ref = model(x, y)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = model(x, y)
+    assert low.dtype == torch.float32 and abs(low.item() - ref.item()) < 0.05 * ref.item()
