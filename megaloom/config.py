@@ -62,7 +62,8 @@ def _f(default: Any, help: str, choices: tuple | None = None) -> Any:
 class ModelConfig:
     preset: str = _f("tiny", "Named model shape (see megaloom.models.presets); other model keys override it.")
     arch: str = _f("llama", "Model family: a folder megaloom/models/<family>/ listed in megaloom/models/registry.py "
-                            "(gpt2: LayerNorm, GeLU, learned positions, biases; llama: RMSNorm, SwiGLU, RoPE, GQA).",
+                            "(gpt2: LayerNorm, GeLU, learned positions, biases; llama: RMSNorm, SwiGLU, RoPE, GQA; "
+                            "bert: masked-LM encoder; t5: span-corruption encoder-decoder).",
                    lambda: _families())
     n_layers: int = _f(4, "Number of transformer blocks.")
     d_model: int = _f(128, "Hidden size.")

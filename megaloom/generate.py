@@ -1,4 +1,6 @@
-"""Sampling from a trained run: temperature, top-k and top-p (nucleus) with a KV cache."""
+"""Sampling from a trained run: temperature, top-k and top-p (nucleus) with a KV cache. A decoder continues the
+prompt; an encoder-decoder (t5) encodes the prompt once and decodes an answer (its KV cache and cross-attention
+keys/values built once)."""
 
 from __future__ import annotations
 
@@ -7,8 +9,10 @@ from pathlib import Path
 import torch
 
 from megaloom.checkpoint import CheckpointError, load_newest
+from megaloom.config import ConfigError
 from megaloom.data.tokenizer import Tokenizer
 from megaloom.models import Transformer
+from megaloom.models.registry import get_family
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
@@ -41,6 +45,9 @@ def generate(model: Transformer, prompt: torch.Tensor, max_new_tokens: int, temp
     images = images or {}
     model.eval()
     gen = torch.Generator(device=prompt.device).manual_seed(seed)
+    if hasattr(model, "start_decoding"):  # an encoder-decoder: the prompt is the encoder's input
+        return _generate_encoder_decoder(model, prompt, max_new_tokens, temperature, top_k, top_p, use_cache, gen,
+                                         eod_id)
     limit = model.cfg.max_seq_len
     max_new_tokens = min(max_new_tokens, limit - prompt.shape[1])
     out = prompt
@@ -60,15 +67,43 @@ def generate(model: Transformer, prompt: torch.Tensor, max_new_tokens: int, temp
     return out
 
 
+def _generate_encoder_decoder(model, prompt: torch.Tensor, max_new_tokens: int, temperature: float, top_k: int,
+                              top_p: float, use_cache: bool, gen: torch.Generator, eod_id: int | None) -> torch.Tensor:
+    """The encoder runs once on ``prompt``; the decoder starts from ``model.decoder_start_id`` and samples up to
+    ``max_new_tokens``, with a KV cache (and the cross-attention's keys and values computed once) or, without,
+    re-running the whole decoder each step. Returns the decoder's tokens after the start token [B, n]."""
+    start = torch.full((prompt.shape[0], 1), getattr(model, "decoder_start_id", 0), dtype=torch.long,
+                       device=prompt.device)
+    out = start
+    state = model.start_decoding(prompt, max_new_tokens + 1) if use_cache else None
+    for _ in range(max_new_tokens):
+        if use_cache:
+            logits = model.decode_step(out[:, -1:], state, out.shape[1] - 1)[:, -1]
+        else:
+            logits = model.seq2seq(prompt, out)[:, -1]
+        nxt = sample_next(logits, temperature, top_k, top_p, gen)
+        out = torch.cat([out, nxt[:, None]], dim=1)
+        if eod_id is not None and bool((nxt == eod_id).all()):
+            break
+    return out[:, 1:]
+
+
 def load_for_generation(run_dir: Path, device: torch.device) -> tuple[Transformer, Tokenizer]:
-    from megaloom.models.registry import get_family
     from megaloom.train import load_run_config
 
     cfg = load_run_config(run_dir)
-    model = get_family(cfg.model.arch).build(cfg.model).to(device)
+    family = get_family(cfg.model.arch)
+    model = family.build(cfg.model)
+    if not (family.traits.causal or hasattr(model, "start_decoding")):  # an encoder (bert) has no next token
+        raise ConfigError(f"--run {run_dir}: model.arch={cfg.model.arch} is neither a decoder nor an encoder-decoder "
+                          f"({family.description}); megaloom generate samples those only.")
+    model = model.to(device)
     if load_newest(run_dir / "checkpoints", model, None, model_cfg=cfg.model.__dict__) is None:
         raise CheckpointError(f"--run {run_dir}: no usable checkpoint in {run_dir / 'checkpoints'}.")
-    return model, Tokenizer.from_file(cfg.data.tokenizer)
+    tok = Tokenizer.from_file(cfg.data.tokenizer)
+    if hasattr(model, "start_decoding"):  # the decoder's first token is the one its training objective used
+        model.decoder_start_id = family.objective.build(cfg, tok).start_id
+    return model, tok
 
 
 def image_prompt(model: Transformer, tok: Tokenizer, text: str, image_files: list[str],

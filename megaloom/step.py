@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megaloom.data.image_text.batch import ImageTextBatch
+from megaloom.data.objective import inputs_and_labels
 from megaloom.models.documents import Documents
 from megaloom.models.transformer import moe_layers
 from megaloom.parallel import comm
@@ -57,10 +58,10 @@ def attention_ctx(backend: str, device: torch.device):
 
 
 def micro_batches(batch: torch.Tensor, micro: int):
-    """Split [B, T+1] token rows into (inputs, labels) pairs of `micro` rows each."""
+    """Split [B, T+1] token rows (or [B, 2, T] rows of an objective, data/objective.py) into (inputs, labels)
+    pairs of `micro` rows each."""
     for i in range(0, batch.shape[0], micro):
-        chunk = batch[i:i + micro]
-        yield chunk[:, :-1], chunk[:, 1:]
+        yield inputs_and_labels(batch[i:i + micro])
 
 
 def model_kwargs(x: torch.Tensor, documents: Callable[[torch.Tensor], Documents] | None) -> dict:

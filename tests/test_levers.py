@@ -28,6 +28,8 @@ def test_hopper_takes_the_measured_fast_path():
     (["parallel.tp=2", "parallel.sp=true", "parallel.async_tp=true"], "train.compile", False),  # eager ring steps
     (["parallel.tp=2"], "train.fused_loss", False),  # the vocab-parallel loss
     (["parallel.cp=2"], "train.fused_loss", False),
+    (["model.preset=bert-tiny"], "train.fused_loss", False),  # the masked-LM head has a bias
+    (["model.preset=t5-tiny"], "train.fused_loss", True),
     (["parallel.tp=2"], "train.compile", True),
 ])
 def test_each_lever_where_it_applies(overrides, key, value):

@@ -91,7 +91,7 @@ def from_hf(hf_dir: str | Path, out_run_dir: str | Path) -> Path:
     _refuse_existing(run_dir, ("config.yaml", "checkpoints"), "the output run directory")
     cfg = _run_config(settings, run_dir, str(cfg_path))
     tensors = from_hf_names(cfg.model, load_weights(src), str(src))
-    model = get_family(cfg.model.arch).build(cfg.model)
+    model = get_family(cfg.model.arch).build(cfg.model)  # the family's module (t5: encoder-decoder)
     try:
         model.load_state_dict(tensors, strict=True)
     except RuntimeError as e:  # shapes that disagree with config.json

@@ -1,9 +1,9 @@
 """Tensor names and layouts: megaloom state dicts <-> Hugging Face tensors, through the model's family.
 
 Each family's HF mapping (``megaloom/models/<family>/hf.py``) renames (and transposes / fuses) its own tensors.
-Shared by all: the head (``lm_head.weight``; when tied it is not written, HF ties it itself, and it is read
-from the embedding on import), RoPE's ``rotary_emb.inv_freq`` buffers some exports contain (dropped), and the
-refusal, by name, of missing or unexpected tensors (`hf_common.HFTensors`).
+Shared by all: the head (``lm_head.weight``, or the family's ``head_name``; when tied it is not written, HF
+ties it itself, and it is read from the embedding on import), RoPE's ``rotary_emb.inv_freq`` buffers some
+exports contain (dropped), and the refusal, by name, of missing or unexpected tensors (`hf_common.HFTensors`).
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from megaloom.convert.hf_config import hf_mapping
 
 def to_hf_names(m: ModelConfig, sd: Tensors) -> Tensors:
     """megaloom full state dict -> HF tensors (contiguous; transposed / fused where HF's layout differs)."""
-    out = hf_mapping(m).to_hf_names(sd, m)
+    hf = hf_mapping(m)
+    out = hf.to_hf_names(sd, m)
     if not m.tie_embeddings:
-        out["lm_head.weight"] = sd["head.weight"]
+        out[hf.head_name] = sd["head.weight"]
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -32,8 +33,8 @@ def from_hf_names(m: ModelConfig, tensors: Tensors, where: str) -> Tensors:
     sd = hf.from_hf_names(reader, m)
     if m.tie_embeddings:
         sd["head.weight"] = sd["tok_emb.weight"]
-        reader.ignore("lm_head.weight")  # some exports write the tied head too; HF ignores it, and so do we
+        reader.ignore(hf.head_name)  # some exports write the tied head too; HF ignores it, and so do we
     else:
-        sd["head.weight"] = reader.take("lm_head.weight")
+        sd["head.weight"] = reader.take(hf.head_name)
     reader.check_all_read()
     return {k: v.float().contiguous() for k, v in sd.items()}

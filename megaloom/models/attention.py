@@ -52,6 +52,9 @@ def attention_mask(q_len: int, k_len: int, pos: int, window: int, device) -> tor
 
 
 class Attention(nn.Module):
+    # False for encoders (Traits.causal, set by the Block): every token attends to the whole sequence.
+    causal = True
+
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, bias: bool, dropout: float, window: int,
                  qkv_bias: bool | None = None, norm_eps: float = 1e-5):
         """``bias``: biases on all four projections; ``qkv_bias``: on q/k/v only (Qwen2/3 style; default
@@ -78,6 +81,11 @@ class Attention(nn.Module):
             if isinstance(docs.mask, torch.Tensor):
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=docs.mask, dropout_p=p, enable_gqa=gqa)
             return flex_attention(q, k, v, block_mask=docs.mask, enable_gqa=gqa)
+        if not self.causal:  # an encoder reads whole sequences: no cache, no window, no document masks
+            if pos != 0 or q_len != k_len or self.window or docs is not None:
+                raise ValueError("bidirectional attention runs on whole sequences only (no KV cache, sliding "
+                                 "window or document masks)")
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, enable_gqa=gqa)
         if self.window == 0 and pos == 0 and q_len == k_len:
             return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa)
         if self.window == 0 and q_len == 1:  # one new token attends to everything cached

@@ -28,7 +28,15 @@ class Traits:
     (up, down). ``bias``: biases in every linear layer. ``positions``: "learned" (an embedding table) or "rope".
     ``default_ffn_dim``: the MLP width from d_model when model.ffn_dim is 0. ``attention``: the attention module
     class (constructor as `megaloom.models.attention.Attention`). ``qk_norm``: RMSNorm over each query/key head
-    before RoPE (Qwen3, OLMo-2): parameters ``attn.q_norm`` / ``attn.k_norm``."""
+    before RoPE (Qwen3, OLMo-2): parameters ``attn.q_norm`` / ``attn.k_norm``.
+
+    Encoders (BERT) differ by the rest, all off for decoders: ``causal`` False: every token attends to the whole
+    sequence. ``post_norm``: each residual add is followed by its norm (``x = norm(x + f(x))``) instead of
+    pre-norm. ``gelu``: the GeLU MLP's approximation, "tanh" (GPT-2's gelu_new) or "none" (the exact erf GeLU,
+    HF's "gelu"). ``token_types``: rows of a segment embedding ``type_emb`` added to the input (segment 0 for
+    every token of a packed row). ``embed_norm``: a norm ``emb_norm`` after the summed embeddings.
+    ``head_transform``: the final-norm slot ``norm`` holds the masked-LM transform (dense, GeLU, norm: its
+    ``dense`` and ``norm``) instead of a bare norm. ``head_bias``: a bias on the vocabulary projection."""
 
     norm: str
     gated_mlp: bool
@@ -37,6 +45,13 @@ class Traits:
     default_ffn_dim: Callable[[int], int]
     attention: type | None = None  # None: megaloom.models.attention.Attention
     qk_norm: bool = False
+    causal: bool = True
+    post_norm: bool = False
+    gelu: str = "tanh"
+    token_types: int = 0
+    embed_norm: bool = False
+    head_transform: bool = False
+    head_bias: bool = False
 
 
 @dataclass(frozen=True)
@@ -58,7 +73,9 @@ class HFMapping:
     ``from_hf_names(hf: HFTensors, m: ModelConfig) -> state dict``: the same, the other way, reading each tensor
     with ``hf.take(name)`` (`megaloom.convert.hf_common.HFTensors` refuses missing and unread tensors by name).
     ``normalize``: optional ``tensors -> tensors`` applied on import before reading (drop buffers some exports
-    contain, add prefixes old checkpoints lack)."""
+    contain, add prefixes old checkpoints lack).
+    ``head_name``: the HF name of the output head's weight (``lm_head.weight`` in causal LMs): written when it is
+    not tied to the embedding, ignored on import when it is."""
 
     architecture: str
     model_types: tuple[str, ...]
@@ -67,6 +84,7 @@ class HFMapping:
     to_hf_names: Callable[..., dict]
     from_hf_names: Callable[..., dict]
     normalize: Callable[[dict], dict] | None = None
+    head_name: str = "lm_head.weight"
 
 
 @dataclass(frozen=True)
@@ -82,6 +100,10 @@ class Family:
     # The family's module class, a subclass of the shared decoder (llava: the decoder plus an image encoder);
     # None: `megaloom.models.transformer.Transformer` itself.
     module: Callable[..., nn.Module] | None = None
+    # The training objective when it is not next-token prediction: ``objective(cfg, tokenizer)`` -> a
+    # `megaloom.data.objective.Objective` that turns each packed token row into (inputs, labels). None: the
+    # token rows are shifted by one (causal LM).
+    objective: Callable[..., Any] | None = None
 
     def build(self, cfg: ModelConfig) -> nn.Module:
         """The family's module on the current default device (use ``torch.device("meta")`` to build no storage)."""

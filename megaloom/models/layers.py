@@ -42,12 +42,25 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (xf * c + rotated * s).to(x.dtype)
 
 
-class MLP(nn.Module):
-    """SwiGLU if ``gated`` (down(silu(gate x) * up x), Llama) or GeLU (down(gelu(up x)), GPT-2)."""
+class HeadTransform(nn.Module):
+    """BERT's masked-LM head transform, in the final-norm slot: ``norm(gelu(dense(x)))`` (exact erf GeLU)."""
 
-    def __init__(self, gated: bool, d_model: int, ffn_dim: int, bias: bool, dropout: float):
+    def __init__(self, kind: str, dim: int, eps: float):
         super().__init__()
-        self.gated = gated
+        self.dense = nn.Linear(dim, dim)
+        self.norm = make_norm(kind, dim, eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(F.gelu(self.dense(x)))
+
+
+class MLP(nn.Module):
+    """SwiGLU if ``gated`` (down(silu(gate x) * up x), Llama) or GeLU (down(gelu(up x)), GPT-2). ``gelu``: the
+    GeLU's approximation, "tanh" (GPT-2) or "none" (exact erf, BERT)."""
+
+    def __init__(self, gated: bool, d_model: int, ffn_dim: int, bias: bool, dropout: float, gelu: str = "tanh"):
+        super().__init__()
+        self.gated, self.gelu = gated, gelu
         if self.gated:
             self.gate_proj = nn.Linear(d_model, ffn_dim, bias=bias)
         self.up_proj = nn.Linear(d_model, ffn_dim, bias=bias)
@@ -59,7 +72,7 @@ class MLP(nn.Module):
     def _act(self, up: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         if gate is not None:
             return F.silu(gate) * up
-        return F.gelu(up, approximate="tanh")
+        return F.gelu(up, approximate=self.gelu)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         up = self.up_proj(x)

@@ -3,7 +3,7 @@ its line here; nothing else in megaloom names a family."""
 
 from __future__ import annotations
 
-from megaloom.models import gpt2, llama, llava, qwen3
+from megaloom.models import bert, gpt2, llama, llava, qwen3, t5
 from megaloom.models.family import Family
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
@@ -11,6 +11,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     gpt2.FAMILY,
     qwen3.FAMILY,
     llava.FAMILY,
+    bert.FAMILY,
+    t5.FAMILY,
 )}
 
 

@@ -23,7 +23,7 @@ from megaloom.config import ModelConfig
 from megaloom.models.attention import Attention, KVCache
 from megaloom.models.documents import Documents
 from megaloom.models.init import ONES, ZEROS, InitRule, draw_init_seed, fill_slice
-from megaloom.models.layers import MLP, make_norm, norm_input, rope_tables
+from megaloom.models.layers import MLP, HeadTransform, make_norm, norm_input, rope_tables
 from megaloom.models.moe import MoE
 
 if TYPE_CHECKING:
@@ -45,10 +45,12 @@ class Block(nn.Module):
         super().__init__()
         tr = (family or family_of(cfg)).traits
         self.parallel = cfg.parallel_block
+        self.post_norm = tr.post_norm  # BERT: norm(x + f(x)); the norms keep their names (attn_norm, mlp_norm)
         self.attn_norm = make_norm(tr.norm, cfg.d_model, cfg.norm_eps)
         attention = tr.attention or Attention
         self.attn = attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads, tr.bias, cfg.dropout,
                               cfg.sliding_window, qkv_bias=tr.bias or cfg.qkv_bias, norm_eps=cfg.norm_eps)
+        self.attn.causal = tr.causal
         if not self.parallel:  # the parallel block reads one normed input for both branches
             self.mlp_norm = make_norm(tr.norm, cfg.d_model, cfg.norm_eps)
         ffn = cfg.ffn_dim or tr.default_ffn_dim(cfg.d_model)
@@ -60,13 +62,16 @@ class Block(nn.Module):
                            dropout=cfg.dropout, init_std=cfg.init_std,
                            out_std=cfg.init_std / math.sqrt(2 * cfg.n_layers))
         else:
-            self.mlp = MLP(tr.gated_mlp, cfg.d_model, ffn, tr.bias, cfg.dropout)
+            self.mlp = MLP(tr.gated_mlp, cfg.d_model, ffn, tr.bias, cfg.dropout, tr.gelu)
 
     def forward(self, x: torch.Tensor, rope, cache: KVCache | None = None, pos: int = 0,
                 docs: Documents | None = None) -> torch.Tensor:
         # The residual stream leaves in the dtype it came in (bf16 with train.bf16_residual; an MoE layer's fp32
         # combine would promote it); the norms read it in their weights' dtype (fp32 statistics).
         dtype = x.dtype
+        if self.post_norm:
+            x = self.attn_norm(norm_input(x + self.attn(x, rope, cache, pos, docs), self.attn_norm))
+            return self.mlp_norm(norm_input(x + self.mlp(x), self.mlp_norm)).to(dtype)
         if self.parallel:
             h = self.attn_norm(norm_input(x, self.attn_norm))
             return (x + self.attn(h, rope, cache, pos, docs) + self.mlp(h)).to(dtype)
@@ -109,11 +114,17 @@ class Transformer(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         if tr.positions == "learned":
             self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model)
+        if tr.token_types:  # segment embedding (BERT): every token of a packed row is segment 0
+            self.type_emb = nn.Embedding(tr.token_types, cfg.d_model)
+        if tr.embed_norm:
+            self.emb_norm = make_norm(tr.norm, cfg.d_model, cfg.norm_eps)
         self.drop = nn.Dropout(cfg.dropout)
         # Keyed by the global block index: a pipeline stage keeps its blocks under the same names.
         self.layers = nn.ModuleDict({str(i): Block(cfg, i, family) for i in range(cfg.n_layers)})
-        self.norm = make_norm(tr.norm, cfg.d_model, cfg.norm_eps)
-        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        # The module between the last block and the head: the final norm, or an encoder's masked-LM transform.
+        self.norm = (HeadTransform(tr.norm, cfg.d_model, cfg.norm_eps) if tr.head_transform
+                     else make_norm(tr.norm, cfg.d_model, cfg.norm_eps))
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=tr.head_bias)
         self.loss = CrossEntropyLoss()
         self.tie_weights()
         if tr.positions == "rope":
@@ -193,6 +204,10 @@ class Transformer(nn.Module):
             if positions is None:
                 positions = self.positions(tokens.shape[1], pos, tokens.device)
             x = x + self.pos_emb(positions)
+        if getattr(self, "type_emb", None) is not None:  # segment 0 for every token this rank holds
+            x = x + self.type_emb(torch.zeros(x.shape[:-1], dtype=torch.long, device=x.device))
+        if getattr(self, "emb_norm", None) is not None:
+            x = self.emb_norm(x)
         x = self.drop(x)
         if self.residual_dtype is not None and torch.is_autocast_enabled(x.device.type):
             x = x.to(self.residual_dtype)
@@ -208,6 +223,10 @@ class Transformer(nn.Module):
             idx = self.seq_positions(t, self.rope_cos.device)
             return self.rope_cos[idx], self.rope_sin[idx]
         return self.rope_cos[pos:pos + t], self.rope_sin[pos:pos + t]
+
+    def embedding_parts(self) -> list[str]:
+        """Names of the modules that run before the first block (only the first pipeline stage keeps them)."""
+        return [n for n in ("tok_emb", "pos_emb", "type_emb", "emb_norm") if getattr(self, n, None) is not None]
 
     def full_span(self) -> Span:
         return Span(tuple(int(i) for i in self.layers), self.tok_emb is not None, self.head is not None)

@@ -470,9 +470,12 @@ def analytic_params(cfg: Config, layers: list[int], has_embedding: bool = True, 
     root = 0
     if has_embedding:
         root += vocab + (m.max_seq_len * d if tr.positions == "learned" else 0)
+        root += tr.token_types * d + (norm if tr.embed_norm else 0)  # an encoder's segment embedding and its norm
     head_mm = 0
     if has_head:
         root += norm
+        # An encoder's masked-LM head: the transform's dense layer (replicated) and the vocabulary bias (split).
+        root += (d * d + d if tr.head_transform else 0) + (m.vocab_size // tp if tr.head_bias else 0)
         head_mm = vocab
         if not (m.tie_embeddings and has_embedding):
             root += vocab  # its own head weight (untied, or the tied copy on the last pipeline stage)

@@ -70,12 +70,16 @@ def measured_block_activation_bytes(block: nn.Module, x: torch.Tensor,
     model's buffers) and, under ``autocast`` (a dtype: autocast on x's device), autocast's copies of the
     weights, which the plan counts separately as weight casts. ``x`` itself is counted when something saves
     it (the first norm does: the plan's fp32 residual input). It is taken as a block input in training is: a
-    copy that requires grad (what is saved depends on it: a norm keeps less for an input without gradient).
+    non-leaf copy that requires grad (what is saved depends on it: a norm keeps less for an input without gradient).
 
     This is what `memory_plan.block_activation_bytes` predicts for the same config, tokens = b x t and
     x's device type (the CPU save-sets: composite RMSNorm, the CPU flash-attention kernel)."""
     exclude = [*block.parameters(), *block.buffers(), *(rope or ())]
-    x = x.detach().clone().requires_grad_()
+    # Not a leaf, as in training (a block's input comes from the embedding or the block before): autocast caches
+    # its casts of leaf tensors that require grad, so a post-norm block (whose attention reads the block input
+    # itself) would share one bf16 copy among q, k and v where training makes three.
+    with torch.enable_grad():
+        x = x.detach().clone().requires_grad_() * 1.0
     auto = (torch.autocast(x.device.type, dtype=autocast) if autocast is not None else contextlib.nullcontext())
     with torch.enable_grad(), SavedStorages(exclude) as saved, auto:
         out = block(x, rope)  # held until counted: its graph keeps the saved storages (and their addresses) alive

@@ -8,7 +8,8 @@ bench/RESULTS.md), and stays off elsewhere, so CPU runs are what they were:
   the MoE preset qwen3-moe-2.6b: 50.4k -> 71.5k). Off on CPU (compile time dominates tiny models) and with
   parallel.async_tp (its ring steps run eagerly).
 - ``train.fused_loss``: the chunked head + loss (+7% tok/s and -20 GB at a 128k vocabulary). Needs tp=1 (tensor
-  parallelism has its own vocab-parallel loss); kept off with context parallelism (not tested there).
+  parallelism has its own vocab-parallel loss) and a head without bias (not bert's); kept off with context
+  parallelism (not tested there).
 - ``train.attention``: cuDNN's SDPA on Hopper or newer (2.6 vs flash's 4.2 ms per layer at seq 4096; the other
   kernels stay fallbacks); PyTorch's own order elsewhere.
 
@@ -22,6 +23,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from megaloom.config import Config
+from megaloom.models.registry import get_family
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,8 @@ def _fused_loss(cfg: Config, device: str) -> LeverChoice:
         return LeverChoice("train.fused_loss", False, "tp>1 has its vocab-parallel loss")
     if cfg.parallel.cp > 1:
         return LeverChoice("train.fused_loss", False, "not with cp>1")
+    if get_family(cfg.model.arch).traits.head_bias:
+        return LeverChoice("train.fused_loss", False, "the head has a bias (bert)")
     return LeverChoice("train.fused_loss", True, "CUDA, tp=1")
 
 

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 
 from megaloom.config import Config, ConfigError, ModelConfig
+from megaloom.models.registry import get_family
 from megaloom.parallel.context import check_context
 from megaloom.parallel.mesh import validate_layout
 from megaloom.parallel.pipeline.partition import Partition, validate_pipeline
@@ -88,6 +89,9 @@ def refuse_unbuilt(cfg: Config) -> None:
                           "pipeline stages in this build; set parallel.pp=1 (tensor, data and expert parallelism "
                           f"support it) or {which}=false.")
     check_context(cfg)
+    objective = get_family(cfg.model.arch).objective  # an encoder's objective refuses what it cannot read
+    if objective is not None:
+        objective.check(cfg)
     m = cfg.model
     if m.vision_layers:
         refuse_unbuilt_vision(cfg)

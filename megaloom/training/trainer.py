@@ -19,10 +19,11 @@ from pathlib import Path
 import torch
 
 from megaloom.checkpoint.store import remove_partial_saves
-from megaloom.config import Config
+from megaloom.config import Config, ConfigError
 from megaloom.data.dataset import build_datasets
 from megaloom.data.loader import StepBatches, make_loader
-from megaloom.models import count_params
+from megaloom.data.objective import ObjectiveDataset
+from megaloom.models import count_params, registry
 from megaloom.models.documents import Documents
 from megaloom.models.freeze import freeze_parts
 from megaloom.models.registry import get_family
@@ -138,13 +139,26 @@ class Trainer:
             self._datasets, self.requested.data, t.seq_len, t.seed, t.steps * t.global_batch_size,
             t.eval_batches * t.global_batch_size, self.rt, self.reads_data,
             default=default_builder(self.requested, build_datasets))
+        # A family whose objective is not next-token prediction (BERT's masked LM) turns each row into
+        # (inputs, labels) as the loader reads it, from (seed, sample index) alone (data/objective.py).
+        objective = registry.get_family(self.requested.model.arch).objective  # a lookup: no model is built
+        self.objective = objective.build(self.requested, self.tokenizer) if objective is not None else None
+        if self.objective is not None:
+            self.train_ds = ObjectiveDataset(self.train_ds, self.objective, "train")
+            self.valid_ds = ObjectiveDataset(self.valid_ds, self.objective, "valid")
         log.debug(f"data: {len(self.train_ds)} training and {len(self.valid_ds)} validation samples; tokenizer "
                   f"{self.tokenizer.path} ({self.tokenizer.vocab_size} tokens)")
 
     def _resolve(self) -> Config:
         """The resolved config (a new object): sizes, precision, tokenizer path, and the micro-batch."""
+        m, ob = self.requested.model, self.objective
+        if ob is not None and m.vocab_size and self.tokenizer.vocab_size <= m.vocab_size < ob.vocab_size:
+            raise ConfigError(f"model.vocab_size={m.vocab_size}: the tokenizer's {self.tokenizer.vocab_size} tokens "
+                              f"and the {ob.vocab_size - self.tokenizer.vocab_size} special ids the model.arch="
+                              f"{m.arch} objective adds (those the tokenizer lacks) need {ob.vocab_size}; set "
+                              f"model.vocab_size>={ob.vocab_size} (or 0 to follow the tokenizer).")
         cfg = resolve_config(self.requested, precision=self.precision, tokenizer_path=self.tokenizer.path,
-                             tokenizer_vocab=self.tokenizer.vocab_size,
+                             tokenizer_vocab=(self.objective or self.tokenizer).vocab_size,
                              image_token_id=getattr(self.tokenizer, "image_id", None))
         capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
         cfg, levers = resolve_levers(cfg, self.device.type, capability)  # compile, fused loss, attention "auto"

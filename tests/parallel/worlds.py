@@ -14,8 +14,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megaloom.config import Config, load_config
+from megaloom.data.objective import inputs_and_labels
 from megaloom.models import Transformer, apply_recompute
 from megaloom.models.documents import Documents
+from megaloom.models.registry import get_family
 from megaloom.parallel import comm
 from megaloom.parallel.layout import layout_of
 from megaloom.parallel.mesh import Mesh
@@ -31,6 +33,39 @@ from megaloom.parallel.tensor import (
 )
 
 VOCAB, SEQ, BATCH = 128, 16, 2
+ENCODER_LABELS = 4  # predicted positions per row of an encoder's batch (the rest -100)
+T5_TOKENS = 24  # tokens per span-corruption row
+
+
+def is_encoder(arch: str) -> bool:
+    """A family trained by an objective of its own (BERT's masked LM) rather than next-token prediction."""
+    return get_family(arch).objective is not None
+
+
+class _StandInTokenizer:
+    """What an objective reads of a tokenizer: the vocabulary (half the model's; the objective's own ids above)."""
+
+    vocab_size, eod_id = VOCAB // 2, 0
+
+
+def token_rows(gen: torch.Generator, rows: int, arch: str = "llama") -> torch.Tensor:
+    """Random training rows for ``arch``: [rows, SEQ + 1] tokens (shifted into inputs and labels), or for an
+    encoder [rows, 2, SEQ] (inputs, labels) as its objective makes them: labels -100 except ENCODER_LABELS
+    positions per row. The same count in every row, so that a mean over micro-batches is the mean over tokens
+    whatever the micro-batching."""
+    if not is_encoder(arch):
+        return torch.randint(0, VOCAB, (rows, SEQ + 1), generator=gen)
+    if arch == "t5":  # its own objective's rows (span corruption: the same label count in every row by design)
+        obj = get_family(arch).objective.build(tiny_config(arch), _StandInTokenizer())
+        # 24 tokens: encoder 22 and decoder 6 positions, both divisible by tp=2 for sequence parallelism
+        tokens = torch.randint(1, VOCAB // 2, (rows, T5_TOKENS + 1), generator=gen).numpy()
+        return torch.stack([torch.from_numpy(obj.sample(t, i, "train")) for i, t in enumerate(tokens)])
+    x = torch.randint(0, VOCAB, (rows, SEQ), generator=gen)
+    y = torch.full_like(x, -100)
+    for r in range(rows):
+        at = torch.randperm(SEQ, generator=gen)[:ENCODER_LABELS]
+        y[r, at] = torch.randint(0, VOCAB, (ENCODER_LABELS,), generator=gen)
+    return torch.stack([x, y], dim=1)
 
 
 def tiny_config(arch: str = "llama", tp: int = 1, pp: int = 1, ep: int = 1, sp: bool = False,
@@ -38,8 +73,8 @@ def tiny_config(arch: str = "llama", tp: int = 1, pp: int = 1, ep: int = 1, sp: 
     dp = world // (tp * pp)
     return load_config(None, [
         f"model.arch={arch}", f"model.vocab_size={VOCAB}", "model.d_model=64", "model.n_layers=2",
-        "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128", f"model.max_seq_len={SEQ}",
-        f"model.tie_embeddings={tie}", f"model.dropout={dropout}", f"train.seq_len={SEQ}",
+        "model.n_heads=4", f"model.n_kv_heads={4 if is_encoder(arch) else 2}", "model.ffn_dim=128",
+        f"model.max_seq_len={SEQ}", f"model.tie_embeddings={tie}", f"model.dropout={dropout}", f"train.seq_len={SEQ}",
         f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.ep={ep}", f"parallel.sp={sp}",
         "train.micro_batch_size=1", f"train.global_batch_size={max(dp, 1)}"])
 
@@ -210,7 +245,7 @@ def parity_case(mesh: Mesh, arch: str, sp: bool, tie: bool = True, steps: int = 
     `async_tp`: the sp borders as collective matmuls (ring steps); the first step's tp ops are counted."""
     cfg = tiny_config(arch, tp=mesh.tp, sp=sp, tie=tie, world=mesh.world_size)
     torch.manual_seed(1234)
-    ref = Transformer(cfg.model).to(mesh.device)
+    ref = get_family(arch).build(cfg.model).to(mesh.device)
     model = parallelize_tensor(copy.deepcopy(ref), mesh, sp, async_tp=async_tp)
     tally = comm.CommTally({mesh.tp_group: "tp"})
     # eps 1e-6, not 1e-8: a gradient that is zero in exact arithmetic (gpt2's key bias: softmax ignores a shift
@@ -219,7 +254,7 @@ def parity_case(mesh: Mesh, arch: str, sp: bool, tie: bool = True, steps: int = 
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1, eps=1e-6)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, eps=1e-6)
     gen = torch.Generator().manual_seed(99)
-    batches = [torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen).to(mesh.device) for _ in range(steps)]
+    batches = [token_rows(gen, BATCH, arch).to(mesh.device) for _ in range(steps)]
     kw: Callable[[torch.Tensor], dict] = lambda x: {}  # noqa: E731
     if docs:
         for b in batches:  # documents of varied lengths in every row
@@ -228,7 +263,7 @@ def parity_case(mesh: Mesh, arch: str, sp: bool, tie: bool = True, steps: int = 
         kw = lambda x: {"docs": Documents.from_tokens(x, 0, reset_positions="reset" in docs)}  # noqa: E731
     out: dict = dict(loss_ref=[], loss=[])
     for step, batch in enumerate(batches):
-        x, y = batch[:, :-1], batch[:, 1:]
+        x, y = inputs_and_labels(batch)
         loss_ref = ref(x, y, **kw(x))
         loss_ref.backward()
         if step == 0:
@@ -268,9 +303,10 @@ def parity_case(mesh: Mesh, arch: str, sp: bool, tie: bool = True, steps: int = 
     # holding the same (gathered) weights: Adam's magnification of last-bit gradient differences (an untied
     # head's rarely seen rows) must not be mistaken for a wrong path.
     with torch.no_grad():
-        local_logits = model(batches[0][:, :SEQ])
+        x = inputs_and_labels(batches[0])[0]
+        local_logits = model(x)
         ref.load_state_dict({**ref.state_dict(), **final})
-        out["logits_err"] = _err(gather_vocab_logits(local_logits, mesh.tp_group), ref(batches[0][:, :SEQ]))
+        out["logits_err"] = _err(gather_vocab_logits(local_logits, mesh.tp_group), ref(x))
     return out
 
 
@@ -366,6 +402,10 @@ def suite_world2(rank: int, world: int, device: torch.device) -> dict:
         for sp in (False, True):
             res[f"parity-{arch}-tp2-sp{int(sp)}"] = parity_case(mesh, arch, sp)
     res["parity-gpt2-tp2-sp0-untied"] = parity_case(mesh, "gpt2", False, tie=False, steps=3)
+    for sp in (False, True):  # the encoder: bidirectional, post-norm, segment + embedding norm, MLM head and bias
+        res[f"parity-bert-tp2-sp{int(sp)}"] = parity_case(mesh, "bert", sp)
+        # the encoder-decoder: cross-attention over the encoder's output, bias tables split by heads
+        res[f"parity-t5-tp2-sp{int(sp)}"] = parity_case(mesh, "t5", sp)
     res["parity-llama-tp2-sp1-docs"] = parity_case(mesh, "llama", True, steps=3, docs="mask")
     res["parity-gpt2-tp2-sp1-docs-reset"] = parity_case(mesh, "gpt2", True, steps=3, docs="mask+reset")
     res["parity-qwen3-tp2-sp1-async"] = parity_case(mesh, "qwen3", True, steps=3, async_tp=True)

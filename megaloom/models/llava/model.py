@@ -65,6 +65,10 @@ class Llava(Transformer):
     # A pipeline keeps these with the embedding, on the first stage (parallel/pipeline/stage.py).
     first_stage_modules = ("vision", "projector")
 
+    def embedding_parts(self) -> list[str]:
+        """The embedding's modules and what feeds it: the image encoder and projector (the first stage's)."""
+        return super().embedding_parts() + [n for n in self.first_stage_modules if getattr(self, n, None) is not None]
+
     def __init__(self, cfg: ModelConfig, family=None):
         super().__init__(cfg, family)
         if cfg.image_token_id < 0:

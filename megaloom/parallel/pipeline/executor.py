@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megaloom.data.image_text.batch import ImageTextBatch
+from megaloom.data.objective import inputs_and_labels
 from megaloom.parallel import comm
 from megaloom.parallel.context.layout import SequenceShard
 from megaloom.parallel.mesh import Mesh
@@ -151,9 +152,10 @@ class PipelineExecutor:
             if isinstance(batch, ImageTextBatch):  # masked labels; the images go to the first stage (the encoder)
                 st.tokens, st.labels, st.first_kwargs = (list(v) for v in zip(*batch.micro_inputs(self.micro),
                                                                                 strict=True))
-            else:
-                st.tokens = [self.shard(batch[i * self.micro:(i + 1) * self.micro, :-1]) for i in range(m)]
-                st.labels = [self.shard(batch[i * self.micro:(i + 1) * self.micro, 1:]) for i in range(m)]
+            else:  # token rows, or an objective's (inputs, labels) rows (data/objective.py)
+                pairs = [inputs_and_labels(batch[i * self.micro:(i + 1) * self.micro]) for i in range(m)]
+                st.tokens = [self.shard(x) for x, _ in pairs]
+                st.labels = [self.shard(y) for _, y in pairs]
         device = self.mesh.device
         st.loss = torch.zeros((), dtype=torch.float32, device=device)
         self.events = []

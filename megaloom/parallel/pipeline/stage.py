@@ -38,10 +38,7 @@ def prune_to_stages(model: Transformer, partition: Partition, pp_rank: int) -> T
     has_embedding, has_head = 0 in stages, partition.n_stages - 1 in stages
     model.layers = nn.ModuleDict({k: b for k, b in model.layers.items() if int(k) in keep})
     if not has_embedding:
-        model.tok_emb = None
-        if getattr(model, "pos_emb", None) is not None:
-            model.pos_emb = None
-        for name in getattr(model, "first_stage_modules", ()):  # what feeds the embedding (an image encoder)
+        for name in model.embedding_parts():
             setattr(model, name, None)
     if not has_head:
         model.norm = model.head = model.loss = None
@@ -82,8 +79,7 @@ class PipelineStage:
         span, m = self.spans[chunk], self.model
         mods: list[nn.Module] = [m.layers[str(i)] for i in span.layers]
         if span.embed:
-            mods += [m.tok_emb] + ([m.pos_emb] if getattr(m, "pos_emb", None) is not None else [])
-            mods += [getattr(m, name) for name in getattr(m, "first_stage_modules", ())]
+            mods += [getattr(m, name) for name in m.embedding_parts()]
         if span.head:
             mods += [m.norm, m.head]
         seen: set[int] = set()

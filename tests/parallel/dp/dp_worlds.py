@@ -17,8 +17,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from megaloom.data.objective import inputs_and_labels
 from megaloom.lamb import build_lamb
 from megaloom.models import Transformer
+from megaloom.models.registry import get_family
 from megaloom.optim import param_groups
 from megaloom.parallel import comm
 from megaloom.parallel.mesh import Mesh
@@ -32,7 +34,7 @@ from megaloom.parallel.zero import (
 )
 
 from ..llava_worlds import llava_dp_case
-from ..worlds import SEQ, VOCAB, tiny_config
+from ..worlds import tiny_config, token_rows
 
 GLOBAL_BATCH, STEPS, LR, WD, BETAS = 8, 10, 3e-3, 0.1, (0.9, 0.95)
 BUCKET_MB = 0.05  # ~13k fp32 elements: the tiny model (~80k parameters) spreads over several buckets
@@ -76,15 +78,15 @@ def fsdp_reductions_logged(rec: PhaseRecorder) -> Iterator[None]:
             setattr(dist, name, fn)
 
 
-def global_batches(steps: int = STEPS) -> list[torch.Tensor]:
+def global_batches(steps: int = STEPS, arch: str = "llama") -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(99)
-    return [torch.randint(0, VOCAB, (GLOBAL_BATCH, SEQ + 1), generator=gen) for _ in range(steps)]
+    return [token_rows(gen, GLOBAL_BATCH, arch) for _ in range(steps)]
 
 
 def base_model(arch: str, mesh: Mesh) -> Transformer:
     cfg = tiny_config(arch, tp=mesh.tp, world=mesh.world_size)
     torch.manual_seed(1234)
-    return Transformer(cfg.model).to(mesh.device)
+    return get_family(arch).build(cfg.model).to(mesh.device)  # t5: its encoder-decoder module
 
 
 def plain_optimizer(model: nn.Module, kind: str, mesh: Mesh | None) -> torch.optim.Optimizer:
@@ -100,9 +102,9 @@ def reference(arch: str, kind: str, clip: float, cache: dict, device: torch.devi
         model = base_model(arch, Mesh.single(device))
         opt = plain_optimizer(model, kind, None)
         losses, norms, states = [], [], {}
-        for step, batch in enumerate(global_batches()):
+        for step, batch in enumerate(global_batches(arch=arch)):
             batch = batch.to(device)
-            loss = model(batch[:, :-1], batch[:, 1:])
+            loss = model(*inputs_and_labels(batch))
             loss.backward()
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=True).item())
             opt.step()
@@ -148,7 +150,7 @@ def run_steps(model, grads, opt, mesh: Mesh, batches: list[torch.Tensor], micro:
             if last:
                 grads.start_last_microbatch()
             chunk = rows[i * micro:(i + 1) * micro]
-            loss = model(chunk[:, :-1], chunk[:, 1:]) / n_micro
+            loss = model(*inputs_and_labels(chunk)) / n_micro
             loss.backward()
             total += loss.detach()
         if rec is not None:
@@ -183,7 +185,7 @@ def dp_case(mesh: Mesh, zero: int, kind: str = "adamw", clip: float = math.inf, 
         stack.callback(setattr, mesh, "recorder", comm.NullRecorder())
         model, grads, opt = make_parallel(base, mesh, zero, kind, sp)
         out["numel"] = total_numel(model)
-        batches = global_batches()
+        batches = global_batches(arch=arch)
         if roundtrip:  # 5 steps, a layout-free save, a fresh model + optimizer loaded from it, 5 more steps
             l1, n1 = run_steps(model, grads, opt, mesh, batches[:5], micro, clip, rec)
             state = full_optimizer_state(opt) if zero else full_optim_state(model, opt, mesh)
@@ -245,6 +247,8 @@ def suite_dp2(rank: int, world: int, device: torch.device) -> dict:
         res[f"z{zero}-lamb"] = dp_case(mesh, zero, "lamb", cache=cache)
     res["z1-gpt2"] = dp_case(mesh, 1, arch="gpt2", cache=cache)
     res["z1-qwen3"] = dp_case(mesh, 1, arch="qwen3", cache=cache)
+    res["z1-bert"] = dp_case(mesh, 1, arch="bert", cache=cache)
+    res["z1-t5"] = dp_case(mesh, 1, arch="t5", cache=cache)
     res["z1-roundtrip"] = dp_case(mesh, 1, roundtrip=True, cache=cache)
     res["z3-roundtrip"] = dp_case(mesh, 3, roundtrip=True, cache=cache)
     res["z2-lamb-roundtrip"] = dp_case(mesh, 2, "lamb", roundtrip=True, cache=cache)

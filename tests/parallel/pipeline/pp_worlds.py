@@ -23,6 +23,8 @@ from megaloom.parallel.pipeline.stage import build_embedding_groups, build_stage
 from megaloom.parallel.tensor import gather_full_grads, parallelize_tensor
 from megaloom.step import micro_batches
 
+from ..worlds import is_encoder, token_rows
+
 VOCAB, SEQ, MICRO = 128, 16, 2
 CLIP = 0.5  # below the tiny model's gradient norm, so clipping (and the norm over stages) is exercised
 
@@ -32,7 +34,8 @@ def pp_config(pp: int, tp: int = 1, vpp: int = 1, sp: bool = False, n_layers: in
     dp = world // (tp * pp)
     return load_config(None, [
         f"model.arch={arch}", f"model.vocab_size={VOCAB}", "model.d_model=64", f"model.n_layers={n_layers}",
-        "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128", f"model.max_seq_len={SEQ}",
+        "model.n_heads=4", f"model.n_kv_heads={4 if is_encoder(arch) else 2}", "model.ffn_dim=128",
+        f"model.max_seq_len={SEQ}",
         f"model.tie_embeddings={tie}", f"train.seq_len={SEQ}", f"parallel.tp={tp}", f"parallel.pp={pp}",
         f"parallel.vpp={vpp}", f"parallel.sp={sp}", f"parallel.schedule={schedule}",
         f"train.micro_batch_size={MICRO}", f"train.global_batch_size={MICRO * dp}"])
@@ -58,8 +61,7 @@ def pipeline_case(mesh: Mesh, emb_group, schedule: str, m: int, vpp: int = 1, n_
     opt = torch.optim.AdamW(stage.parameters(), lr=3e-3, weight_decay=0.1)
     replicas = mesh.dp if split_data else 1
     gen = torch.Generator().manual_seed(99)
-    batches = [torch.randint(0, VOCAB, (replicas * m * MICRO, SEQ + 1), generator=gen).to(mesh.device)
-               for _ in range(steps)]
+    batches = [token_rows(gen, replicas * m * MICRO, arch).to(mesh.device) for _ in range(steps)]
     mine = slice(mesh.dp_rank * m * MICRO, (mesh.dp_rank + 1) * m * MICRO) if split_data else slice(None)
     out: dict = dict(loss=[], loss_ref=[], norm=[], norm_ref=[], peak=[])
     ref_names = dict(ref.named_parameters())
@@ -103,7 +105,7 @@ def pipeline_case(mesh: Mesh, emb_group, schedule: str, m: int, vpp: int = 1, n_
         out["events"] = [(a.kind, a.microbatch, a.stage, a.start, a.end) for a in ex.events]
     # Evaluation: a forward-only schedule gives the reference's loss on new data.
     ev = PipelineExecutor(stage, forward_only(mesh.pp, vpp, m), mesh, MICRO, SEQ, sp=sp)
-    eval_batch = torch.randint(0, VOCAB, (m * MICRO, SEQ + 1), generator=gen).to(mesh.device)
+    eval_batch = token_rows(gen, m * MICRO, arch).to(mesh.device)
     with torch.no_grad():
         ref_eval = sum(ref(x, y) for x, y in micro_batches(eval_batch, MICRO)) / m
     out["eval"] = (ev.run(eval_batch if stage.has_embedding or stage.has_head else None).item(), ref_eval.item())
@@ -133,6 +135,9 @@ def suite_pipeline_world4(rank: int, world: int, device: torch.device) -> dict:
     res["pp2-dp2-1f1b-m4"] = pipeline_case(mesh, group, "1f1b", 4, split_data=True)
     res["pp2-dp2-zb-m2-gpt2"] = pipeline_case(mesh, group, "zb", 2, arch="gpt2", split_data=True)
     res["pp2-1f1b-m4-qwen3"] = pipeline_case(mesh, group, "1f1b", 4, arch="qwen3")
+    # The encoder: its embedding side (segment embedding, embedding norm) stays on the first stage, the MLM head
+    # transform and bias on the last; (inputs, labels) rows as its objective makes them.
+    res["pp2-dp2-1f1b-m4-bert"] = pipeline_case(mesh, group, "1f1b", 4, arch="bert", split_data=True)
 
     mesh = Mesh.build(pp_config(pp=2, tp=2), world, rank, device)
     group = build_embedding_groups(mesh)
@@ -141,5 +146,6 @@ def suite_pipeline_world4(rank: int, world: int, device: torch.device) -> dict:
     res["pp2-tp2-sp-interleaved-v2-m2-gpt2"] = pipeline_case(mesh, group, "interleaved", 2, vpp=2, sp=True,
                                                              arch="gpt2")
     res["pp2-tp2-sp-1f1b-m4-qwen3"] = pipeline_case(mesh, group, "1f1b", 4, sp=True, arch="qwen3")
+    res["pp2-tp2-sp-1f1b-m4-bert"] = pipeline_case(mesh, group, "1f1b", 4, sp=True, arch="bert")
     res["coords"] = dict(pp=mesh.pp_rank, tp=mesh.tp_rank)
     return res
