@@ -143,6 +143,14 @@ class TrainStep:
             pipeline.scale_loss = lambda loss: loss * self.scaler.scale
 
     def __call__(self, batch: torch.Tensor | None) -> StepOutput:
+        # The preferred SDPA kernel holds for the backward too: recomputation (train.recompute) re-runs attention
+        # there, and must pick the kernel the forward used (cuDNN and flash save different tensors; the
+        # checkpoint refuses the mismatch). The kernel flags are global, not per thread, so the autograd
+        # engine's threads see them.
+        with attention_ctx(self.attention, self.device):
+            return self._step(batch)
+
+    def _step(self, batch: torch.Tensor | None) -> StepOutput:
         scale = self.scaler.scale if self.scaler is not None else 1.0
         if self.pipeline is not None:
             self._scale_aux_losses(scale / self.pipeline.schedule.microbatches)
@@ -155,7 +163,7 @@ class TrainStep:
         for i, (x, y, kwargs) in enumerate(model_inputs(batch, self.micro, self.documents, self.seq_shard)):
             if start_last is not None and i == n_micro - 1:
                 start_last()  # gradient buckets are reduced while this last backward is still running
-            with forward_ctx(self.precision, self.device, self.offload), attention_ctx(self.attention, self.device):
+            with forward_ctx(self.precision, self.device, self.offload):
                 # Equal tokens per micro-batch (and per cp rank, whose means the reduction over dp x cp
                 # averages): the mean of means is the mean.
                 loss = self.model(x, y, **kwargs) / n_micro

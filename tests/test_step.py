@@ -56,3 +56,29 @@ def test_clip_gradients_hands_the_coefficient_to_the_optimizer() -> None:
     # the gradients are untouched; the optimizer divides them by (norm + eps) / max_norm while it reads them
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), before, strict=True))
     torch.testing.assert_close(opt.grad_scale, (expected + 1e-6) / 0.01)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("compiled", [False, True])
+def test_full_recompute_reruns_the_preferred_attention_kernel(compiled: bool) -> None:
+    """train.attention=cudnn with train.recompute=full: the recompute in backward must run the kernel the forward
+    ran (cuDNN and flash save differently shaped tensors, which the checkpoint refuses); the preference once held
+    for the forward only (llama3-8b under `megaloom train` failed at its first backward)."""
+    from megaloom.models import apply_recompute
+
+    cfg = load_config(None, ["model.preset=tiny", "model.d_model=256", "model.n_layers=2", "model.n_heads=4",
+                             "model.vocab_size=512", "model.max_seq_len=512", "train.seq_len=512"])
+    torch.manual_seed(0)
+    device = torch.device("cuda")
+    model = Transformer(cfg.model).to(device)
+    apply_recompute(model, "full")
+    if compiled:
+        for layer in model.layers.values():
+            layer.compile()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    step = TrainStep(model, opt, "bf16", device, 2, grad_clip=1.0, attention="cudnn")
+    batch = torch.randint(0, 512, (2, 513), device=device)
+    for _ in range(2):
+        out = step(batch)
+    assert torch.isfinite(out.loss) and torch.isfinite(out.grad_norm)
