@@ -3,7 +3,9 @@
 The count is the standard one (Kaplan et al.; PaLM appendix B; TorchTitan's `get_num_flop_per_token`):
 6 x N non-embedding parameters (forward 2N, backward 4N) plus the attention score and value matmuls,
 6 x 2 x n_layers x d_model x seq_len per token counted in full (not halved for the causal mask), so our
-MFU is directly comparable with TorchTitan's. Recomputation is not counted (MFU, not HFU).
+MFU is directly comparable with TorchTitan's. Recomputation is not counted (MFU, not HFU). Frozen parameters
+(`model.freeze`) count 4N (no weight gradient); a multimodal model's image encoder and projector are counted per
+image (`image_flops`) and added for the images each step holds.
 """
 
 from __future__ import annotations
@@ -19,9 +21,31 @@ PEAK_BF16 = {
 }
 
 
-def flops_per_token(cfg: ModelConfig, n_params_no_embedding: int, seq_len: int) -> float:
+def flops_per_token(cfg: ModelConfig, n_params_no_embedding: int, seq_len: int, n_frozen: int = 0) -> float:
+    """``n_frozen``: of the parameters, those trained frozen (`model.freeze`): no weight gradient, 4N not 6N (the
+    input gradient still runs through them to whatever trains below)."""
     attention = 12 * cfg.n_layers * cfg.d_model * seq_len
-    return 6 * n_params_no_embedding + attention
+    return 6 * n_params_no_embedding - 2 * n_frozen + attention
+
+
+def image_flops(model: torch.nn.Module) -> float:
+    """Model FLOPs of one image through a multimodal model's encoder and projector (0 without one). The encoder
+    runs per image, not per text position, so MFU adds this times the images of the step. Frozen parts take no
+    weight gradient; a frozen encoder under nothing trainable takes no backward at all (projector-only stage)."""
+    vision, projector = getattr(model, "vision", None), getattr(model, "projector", None)
+    if vision is None:
+        return 0.0
+    trains = any(p.requires_grad for p in vision.parameters())
+    n_tokens = vision.n_patches + (vision.cls is not None)
+    blocks = list(vision.layers.values())
+    n_enc = sum(p.numel() for b in blocks for p in b.parameters() if p.ndim >= 2)
+    d = vision.pos_emb.weight.shape[-1]
+    per_token = 2 * n_enc + 4 * len(blocks) * d * n_tokens  # forward: weights and attention scores / values
+    encoder = n_tokens * per_token * (3 if trains else 1)
+    n_proj = sum(p.numel() for p in projector.parameters() if p.ndim >= 2) if projector is not None else 0
+    proj_trains = projector is not None and any(p.requires_grad for p in projector.parameters())
+    projector_flops = vision.n_patches * n_proj * (2 + (2 if proj_trains else 0) + (2 if trains else 0))
+    return float(encoder + projector_flops)
 
 
 def device_peak_flops(device: torch.device) -> float | None:
@@ -35,7 +59,12 @@ def device_peak_flops(device: torch.device) -> float | None:
     return None
 
 
-def matmul_params(model: torch.nn.Module) -> int:
+def frozen_matmul_params(model: torch.nn.Module) -> int:
+    """Of `matmul_params`, the ones trained frozen (requires_grad False)."""
+    return matmul_params(model, frozen_only=True)
+
+
+def matmul_params(model: torch.nn.Module, frozen_only: bool = False) -> int:
     """Parameters that take part in a token's matmuls: all but the embedding lookups, plus the output head even
     when it shares its weight with the token embedding (the head's GEMM is real work either way). Routed experts
     count top_k / n_experts of their weights: MFU of an MoE model is over its active parameters."""
@@ -56,5 +85,7 @@ def matmul_params(model: torch.nn.Module) -> int:
         if name.startswith(("vision.", "projector.")):  # an image encoder runs per image patch, not per token
             continue
         seen.add(id(p))
+        if frozen_only and p.requires_grad:
+            continue
         n += p.numel() * active_share.get(id(p), 1.0)
     return int(n)

@@ -19,10 +19,11 @@ class Interval:
     steps: int = 0
     compute_s: float = 0.0
     warmup_s: float = 0.0  # the first step of the process (compilation, allocator warm-up), when in this interval
+    images: int = 0  # images this rank's batches held (multimodal models: the encoder's share of MFU)
 
     def reset(self) -> None:
         self.loss_sum.zero_()
-        self.steps, self.compute_s, self.warmup_s = 0, 0.0, 0.0
+        self.steps, self.compute_s, self.warmup_s, self.images = 0, 0.0, 0.0, 0
 
     def seconds_per_step(self) -> float:
         """For the ETA: the interval's mean step time without the warm-up step (which would inflate the first

@@ -21,13 +21,20 @@ import torch
 from megaloom.checkpoint.store import remove_partial_saves
 from megaloom.config import Config, ConfigError
 from megaloom.data.dataset import build_datasets
+from megaloom.data.image_text.batch import ImageTextBatch
 from megaloom.data.loader import StepBatches, make_loader
 from megaloom.data.objective import ObjectiveDataset
 from megaloom.models import count_params, registry
 from megaloom.models.documents import Documents
 from megaloom.models.freeze import freeze_parts
 from megaloom.models.registry import get_family
-from megaloom.observe.flops import device_peak_flops, flops_per_token, matmul_params
+from megaloom.observe.flops import (
+    device_peak_flops,
+    flops_per_token,
+    frozen_matmul_params,
+    image_flops,
+    matmul_params,
+)
 from megaloom.observe.log import get_logger
 from megaloom.observe.memory import peak_memory_gb
 from megaloom.observe.memory_plan import MemoryReport, attention_backend
@@ -251,7 +258,12 @@ class Trainer:
         with torch.device("meta"):
             model = get_family(cfg.model.arch).build(cfg.model)
         self.n_params = count_params(model)
-        self.flops_per_token = flops_per_token(cfg.model, matmul_params(model), t.seq_len)
+        # FLOPs on the full (meta) model; freezing here too only for the count (parallelising replaces parameters,
+        # so it is applied again below).
+        freeze_parts(model, cfg.model.freeze)
+        self.flops_per_token = flops_per_token(cfg.model, matmul_params(model), t.seq_len,
+                                               frozen_matmul_params(model))
+        self.image_flops = image_flops(model)  # per image through an image encoder (0 without one)
         parallelize_tensor(model, mesh, cfg.parallel.sp, async_tp=cfg.parallel.async_tp)
         parallelize_context(model, mesh, cfg)  # parallel.cp: attention over the cp ranks, positions of our chunks
         self.seq_shard = SequenceShard(mesh.cp, mesh.cp_rank) if mesh.cp > 1 else None
@@ -384,6 +396,8 @@ class Trainer:
         """One optimizer step, then its metric line if due; True when the run must roll back."""
         t, step_t0 = self.cfg.train, time.perf_counter()
         self.guard.before_step(self.step + 1, self.model, data_step=self.step + 1 + self.data_offset)
+        if isinstance(batch, ImageTextBatch):  # counted on the host, before the copy: no sync
+            self.interval.images += int(batch.n_images.sum())
         batch = batch.to(self.device, non_blocking=True) if batch is not None else None
         lr = lr_at(self.step, t)
         set_lr(self.optimizer, lr)
@@ -451,9 +465,11 @@ class Trainer:
         t, step, iv = self.cfg.train, self.step, self.interval
         tps = iv.steps * t.global_batch_size * t.seq_len / max(iv.compute_s, 1e-9)
         peak = self.peak_flops
+        # Images through an encoder: this rank's count times the data-parallel ranks (each reads its own rows).
+        image_fps = self.image_flops * iv.images * self.mesh.dp / max(iv.compute_s, 1e-9)
         return {"step": step, "loss": dp_mean(iv.loss_sum / iv.steps, self.mesh), "lr": lr,
                 "grad_norm": float(grad_norm), "tokens_per_s": tps,
-                "mfu": (self.flops_per_token * tps / (peak * self.rt.world_size)) if peak else None,
+                "mfu": ((self.flops_per_token * tps + image_fps) / (peak * self.rt.world_size)) if peak else None,
                 "mem_gb": peak_memory_gb(self.device), "tokens": step * t.global_batch_size * t.seq_len,
                 "skipped_steps": self.skipped, "elapsed_s": time.perf_counter() - self.train_start}
 
