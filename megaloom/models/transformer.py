@@ -260,7 +260,8 @@ class Transformer(nn.Module):
             if pos + seq_len > self.cfg.max_seq_len:
                 raise ValueError(f"sequence of {pos + seq_len} tokens exceeds model.max_seq_len="
                                  f"{self.cfg.max_seq_len}")
-            x = self.embed(x, pos, positions, segments)
+            # (segment ids only when given: a subclass's embed, such as llava's, need not take them)
+            x = self.embed(x, pos, positions) if segments is None else self.embed(x, pos, positions, segments)
         elif seq_len is None:
             raise ValueError("Transformer.forward: a span without the embedding needs seq_len (for RoPE)")
         x = self.run_layers(x, self.rope(seq_len, pos, positions), span.layers, caches, pos, docs)

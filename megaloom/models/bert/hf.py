@@ -7,10 +7,10 @@ the word embedding). The decoder adds ``cls.predictions.decoder.bias``, which tr
 ``cls.predictions.bias`` when the embedding is tied and leaves apart when not (``cls.predictions.bias`` then
 computes nothing): megaloom's ``head.bias`` is the decoder's bias, written under both names.
 Released pre-training checkpoints (BertForPreTraining) also hold the pooler and the next-sentence head; the
-masked-LM logits do not use them, so an import drops them (the run has model.sentence_order=false). A model with
-megaloom's sentence-order head (model.sentence_order) is refused on export. Refused with the field named: activations other
-than the exact ``gelu``, relative position embeddings, decoder / cross-attention configs and ``type_vocab_size``
-other than 2.
+masked-LM logits do not use them, so an import drops them (the run has model.sentence_order=false). A model
+with megaloom's sentence-order head (model.sentence_order) is refused on export. Refused with the field named:
+activations other than the exact ``gelu``, relative position embeddings, decoder / cross-attention configs and
+``type_vocab_size`` other than 2.
 """
 
 from __future__ import annotations
