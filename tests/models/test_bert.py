@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models as tk_models
 
+from megaloom.checkpoint.store import CheckpointError, check_compatible
 from megaloom.cli import main
 from megaloom.config import ConfigError, load_config
 from megaloom.convert.errors import ConversionError
@@ -324,6 +325,9 @@ def test_sentence_order_refusals_name_the_setting():
     with pytest.raises(ConversionError, match="model.sentence_order"):
         hf_config(load_config(None, ["model.preset=bert-tiny", "model.sentence_order=true",
                                      "model.vocab_size=64"]).model, "float32")
+    with pytest.raises(CheckpointError, match="model.sentence_order: checkpoint False vs config True"):
+        check_compatible({"arch": "bert", "sentence_order": False}, {"arch": "bert", "sentence_order": True})
+    check_compatible({"arch": "bert"}, {"arch": "bert", "sentence_order": True})  # older checkpoints: no such key
 
 
 def test_cli_training_with_sentence_order_loss_falls(small_corpus, tmp_path):
