@@ -112,6 +112,9 @@ class ModelConfig:
     patch_size: int = _f(14, "Side of one image patch (pixels): (image_size / patch_size)^2 tokens per image.")
     image_token_id: int = _f(-1, "Token id of <image> placeholders (each image fills (image_size/patch_size)^2 of "
                                  "them); -1 = the tokenizer's <image> token.")
+    sentence_order: bool = _f(False, "BERT only: ALBERT's sentence-order prediction head besides the masked LM: each "
+                                     "row becomes [CLS] A [SEP] B [SEP] (A, B its two halves, swapped for half the "
+                                     "rows), a pooler + 2-way head on [CLS] predicts the order; not with pp>1.")
     freeze: list[str] = _f([], "Parts trained frozen (no gradients, no optimizer state, skipped by the gradient "
                                "reduction): any of vision, projector, language; e.g. vision,language = LLaVA's "
                                "projector-only pretraining.")
@@ -538,6 +541,9 @@ def validate(cfg: Config) -> None:
                  f"{m.arch} arch: head dim (d_model/n_heads) must be even for RoPE.")
     if family.validate is not None:
         family.validate(m)
+    _require(not m.sentence_order or m.arch == "bert",
+             f"model.sentence_order=true with model.arch={m.arch}: the sentence-order head is BERT's; set "
+             "model.sentence_order=false (or model.arch=bert).")
     if m.moe_every:
         _require(1 <= m.top_k <= m.n_experts, f"model.top_k ({m.top_k}) must be between 1 and model.n_experts "
                                               f"({m.n_experts}).")

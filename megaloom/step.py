@@ -17,7 +17,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megaloom.data.image_text.batch import ImageTextBatch
-from megaloom.data.objective import inputs_and_labels
+from megaloom.data.objective import inputs_and_labels, objective_kwargs
 from megaloom.models.documents import Documents
 from megaloom.models.transformer import moe_layers
 from megaloom.parallel import comm
@@ -71,14 +71,19 @@ def model_kwargs(x: torch.Tensor, documents: Callable[[torch.Tensor], Documents]
 
 def model_inputs(batch: torch.Tensor, micro: int, documents: Callable[[torch.Tensor], Documents] | None = None,
                  shard=None):
-    """(inputs, labels, model keyword arguments) per micro-batch of `micro` rows. Under context parallelism
+    """(inputs, labels, model keyword arguments) per micro-batch of `micro` rows; an objective's extra rows (BERT's
+    segment ids and sentence-order labels) are keyword arguments too. Under context parallelism
     (``shard``) the document boundaries are found in the whole sequence first, then every part is this rank's.
     An image-text batch (multimodal models) gives its own: masked labels, and the rows' images as keywords."""
     if isinstance(batch, ImageTextBatch):
         yield from batch.micro_inputs(micro)
         return
-    for x, y in micro_batches(batch, micro):
-        kwargs = model_kwargs(x, documents)
+    for i in range(0, batch.shape[0], micro):
+        rows = batch[i:i + micro]
+        x, y = inputs_and_labels(rows)
+        # BERT's sentence-order rows: segment ids and order labels (an encoder objective: never under cp, whose
+        # shard would have to split the segment ids too; the bert family refuses cp).
+        kwargs = model_kwargs(x, documents) | objective_kwargs(rows)
         if shard is not None:
             x, y = shard(x), shard(y)
             if "docs" in kwargs:

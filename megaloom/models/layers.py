@@ -54,6 +54,25 @@ class HeadTransform(nn.Module):
         return self.norm(F.gelu(self.dense(x)))
 
 
+def first_token(x: torch.Tensor) -> torch.Tensor:
+    """The hidden state at position 0 of [B, T, D]: [B, D]."""
+    return x[:, 0]
+
+
+class Pooler(nn.Module):
+    """BERT's pooler: ``tanh(dense(h))`` of the final hidden state ``h`` at position 0 ([CLS]), what a
+    sentence-level head reads. ``first`` picks that position; under sequence parallelism the plan replaces it
+    (only tp rank 0's shard holds position 0)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.dense = nn.Linear(dim, dim)
+        self.first = first_token
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.dense(self.first(x)))
+
+
 class MLP(nn.Module):
     """SwiGLU if ``gated`` (down(silu(gate x) * up x), Llama) or GeLU (down(gelu(up x)), GPT-2). ``gelu``: the
     GeLU's approximation, "tanh" (GPT-2) or "none" (exact erf, BERT)."""

@@ -23,7 +23,7 @@ from megaloom.config import ModelConfig
 from megaloom.models.attention import Attention, KVCache
 from megaloom.models.documents import Documents
 from megaloom.models.init import ONES, ZEROS, InitRule, draw_init_seed, fill_slice
-from megaloom.models.layers import MLP, HeadTransform, make_norm, norm_input, rope_tables
+from megaloom.models.layers import MLP, HeadTransform, Pooler, make_norm, norm_input, rope_tables
 from megaloom.models.moe import MoE
 
 if TYPE_CHECKING:
@@ -126,6 +126,9 @@ class Transformer(nn.Module):
                      else make_norm(tr.norm, cfg.d_model, cfg.norm_eps))
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=tr.head_bias)
         self.loss = CrossEntropyLoss()
+        if cfg.sentence_order:  # BERT's sentence-order prediction (ALBERT): pooled [CLS] -> in order / swapped
+            self.pooler = Pooler(cfg.d_model)
+            self.order_head = nn.Linear(cfg.d_model, 2)
         self.tie_weights()
         if tr.positions == "rope":
             cos, sin = rope_tables(cfg.d_model // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
@@ -198,14 +201,19 @@ class Transformer(nn.Module):
             return self.seq_positions(t, device)
         return torch.arange(pos, pos + t, device=device)
 
-    def embed(self, tokens: torch.Tensor, pos: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def embed(self, tokens: torch.Tensor, pos: int = 0, positions: torch.Tensor | None = None,
+              segments: torch.Tensor | None = None) -> torch.Tensor:
         x = self.tok_emb(tokens)
         if hasattr(self, "pos_emb"):
             if positions is None:
                 positions = self.positions(tokens.shape[1], pos, tokens.device)
             x = x + self.pos_emb(positions)
-        if getattr(self, "type_emb", None) is not None:  # segment 0 for every token this rank holds
-            x = x + self.type_emb(torch.zeros(x.shape[:-1], dtype=torch.long, device=x.device))
+        if getattr(self, "type_emb", None) is not None:
+            # Segment ids [B, T] of the whole sequence (segment 0 everywhere unless the sentence-order objective
+            # gives them); under sp the lookup keeps this rank's shard, as the positions' does.
+            if segments is None:
+                segments = torch.zeros(tokens.shape, dtype=torch.long, device=tokens.device)
+            x = x + self.type_emb(segments)
         if getattr(self, "emb_norm", None) is not None:
             x = self.emb_norm(x)
         x = self.drop(x)
@@ -233,12 +241,16 @@ class Transformer(nn.Module):
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, caches: list[KVCache] | None = None,
                 pos: int = 0, span: Span | None = None, seq_len: int | None = None,
-                docs: Documents | None = None) -> torch.Tensor:
+                docs: Documents | None = None, segments: torch.Tensor | None = None,
+                order_labels: torch.Tensor | None = None) -> torch.Tensor:
         """Tokens [B, T] -> logits [B, T(/tp), V(/tp)] or, given labels [B, T], the mean next-token
         cross-entropy (fp32). ``span`` runs part of the model (a pipeline chunk): without the embedding ``x``
         is hidden states [B, T(/tp with sp), D] and ``seq_len`` the full sequence length; without the head
         the hidden states are returned. ``docs``: document boundaries of packed samples (models/documents.py):
-        attention stays inside each document, and positions restart with each one if it carries them."""
+        attention stays inside each document, and positions restart with each one if it carries them.
+        ``segments`` [B, T]: segment ids (BERT); ``order_labels`` [B]: the sentence-order labels, which a model
+        with the head (model.sentence_order) needs with ``labels``: the loss is then the masked-LM loss plus the
+        sentence-order cross-entropy (mean over the rows)."""
         span = span or self.full_span()
         positions = docs.positions if docs is not None else None
         if docs is not None:  # the mask once for all layers; FlexAttention's block mask on GPUs (dropout: SDPA)
@@ -248,18 +260,28 @@ class Transformer(nn.Module):
             if pos + seq_len > self.cfg.max_seq_len:
                 raise ValueError(f"sequence of {pos + seq_len} tokens exceeds model.max_seq_len="
                                  f"{self.cfg.max_seq_len}")
-            x = self.embed(x, pos, positions)
+            # (segment ids only when given: a subclass's embed, such as llava's, need not take them)
+            x = self.embed(x, pos, positions) if segments is None else self.embed(x, pos, positions, segments)
         elif seq_len is None:
             raise ValueError("Transformer.forward: a span without the embedding needs seq_len (for RoPE)")
         x = self.run_layers(x, self.rope(seq_len, pos, positions), span.layers, caches, pos, docs)
         if not span.head:
             return x
+        pooler = getattr(self, "pooler", None)
+        if labels is not None and pooler is not None and order_labels is None:
+            raise ValueError("Transformer.forward: a model with the sentence-order head (model.sentence_order) "
+                             "needs order_labels with labels")
+        order_loss = None
+        if labels is not None and pooler is not None:  # the final hidden state at [CLS], before the MLM transform
+            order_logits = self.order_head(pooler(x))
+            order_loss = F.cross_entropy(order_logits.float(), order_labels.reshape(-1))
         x = self.norm(norm_input(x, self.norm))
         if labels is None:
             return self.head(x)
         # Router auxiliary losses are not added here: each MoE layer attached their gradient to its output
         # (moe.attach_aux_loss), so the value returned is the language-model loss alone.
-        return self.loss(self.head, x, labels)
+        loss = self.loss(self.head, x, labels)
+        return loss if order_loss is None else loss + order_loss
 
     def run_layers(self, x: torch.Tensor, rope, layers: Sequence[int], caches: list[KVCache] | None = None,
                    pos: int = 0, docs: Documents | None = None) -> torch.Tensor:

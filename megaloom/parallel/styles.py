@@ -62,8 +62,15 @@ class VocabEmbedding(Style):
 
 @dataclass(frozen=True)
 class SequencePositions(Style):
-    """A learned position embedding: with sp each rank adds only its sequence shard's positions (its
-    gradient is then a partial sum over tp). Left alone without sp."""
+    """A lookup by index per token of the whole sequence (learned positions, BERT's segment ids): with sp each rank
+    adds only its sequence shard's rows (its gradient is then a partial sum over tp). Left alone without sp."""
+
+
+@dataclass(frozen=True)
+class SequenceFirst(Style):
+    """A module that reads the hidden state at position 0 through its ``first`` attribute (BERT's pooler): with sp
+    only tp rank 0's shard holds it, so every rank gathers the first token of each shard and keeps rank 0's; the
+    gradient goes back to rank 0's shard alone (each rank computes the same replicated loss from it)."""
 
 
 @dataclass(frozen=True)

@@ -69,9 +69,22 @@ class _SplitToSeq:
         return comm.scatter_to_seq(x, self.mesh.tp_group, self.mesh.recorder)
 
 
+class _FirstOfSeq:
+    """The hidden state at position 0 from sequence shards: each rank's first token all-gathered, tp rank 0's kept;
+    backward keeps each rank's own slice of the (replicated) gradient, so only rank 0's shard receives it."""
+
+    def __init__(self, mesh: Mesh) -> None:
+        self.mesh = mesh
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        firsts = comm.gather_from_seq_replicated(x[:, :1].contiguous(), self.mesh.tp_group, self.mesh.recorder)
+        return firsts[:, 0]
+
+
 class SequencePositionEmbedding(nn.Module):
-    """A learned position embedding under sp: the rows of this rank's sequence shard (same Parameter, so the
-    name ``pos_emb.weight`` and checkpoints are unchanged; its gradient is a partial sum over tp)."""
+    """A learned position embedding (or BERT's segment embedding) under sp: the rows of this rank's sequence shard
+    (same Parameter, so the name ``pos_emb.weight`` and checkpoints are unchanged; its gradient is a partial sum
+    over tp)."""
 
     def __init__(self, emb: nn.Embedding, mesh: Mesh) -> None:
         super().__init__()
@@ -142,6 +155,8 @@ def _apply(style: st.Style, module: nn.Module, ctx: _Context) -> nn.Module | Non
             return VocabParallelEmbedding.from_embedding(module, mesh, "reduce_scatter" if sp else "reduce")
         case st.SequencePositions() if sp:
             return SequencePositionEmbedding(module, mesh)
+        case st.SequenceFirst() if sp:
+            module.first = _FirstOfSeq(mesh)
         case st.VocabHead():
             head = ColumnParallelLinear.from_linear(module, mesh, "gather" if sp else "copy")
             head.ring = sp and ctx.ring

@@ -1,5 +1,6 @@
 """The bert family: the masked-LM objective (statistics, specials, determinism over resumes and data-parallel
-layouts), the encoder's model (bidirectional, its plan, refusals) and a CPU training smoke of bert-tiny."""
+layouts), the encoder's model (bidirectional, its plan, refusals), a CPU training smoke of bert-tiny, and the
+optional sentence-order prediction (rows, statistics, the loss, refusals, a training smoke)."""
 
 from __future__ import annotations
 
@@ -9,18 +10,23 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models as tk_models
 
+from megaloom.checkpoint.store import CheckpointError, check_compatible
 from megaloom.cli import main
 from megaloom.config import ConfigError, load_config
+from megaloom.convert.errors import ConversionError
+from megaloom.convert.hf_config import hf_config
 from megaloom.data.loader import StepBatches
-from megaloom.data.objective import ObjectiveDataset, inputs_and_labels
+from megaloom.data.objective import ObjectiveDataset, inputs_and_labels, objective_kwargs
 from megaloom.data.tokenizer import Tokenizer
 from megaloom.generate import load_for_generation
 from megaloom.models import Transformer, apply_recompute
 from megaloom.models.bert.masking import MaskedLMObjective
 from megaloom.models.registry import get_family
+from megaloom.models.transformer import Span
 from megaloom.train import train
 from megaloom.training.preflight import preflight
 from megaloom.training.trainer import Trainer
@@ -231,3 +237,109 @@ def test_a_vocabulary_without_room_for_the_objectives_ids_is_refused(small_corpu
     cfg = load_config(None, [*data, "model.preset=bert-tiny", "model.vocab_size=512"])
     with pytest.raises(ConfigError, match=r"model.vocab_size=512: .* 3 special ids .* model.vocab_size>=515"):
         Trainer(cfg).build()
+
+
+# ------------------------------------------------------------------------ sentence-order prediction (ALBERT)
+
+
+def sop_objective(seed: int = 5):
+    cfg = load_config(None, ["model.preset=bert-tiny", "model.sentence_order=true", f"train.seed={seed}",
+                             f"train.seq_len={SEQ}"])
+    return MaskedLMObjective.build(cfg, PlainTokenizer())
+
+
+def test_sentence_order_rows_halves_segments_and_statistics():
+    obj = sop_objective()
+    data = ObjectiveDataset(Rows(), obj, "train")
+    swapped = 0
+    body_len = SEQ - 3
+    half = body_len // 2
+    for i in range(400):
+        row = Rows()[i]
+        sample = data[i]
+        assert sample.shape == (4, SEQ) and sample.dtype == np.int64
+        inputs, labels, segments, order = sample
+        assert len(set(order.tolist())) == 1 and order[0] in (0, 1)  # one label, repeated along the row
+        a, b = row[:half], row[half:body_len]  # the two halves of the row's body, consecutive text
+        first, second = (b, a) if order[0] else (a, b)
+        original = np.concatenate([[obj.cls_id], first, [obj.sep_id], second, [obj.sep_id]])
+        seps = [len(first) + 1, SEQ - 1]
+        assert inputs[0] == obj.cls_id and (inputs[seps] == obj.sep_id).all()
+        at = labels != -100
+        assert not at[[0, *seps]].any()  # [CLS] and [SEP] are never chosen
+        assert (labels[at] == original[at]).all() and (inputs[~at] == original[~at]).all()
+        n_cand = int((~np.isin(original, [EOD, obj.cls_id, obj.sep_id])).sum())
+        assert at.sum() in (int(0.15 * n_cand), int(0.15 * n_cand) + 1)
+        assert (segments[:len(first) + 2] == 0).all() and (segments[len(first) + 2:] == 1).all()
+        swapped += int(order[0])
+    assert 160 <= swapped <= 240, swapped  # p = 0.5 over 400 rows: within four standard deviations
+
+
+def test_sentence_order_is_a_function_of_seed_split_and_index_only():
+    a, b = ObjectiveDataset(Rows(), sop_objective(), "train"), ObjectiveDataset(Rows(), sop_objective(), "train")
+    first = {i: a[i] for i in (9, 2, 9, 4)}
+    for i in (4, 9, 2):
+        assert np.array_equal(b[i], first[i])
+    other_seed = ObjectiveDataset(Rows(), sop_objective(seed=6), "train")
+    assert any(other_seed[i][3, 0] != a[i][3, 0] for i in range(20))  # the swaps come from the seed
+    whole = StepBatches(a, 8, n_steps=2)
+    resumed = StepBatches(a, 8, start_step=1, n_steps=1)
+    assert whole[1].shape == (8, 4, SEQ) and torch.equal(resumed[0], whole[1])
+    x, y = inputs_and_labels(whole[1])
+    assert torch.equal(x, whole[1][:, 0]) and torch.equal(y, whole[1][:, 1])
+    kw = objective_kwargs(whole[1])
+    assert torch.equal(kw["segments"], whole[1][:, 2]) and torch.equal(kw["order_labels"], whole[1][:, 3, 0])
+    assert objective_kwargs(StepBatches(ObjectiveDataset(Rows(), objective(), "train"), 8, n_steps=1)[0]) == {}
+
+
+def test_sentence_order_loss_is_masked_lm_plus_the_pooled_order_cross_entropy():
+    cfg = load_config(None, ["model.preset=bert-tiny", "model.sentence_order=true", "model.vocab_size=64",
+                             "model.max_seq_len=16", "train.seq_len=16"])
+    torch.manual_seed(0)
+    model = Transformer(cfg.model)
+    assert {"pooler.dense.weight", "pooler.dense.bias", "order_head.weight", "order_head.bias"} <= {
+        n for n, _ in model.named_parameters()}
+    x = torch.randint(0, 64, (3, 16))
+    y = torch.where(torch.rand(3, 16, generator=torch.Generator().manual_seed(1)) < 0.3, x, -100)
+    segments = (torch.arange(16) >= torch.tensor([[5], [8], [9]])).long()
+    order = torch.tensor([0, 1, 1])
+    loss = model(x, y, segments=segments, order_labels=order)
+    hidden = model(x, span=Span(model.full_span().layers, head=False), segments=segments)
+    mlm = F.cross_entropy(model.head(model.norm(hidden)).reshape(-1, 64), y.reshape(-1))
+    sop = F.cross_entropy(model.order_head(torch.tanh(model.pooler.dense(hidden[:, 0]))), order)
+    assert torch.allclose(loss, mlm + sop, atol=1e-6), (loss, mlm, sop)
+    loss.backward()
+    assert model.pooler.dense.weight.grad.abs().sum() > 0 and model.order_head.weight.grad.abs().sum() > 0
+    with torch.no_grad():  # the segment ids reach the embedding
+        assert (model(x, segments=segments) - model(x)).abs().max() > 1e-4
+    with pytest.raises(ValueError, match="order_labels"):
+        model(x, y, segments=segments)
+
+
+def test_sentence_order_refusals_name_the_setting():
+    with pytest.raises(ConfigError, match="model.sentence_order"):
+        load_config(None, ["model.preset=tiny", "model.sentence_order=true"])  # llama
+    with pytest.raises(ConfigError, match="model.sentence_order=true with parallel.pp=2"):
+        preflight(load_config(None, ["model.preset=bert-tiny", "model.sentence_order=true", "parallel.pp=2",
+                                     "train.micro_batch_size=1"]), 2)
+    with pytest.raises(ConversionError, match="model.sentence_order"):
+        hf_config(load_config(None, ["model.preset=bert-tiny", "model.sentence_order=true",
+                                     "model.vocab_size=64"]).model, "float32")
+    with pytest.raises(CheckpointError, match="model.sentence_order: checkpoint False vs config True"):
+        check_compatible({"arch": "bert", "sentence_order": False}, {"arch": "bert", "sentence_order": True})
+    check_compatible({"arch": "bert"}, {"arch": "bert", "sentence_order": True})  # older checkpoints: no such key
+
+
+def test_cli_training_with_sentence_order_loss_falls(small_corpus, tmp_path):
+    """`megaloom train model.preset=bert-tiny model.sentence_order=true`: masked LM + sentence order, the loss
+    falls and evaluation (which reads the same rows) runs."""
+    run = tmp_path / "run"
+    data = [o for o in tiny_overrides(small_corpus, run) if not o.startswith("model.")]
+    assert main(["train", "model.preset=bert-tiny", "model.sentence_order=true", "train.steps=30",
+                 "checkpoint.every=0", "train.eval_every=30", *data]) == 0
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    loss = {r["step"]: r["loss"] for r in records}
+    first, last = sum(loss[s] for s in (1, 2, 3)) / 3, sum(loss[s] for s in (28, 29, 30)) / 3
+    assert last < first - 0.5, (first, last)
+    assert records[-1]["eval_loss"] is not None
+    assert load_config(run / "config.yaml").model.sentence_order

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megaloom.config import Config, load_config
-from megaloom.data.objective import inputs_and_labels
+from megaloom.data.objective import inputs_and_labels, objective_kwargs
 from megaloom.models import Transformer, apply_recompute
 from megaloom.models.documents import Documents
 from megaloom.models.registry import get_family
@@ -37,9 +37,16 @@ ENCODER_LABELS = 4  # predicted positions per row of an encoder's batch (the res
 T5_TOKENS = 24  # tokens per span-corruption row
 
 
+BERT_SOP = "bert-sop"  # a case name: bert with model.sentence_order=true (segments + order labels in the rows)
+
+
+def family_arch(arch: str) -> str:
+    return "bert" if arch == BERT_SOP else arch
+
+
 def is_encoder(arch: str) -> bool:
     """A family trained by an objective of its own (BERT's masked LM) rather than next-token prediction."""
-    return get_family(arch).objective is not None
+    return get_family(family_arch(arch)).objective is not None
 
 
 class _StandInTokenizer:
@@ -65,14 +72,21 @@ def token_rows(gen: torch.Generator, rows: int, arch: str = "llama") -> torch.Te
     for r in range(rows):
         at = torch.randperm(SEQ, generator=gen)[:ENCODER_LABELS]
         y[r, at] = torch.randint(0, VOCAB, (ENCODER_LABELS,), generator=gen)
-    return torch.stack([x, y], dim=1)
+    if arch != BERT_SOP:
+        return torch.stack([x, y], dim=1)
+    # sentence-order rows: segment 1 from a random split on, and an order label per row (repeated along it)
+    split = torch.randint(2, SEQ - 1, (rows, 1), generator=gen)
+    segments = (torch.arange(SEQ) >= split).long()
+    order = torch.randint(0, 2, (rows, 1), generator=gen).expand(rows, SEQ)
+    return torch.stack([x, y, segments, order], dim=1)
 
 
 def tiny_config(arch: str = "llama", tp: int = 1, pp: int = 1, ep: int = 1, sp: bool = False,
                 tie: bool = True, dropout: float = 0.0, world: int = 1) -> Config:
     dp = world // (tp * pp)
     return load_config(None, [
-        f"model.arch={arch}", f"model.vocab_size={VOCAB}", "model.d_model=64", "model.n_layers=2",
+        f"model.arch={family_arch(arch)}", f"model.sentence_order={arch == BERT_SOP}", f"model.vocab_size={VOCAB}",
+        "model.d_model=64", "model.n_layers=2",
         "model.n_heads=4", f"model.n_kv_heads={4 if is_encoder(arch) else 2}", "model.ffn_dim=128",
         f"model.max_seq_len={SEQ}", f"model.tie_embeddings={tie}", f"model.dropout={dropout}", f"train.seq_len={SEQ}",
         f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.ep={ep}", f"parallel.sp={sp}",
@@ -245,7 +259,7 @@ def parity_case(mesh: Mesh, arch: str, sp: bool, tie: bool = True, steps: int = 
     `async_tp`: the sp borders as collective matmuls (ring steps); the first step's tp ops are counted."""
     cfg = tiny_config(arch, tp=mesh.tp, sp=sp, tie=tie, world=mesh.world_size)
     torch.manual_seed(1234)
-    ref = get_family(arch).build(cfg.model).to(mesh.device)
+    ref = get_family(cfg.model.arch).build(cfg.model).to(mesh.device)
     model = parallelize_tensor(copy.deepcopy(ref), mesh, sp, async_tp=async_tp)
     tally = comm.CommTally({mesh.tp_group: "tp"})
     # eps 1e-6, not 1e-8: a gradient that is zero in exact arithmetic (gpt2's key bias: softmax ignores a shift
@@ -264,11 +278,12 @@ def parity_case(mesh: Mesh, arch: str, sp: bool, tie: bool = True, steps: int = 
     out: dict = dict(loss_ref=[], loss=[])
     for step, batch in enumerate(batches):
         x, y = inputs_and_labels(batch)
-        loss_ref = ref(x, y, **kw(x))
+        extra = kw(x) | objective_kwargs(batch)  # BERT's sentence order: segment ids and order labels
+        loss_ref = ref(x, y, **extra)
         loss_ref.backward()
         if step == 0:
             mesh.recorder = tally
-        loss = model(x, y, **kw(x))
+        loss = model(x, y, **extra)
         loss.backward()
         if step == 0:
             mesh.recorder = comm.NullRecorder()
@@ -406,6 +421,8 @@ def suite_world2(rank: int, world: int, device: torch.device) -> dict:
         res[f"parity-bert-tp2-sp{int(sp)}"] = parity_case(mesh, "bert", sp)
         # the encoder-decoder: cross-attention over the encoder's output, bias tables split by heads
         res[f"parity-t5-tp2-sp{int(sp)}"] = parity_case(mesh, "t5", sp)
+        # sentence order: segment ids sliced to the sp shard, the pooler's [CLS] gathered from tp rank 0's shard
+        res[f"parity-bert-sop-tp2-sp{int(sp)}"] = parity_case(mesh, BERT_SOP, sp)
     res["parity-llama-tp2-sp1-docs"] = parity_case(mesh, "llama", True, steps=3, docs="mask")
     res["parity-gpt2-tp2-sp1-docs-reset"] = parity_case(mesh, "gpt2", True, steps=3, docs="mask+reset")
     res["parity-qwen3-tp2-sp1-async"] = parity_case(mesh, "qwen3", True, steps=3, async_tp=True)

@@ -6,7 +6,7 @@ final-norm slot ``norm``, then the vocabulary projection tied to the embedding, 
 
 The parallel plan is the decoder's (Megatron splits BERT exactly as GPT) plus the encoder's replicated modules
 on the residual stream: the segment embedding, the embedding norm and the head transform see only this rank's
-tokens under sp, so their gradients are partial sums over tp (`SequenceParallel`).
+tokens under sp, so their gradients are partial sums over tp (`SequencePositions`, `SequenceParallel`).
 
 The objective (`masking.py`) turns each packed token row into ``[CLS] ... [SEP]`` inputs with 15% of the
 tokens chosen (80% [MASK], 10% random, 10% kept) and labels -100 elsewhere, as a pure function of (seed, sample
@@ -21,13 +21,15 @@ from megaloom.models.bert.masking import MaskedLMObjective
 from megaloom.models.bert.presets import PRESETS
 from megaloom.models.family import Family, Traits
 from megaloom.models.plan import DECODER_PLAN
-from megaloom.parallel.styles import SequenceParallel
+from megaloom.parallel.styles import SequenceFirst, SequenceParallel, SequencePositions
 
 TRAITS = Traits(norm="layernorm", gated_mlp=False, bias=True, positions="learned", default_ffn_dim=lambda d: 4 * d,
                 causal=False, post_norm=True, gelu="none", token_types=TYPE_VOCAB, embed_norm=True,
                 head_transform=True, head_bias=True)
 
-PLAN = {**DECODER_PLAN, "type_emb": SequenceParallel(), "emb_norm": SequenceParallel()}
+# The segment embedding looks up ids of the whole sequence and keeps this rank's shard under sp (as positions);
+# the sentence-order pooler and head are replicated (each tp rank computes the same loss, identical gradients).
+PLAN = {**DECODER_PLAN, "type_emb": SequencePositions(), "emb_norm": SequenceParallel(), "pooler": SequenceFirst()}
 
 
 def validate(m: ModelConfig) -> None:

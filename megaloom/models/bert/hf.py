@@ -7,9 +7,10 @@ the word embedding). The decoder adds ``cls.predictions.decoder.bias``, which tr
 ``cls.predictions.bias`` when the embedding is tied and leaves apart when not (``cls.predictions.bias`` then
 computes nothing): megaloom's ``head.bias`` is the decoder's bias, written under both names.
 Released pre-training checkpoints (BertForPreTraining) also hold the pooler and the next-sentence head; the
-masked-LM logits do not use them, so an import drops them. Refused with the field named: activations other
-than the exact ``gelu``, relative position embeddings, decoder / cross-attention configs and ``type_vocab_size``
-other than 2.
+masked-LM logits do not use them, so an import drops them (the run has model.sentence_order=false). A model
+with megaloom's sentence-order head (model.sentence_order) is refused on export. Refused with the field named:
+activations other than the exact ``gelu``, relative position embeddings, decoder / cross-attention configs and
+``type_vocab_size`` other than 2.
 """
 
 from __future__ import annotations
@@ -63,6 +64,10 @@ def from_hf_names(hf: HFTensors, m: ModelConfig) -> Tensors:
 
 
 def to_hf_config(m: ModelConfig) -> dict:
+    if m.sentence_order:
+        raise ConversionError("model.sentence_order=true: BertForMaskedLM has no pooler or sentence-order head (and "
+                              "BertForPreTraining's next-sentence head means something else); export a run trained "
+                              "with model.sentence_order=false.")
     kv = m.n_kv_heads or m.n_heads
     if kv != m.n_heads:
         raise ConversionError(f"model.n_kv_heads={kv} with arch bert: BertForMaskedLM has no grouped-query "

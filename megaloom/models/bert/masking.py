@@ -11,6 +11,11 @@ sample do not depend on which rank reads it, in which step, or whether the run w
 [CLS], [SEP] and [MASK] are the tokenizer's own when it has them (spelled ``[CLS]``/``<cls>`` ...); otherwise
 (megaloom's byte-level BPE has only ``<|endoftext|>``) they get the ids just past the tokenizer's vocabulary,
 which model.vocab_size=0 then includes.
+
+With model.sentence_order (ALBERT's sentence-order prediction, Lan et al. 2019) the row's body is cut into two
+halves of consecutive text, A and B, and becomes ``[CLS] A [SEP] B [SEP]``, or ``[CLS] B [SEP] A [SEP]`` with
+probability 0.5 (the first draw of the sample's generator); the sample is then ``[4, seq_len]``: inputs, labels,
+segment ids (0 for ``[CLS] A [SEP]``, 1 for ``B [SEP]``) and the order label (1: swapped) repeated along the row.
 """
 
 from __future__ import annotations
@@ -39,13 +44,33 @@ class MaskedLM:
     mask_prob: float = 0.15
     replace_mask: float = 0.8  # of the chosen: [MASK]
     replace_random: float = 0.1  # of the chosen: a random ordinary token (the rest stay unchanged)
+    sentence_order: bool = False  # model.sentence_order: rows [CLS] A [SEP] B [SEP], halves swapped at random
 
     def sample(self, tokens: np.ndarray, index: int, split: str) -> np.ndarray:
         t = len(tokens) - 1  # seq_len: a row holds seq_len + 1 tokens for the causal shift, unused here
-        inputs = np.concatenate([[self.cls_id], tokens[:t - 2], [self.sep_id]]).astype(np.int64)
-        labels = np.full(t, -100, dtype=np.int64)
-        candidates = np.flatnonzero(~np.isin(inputs, self.special))
         rng = np.random.default_rng([self.seed, SPLITS[split], index])
+        if not self.sentence_order:
+            inputs = np.concatenate([[self.cls_id], tokens[:t - 2], [self.sep_id]]).astype(np.int64)
+            labels = self._mask(inputs, rng)  # replaces the chosen inputs in place
+            return np.stack([inputs, labels])
+        # The sentence-order draw comes first from the same generator: deterministic per (seed, split, index).
+        swapped = bool(rng.random() < 0.5)
+        body = tokens[:t - 3]
+        first, second = body[:len(body) // 2], body[len(body) // 2:]
+        if swapped:
+            first, second = second, first
+        inputs = np.concatenate([[self.cls_id], first, [self.sep_id], second, [self.sep_id]]).astype(np.int64)
+        segments = np.zeros(t, dtype=np.int64)
+        segments[len(first) + 2:] = 1  # [CLS] A [SEP] is segment 0, B [SEP] segment 1
+        labels = self._mask(inputs, rng)
+        # One int64 array per sample, so the loader, data-parallel slicing and micro-batching need no change;
+        # the order label is repeated along the row (the model reads position 0).
+        return np.stack([inputs, labels, segments, np.full(t, int(swapped), dtype=np.int64)])
+
+    def _mask(self, inputs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """Choose and replace (in place in ``inputs``) 15% of its ordinary tokens; returns the labels."""
+        labels = np.full(len(inputs), -100, dtype=np.int64)
+        candidates = np.flatnonzero(~np.isin(inputs, self.special))
         # 15% of the candidates, rounded up or down at random so that the expected share is exactly mask_prob
         # (always rounding would bias it: 18 of 123 is 14.6%); at least one, so that every row has a label.
         want = self.mask_prob * len(candidates)
@@ -56,7 +81,7 @@ class MaskedLM:
         inputs[chosen[u < self.replace_mask]] = self.mask_id
         rand = chosen[(u >= self.replace_mask) & (u < self.replace_mask + self.replace_random)]
         inputs[rand] = self.ordinary[rng.integers(len(self.ordinary), size=len(rand))]
-        return np.stack([inputs, labels])
+        return labels
 
 
 def _special_ids(tokenizer) -> set[int]:
@@ -93,6 +118,14 @@ class MaskedLMObjective:
         if cfg.train.seq_len < 3:
             raise ConfigError(f"train.seq_len={cfg.train.seq_len}: a masked-LM row is [CLS] tokens [SEP]; use at "
                               "least 3.")
+        if cfg.model.sentence_order:
+            if p.pp > 1:
+                raise ConfigError(f"model.sentence_order=true with parallel.pp={p.pp}: the pipeline stages do not "
+                                  "carry the segment ids and order labels in this build; set parallel.pp=1 (tp, sp "
+                                  "and dp/ZeRO support it) or model.sentence_order=false.")
+            if cfg.train.seq_len < 5:
+                raise ConfigError(f"train.seq_len={cfg.train.seq_len}: a sentence-order row is [CLS] A [SEP] B [SEP]; "
+                                  "use at least 5.")
 
     @staticmethod
     def build(cfg: Config, tokenizer) -> MaskedLM:
@@ -108,4 +141,5 @@ class MaskedLMObjective:
         special = np.array(sorted(_special_ids(tokenizer) | set(ids.values())), dtype=np.int64)
         ordinary = np.setdiff1d(np.arange(vocab, dtype=np.int64), special)
         return MaskedLM(vocab_size=vocab + reserved, mask_id=ids["mask"], cls_id=ids["cls"], sep_id=ids["sep"],
-                        special=special, ordinary=ordinary, seed=cfg.train.seed)
+                        special=special, ordinary=ordinary, seed=cfg.train.seed,
+                        sentence_order=cfg.model.sentence_order)

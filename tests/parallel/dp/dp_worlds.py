@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megaloom.data.objective import inputs_and_labels
+from megaloom.data.objective import inputs_and_labels, objective_kwargs
 from megaloom.lamb import build_lamb
 from megaloom.models import Transformer
 from megaloom.models.registry import get_family
@@ -34,7 +34,7 @@ from megaloom.parallel.zero import (
 )
 
 from ..llava_worlds import llava_dp_case
-from ..worlds import tiny_config, token_rows
+from ..worlds import BERT_SOP, tiny_config, token_rows
 
 GLOBAL_BATCH, STEPS, LR, WD, BETAS = 8, 10, 3e-3, 0.1, (0.9, 0.95)
 BUCKET_MB = 0.05  # ~13k fp32 elements: the tiny model (~80k parameters) spreads over several buckets
@@ -86,7 +86,7 @@ def global_batches(steps: int = STEPS, arch: str = "llama") -> list[torch.Tensor
 def base_model(arch: str, mesh: Mesh) -> Transformer:
     cfg = tiny_config(arch, tp=mesh.tp, world=mesh.world_size)
     torch.manual_seed(1234)
-    return get_family(arch).build(cfg.model).to(mesh.device)  # t5: its encoder-decoder module
+    return get_family(cfg.model.arch).build(cfg.model).to(mesh.device)  # t5: its encoder-decoder module
 
 
 def plain_optimizer(model: nn.Module, kind: str, mesh: Mesh | None) -> torch.optim.Optimizer:
@@ -104,7 +104,7 @@ def reference(arch: str, kind: str, clip: float, cache: dict, device: torch.devi
         losses, norms, states = [], [], {}
         for step, batch in enumerate(global_batches(arch=arch)):
             batch = batch.to(device)
-            loss = model(*inputs_and_labels(batch))
+            loss = model(*inputs_and_labels(batch), **objective_kwargs(batch))
             loss.backward()
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip, foreach=True).item())
             opt.step()
@@ -150,7 +150,7 @@ def run_steps(model, grads, opt, mesh: Mesh, batches: list[torch.Tensor], micro:
             if last:
                 grads.start_last_microbatch()
             chunk = rows[i * micro:(i + 1) * micro]
-            loss = model(*inputs_and_labels(chunk)) / n_micro
+            loss = model(*inputs_and_labels(chunk), **objective_kwargs(chunk)) / n_micro
             loss.backward()
             total += loss.detach()
         if rec is not None:
@@ -248,6 +248,7 @@ def suite_dp2(rank: int, world: int, device: torch.device) -> dict:
     res["z1-gpt2"] = dp_case(mesh, 1, arch="gpt2", cache=cache)
     res["z1-qwen3"] = dp_case(mesh, 1, arch="qwen3", cache=cache)
     res["z1-bert"] = dp_case(mesh, 1, arch="bert", cache=cache)
+    res["z1-bert-sop"] = dp_case(mesh, 1, arch=BERT_SOP, cache=cache)  # sentence order: segments, pooled [CLS]
     res["z1-t5"] = dp_case(mesh, 1, arch="t5", cache=cache)
     res["z1-roundtrip"] = dp_case(mesh, 1, roundtrip=True, cache=cache)
     res["z3-roundtrip"] = dp_case(mesh, 3, roundtrip=True, cache=cache)

@@ -1,4 +1,5 @@
-"""One world of 2 processes (dp=2, gloo): ZeRO 0-3 with AdamW and LAMB, clipping, gpt2, qwen3, bert, t5,
+"""One world of 2 processes (dp=2, gloo): ZeRO 0-3 with AdamW and LAMB, clipping, gpt2, qwen3, bert (with
+and without sentence order), t5,
 checkpoint round trips, each against the single-process run."""
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ from .checks import assert_case
 from .dp_worlds import suite_dp2
 
 CASES = ["z0-adamw", "z1-adamw", "z2-adamw", "z3-adamw", "z1-adamw-clip", "z2-adamw-clip", "z3-adamw-clip",
-         "z0-lamb", "z1-lamb", "z2-lamb", "z3-lamb", "z1-gpt2", "z1-qwen3", "z1-bert", "z1-t5", "z1-roundtrip",
-         "z3-roundtrip", "z2-lamb-roundtrip"]
+         "z0-lamb", "z1-lamb", "z2-lamb", "z3-lamb", "z1-gpt2", "z1-qwen3", "z1-bert", "z1-bert-sop", "z1-t5",
+         "z1-roundtrip", "z3-roundtrip", "z2-lamb-roundtrip"]
 
 
 @pytest.fixture(scope="module")
