@@ -397,6 +397,7 @@ class ParamCounts:
     exact: bool  # counted from the module (True) or from the config
     embedding: int = 0  # the token embedding's weight on this rank (0 without one)
     expert: int = 0  # of ``local``, the expert-parallel weights (ZeRO shards them over edp, not dp x cp)
+    frozen: int = 0  # parameters trained frozen (model.freeze): stored, but no gradient and no optimizer state
 
 
 def _local_numel(p) -> int:
@@ -413,15 +414,18 @@ def count_model_params(model: nn.Module) -> ParamCounts:
     mm_head = head_w.numel() if head_w is not None else 0
     emb_w = getattr(getattr(model, "tok_emb", None), "weight", None)
     embedding = _local_numel(emb_w) if emb_w is not None else 0
-    expert = 0
+    expert = frozen = 0
     for name, p in model.named_parameters():
-        if id(p) in seen or not p.requires_grad:
+        if id(p) in seen:
             continue
         seen.add(id(p))
         nl = _local_numel(p)
-        local += nl
-        expert += nl if layout_of(p).expert else 0
-        largest = max(largest, nl)
+        if p.requires_grad:
+            local += nl
+            expert += nl if layout_of(p).expert else 0
+            largest = max(largest, nl)
+        else:  # frozen (model.freeze): stored and cast all the same, but no gradient and no optimizer state
+            frozen += nl
         parts = name.split(".")
         if parts[0] == "layers" and len(parts) > 1 and parts[1].isdigit():
             i = int(parts[1])
@@ -433,7 +437,7 @@ def count_model_params(model: nn.Module) -> ParamCounts:
     for i in blocks:
         mm_layers.setdefault(i, 0)
     return ParamCounts(local, mm_layers, mm_head, blocks, root, largest, exact=True, embedding=embedding,
-                       expert=expert)
+                       expert=expert, frozen=frozen)
 
 
 def analytic_params(cfg: Config, layers: list[int], has_embedding: bool = True, has_head: bool = True,
@@ -835,7 +839,7 @@ def _persistent_state(lay: _Layout, counts: ParamCounts) -> _State:
     zero, dp, p_local = lay.zero, lay.dp, counts.local
     fsdp = zero == 3 and lay.world_size > 1
     buckets = lay.world_size > 1 and not fsdp  # pipelines too: each stage's gradients in buckets
-    weights = 4 * p_local
+    weights = 4 * (p_local + counts.frozen)  # frozen parameters are stored, fp32, whole on every replica
     # ZeRO shards dense parameters over dp x cp, expert weights over edp (the dp ranks holding the same experts)
     ep = lay.cfg.parallel.ep
     shard = (p_local - counts.expert) // (dp * lay.cp) + counts.expert // max(1, dp // ep * lay.cp)
@@ -843,7 +847,7 @@ def _persistent_state(lay: _Layout, counts: ParamCounts) -> _State:
     if fsdp and counts.exact:
         p_opt = p_local  # the module's parameters are already the 1/dp shards
     if fsdp and not counts.exact:
-        weights, p_opt = 4 * shard, shard
+        weights, p_opt = 4 * (shard + counts.frozen), shard
     grad_persistent = 0
     if buckets:
         grad_persistent = (4 * p_local if zero in (0, 1) else 0) + (4 * shard if zero in (1, 2) else 0)

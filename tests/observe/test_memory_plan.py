@@ -349,3 +349,23 @@ def test_fp8_keep_attention_plans_bf16_projection_inputs_and_casts():
     extra_casts = 2 * attn_weights * 2  # bf16 copies of the two middle blocks' attention weights
     pa, pb = (plan_memory(c, device="cuda") for c in (fp8, kept))
     assert pb.weight_casts - pa.weight_casts == extra_casts
+
+
+def test_frozen_parameters_are_stored_but_hold_no_gradients_or_optimizer_state():
+    """model.freeze (llava's projector-only stage): the frozen weights still take 4 bytes each on the GPU; only the
+    trained ones have gradients and AdamW moments (the plan once dropped the frozen weights from its count)."""
+    from megaloom.models.freeze import freeze_parts
+    from megaloom.models.registry import get_family
+
+    cfg = load_config(None, ["model.preset=llava-tiny", "model.image_token_id=5", "model.vocab_size=512",
+                             "model.freeze=vision,language", "train.seq_len=96", "train.micro_batch_size=2",
+                             "train.global_batch_size=2"])
+    torch.manual_seed(0)
+    model = get_family("llava").build(cfg.model)
+    freeze_parts(model, cfg.model.freeze)
+    total = sum(p.numel() for p in model.parameters())
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert 0 < trained < total
+    plan = plan_memory(cfg, model, device="cpu")
+    assert plan.weights == 4 * total
+    assert plan.optimizer == 8 * trained
