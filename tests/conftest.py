@@ -22,6 +22,21 @@ def small_corpus(tmp_path_factory) -> dict:
     return {"tokenizer": str(tok), "prefix": prefix, "files": files}
 
 
+def cli_run_losses(corpus: dict, run_dir: Path, preset: str, *extra: str) -> tuple[float, float, list[dict]]:
+    """`megaloom train model.preset=PRESET` (30 steps, eval at the end) on the small corpus with the tiny overrides'
+    data and training keys: (mean loss of steps 1-3, of steps 28-30, the metrics rows)."""
+    import json
+
+    from megaloom.cli import main
+
+    data = [o for o in tiny_overrides(corpus, run_dir) if not o.startswith("model.")]
+    assert main(["train", f"model.preset={preset}", "train.steps=30", "checkpoint.every=0", "train.eval_every=30",
+                 *data, *extra]) == 0
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    loss = {r["step"]: r["loss"] for r in records}
+    return sum(loss[s] for s in (1, 2, 3)) / 3, sum(loss[s] for s in (28, 29, 30)) / 3, records
+
+
 def tiny_overrides(corpus: dict, run_dir: Path, *extra: str) -> list[str]:
     return [f"data.paths={corpus['prefix']}", f"data.tokenizer={corpus['tokenizer']}", f"run.dir={run_dir}",
             "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",

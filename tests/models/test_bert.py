@@ -30,7 +30,7 @@ from megaloom.models.transformer import Span
 from megaloom.train import train
 from megaloom.training.preflight import preflight
 from megaloom.training.trainer import Trainer
-from tests.conftest import tiny_overrides
+from tests.conftest import cli_run_losses, tiny_overrides
 
 V, EOD, SEQ = 1000, 0, 128
 
@@ -166,12 +166,7 @@ def test_context_parallel_refused():
 def test_cli_training_smoke_loss_falls(small_corpus, tmp_path):
     """`megaloom train model.preset=bert-tiny` on the small corpus: the masked-LM loss falls, eval runs."""
     run = tmp_path / "run"
-    data = [o for o in tiny_overrides(small_corpus, run) if not o.startswith("model.")]
-    assert main(["train", "model.preset=bert-tiny", "train.steps=30", "checkpoint.every=0", "train.eval_every=30",
-                 *data]) == 0
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    loss = {r["step"]: r["loss"] for r in records}
-    first, last = sum(loss[s] for s in (1, 2, 3)) / 3, sum(loss[s] for s in (28, 29, 30)) / 3
+    first, last, records = cli_run_losses(small_corpus, run, "bert-tiny")
     assert last < first - 0.5, (first, last)
     assert records[-1]["eval_loss"] is not None
     resolved = load_config(run / "config.yaml")
@@ -198,14 +193,20 @@ def test_generate_refuses_an_encoder(tmp_path):
         load_for_generation(run, torch.device("cpu"))
 
 
-@pytest.mark.parametrize("mode", ["selective", "full"])
-def test_recomputation_gives_the_same_gradients(mode):
+def _tiny_model_and_batch():
+    """bert-tiny (vocabulary 64, sequence 16), two rows and labels at about 30% of the positions."""
     cfg = load_config(None, ["model.preset=bert-tiny", "model.vocab_size=64", "model.max_seq_len=16",
                              "train.seq_len=16"])
     torch.manual_seed(0)
     model = Transformer(cfg.model)
     x = torch.randint(0, 64, (2, 16))
     y = torch.where(torch.rand(2, 16, generator=torch.Generator().manual_seed(1)) < 0.3, x, -100)
+    return model, x, y
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_recomputation_gives_the_same_gradients(mode):
+    model, x, y = _tiny_model_and_batch()
 
     def grads() -> dict:
         model.zero_grad(set_to_none=True)
@@ -219,12 +220,7 @@ def test_recomputation_gives_the_same_gradients(mode):
 
 
 def test_bf16_autocast_loss_close_to_fp32():
-    cfg = load_config(None, ["model.preset=bert-tiny", "model.vocab_size=64", "model.max_seq_len=16",
-                             "train.seq_len=16"])
-    torch.manual_seed(0)
-    model = Transformer(cfg.model)
-    x = torch.randint(0, 64, (2, 16))
-    y = torch.where(torch.rand(2, 16, generator=torch.Generator().manual_seed(1)) < 0.3, x, -100)
+    model, x, y = _tiny_model_and_batch()
     with torch.no_grad():
         ref = model(x, y)
         with torch.autocast("cpu", dtype=torch.bfloat16):

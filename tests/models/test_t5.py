@@ -3,7 +3,6 @@ data-parallel layouts), the encoder-decoder's masks, recomputation, refusals and
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import numpy as np
@@ -12,7 +11,6 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models as tk_models
 
-from megaloom.cli import main
 from megaloom.config import ConfigError, load_config
 from megaloom.data.loader import StepBatches
 from megaloom.data.objective import ObjectiveDataset
@@ -21,7 +19,7 @@ from megaloom.models import apply_recompute
 from megaloom.models.registry import get_family
 from megaloom.models.t5.spans import SpanCorruptionObjective, encoder_length, lengths, span_counts
 from megaloom.training.preflight import preflight
-from tests.conftest import tiny_overrides
+from tests.conftest import cli_run_losses
 
 V, EOD, SEQ = 1000, 0, 128
 
@@ -121,14 +119,20 @@ def test_decoder_is_causal_and_reads_the_whole_encoder():
         assert later[0, :-1].abs().max() == 0 and later[0, -1].abs().max() > 1e-5  # the future does not
 
 
-@pytest.mark.parametrize("mode", ["selective", "full"])
-def test_recomputation_gives_the_same_gradients(mode):
+def _tiny_model_and_batch():
+    """t5-tiny (vocabulary 64), two span-corruption-shaped rows of a 16-token sequence: -100 over the encoder part."""
     cfg = load_config(None, ["model.preset=t5-tiny", "model.vocab_size=64"])
     torch.manual_seed(0)
     model = get_family("t5").build(cfg.model)
     te, td = lengths(16)
     x = torch.randint(0, 64, (2, te + td))
     y = torch.cat([torch.full((2, te), -100), torch.randint(0, 64, (2, td))], dim=1)
+    return model, x, y
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_recomputation_gives_the_same_gradients(mode):
+    model, x, y = _tiny_model_and_batch()
 
     def grads() -> dict:
         model.zero_grad(set_to_none=True)
@@ -154,12 +158,8 @@ def test_refusals_name_the_setting(override, key):
 def test_cli_training_smoke_loss_falls(small_corpus, tmp_path):
     """`megaloom train model.preset=t5-tiny` on the small corpus: the span-corruption loss falls, eval runs."""
     run = tmp_path / "run"
-    data = [o for o in tiny_overrides(small_corpus, run) if not o.startswith("model.")]
-    assert main(["train", "model.preset=t5-tiny", "train.steps=30", "checkpoint.every=0", "train.eval_every=30",
-                 *data, "train.lr=1e-2"]) == 0  # T5 trains at a high rate (Adafactor 1e-2 in the paper)
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    loss = {r["step"]: r["loss"] for r in records}
-    first, last = sum(loss[s] for s in (1, 2, 3)) / 3, sum(loss[s] for s in (28, 29, 30)) / 3
+    # T5 trains at a high rate (Adafactor 1e-2 in the paper)
+    first, last, records = cli_run_losses(small_corpus, run, "t5-tiny", "train.lr=1e-2")
     assert last < first - 0.5, (first, last)
     assert records[-1]["eval_loss"] is not None
     resolved = load_config(run / "config.yaml")
@@ -167,12 +167,7 @@ def test_cli_training_smoke_loss_falls(small_corpus, tmp_path):
 
 
 def test_bf16_autocast_loss_close_to_fp32():
-    cfg = load_config(None, ["model.preset=t5-tiny", "model.vocab_size=64"])
-    torch.manual_seed(0)
-    model = get_family("t5").build(cfg.model)
-    te, td = lengths(16)
-    x = torch.randint(0, 64, (2, te + td))
-    y = torch.cat([torch.full((2, te), -100), torch.randint(0, 64, (2, td))], dim=1)
+    model, x, y = _tiny_model_and_batch()
     with torch.no_grad():
         ref = model(x, y)
         with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -65,3 +65,12 @@ def assert_gathered_linears(res: dict) -> None:
     back = ev[ev.index("all_gather_async"):]
     assert back == ["all_gather_async", "gemm", "gemm", "wait all_gather", "reduce_scatter_async", "gemm", "gemm",
                     "wait reduce_scatter"], ev
+
+
+def assert_ring_steps(sync: dict, ring: dict) -> None:
+    """parallel.async_tp: the regions' all-gathers and reduce-scatters (``sync``: the tp op counts of one step
+    without it) became point-to-point ring steps (``ring``); what is left of them is the embedding's
+    reduce-scatter (and its backward all-gather)."""
+    assert sync.get("send", 0) == 0 and sync["all_gather"] > 4, sync
+    assert ring["send"] > 0 and ring["send"] == ring["recv"], ring
+    assert ring.get("all_gather", 0) <= 1 and ring.get("reduce_scatter", 0) <= 1, ring

@@ -17,8 +17,9 @@ from megaloom.parallel.tensor import (
     gather_vocab_logits,
     parallelize_tensor,
     sync_tp_grads,
-    tp_grad_norm,
 )
+
+from .grad_compare import first_step_grads
 
 VOCAB, SEQ, IMAGE_ID, IMAGE, PATCH, SLOTS = 128, 16, 127, 16, 8, 2
 PER_IMAGE = (IMAGE // PATCH) ** 2
@@ -87,15 +88,7 @@ def llava_parity_case(mesh: Mesh, sp: bool, steps: int = 5) -> dict:
             raw = gather_full_grads(model, mesh, synced=False)
         sync_tp_grads(model, mesh)
         if step == 0:
-            grads = gather_full_grads(model, mesh)
-            ref_grads = {n: p.grad for n, p in ref.named_parameters()}
-            out["grad_err"] = {n: (_err(grads[n], ref_grads[n]), ref_grads[n].abs().max().item(),
-                                   torch.allclose(grads[n], ref_grads[n], rtol=1e-4, atol=1e-5),
-                                   torch.allclose(raw[n], ref_grads[n], rtol=1e-4, atol=1e-5))
-                               for n in ref_grads}
-            out["grad_names"] = (sorted(grads), sorted(ref_grads))
-            ref_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in ref_grads.values()]))
-            out["norm"] = (tp_grad_norm(model, mesh).item(), ref_norm.item())
+            out.update(first_step_grads(model, ref, mesh, raw))
             out["tied"] = model.head.weight is model.tok_emb.weight
             out["vision_split"] = {n: layout_of(p).tp_dim for n, p in model.named_parameters()
                                    if n.startswith("vision.layers.0.")}

@@ -10,6 +10,7 @@ from .checks import (
     assert_gathered_linears,
     assert_parity,
     assert_regions,
+    assert_ring_steps,
     assert_vocab_ce,
 )
 from .harness import run_world
@@ -66,13 +67,8 @@ def test_bf16_halves_the_tp_groups_activation_traffic(world: list[dict]) -> None
 
 
 def test_async_tp_replaces_the_region_collectives_by_ring_steps(world: list[dict]) -> None:
-    """parallel.async_tp: the regions' all-gathers and reduce-scatters became point-to-point ring steps (parity
-    is checked above); what is left of them is the embedding's reduce-scatter (and its backward all-gather)."""
-    for res in world:
-        sync, ring = res["parity-qwen3-tp2-sp1"]["tp_ops"], res["parity-qwen3-tp2-sp1-async"]["tp_ops"]
-        assert sync.get("send", 0) == 0 and sync["all_gather"] > 4, sync
-        assert ring["send"] > 0 and ring["send"] == ring["recv"], ring
-        assert ring.get("all_gather", 0) <= 1 and ring.get("reduce_scatter", 0) <= 1, ring
+    for res in world:  # (parity of the async cases is checked above)
+        assert_ring_steps(res["parity-qwen3-tp2-sp1"]["tp_ops"], res["parity-qwen3-tp2-sp1-async"]["tp_ops"])
 
 
 @pytest.mark.parametrize("case", ["pipeline-llava-pp2-1f1b", "pipeline-llava-pp2-zb"])

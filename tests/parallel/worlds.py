@@ -28,9 +28,10 @@ from megaloom.parallel.tensor import (
     gather_vocab_logits,
     parallelize_tensor,
     sync_tp_grads,
-    tp_grad_norm,
     vocab_parallel_cross_entropy,
 )
+
+from .grad_compare import first_step_grads
 
 VOCAB, SEQ, BATCH = 128, 16, 2
 ENCODER_LABELS = 4  # predicted positions per row of an encoder's batch (the rest -100)
@@ -292,15 +293,7 @@ def parity_case(mesh: Mesh, arch: str, sp: bool, tie: bool = True, steps: int = 
             raw = gather_full_grads(model, mesh, synced=False)
         sync_tp_grads(model, mesh)
         if step == 0:
-            grads = gather_full_grads(model, mesh)
-            ref_grads = {n: p.grad for n, p in ref.named_parameters()}
-            out["grad_err"] = {n: (_err(grads[n], ref_grads[n]), ref_grads[n].abs().max().item(),
-                                   torch.allclose(grads[n], ref_grads[n], rtol=1e-4, atol=1e-5),
-                                   torch.allclose(raw[n], ref_grads[n], rtol=1e-4, atol=1e-5))
-                               for n in ref_grads}
-            out["grad_names"] = (sorted(grads), sorted(ref_grads))
-            ref_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in ref_grads.values()]))
-            out["norm"] = (tp_grad_norm(model, mesh).item(), ref_norm.item())
+            out.update(first_step_grads(model, ref, mesh, raw))
             full = gather_full_params(model, mesh)
             out["numel"] = {n: (p.numel(), full[n].numel(), layout_of(p).tp_dim, layout_of(p).tp_replicas)
                             for n, p in model.named_parameters()}
