@@ -173,7 +173,7 @@ def main() -> None:
         batch = torch.randint(1, cfg.model.vocab_size, (gbs, args.seq_len + 1), device=device)
         if args.document_mask:
             batch[:, args.document_mask - 1::args.document_mask] = 0
-        b = profile_step(lambda: step(batch), Path(args.profile), device.type)
+        b = profile_step(lambda: step(batch), Path(args.profile), device.type, moe=cfg.model.moe_every > 0)
         print(table(b, row["step_ms_median"]), flush=True)
         row["profile"] = b
     print("RESULT " + json.dumps(row), flush=True)

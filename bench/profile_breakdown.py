@@ -7,6 +7,16 @@ grouped mm), attention (flash / cuDNN / efficient SDPA kernels), optimizer (mult
 norm), communication (NCCL), the loss's softmax, copies (memcpy / memset / copy kernels), and everything else
 (norms, RoPE, SwiGLU, residual adds, casts: mostly Triton kernels under compile). Idle = the step's wall time
 minus the union of the device's busy intervals: launch gaps, host syncs (and the profiler's own overhead).
+
+For an MoE model (`moe=True`) three more kinds come first: the experts' grouped GEMM (CUTLASS grouped kernels),
+the routing (top-k selection) and dispatch / combine (the permutation into expert-contiguous rows and back:
+sort, bincount, cumsum, gathers, scatters, index copies). Names are the only handle under torch.compile, which
+drops `record_function` ranges inside compiled code: Inductor names each fused kernel after its aten ops, so a
+kernel that fuses the combine's index copy with the residual add counts as dispatch / combine.
+
+    python bench/profile_breakdown.py TRACE.json.gz [--moe] [--step-ms MS] [--top N]
+
+re-reads a saved trace and prints the table and each kind's largest kernels.
 """
 
 from __future__ import annotations
@@ -31,8 +41,20 @@ KINDS = [
 ]
 
 
-def kind_of(name: str) -> str:
-    for kind, pattern in KINDS:
+# MoE kinds, tried before the ones above. The embedding's backward (an index accumulate, a sort in eager) is
+# not dispatch: it is caught first and left with the elementwise kind.
+MOE_KINDS = [
+    ("elementwise/norm/other", re.compile(r"embedding", re.I)),
+    ("communication", KINDS[0][1]),
+    ("moe grouped GEMM", re.compile(r"group", re.I)),
+    ("moe routing (top-k)", re.compile(r"topk|radixFindKth|gatherTopK", re.I)),
+    ("moe dispatch/combine", re.compile(r"sort|bincount|histc|histogram|cumsum|scan|index|scatter|gather|"
+                                        r"repeat_interleave", re.I)),
+]
+
+
+def kind_of(name: str, moe: bool = False) -> str:
+    for kind, pattern in (MOE_KINDS + KINDS) if moe else KINDS:
         if pattern.search(name):
             return kind
     return "elementwise/norm/other"
@@ -48,8 +70,8 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def breakdown(trace_path: Path, device_type: str) -> dict:
-    """Busy time per kind (ms) from a Chrome trace written by `torch.profiler.profile.export_chrome_trace`."""
+def _spans(trace_path: Path, device_type: str) -> tuple[list[dict], list[dict]]:
+    """(kernel or top-level operator spans, all events) of a saved trace."""
     opener = gzip.open if str(trace_path).endswith(".gz") else open
     with opener(trace_path, "rt") as f:
         events = json.load(f)["traceEvents"]
@@ -63,9 +85,15 @@ def breakdown(trace_path: Path, device_type: str) -> dict:
             if e["ts"] >= ends.get(e.get("tid"), float("-inf")):
                 spans.append(e)
                 ends[e.get("tid")] = e["ts"] + e.get("dur", 0.0)
+    return spans, events
+
+
+def breakdown(trace_path: Path, device_type: str, moe: bool = False) -> dict:
+    """Busy time per kind (ms) from a Chrome trace written by `torch.profiler.profile.export_chrome_trace`."""
+    spans, events = _spans(trace_path, device_type)
     per_kind: dict[str, float] = {}
     for e in spans:
-        k = kind_of(e.get("name", ""))
+        k = kind_of(e.get("name", ""), moe)
         per_kind[k] = per_kind.get(k, 0.0) + e.get("dur", 0.0) / 1e3
     # The step's host-side annotation only: CUDA traces repeat "ProfilerStep#N" as a gpu_user_annotation, and
     # adding both doubled the wall time (and the "idle" derived from it).
@@ -104,7 +132,22 @@ def table(b: dict, step_ms: float | None = None) -> str:
     return "\n".join(lines)
 
 
-def profile_step(run_step, out_dir: Path, device_type: str) -> dict:
+def top_kernels(trace_path: Path, device_type: str, moe: bool = False, n: int = 5) -> dict[str, list]:
+    """Each kind's `n` largest kernels by total time: [(ms, calls, name)], to check the classification."""
+    per: dict[tuple[str, str], list[float]] = {}
+    for e in _spans(trace_path, device_type)[0]:
+        name = e.get("name", "")
+        acc = per.setdefault((kind_of(name, moe), name), [0.0, 0])
+        acc[0] += e.get("dur", 0.0) / 1e3
+        acc[1] += 1
+    out: dict[str, list] = {}
+    for (kind, name), (ms, calls) in sorted(per.items(), key=lambda kv: -kv[1][0]):
+        if len(out.setdefault(kind, [])) < n:
+            out[kind].append((round(ms, 3), calls, name))
+    return out
+
+
+def profile_step(run_step, out_dir: Path, device_type: str, moe: bool = False) -> dict:
     """Profile one call of `run_step()` (after warm-up), save the trace and the breakdown; return the breakdown."""
     import torch
     from torch.profiler import ProfilerActivity, profile, schedule
@@ -122,6 +165,28 @@ def profile_step(run_step, out_dir: Path, device_type: str) -> dict:
     with open(trace, "rb") as src, gzip.open(out_dir / "trace.json.gz", "wb") as dst:
         dst.write(src.read())
     trace.unlink()
-    b = breakdown(out_dir / "trace.json.gz", device_type)
+    b = breakdown(out_dir / "trace.json.gz", device_type, moe)
     (out_dir / "breakdown.json").write_text(json.dumps(b, indent=1))
     return b
+
+
+def main(argv: list[str] | None = None) -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="kernel time by kind from a saved profiler trace")
+    ap.add_argument("trace")
+    ap.add_argument("--moe", action="store_true", help="split out the MoE kinds (grouped GEMM, routing, dispatch)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--step-ms", type=float, default=None, help="the unprofiled step time, for the shares")
+    ap.add_argument("--top", type=int, default=3, help="largest kernels listed per kind")
+    args = ap.parse_args(argv)
+    b = breakdown(Path(args.trace), args.device, args.moe)
+    print(table(b, args.step_ms))
+    for kind, rows in top_kernels(Path(args.trace), args.device, args.moe, args.top).items():
+        print(f"\n{kind}:")
+        for ms, calls, name in rows:
+            print(f"  {ms:9.2f} ms  {calls:5d}x  {name[:140]}")
+
+
+if __name__ == "__main__":
+    main()

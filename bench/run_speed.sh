@@ -5,16 +5,20 @@
 #   bash bench/run_speed.sh race     # TorchTitan bf16 + float8 (needs bench/.peer) and megaloom's best, back to back
 #                                    # (FP8_MORE=1: fp8 at mb 8; FP8_PROFILE=1: an fp8 step profile; PEER_MB8=1: TorchTitan mb 8)
 #   bash bench/run_speed.sh parity   # `megaloom train` 200 steps on the embedded corpus: plain path vs optimised path
-#   bash bench/run_speed.sh 8b       # llama3-8b at sequence 8192 (full recompute, `megaloom memory` says mb 3 fits)
+#   bash bench/run_speed.sh moe-parity  # the same for qwen3-moe-2.6b (the compiled MoE block against eager)
+#   bash bench/run_speed.sh 8b       # llama3-8b at sequence 8192: EIGHTB_VARIANTS "MB:RECOMPUTE[:N] ..." tried in order
+#                                    # (default: mb 1 keeping every activation, then 8 blocks recomputed, then mb 3 full)
 #   bash bench/run_speed.sh peer-mb8  # TorchTitan bf16 + float8 at micro-batch 8 alone (needs bench/.peer)
 #   bash bench/run_speed.sh profile-fp8  # a profile of megaloom's fp8 step
-#   bash bench/run_speed.sh 8b-peer  # TorchTitan's 8B flavor, seq 8192, full activation checkpointing (needs bench/.peer)
-#   bash bench/run_speed.sh long     # llama3-1b-untied at seq 32k and 64k (+ document masks), TorchTitan beside
+#   bash bench/run_speed.sh 8b-peer  # TorchTitan's 8B flavor, seq 8192, its AC modes none/selective/full tried in order
+#                                    # until one fits (TITAN_8B_AC; needs bench/.peer)
+#   bash bench/run_speed.sh long     # llama3-1b-untied at LONG_SEQS (default 32k and 64k; LONG_DOC=1: + document masks),
+#                                    # TorchTitan beside at each, then bench_optimizer.py (AdamW against HBM bandwidth)
 #   bash bench/run_speed.sh defaults # `megaloom train` with only model + batch (levers at auto) vs bench_train's best,
 #                                    # same micro-batch (DEFAULTS_MODEL / _SEQ / _MB / _STEPS / _EXTRA / _BENCH_ARGS, and
 #                                    # RUN_TIMEOUT, for llama3-8b)
-#   bash bench/run_speed.sh moe      # qwen3-moe-2.6b eager (profiled) and compiled vs TorchTitan's qwen3 moe-2.6B
-#                                    # (bench/titan_moe.py; needs bench/.peer)
+#   bash bench/run_speed.sh moe      # qwen3-moe-2.6b compiled (profiled, MoE kinds; MOE_EAGER=1: eager too) vs
+#                                    # TorchTitan's qwen3 moe-2.6B (bench/titan_moe.py; needs bench/.peer)
 #   bash bench/run_speed.sh ab       # this tree against an older megaloom in bench/.old (a `git archive` of the commit,
 #                                    # carried to the machine): best bf16 mb 4, alternated new/old/new/old
 #                                    # (a refactor's speed check: the same step, two commits, one call)
@@ -74,7 +78,10 @@ if [ "$PART" = peer-mb8 ]; then  # TorchTitan's micro-batch 8 runs alone (when a
     titan_mb8
     peer_collect "TorchTitan mb 8"
   fi
-elif [ "$PART" = long ]; then  # long sequences on one GPU (cp=1): llama3-1b-untied at 32k and 64k, TorchTitan beside
+elif [ "$PART" = long ]; then  # long sequences on one GPU (cp=1): llama3-1b-untied, TorchTitan beside
+  # LONG_SEQS (default "32768 65536"): each length run by megaloom then TorchTitan in the same call; recompute none
+  # up to 32k (both frameworks fit), selective beyond (TorchTitan: its op-level selective AC). LONG_DOC=1 adds the
+  # document-mask rows.
   L="python3 bench/bench_train.py --preset llama3-1b-untied --micro-batch 1 --steps 7 --warmup 3 --compile
      --fused-loss --attention cudnn --results $OUT/results.jsonl --run-id $RUN_ID"
   long() {  # long NAME ARGS...: as `run`, with the long-sequence command
@@ -85,25 +92,30 @@ elif [ "$PART" = long ]; then  # long sequences on one GPU (cp=1): llama3-1b-unt
     tail -25 /tmp/run_$name.log >> "$LOG"
     echo "$name rc=$rc $(grep -o '"tokens_per_s": [0-9]*' /tmp/run_$name.log)"
   }
-  # --profile: one more step after the timed ones, its kernel time by kind (the attention's share) in the row
-  long s32k --seq-len 32768 --profile /tmp/prof_s32k      # `megaloom memory`: recompute none fits mb 1 (84 GB)
-  grep -A12 "^kind" /tmp/run_s32k.log
-  long s32k_doc4k --seq-len 32768 --document-mask 4096    # data.document_mask: FlexAttention, 8 documents a row
-  long s64k --seq-len 65536 --recompute selective --profile /tmp/prof_s64k  # selective mb 1 (127 GB)
-  grep -A12 "^kind" /tmp/run_s64k.log
-  [ -n "${LONG_DOC64:-}" ] && long s64k_doc4k --seq-len 65536 --recompute selective --document-mask 4096
+  rm -rf /tmp/peer /tmp/peer.log && mkdir -p /tmp/peer
+  for seq in ${LONG_SEQS:-32768 65536}; do
+    k=$((seq / 1024))k
+    if [ "$seq" -le 32768 ]; then rc_ours="none"; rc_titan="--activation_checkpoint.mode none"
+    else rc_ours="selective"; rc_titan="--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option op"
+    fi
+    # --profile: one more step after the timed ones, its kernel time by kind (the attention's share) in the row
+    long "s$k" --seq-len "$seq" --recompute "$rc_ours" --profile "/tmp/prof_s$k"
+    grep -A12 "^kind" "/tmp/run_s$k.log"
+    [ -n "${LONG_DOC:-}" ] && long "s${k}_doc4k" --seq-len "$seq" --recompute "$rc_ours" --document-mask 4096
+    if [ -d bench/.peer/.whl ]; then
+      # shellcheck disable=SC2086
+      titan "/tmp/titan$k.log" 170 --model.flavor 1B --training.seq_len "$seq" --training.local_batch_size 1 \
+        --training.steps 10 --job.dump_folder "/tmp/titan_dump$k" $rc_titan
+      echo "titan $k rc=$?"; { echo "=== TorchTitan 1B $k"; tail -14 "/tmp/titan$k.log"; } >> "$LOG"
+      cp "/tmp/titan$k.log" "/tmp/peer/titan_compile_s$k.log"
+    fi
+  done
   if [ -d bench/.peer/.whl ]; then
-    titan /tmp/titan32k.log 150 --model.flavor 1B --training.seq_len 32768 --training.local_batch_size 1 \
-      --training.steps 10 --job.dump_folder /tmp/titan_dump32k --activation_checkpoint.mode none
-    echo "titan 32k rc=$?"; { echo "=== TorchTitan 1B 32k"; tail -14 /tmp/titan32k.log; } >> "$LOG"
-    titan /tmp/titan64k.log 170 --model.flavor 1B --training.seq_len 65536 --training.local_batch_size 1 \
-      --training.steps 8 --job.dump_folder /tmp/titan_dump64k --activation_checkpoint.mode selective \
-      --activation_checkpoint.selective_ac_option op
-    echo "titan 64k rc=$?"; { echo "=== TorchTitan 1B 64k"; tail -14 /tmp/titan64k.log; } >> "$LOG"
-    mkdir -p /tmp/peer && cp /tmp/titan32k.log /tmp/peer/titan_compile_s32k.log && \
-      cp /tmp/titan64k.log /tmp/peer/titan_compile_s64k_selective.log
     python3 bench/.peer/summarize.py /tmp/peer > /tmp/peer.log 2>&1; peer_collect "TorchTitan long sequences"
   fi
+  # the optimizer against HBM bandwidth (the floor's third term), a few seconds
+  python3 bench/bench_optimizer.py --preset llama3-1b-untied --results "$OUT/results.jsonl" --run-id "$RUN_ID" \
+    2>&1 | tail -3
 elif [ "$PART" = defaults ]; then  # `megaloom train` as a user types it (levers at auto) vs bench_train's best path
   export MEGALOOM_CACHE=/tmp/megaloom-cache
   MODEL=${DEFAULTS_MODEL:-llama3-1b-untied} SEQ=${DEFAULTS_SEQ:-4096} MB=${DEFAULTS_MB:-8}
@@ -141,9 +153,13 @@ elif [ "$PART" = moe ]; then  # MoE race: qwen3-moe-2.6b (every block MoE, 32 ex
     tail -20 /tmp/run_$name.log >> "$LOG"
     echo "$name rc=$rc $(grep -o '"tokens_per_s": [0-9]*\|"peak_mem_gb": [0-9.]*' /tmp/run_$name.log | tr '\n' ' ')"
   }
-  moe_run moe_eager --profile /tmp/prof_moe_eager
-  grep -A12 "^kind" /tmp/run_moe_eager.log
-  moe_run moe_compiled --compile
+  if [ -n "${MOE_EAGER:-}" ]; then
+    moe_run moe_eager --profile /tmp/prof_moe_eager
+    grep -A12 "^kind" /tmp/run_moe_eager.log
+  fi
+  # the compiled step's profile with the MoE kinds (grouped GEMM, routing, dispatch/combine); trace kept in $OUT
+  moe_run moe_compiled --compile --profile "$OUT/profile_moe"
+  grep -A14 "^kind" /tmp/run_moe_compiled.log
   if [ -d bench/.peer/.whl ]; then
     rm -rf /tmp/peer /tmp/peer.log && mkdir -p /tmp/peer && cp bench/titan_moe.py bench/.peer/torchtitan/
     # compiled (titan() always enables compile: TorchTitan's best path)
@@ -172,45 +188,65 @@ elif [ "$PART" = ladder ]; then
   run profile $BEST --profile "$OUT/profile"
   grep -A12 "^kind" /tmp/run_profile.log
 elif [ "$PART" = 8b ]; then
+  # EIGHTB_VARIANTS: "MB:RECOMPUTE[:N]" tried in order until one runs (N: recompute only the first N blocks).
+  # mb1 with one micro-batch per step keeps every activation: the gradients grow in backward as the activations
+  # free, so the peak is weights + AdamW state + activations (no gradient set held through a forward).
   B8="python3 bench/bench_train.py --preset llama3-8b --seq-len 8192 --steps 8 --warmup 3 --compile --fused-loss
-      --attention cudnn --recompute full --results $OUT/results.jsonl --run-id $RUN_ID"
-  for mb in 3 2; do  # `megaloom memory` plans mb 3 as the largest that fits; 2 only if 3 fails
-    echo "=== llama3-8b mb $mb" >> "$LOG"
+      --attention cudnn --results $OUT/results.jsonl --run-id $RUN_ID"
+  for v in ${EIGHTB_VARIANTS:-mb1:none mb1:full:8 mb3:full}; do
+    IFS=: read -r mb rc nl <<< "$v"
+    echo "=== llama3-8b $v" >> "$LOG"
     # shellcheck disable=SC2086
-    timeout 200 $B8 --micro-batch $mb > /tmp/run_8b_$mb.log 2>&1; rc=$?
-    echo "8b mb$mb rc=$rc $(grep -o '"tokens_per_s": [0-9]*' /tmp/run_8b_$mb.log)"
-    tail -12 /tmp/run_8b_$mb.log >> "$LOG"
+    timeout 220 $B8 --micro-batch "$mb" --recompute "$rc" --recompute-layers "${nl:-0}" > "/tmp/run_8b_$mb.log" 2>&1
+    rc=$?; echo "8b $v rc=$rc $(grep -o '"tokens_per_s": [0-9]*\|"peak_mem_gb": [0-9.]*' /tmp/run_8b_$mb.log | tr '\n' ' ')"
+    tail -12 "/tmp/run_8b_$mb.log" >> "$LOG"
     [ $rc = 0 ] && break
   done
 elif [ "$PART" = 8b-peer ]; then
+  # TITAN_8B_AC: TorchTitan's activation checkpointing modes tried in order until one runs (its best that fits)
   if [ -d bench/.peer/.whl ]; then
-    titan /tmp/titan8b.log 240 --model.flavor 8B --training.seq_len 8192 --training.local_batch_size 1 \
-      --training.steps 10 --job.dump_folder /tmp/titan_dump8b --activation_checkpoint.mode full
-    echo "titan 8B rc=$?"; { echo "=== TorchTitan 8B"; tail -25 /tmp/titan8b.log; } >> "$LOG"
+    rm -rf /tmp/peer /tmp/peer.log && mkdir -p /tmp/peer
+    for ac in ${TITAN_8B_AC:-none selective full}; do
+      extra="--activation_checkpoint.mode $ac"
+      [ "$ac" = selective ] && extra="$extra --activation_checkpoint.selective_ac_option op"
+      # shellcheck disable=SC2086
+      titan "/tmp/titan8b_$ac.log" 240 --model.flavor 8B --training.seq_len 8192 --training.local_batch_size 1 \
+        --training.steps 10 --job.dump_folder /tmp/titan_dump8b $extra
+      rc=$?; echo "titan 8B AC $ac rc=$rc"; { echo "=== TorchTitan 8B, AC $ac"; tail -25 "/tmp/titan8b_$ac.log"; } >> "$LOG"
+      if [ $rc = 0 ]; then cp "/tmp/titan8b_$ac.log" "/tmp/peer/titan_compile_8b_s8k_ac_$ac.log"; break; fi
+    done
+    python3 bench/.peer/summarize.py /tmp/peer > /tmp/peer.log 2>&1; peer_collect "TorchTitan 8B"
   fi
-elif [ "$PART" = parity ]; then
-  # The optimised path must train like the plain one (bf16 noise: final losses within 1%).
-  T="python3 -m megaloom train model.preset=llama3-1b-untied train.seq_len=4096 train.micro_batch_size=4
-     train.global_batch_size=4 train.steps=200 train.lr=3e-4 train.min_lr=3e-5 train.warmup_steps=20
+elif [ "$PART" = parity ] || [ "$PART" = moe-parity ]; then
+  # The optimised path must train like the plain one (bf16 noise: final losses within 1%). Plain = every lever off
+  # (eager, the plain loss on fp32 logits, PyTorch's own SDPA order); optimised = the defaults (levers at auto).
+  # moe-parity: the same for qwen3-moe-2.6b, whose optimised path is the compiled MoE block.
+  PMODEL=llama3-1b-untied; [ "$PART" = moe-parity ] && PMODEL=qwen3-moe-2.6b
+  T="python3 -m megaloom train model.preset=$PMODEL train.seq_len=4096 train.micro_batch_size=4
+     train.global_batch_size=4 train.steps=${PARITY_STEPS:-200} train.lr=3e-4 train.min_lr=3e-5 train.warmup_steps=20
      train.log_every=10 train.eval_every=0 checkpoint.every=0 checkpoint.final=false run.tensorboard=false
      train.precision=bf16"
   export MEGALOOM_CACHE=/tmp/megaloom-cache
   # shellcheck disable=SC2086
-  timeout 200 $T run.dir=/tmp/parity-plain >> "$LOG" 2>&1; echo "plain rc=$?"
+  timeout 220 $T run.dir=/tmp/parity-plain train.compile=false train.fused_loss=false train.attention=torch \
+    >> "$LOG" 2>&1; echo "plain rc=$?"
   # shellcheck disable=SC2086
-  timeout 220 $T run.dir=/tmp/parity-fast train.compile=true train.fused_loss=true train.attention=cudnn >> "$LOG" 2>&1
-  echo "optimised rc=$?"
-  cp /tmp/parity-plain/metrics.jsonl "$OUT/parity_plain.jsonl"; cp /tmp/parity-fast/metrics.jsonl "$OUT/parity_fast.jsonl"
-  python3 - "$OUT" <<'PY'
+  timeout 220 $T run.dir=/tmp/parity-fast >> "$LOG" 2>&1
+  echo "optimised rc=$?"; grep "auto:" "$LOG" | tail -1
+  cp /tmp/parity-plain/metrics.jsonl "$OUT/${PART}_plain.jsonl"; cp /tmp/parity-fast/metrics.jsonl "$OUT/${PART}_fast.jsonl"
+  python3 - "$OUT" "$PART" <<'PY'
 import json, sys
 def tail(path):
     rows = [json.loads(l) for l in open(path)]
     return sum(r["loss"] for r in rows[-3:]) / 3, rows[-1]["tokens_per_s"]
-(a, ta), (b, tb) = tail(f"{sys.argv[1]}/parity_plain.jsonl"), tail(f"{sys.argv[1]}/parity_fast.jsonl")
+out, part = sys.argv[1:]
+(a, ta), (b, tb) = tail(f"{out}/{part}_plain.jsonl"), tail(f"{out}/{part}_fast.jsonl")
 print(f"final loss plain {a:.4f} ({ta:,.0f} tok/s)  optimised {b:.4f} ({tb:,.0f} tok/s)  gap {100 * (b - a) / a:+.2f}%")
 PY
+  if [ "$PART" = moe-parity ]; then :; else
   # the same step measured by bench_train.py in this call: what the training loop costs beyond TrainStep
   run loop_ref $BEST
+  fi
 else
   run best_bf16 $BEST --profile "$OUT/profile"
   grep -A12 "^kind" /tmp/run_best_bf16.log

@@ -57,3 +57,21 @@ def test_cuda_trace_counts_the_step_once_and_idle_from_the_device_span(tmp_path:
     assert b["wall_ms"] == 0.3 and b["busy_ms"] == 0.1
     assert abs(b["device_span_ms"] - 0.12) < 1e-9 and abs(b["idle_ms"] - 0.02) < 1e-9
     assert b["kinds_ms"] == {"gemm": 0.05, "elementwise/norm/other": 0.04, "copy": 0.01}
+
+
+def test_moe_kernels_get_their_own_kinds_only_for_an_moe_model() -> None:
+    seen = {
+        # torch._grouped_mm on sm90 is a CUTLASS kernel over a GroupProblemShape
+        "void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<cutlass::gemm::GroupProblemShape<"
+        "cute::tuple<int, int, int> >, cutlass::gemm::collective::CollectiveMma<...> > >": "moe grouped GEMM",
+        "void at::native::sbtopk::gatherTopK<float, unsigned int, 2, false>": "moe routing (top-k)",
+        "void at_cuda_detail::cub::DeviceRadixSortOnesweepKernel<...>": "moe dispatch/combine",
+        "triton_poi_fused_index_copy_mul_3": "moe dispatch/combine",
+        "triton_poi_fused_embedding_dense_backward_1": "elementwise/norm/other",  # not dispatch
+        "nvjet_sm90_tst_128x256_64x4_2x1_v_bz_coopA_NTN": "gemm",
+        "ncclDevKernel_AllGather_RING_LL": "communication",
+    }
+    assert {name: kind_of(name, moe=True) for name in seen} == seen
+    # a dense model's trace keeps the plain kinds (an index kernel of RoPE is not dispatch there)
+    assert kind_of("triton_poi_fused_index_copy_mul_3") == "elementwise/norm/other"
+    assert kind_of(next(iter(seen))) == "gemm"
