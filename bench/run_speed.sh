@@ -227,21 +227,35 @@ elif [ "$PART" = parity ] || [ "$PART" = moe-parity ]; then
      train.log_every=10 train.eval_every=0 checkpoint.every=0 checkpoint.final=false run.tensorboard=false
      train.precision=bf16"
   export MEGALOOM_CACHE=/tmp/megaloom-cache
-  # shellcheck disable=SC2086
-  timeout 220 $T run.dir=/tmp/parity-plain train.compile=false train.fused_loss=false train.attention=torch \
-    >> "$LOG" 2>&1; echo "plain rc=$?"
-  # shellcheck disable=SC2086
-  timeout 220 $T run.dir=/tmp/parity-fast >> "$LOG" 2>&1
-  echo "optimised rc=$?"; grep "auto:" "$LOG" | tail -1
-  cp /tmp/parity-plain/metrics.jsonl "$OUT/${PART}_plain.jsonl"; cp /tmp/parity-fast/metrics.jsonl "$OUT/${PART}_fast.jsonl"
-  python3 - "$OUT" "$PART" <<'PY'
-import json, sys
-def tail(path):
+  # PARITY_SEEDS (default: the config's seed): a pair of runs per seed; with several, the seed-to-seed spread of
+  # one path says how far apart two runs land by chance (bf16, nondeterministic kernels, MoE routing flips)
+  for seed in ${PARITY_SEEDS:-default}; do
+    S=""; [ "$seed" = default ] || S="train.seed=$seed"
+    # shellcheck disable=SC2086
+    timeout 220 $T run.dir=/tmp/parity-plain-$seed train.compile=false train.fused_loss=false train.attention=torch $S \
+      >> "$LOG" 2>&1; echo "plain seed $seed rc=$?"
+    # shellcheck disable=SC2086
+    timeout 220 $T run.dir=/tmp/parity-fast-$seed $S >> "$LOG" 2>&1; echo "optimised seed $seed rc=$?"
+    cp "/tmp/parity-plain-$seed/metrics.jsonl" "$OUT/${PART}_plain_$seed.jsonl"
+    cp "/tmp/parity-fast-$seed/metrics.jsonl" "$OUT/${PART}_fast_$seed.jsonl"
+  done
+  grep "auto:" "$LOG" | tail -1
+  python3 - "$OUT" "$PART" ${PARITY_SEEDS:-default} <<'PY'
+import json, statistics, sys
+out, part, *seeds = sys.argv[1:]
+def tail(path):  # mean loss of the last 3 logged steps, and the last tokens/s
     rows = [json.loads(l) for l in open(path)]
     return sum(r["loss"] for r in rows[-3:]) / 3, rows[-1]["tokens_per_s"]
-out, part = sys.argv[1:]
-(a, ta), (b, tb) = tail(f"{out}/{part}_plain.jsonl"), tail(f"{out}/{part}_fast.jsonl")
-print(f"final loss plain {a:.4f} ({ta:,.0f} tok/s)  optimised {b:.4f} ({tb:,.0f} tok/s)  gap {100 * (b - a) / a:+.2f}%")
+gaps, plains, fasts = [], [], []
+for seed in seeds:
+    (a, ta), (b, tb) = tail(f"{out}/{part}_plain_{seed}.jsonl"), tail(f"{out}/{part}_fast_{seed}.jsonl")
+    gaps.append(100 * (b - a) / a); plains.append(a); fasts.append(b)
+    print(f"seed {seed}: final loss plain {a:.4f} ({ta:,.0f} tok/s)  optimised {b:.4f} ({tb:,.0f} tok/s)  "
+          f"gap {gaps[-1]:+.2f}%")
+if len(seeds) > 1:
+    pm, fm = statistics.mean(plains), statistics.mean(fasts)
+    print(f"mean over seeds: plain {pm:.4f}  optimised {fm:.4f}  gap {100 * (fm - pm) / pm:+.2f}%; seed spread "
+          f"plain {100 * (max(plains) - min(plains)) / pm:.2f}%, optimised {100 * (max(fasts) - min(fasts)) / fm:.2f}%")
 PY
   if [ "$PART" = moe-parity ]; then :; else
   # the same step measured by bench_train.py in this call: what the training loop costs beyond TrainStep

@@ -265,3 +265,14 @@ def test_grouped_mm_matches_fallback_on_gpu():
     torch.testing.assert_close(y.float(), ref, atol=2e-2, rtol=2e-2)
     y.float().sum().backward()
     assert torch.isfinite(ex.w_gate.grad).all() and torch.isfinite(x.grad).all()
+
+
+def test_expert_counts_equal_bincount_without_a_data_dependent_shape() -> None:
+    from megaloom.models.moe import expert_counts
+
+    experts = torch.randint(0, 8, (37, 2))
+    experts[0, 0] = 0  # expert 7 may be unused: the count keeps length E regardless of the largest index
+    experts = experts.clamp(max=6)
+    got = expert_counts(experts, 8)
+    assert got.dtype == torch.long and got.shape == (8,)
+    assert torch.equal(got, torch.bincount(experts.reshape(-1), minlength=8)) and got[7] == 0
