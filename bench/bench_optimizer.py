@@ -15,12 +15,16 @@ import argparse
 import json
 import os
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 
-from megaloom.config import load_config
-from megaloom.models.transformer import Transformer
-from megaloom.optim import param_groups
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, as bench_train.py runs it
+
+from megaloom.config import load_config  # noqa: E402
+from megaloom.models.transformer import Transformer  # noqa: E402
+from megaloom.optim import param_groups  # noqa: E402
 
 
 def timed(fn, reps: int = 10) -> float:

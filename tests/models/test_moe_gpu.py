@@ -17,12 +17,17 @@ def test_dropless_moe_forward_and_backward_make_no_host_sync(aux_free: float) ->
     layer = MoE(d_model=64, n_experts=8, top_k=2, expert_ffn_dim=128, aux_loss_weight=0.01,
                 aux_free_bias_rate=aux_free).cuda()
     x = torch.randn(4, 32, 64, device="cuda", requires_grad=True)
-    layer(x).sum().backward()  # first call: lazy initialisation (cuBLAS handles, ...) may sync
+
+    def step() -> None:  # bf16 autocast, as training runs it: the grouped GEMM path (the fp32 loop syncs)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = layer(x)
+        out.float().sum().backward()
+
+    step()  # first call: lazy initialisation (cuBLAS handles, ...) may sync
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out = layer(x)
-        out.sum().backward()
+        step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.isfinite(x.grad).all()
