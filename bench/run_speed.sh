@@ -7,7 +7,7 @@
 #   bash bench/run_speed.sh parity   # `megaloom train` 200 steps on the embedded corpus: plain path vs optimised path
 #   bash bench/run_speed.sh moe-parity  # the same for qwen3-moe-2.6b (the compiled MoE block against eager)
 #   bash bench/run_speed.sh 8b       # llama3-8b at sequence 8192: EIGHTB_VARIANTS "MB:RECOMPUTE[:N] ..." tried in order
-#                                    # (default: mb 1 keeping every activation, then 8 blocks recomputed, then mb 3 full)
+#                                    # (default: mb 1 keeping every activation, then 4 or 10 blocks recomputed, then mb 3 full)
 #   bash bench/run_speed.sh peer-mb8  # TorchTitan bf16 + float8 at micro-batch 8 alone (needs bench/.peer)
 #   bash bench/run_speed.sh profile-fp8  # a profile of megaloom's fp8 step
 #   bash bench/run_speed.sh 8b-peer  # TorchTitan's 8B flavor, seq 8192, its AC modes none/selective/full tried in order
@@ -193,8 +193,8 @@ elif [ "$PART" = 8b ]; then
   # free, so the peak is weights + AdamW state + activations (no gradient set held through a forward).
   B8="python3 bench/bench_train.py --preset llama3-8b --seq-len 8192 --steps 8 --warmup 3 --compile --fused-loss
       --attention cudnn --results $OUT/results.jsonl --run-id $RUN_ID"
-  for v in ${EIGHTB_VARIANTS:-mb1:none mb1:full:8 mb3:full}; do
-    IFS=: read -r mb rc nl <<< "$v"
+  for v in ${EIGHTB_VARIANTS:-mb1:none mb1:full:4 mb1:full:10 mb3:full}; do
+    IFS=: read -r mb rc nl <<< "$v"; mb=${mb#mb}
     echo "=== llama3-8b $v" >> "$LOG"
     # shellcheck disable=SC2086
     timeout 220 $B8 --micro-batch "$mb" --recompute "$rc" --recompute-layers "${nl:-0}" > "/tmp/run_8b_$mb.log" 2>&1
