@@ -31,6 +31,7 @@ from megaloom.observe.memory_plan import attention_backend  # noqa: E402
 from megaloom.optim import build_optimizer  # noqa: E402
 from megaloom.step import TrainStep  # noqa: E402
 from megaloom.train import apply_train_options  # noqa: E402
+from megaloom.training.compile_saves import set_lean_saves  # noqa: E402
 
 
 def git_commit() -> str:
@@ -60,6 +61,8 @@ def main() -> None:
     ap.add_argument("--fp8-keep-attention", action="store_true", help="fp8: attention projections stay bf16")
     ap.add_argument("--recompute", default="none")
     ap.add_argument("--recompute-layers", type=int, default=0, help="recompute=full: only the first N blocks")
+    ap.add_argument("--recompute-casts", action="store_true",
+                    help="compiled blocks recompute weight casts / norm outputs in backward (train.recompute_casts)")
     ap.add_argument("--offload", action="store_true", help="keep saved activations in pinned CPU memory")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--fused-loss", action="store_true",
@@ -98,6 +101,7 @@ def main() -> None:
     if fp8_summary is not None:
         print(fp8_summary, flush=True)
     if args.compile:
+        set_lean_saves(args.recompute_casts)
         for k, layer in model.layers.items():
             model.layers[k] = torch.compile(layer)
     optimizer = build_optimizer(model, cfg.train, device)
@@ -156,7 +160,8 @@ def main() -> None:
         "grouped_mm": not args.no_grouped_mm,
         "attention": args.attention,
         "active_params_matmul": matmul_params(model),
-        "recompute": args.recompute, "recompute_layers": args.recompute_layers, "offload": args.offload,
+        "recompute": args.recompute, "recompute_layers": args.recompute_layers,
+        "recompute_casts": args.recompute_casts, "offload": args.offload,
         "document_mask": args.document_mask or None,
         "tokens_per_s": round(tps),
         "mfu": round(fpt * tps / peak, 4),

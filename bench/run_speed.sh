@@ -188,7 +188,8 @@ elif [ "$PART" = ladder ]; then
   run profile $BEST --profile "$OUT/profile"
   grep -A12 "^kind" /tmp/run_profile.log
 elif [ "$PART" = 8b ]; then
-  # EIGHTB_VARIANTS: "MB:RECOMPUTE[:N]" tried in order until one runs (N: recompute only the first N blocks).
+  # EIGHTB_VARIANTS: "MB:RECOMPUTE[:N]" tried in order until one runs (N: recompute only the first N blocks);
+  # EIGHTB_EXTRA: more bench_train.py flags for every variant (e.g. --recompute-casts).
   # mb1 with one micro-batch per step keeps every activation: the gradients grow in backward as the activations
   # free, so the peak is weights + AdamW state + activations (no gradient set held through a forward).
   B8="python3 bench/bench_train.py --preset llama3-8b --seq-len 8192 --steps 8 --warmup 3 --compile --fused-loss
@@ -197,7 +198,8 @@ elif [ "$PART" = 8b ]; then
     IFS=: read -r mb rc nl <<< "$v"; mb=${mb#mb}
     echo "=== llama3-8b $v" >> "$LOG"
     # shellcheck disable=SC2086
-    timeout 220 $B8 --micro-batch "$mb" --recompute "$rc" --recompute-layers "${nl:-0}" > "/tmp/run_8b_$mb.log" 2>&1
+    timeout 220 $B8 --micro-batch "$mb" --recompute "$rc" --recompute-layers "${nl:-0}" ${EIGHTB_EXTRA:-} \
+      > "/tmp/run_8b_$mb.log" 2>&1
     rc=$?; echo "8b $v rc=$rc $(grep -o '"tokens_per_s": [0-9]*\|"peak_mem_gb": [0-9.]*' /tmp/run_8b_$mb.log | tr '\n' ' ')"
     tail -12 "/tmp/run_8b_$mb.log" >> "$LOG"
     [ $rc = 0 ] && break

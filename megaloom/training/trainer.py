@@ -57,6 +57,7 @@ from megaloom.resilience.signals import StopRequests, signal_name
 from megaloom.runtime import Runtime, init_runtime, resolve_precision, seed_everything
 from megaloom.step import TrainStep, forward_ctx
 from megaloom.training.checkpoints import RunCheckpoints
+from megaloom.training.compile_saves import set_lean_saves
 from megaloom.training.data import default_builder, load_rank_datasets
 from megaloom.training.evaluate import eval_batches, evaluate, evaluate_pipeline
 from megaloom.training.levers import describe_levers, resolve_levers
@@ -216,6 +217,7 @@ class Trainer:
         else:
             grads = None
         if t.compile:
+            set_lean_saves(t.recompute_casts)  # read when each block compiles, at its first call
             for layer in model.layers.values():
                 layer.compile()  # in place: parameter names (and so checkpoints) stay the same
         t1 = time.perf_counter()

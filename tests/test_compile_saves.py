@@ -1,0 +1,61 @@
+"""train.recompute_casts: a compiled block under bf16 autocast stops saving the bf16 copies of its weights (and
+recomputes its norm outputs and SwiGLU product) for backward, and computes the same gradients."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+from megaloom.config import load_config
+from megaloom.models.transformer import build_on_device
+from megaloom.training.compile_saves import set_lean_saves
+
+
+def _saved_and_grads(block, x, rope, lean: bool):
+    """Shapes/dtypes the compiled block saves for backward, and the gradients of its parameters and input."""
+    torch._dynamo.reset()
+    set_lean_saves(lean)
+    try:
+        compiled = torch.compile(block)
+        saved: list[tuple[tuple[int, ...], torch.dtype]] = []
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            saved.append((tuple(t.shape), t.dtype))
+            return t
+
+        x = x.detach().requires_grad_(True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = compiled(x, rope)
+        out.float().square().mean().backward()
+        return saved, [p.grad for p in block.parameters()] + [x.grad]
+    finally:
+        set_lean_saves(False)
+        torch._dynamo.reset()
+
+
+def test_lean_saves_drop_the_weight_copies_and_keep_the_gradients() -> None:
+    cfg = load_config(None, ["model.preset=mixtral-tiny", "model.vocab_size=512", "model.moe_every=0"])
+    torch.manual_seed(0)
+    model = build_on_device(cfg.model, torch.device("cpu"))
+    block = model.layers["0"]
+    x, rope = torch.randn(3, 50, cfg.model.d_model), model.rope(50)  # 150 tokens: no weight has that many rows
+    weight_shapes = {tuple(p.shape) for p in block.parameters() if p.ndim == 2}
+    weight_shapes |= {s[::-1] for s in weight_shapes}
+
+    def bf16_weight_copies(saved) -> int:
+        return sum(1 for shape, dtype in saved if dtype == torch.bfloat16 and shape in weight_shapes)
+
+    default_saved, default_grads = _saved_and_grads(copy.deepcopy(block), x, rope, lean=False)
+    lean_saved, lean_grads = _saved_and_grads(copy.deepcopy(block), x, rope, lean=True)
+    assert bf16_weight_copies(default_saved) >= 4  # what the lever is for: q/k/v/o and MLP weights in bf16
+    assert bf16_weight_copies(lean_saved) == 0
+
+    def activation_bytes(saved) -> int:  # what the block adds to memory: not its (resident) fp32 parameters
+        return sum(torch.Size(s).numel() * (2 if d == torch.bfloat16 else 4) for s, d in saved
+                   if not (d == torch.float32 and s in weight_shapes))
+
+    assert activation_bytes(lean_saved) < activation_bytes(default_saved)
+    for a, b in zip(default_grads, lean_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-5)
