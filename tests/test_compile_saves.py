@@ -59,3 +59,14 @@ def test_lean_saves_drop_the_weight_copies_and_keep_the_gradients() -> None:
     assert activation_bytes(lean_saved) < activation_bytes(default_saved)
     for a, b in zip(default_grads, lean_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-5)
+
+
+def test_the_memory_plan_keeps_no_weight_casts_with_the_lever() -> None:
+    from megaloom.observe.memory_plan import plan_memory
+
+    args = ["model.preset=llama3-1b-untied", "train.seq_len=4096", "train.micro_batch_size=4",
+            "train.global_batch_size=4", "train.compile=true", "train.precision=bf16"]
+    default = plan_memory(load_config(None, args), device="cuda")
+    lean = plan_memory(load_config(None, [*args, "train.recompute_casts=true"]), device="cuda")
+    assert default.weight_casts > 1.5e9 and lean.weight_casts == 0  # the blocks: 0.97e9 matmul parameters x 2 B
+    assert lean.peak < default.peak

@@ -751,6 +751,8 @@ class _Blocks:
         if not self.lay.autocast:
             return 0
         cfg = self.lay.cfg
+        if getattr(cfg.train, "recompute_casts", False) and cfg.train.compile is True:
+            return 0  # compiled blocks recast in backward (training/compile_saves.py): no copy is kept
         if i in self.fp8:  # converted linears quantise from the fp32 weight: no cached copy
             keep_attention = getattr(cfg.train, "fp8_keep_attention", False)
             converted = _fp8_linear_params(cfg, self.lay.tp, is_moe_layer(cfg.model, i), keep_attention)
