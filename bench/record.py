@@ -35,19 +35,25 @@ def peer_rows(summaries: list[dict], like: dict, ours: list[dict] | None = None)
         if s.get("err") or not s.get("tps"):
             continue
         fp8 = "fp8" in s["run"]
-        seq = _seq_len(s["run"])
-        fpt = next((r["flops_per_token"] for r in ours or [] if r.get("seq_len") == seq and r.get("flops_per_token")),
-                   None)
+        seq, model = _seq_len(s["run"]), _model(s["run"])
+        fpt = next((r["flops_per_token"] for r in ours or [] if r.get("seq_len") == seq and r.get("model") == model
+                    and r.get("flops_per_token")), None)
         mfu = s["tps"] * fpt / 989e12 if fpt else s["mfu_titan_formula_989"] / 100
         rows.append({
             "run_id": like["run_id"], "date": like["date"], "gpu": like["gpu"], "torch": like.get("torch"),
-            "framework": PEER, "model": "llama3-1b-untied", "params": UNTIED_1B_PARAMS, "seq_len": seq,
+            "framework": PEER, "model": model, "params": UNTIED_1B_PARAMS if model == "llama3-1b-untied" else None,
+            "seq_len": seq,
             "micro_batch": _micro_batch(s["run"]), "precision": "fp8-tensorwise" if fp8 else "bf16",
             "compile": "compile" in s["run"], "tokens_per_s": s["tps"],
             "recompute": "selective" if "selective" in s["run"] else None,
             "mfu": round(mfu, 4), "peak_mem_gb": None,
             "peak_reserved_gb": s.get("mem_reserved_gib"), "commit": like.get("commit"), "run": s["run"]})
     return rows
+
+
+def _model(run: str) -> str:
+    """The megaloom preset a peer log ran the shape of: bench/titan_moe.py's moe-2.6B, the 8B flavor, else 1B."""
+    return "qwen3-moe-2.6b" if "moe" in run else "llama3-8b" if "_8b" in run else "llama3-1b-untied"
 
 
 def _micro_batch(run: str) -> int:
@@ -63,25 +69,32 @@ def _seq_len(run: str) -> int:
 
 def _key(r: dict) -> tuple:
     return (r.get("run_id"), r.get("framework"), r.get("model"), r.get("precision"), r.get("micro_batch"),
-            r.get("seq_len", 4096), r.get("recompute"), r.get("document_mask"))
+            r.get("seq_len", 4096), r.get("recompute"), r.get("recompute_layers"), r.get("recompute_casts"),
+            r.get("document_mask"), r.get("bench"), r.get("preset"))
 
 
 def table(rows: list[dict]) -> str:
-    """Markdown: one line per row, with the ratio to the peer's best row of the same precision (fp8 vs float8):
-    TorchTitan's best setting, as the speed issue defines the race."""
-    peer: dict[str, int] = {}
+    """Markdown: one line per row, with the ratio to the peer's best row of the same model, sequence length and
+    precision (fp8 vs float8): TorchTitan's best setting, as the speed issue defines the race. Rows that are not
+    training runs (bench_optimizer.py's) are left out."""
+    rows = [r for r in rows if "framework" in r]
+    peer: dict[tuple, int] = {}
+
+    def kind_of(r: dict) -> tuple:
+        return (r.get("model"), r.get("seq_len", 4096), "fp8" if "fp8" in r["precision"] else "bf16")
+
     for r in rows:
         if r["framework"] == PEER:
-            kind = "fp8" if "fp8" in r["precision"] else "bf16"
-            peer[kind] = max(peer.get(kind, 0), r["tokens_per_s"])
-    lines = ["| framework | model | precision | micro-batch | tokens/s | MFU | peak memory | vs TorchTitan |",
-             "|---|---|---|---:|---:|---:|---:|---:|"]
+            peer[kind_of(r)] = max(peer.get(kind_of(r), 0), r["tokens_per_s"])
+    lines = ["| framework | model | seq | precision | micro-batch | tokens/s | MFU | peak memory | vs TorchTitan |",
+             "|---|---|---:|---|---:|---:|---:|---:|---:|"]
     for r in rows:
-        kind = "fp8" if "fp8" in r["precision"] else "bf16"
+        kind = kind_of(r)
         ratio = f"{r['tokens_per_s'] / peer[kind]:.3f}x" if kind in peer else "–"
         mem = (f"{r['peak_mem_gb']} GB alloc" if r.get("peak_mem_gb") is not None
                else f"{r.get('peak_reserved_gb')} GiB reserved")
-        lines.append(f"| {r['framework']} | {r['model']} | {r['precision']} | {r.get('micro_batch')} | "
+        lines.append(f"| {r['framework']} | {r['model']} | {r.get('seq_len', 4096)} | {r['precision']} | "
+                     f"{r.get('micro_batch')} | "
                      f"{r['tokens_per_s']:,} | {100 * r['mfu']:.1f}% | {mem} | {ratio} |")
     return "\n".join(lines)
 
