@@ -183,10 +183,11 @@ class TrainConfig:
     recompute: str = _f("none", "Activation recomputation.", ("none", "selective", "full"))
     recompute_layers: int = _f(0, "With recompute=full: recompute only the first N blocks of each pipeline stage "
                                   "(of the model without pipeline); 0 = all.")
-    recompute_casts: bool = _f(False, "With train.compile: compiled blocks recompute in backward the cheap values a "
-                                      "backward matmul reads (the weights' bf16 copies, norm outputs, the SwiGLU "
-                                      "product) instead of saving them (megaloom/training/compile_saves.py): far "
-                                      "less activation memory for a few casts per step.")
+    recompute_casts: AutoBool = _f("auto", "With train.compile: compiled blocks recompute in backward the cheap values "
+                                           "a backward matmul reads (the weights' bf16 copies, norm outputs, the "
+                                           "SwiGLU product) instead of saving them (megaloom/training/"
+                                           "compile_saves.py): far less activation memory for ~1% of speed. auto = on "
+                                           "only on a GPU where the memory plan does not fit without it.", AUTO_BOOL)
     offload_activations: bool = _f(False, "Keep the large tensors saved for backward in pinned CPU memory "
                                           "(GPU only; trades PCIe traffic for activation memory).")
     compile: AutoBool = _f("auto", "torch.compile each transformer block. auto = on CUDA (measured to pay for dense "

@@ -63,10 +63,14 @@ copy of the state; LAMB: the update of every parameter). The predicted peak is t
 it is is reported with it. Steady state is assumed (optimizer state exists, i.e. from the second step on);
 ``update=False`` plans steps that never call the optimizer (a dry run that leaves the update out).
 
+torch.compile (train.compile) changes what is saved: for compiled dense decoder blocks (RMSNorm, SwiGLU, RoPE,
+fused attention, no recompute, tp=1) the plan counts the partitioner's own save-set (`_compiled_block_bytes`,
+checked against a compiled block's saved tensors), with train.recompute_casts the leaner one; other compiled
+blocks are planned as eager, which over-estimates them.
+
 Not modelled: the CUDA caching allocator's rounding and fragmentation (the comparison is with
 max_memory_allocated, not reserved), cuBLAS workspaces, the gradient temporaries inside one block's backward,
-NCCL buffers, and torch.compile (which changes what is saved). fp8 is approximated (converted linears save a
-1-byte input, no weight cast).
+and NCCL buffers. fp8 is approximated (converted linears save a 1-byte input, no weight cast).
 """
 
 from __future__ import annotations
@@ -208,6 +212,14 @@ def block_activation_bytes(cfg: Config, *, tokens: int, batch: int, layer: int =
         return {"block input (full recompute)": residual * dm.n_r * m.d_model}
     attention = attention or attention_backend(cfg, device, tp)
     moe = is_moe_layer(m, layer)
+    # Compiled blocks: the partitioner's save-set. Selective recompute (not modelled compiled) saves a subset of
+    # what the same compiled block saves without it, so that set bounds it when it is below the eager estimate.
+    compiled = None
+    if _compiled_save_set_known(cfg, dm, device, "none" if recompute == "selective" else recompute, attention,
+                                moe, fp8):
+        compiled = _compiled_block_bytes(m, dm, lean=t.recompute_casts is True)
+        if recompute == "none":
+            return compiled
     lin_in = 1 if fp8 and getattr(t, "fp8_recipe", "tensorwise") == "tensorwise" else 2
     attn_in = 2 if getattr(t, "fp8_keep_attention", False) else lin_in  # projections kept bf16: 2-byte inputs
     out: dict[str, int] = {}
@@ -259,7 +271,46 @@ def block_activation_bytes(cfg: Config, *, tokens: int, batch: int, layer: int =
             out["up, gelu"] = 2 * a * n * dm.fl
     if m.dropout > 0:  # masks of the residual dropouts on o_proj's and down_proj's outputs (MoE: its own)
         out["dropout masks"] = (1 if moe else 2) * _mask_bytes(device, a) * n_r * d
+    if compiled is not None and sum(compiled.values()) < sum(out.values()):
+        return compiled
     return out
+
+
+def _compiled_save_set_known(cfg: Config, dm: _Dims, device: str, recompute: str, attention: str, moe: bool,
+                             fp8: bool) -> bool:
+    """Whether `_compiled_block_bytes` describes this block: a compiled dense pre-norm decoder block (RMSNorm,
+    SwiGLU, RoPE; no QK-norm, parallel block, window or dropout) under bf16/fp16 autocast with a fused attention
+    kernel, no recomputation, fp8 or tensor parallelism. Other blocks keep the eager save-set (an over-estimate of
+    what compile keeps)."""
+    m, t = cfg.model, cfg.train
+    tr = _traits(m)
+    return (device == "cuda" and t.compile is True and dm.autocast and dm.tp == 1 and recompute == "none"
+            and not moe and not fp8 and attention in ("flash", "cudnn", "efficient") and tr.norm == "rmsnorm"
+            and tr.gated_mlp and tr.positions == "rope" and not tr.qk_norm and not tr.bias and not tr.post_norm
+            and not m.parallel_block and not m.sliding_window and m.dropout == 0)
+
+
+def _compiled_block_bytes(m: ModelConfig, dm: _Dims, lean: bool) -> dict[str, int]:
+    """What a compiled block (`_compiled_save_set_known`) saves for backward, as AOTAutograd's partitioner picks it
+    (read with saved-tensor hooks on a compiled block, tests/test_compile_saves.py). By default it keeps, besides
+    the fp32 block input and each norm's 1/rms: three [n, d] bf16 tensors (the normed inputs of attention and MLP,
+    the attention output in the o_proj layout), q, k, v, the attention output and its logsumexp, and three
+    [n, ffn] bf16 tensors (gate, up, their SwiGLU product); weight casts are counted apart. With
+    ``lean`` (train.recompute_casts) it recomputes the normed inputs, the o_proj layout and the product from what
+    it keeps: one [n, d] bf16 tensor (o_proj's output), gate and up; the fp32 weights it saves are parameters,
+    resident anyway."""
+    n, d, a = dm.n, dm.d, dm.a
+    q, kv = a * n * dm.hl * dm.hd, a * n * dm.hkvl * dm.hd
+    return {
+        "block input (fp32)": 4 * n * d,
+        "norms 1/rms": 2 * 4 * n,
+        "rope tables": 2 * 4 * dm.t * dm.hd,
+        "[n, d] bf16 (normed inputs, o_proj input)" if not lean else "o_proj output": (1 if lean else 3) * a * n * d,
+        "q, k, v": q + 2 * kv,
+        "attention out": q,
+        "logsumexp": 4 * dm.b * dm.hl * dm.t,
+        "gate, up" + ("" if lean else ", product"): (2 if lean else 3) * a * n * dm.fl,
+    }
 
 
 def _moe_bytes(cfg: Config, dm: _Dims, device: str, grouped_mm: bool | None, selective: bool,
@@ -751,7 +802,7 @@ class _Blocks:
         if not self.lay.autocast:
             return 0
         cfg = self.lay.cfg
-        if getattr(cfg.train, "recompute_casts", False) and cfg.train.compile is True:
+        if getattr(cfg.train, "recompute_casts", False) is True and cfg.train.compile is True:
             return 0  # compiled blocks recast in backward (training/compile_saves.py): no copy is kept
         if i in self.fp8:  # converted linears quantise from the fp32 weight: no cached copy
             keep_attention = getattr(cfg.train, "fp8_keep_attention", False)
@@ -975,8 +1026,13 @@ def _notes(lay: _Layout, counts: ParamCounts) -> list[str]:
         notes.append("sliding-window mask bytes are an estimate (efficient-attention kernel)")
     if lay.precision == "fp8":
         notes.append("fp8 is approximated (1-byte saved inputs, no weight copy in converted linears)")
-    if t.compile:
-        notes.append("torch.compile changes what is saved; the plan models eager execution")
+    if t.compile is True:
+        dm = _dims(m, lay.tokens, lay.batch, lay.precision, lay.tp, lay.sp)
+        known = all(_compiled_save_set_known(lay.cfg, dm, lay.device, t.recompute, lay.attention,
+                                             is_moe_layer(m, i), lay.precision == "fp8") for i in range(m.n_layers))
+        notes.append("compiled blocks: the partitioner's save-set" + (" (train.recompute_casts: the lean one)"
+                                                                        if t.recompute_casts is True else "")
+                     if known else "torch.compile changes what is saved; these blocks are planned as eager")
     if not counts.exact:
         notes.append("parameters counted from the config, not the module")
     if not lay.update:

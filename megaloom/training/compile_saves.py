@@ -19,4 +19,4 @@ import torch._functorch.config as functorch_config
 
 def set_lean_saves(enabled: bool) -> None:
     """Let (True) or stop (False) compiled blocks recomputing matmul inputs in backward instead of saving them."""
-    functorch_config.ban_recompute_materialized_backward = not enabled
+    functorch_config.ban_recompute_materialized_backward = enabled is not True  # "auto" unresolved: off

@@ -18,7 +18,7 @@ import torch
 from megaloom.config import Config, ConfigError, ModelConfig
 from megaloom.models.transformer import resolved_ffn_dim
 from megaloom.observe.log import get_logger
-from megaloom.observe.memory_fit import auto_micro_batch
+from megaloom.observe.memory_fit import auto_micro_batch, choose_recompute_casts
 from megaloom.observe.memory_plan import GB
 from megaloom.parallel import comm
 from megaloom.runtime import Runtime
@@ -75,6 +75,18 @@ def _resolved_path(path: str | Path) -> str:
 def with_micro_batch(cfg: Config, micro_batch_size: int) -> Config:
     """A new Config with train.micro_batch_size set."""
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=micro_batch_size))
+
+
+def resolve_recompute_casts(cfg: Config, rt: Runtime, device: torch.device) -> Config:
+    """train.recompute_casts=auto -> on where the memory plan needs it (`choose_recompute_casts`), said on a GPU.
+    The same on every rank: the plan is the worst stage's and the budget the (uniform) GPU's."""
+    if cfg.train.recompute_casts != "auto":
+        return cfg
+    budget = torch.cuda.get_device_properties(device).total_memory / GB if device.type == "cuda" else None
+    choice, why = choose_recompute_casts(cfg, rt.world_size, budget)
+    if budget is not None and rt.is_main:
+        log.info(f"megaloom: train.recompute_casts=auto -> {str(choice).lower()} ({why})")
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, recompute_casts=choice))
 
 
 def choose_micro_batch(cfg: Config, rt: Runtime, device: torch.device) -> int:

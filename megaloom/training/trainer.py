@@ -64,7 +64,12 @@ from megaloom.training.levers import describe_levers, resolve_levers
 from megaloom.training.options import apply_train_options
 from megaloom.training.preflight import Checked, preflight, preflight_vocab, world_size_from_env
 from megaloom.training.records import Interval, dp_mean, moe_fields
-from megaloom.training.resolve import choose_micro_batch, resolve_config, with_micro_batch
+from megaloom.training.resolve import (
+    choose_micro_batch,
+    resolve_config,
+    resolve_recompute_casts,
+    with_micro_batch,
+)
 from megaloom.training.timeline import draw_measured_timeline
 
 log = get_logger(__name__)
@@ -172,6 +177,7 @@ class Trainer:
         cfg, levers = resolve_levers(cfg, self.device.type, capability)  # compile, fused loss, attention "auto"
         if levers and self.rt.is_main:  # on CPU every lever stays off: said at debug level only
             (log.info if self.device.type == "cuda" else log.debug)(f"megaloom: {describe_levers(levers)}")
+        cfg = resolve_recompute_casts(cfg, self.rt, self.device)  # needs compile resolved; before the micro-batch
         if cfg.train.micro_batch_size == 0:
             cfg = with_micro_batch(cfg, choose_micro_batch(cfg, self.rt, self.device))  # a collective
         self.n_micro = self.local_batch // cfg.train.micro_batch_size

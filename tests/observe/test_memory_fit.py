@@ -33,7 +33,8 @@ def test_fit_orders_recompute_modes_and_respects_the_budget():
 def test_first_pipeline_stage_is_the_worst_with_1f1b():
     cfg = resolve_for_planning(load_config(None, ["model.preset=llama3-1b", "train.seq_len=2048",
                                                   "train.micro_batch_size=1", "train.global_batch_size=8",
-                                                  "parallel.pp=4", "model.n_layers=16", "train.fused_loss=true"]))
+                                                  "parallel.pp=4", "model.n_layers=16", "train.fused_loss=true",
+                                                  "train.compile=false"]))  # eager save-sets: 1F1B in flight
     rank, plan = worst_stage(cfg, 4)
     assert rank == 0 and plan.peak > 0
 
@@ -79,7 +80,7 @@ def test_fit_tries_the_fused_loss_and_no_accumulation_and_says_so(capsys):
     """Issue 24 (5): llama3-8b at 8192 on 141 GB fits only with full recompute, the fused loss and one
     micro-batch per step; the planner used to answer "does not fit" for every mode (README said micro-batch 3)."""
     assert main(["memory", "--gpu-gb", "141", "model.preset=llama3-8b", "train.seq_len=8192",
-                 "train.fused_loss=false", "train.micro_batch_size=8"]) == 0
+                 "train.fused_loss=false", "train.micro_batch_size=8", "train.recompute_casts=false"]) == 0
     out = capsys.readouterr().out
     assert "as configured: 2 micro-batch(es) per step, train.fused_loss=false" in out
     full = next(line for line in out.splitlines() if "recompute=full" in line and "micro-batch" in line)
@@ -108,3 +109,11 @@ def test_micro_batch_not_given_is_chosen_by_the_plan():
 def test_cli_memory_resolves_an_auto_micro_batch(capsys):
     assert main(["memory", "train.micro_batch_size=0", "train.global_batch_size=12"]) == 0
     assert "train.micro_batch_size=0 (auto) -> 6 (no --gpu-gb: at most 8)" in capsys.readouterr().out
+
+
+def test_memory_command_says_what_recompute_casts_auto_chose(capsys):
+    assert main(["memory", "--gpu-gb", "141", "model.preset=llama3-8b", "train.seq_len=8192",
+                 "train.global_batch_size=1"]) == 0
+    out = capsys.readouterr().out
+    assert "train.recompute_casts=auto -> true (micro-batch 1 planned at" in out
+    assert "compiled blocks: the partitioner's save-set (train.recompute_casts: the lean one)" in out

@@ -47,8 +47,9 @@ def make_cfg(arch: str, precision: str, recompute: str, n_layers: int, *extra: s
     preset = {"llama": "tiny", "gpt2": "tiny-gpt2"}.get(arch)
     head = [f"model.preset={preset}"] if preset else []
     kv = ["model.n_kv_heads=0"] if arch == "gpt2" else []
+    # eager: what measure_saved runs (compiled save-sets are checked in tests/test_compile_saves.py)
     return load_config(None, [*head, *SHAPE, *kv, f"model.n_layers={n_layers}", f"train.precision={precision}",
-                              f"train.recompute={recompute}", *extra])
+                              f"train.recompute={recompute}", "train.compile=false", *extra])
 
 
 def measure_saved(cfg, device: str = "cpu", attention=None) -> tuple[int, int]:
@@ -216,8 +217,11 @@ def _big(recompute: str, *extra: str):
 
 
 def test_plan_orders_recompute_modes_and_reports():
-    plans = {r: plan_memory(_big(r), device="cuda") for r in ("none", "selective", "full")}
+    plans = {r: plan_memory(_big(r, "train.compile=false"), device="cuda") for r in ("none", "selective", "full")}
     assert plans["full"].peak < plans["selective"].peak < plans["none"].peak
+    # compiled: the partitioner's save-set, leaner than eager; selective is bounded by it (not modelled compiled)
+    compiled = {r: plan_memory(_big(r), device="cuda") for r in ("none", "selective", "full")}
+    assert compiled["full"].peak < compiled["selective"].peak <= compiled["none"].peak < plans["none"].peak
     p = plans["none"]
     # llama3-1b-untied: 1.498B parameters, 16 bytes each of weights, gradients and AdamW state.
     assert p.weights == 4 * 1_498_482_688 and p.optimizer == 2 * p.weights and p.gradients == p.weights
