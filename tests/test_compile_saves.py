@@ -68,8 +68,8 @@ def test_lean_saves_drop_the_weight_copies_and_keep_the_gradients() -> None:
                                       "train.precision=bf16"])
         planned = block_activation_bytes(plan_cfg, tokens=150, batch=3, device="cuda", attention="flash")
         assert sum(planned.values()) == activation_bytes(saved), (lean, planned, saved)
-    for a, b in zip(default_grads, lean_grads, strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-5)
+    for a, b in zip(default_grads, lean_grads, strict=True):  # the same values, recomputed: bitwise equal
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_the_memory_plan_keeps_no_weight_casts_with_the_lever() -> None:
