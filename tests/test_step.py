@@ -82,3 +82,38 @@ def test_full_recompute_reruns_the_preferred_attention_kernel(compiled: bool) ->
     for _ in range(2):
         out = step(batch)
     assert torch.isfinite(out.loss) and torch.isfinite(out.grad_norm)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_recompute_casts_trains_like_the_default_compiled_step() -> None:
+    """train.recompute_casts on CUDA: compiled blocks with the lean save-set take the same steps (cuDNN attention,
+    bf16, the fused AdamW with the folded clip), to bf16 reduction-order noise, and hold less memory."""
+    import copy
+
+    from megaloom.training.compile_saves import set_lean_saves
+
+    cfg = load_config(None, ["model.preset=tiny", "model.d_model=256", "model.n_layers=2", "model.n_heads=4",
+                             "model.vocab_size=512", "model.max_seq_len=512", "train.seq_len=512"])
+    torch.manual_seed(0)
+    device = torch.device("cuda")
+    base = Transformer(cfg.model).to(device)
+    batch = torch.randint(0, 512, (4, 513), device=device)
+    losses, peaks = {}, {}
+    try:
+        for lean in (False, True):
+            torch._dynamo.reset()
+            set_lean_saves(lean)
+            model = copy.deepcopy(base)
+            for layer in model.layers.values():
+                layer.compile()
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+            step = TrainStep(model, opt, "bf16", device, 4, grad_clip=1.0, attention="cudnn")
+            torch.cuda.reset_peak_memory_stats()
+            losses[lean] = [float(step(batch).loss) for _ in range(3)]
+            peaks[lean] = torch.cuda.max_memory_allocated()
+    finally:
+        set_lean_saves(False)
+        torch._dynamo.reset()
+    torch.testing.assert_close(losses[True], losses[False], rtol=5e-3, atol=0)
+    assert peaks[True] < peaks[False]
