@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 from megaloom.config import load_config
@@ -36,8 +37,9 @@ def _saved_and_grads(block, x, rope, lean: bool):
         torch._dynamo.reset()
 
 
-def test_lean_saves_drop_the_weight_copies_and_keep_the_gradients() -> None:
-    cfg = load_config(None, ["model.preset=mixtral-tiny", "model.vocab_size=512", "model.moe_every=0"])
+@pytest.mark.parametrize("preset", ["mixtral-tiny", "qwen3-tiny"])  # llama-style; qwen3 adds QK-norm
+def test_lean_saves_drop_the_weight_copies_and_keep_the_gradients(preset: str) -> None:
+    cfg = load_config(None, [f"model.preset={preset}", "model.vocab_size=512", "model.moe_every=0"])
     torch.manual_seed(0)
     model = build_on_device(cfg.model, torch.device("cpu"))
     block = model.layers["0"]
@@ -63,7 +65,7 @@ def test_lean_saves_drop_the_weight_copies_and_keep_the_gradients() -> None:
     assert activation_bytes(lean_saved) < activation_bytes(default_saved)
     # the memory plan's compiled save-set (planned for CUDA's fused attention, which saves what CPU flash does)
     for lean, saved in ((False, default_saved), (True, lean_saved)):
-        plan_cfg = load_config(None, ["model.preset=mixtral-tiny", "model.vocab_size=512", "model.moe_every=0",
+        plan_cfg = load_config(None, [f"model.preset={preset}", "model.vocab_size=512", "model.moe_every=0",
                                       "train.compile=true", f"train.recompute_casts={str(lean).lower()}",
                                       "train.precision=bf16"])
         planned = block_activation_bytes(plan_cfg, tokens=150, batch=3, device="cuda", attention="flash")

@@ -63,7 +63,7 @@ copy of the state; LAMB: the update of every parameter). The predicted peak is t
 it is is reported with it. Steady state is assumed (optimizer state exists, i.e. from the second step on);
 ``update=False`` plans steps that never call the optimizer (a dry run that leaves the update out).
 
-torch.compile (train.compile) changes what is saved: for compiled dense decoder blocks (RMSNorm, SwiGLU, RoPE,
+torch.compile (train.compile) changes what is saved: for compiled dense decoder blocks (RMSNorm, SwiGLU, RoPE, QK-norm or not,
 fused attention, no recompute, tp=1) the plan counts the partitioner's own save-set (`_compiled_block_bytes`,
 checked against a compiled block's saved tensors), with train.recompute_casts the leaner one; other compiled
 blocks are planned as eager, which over-estimates them.
@@ -279,14 +279,14 @@ def block_activation_bytes(cfg: Config, *, tokens: int, batch: int, layer: int =
 def _compiled_save_set_known(cfg: Config, dm: _Dims, device: str, recompute: str, attention: str, moe: bool,
                              fp8: bool) -> bool:
     """Whether `_compiled_block_bytes` describes this block: a compiled dense pre-norm decoder block (RMSNorm,
-    SwiGLU, RoPE; no QK-norm, parallel block, window or dropout) under bf16/fp16 autocast with a fused attention
-    kernel, no recomputation, fp8 or tensor parallelism. Other blocks keep the eager save-set (an over-estimate of
-    what compile keeps)."""
+    SwiGLU, RoPE, with or without QK-norm; no parallel block, window or dropout) under bf16/fp16 autocast with a
+    fused attention kernel, no recomputation, fp8 or tensor parallelism. Other blocks keep the eager save-set (an
+    over-estimate of what compile keeps)."""
     m, t = cfg.model, cfg.train
     tr = _traits(m)
     return (device == "cuda" and t.compile is True and dm.autocast and dm.tp == 1 and recompute == "none"
             and not moe and not fp8 and attention in ("flash", "cudnn", "efficient") and tr.norm == "rmsnorm"
-            and tr.gated_mlp and tr.positions == "rope" and not tr.qk_norm and not tr.bias and not tr.post_norm
+            and tr.gated_mlp and tr.positions == "rope" and not tr.bias and not tr.post_norm
             and not m.parallel_block and not m.sliding_window and m.dropout == 0)
 
 
@@ -298,10 +298,11 @@ def _compiled_block_bytes(m: ModelConfig, dm: _Dims, lean: bool) -> dict[str, in
     [n, ffn] bf16 tensors (gate, up, their SwiGLU product); weight casts are counted apart. With
     ``lean`` (train.recompute_casts) it recomputes the normed inputs, the o_proj layout and the product from what
     it keeps: one [n, d] bf16 tensor (o_proj's output), gate and up; the fp32 weights it saves are parameters,
-    resident anyway."""
+    resident anyway. Which tensor is which is read from shapes; the byte counts are what the test checks. With
+    QK-norm (either way) the q and k projections' outputs before their norms and the norms' 1/rms are kept too."""
     n, d, a = dm.n, dm.d, dm.a
     q, kv = a * n * dm.hl * dm.hd, a * n * dm.hkvl * dm.hd
-    return {
+    out = {
         "block input (fp32)": 4 * n * d,
         "norms 1/rms": 2 * 4 * n,
         "rope tables": 2 * 4 * dm.t * dm.hd,
@@ -311,6 +312,10 @@ def _compiled_block_bytes(m: ModelConfig, dm: _Dims, lean: bool) -> dict[str, in
         "logsumexp": 4 * dm.b * dm.hl * dm.t,
         "gate, up" + ("" if lean else ", product"): (2 if lean else 3) * a * n * dm.fl,
     }
+    if _traits(m).qk_norm:
+        out["q, k before their norms"] = q + kv
+        out["q/k norms 1/rms"] = 4 * n * (dm.hl + dm.hkvl)
+    return out
 
 
 def _moe_bytes(cfg: Config, dm: _Dims, device: str, grouped_mm: bool | None, selective: bool,
