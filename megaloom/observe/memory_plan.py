@@ -63,10 +63,10 @@ copy of the state; LAMB: the update of every parameter). The predicted peak is t
 it is is reported with it. Steady state is assumed (optimizer state exists, i.e. from the second step on);
 ``update=False`` plans steps that never call the optimizer (a dry run that leaves the update out).
 
-torch.compile (train.compile) changes what is saved: for compiled dense decoder blocks (RMSNorm, SwiGLU, RoPE, QK-norm or not,
-fused attention, no recompute, tp=1) the plan counts the partitioner's own save-set (`_compiled_block_bytes`,
-checked against a compiled block's saved tensors), with train.recompute_casts the leaner one; other compiled
-blocks are planned as eager, which over-estimates them.
+torch.compile (train.compile) changes what is saved: for compiled dense decoder blocks (RMSNorm, SwiGLU, RoPE,
+QK-norm or not, fused attention, no recompute, tp=1) the plan counts the partitioner's own save-set
+(`_compiled_block_bytes`, checked against a compiled block's saved tensors), with train.recompute_casts the leaner
+one; other compiled blocks are planned as eager, which over-estimates them.
 
 Not modelled: the CUDA caching allocator's rounding and fragmentation (the comparison is with
 max_memory_allocated, not reserved), cuBLAS workspaces, the gradient temporaries inside one block's backward,
