@@ -560,6 +560,9 @@ def validate(cfg: Config) -> None:
                        "the GEMMs; set parallel.sp=true (or parallel.async_tp=false).")
         _require(t.compile is not True, "parallel.async_tp=true runs its ring steps in eager mode, which compiled "
                                         "blocks bypass; set train.compile=false or auto (or parallel.async_tp=false).")
+    _require(t.recompute_casts is not True or t.compile is not False,
+             "train.recompute_casts=true changes what compiled blocks save, and train.compile=false compiles none; "
+             "set train.compile=true (or auto, on a GPU) or leave train.recompute_casts at auto.")
     _require(not t.bf16_residual or t.precision in ("auto", "bf16", "fp8"),
              f"train.bf16_residual=true with train.precision={t.precision}: a bf16 residual stream needs bf16 "
              "autocast. Use train.precision=bf16 (or fp8), or train.bf16_residual=false.")

@@ -100,3 +100,11 @@ def test_auto_turns_the_lever_on_only_where_the_plan_needs_it() -> None:
     assert not choice(*eight_b, "train.compile=false")
     # llama3-1b-untied at its default micro-batch fits without: the ~1% it costs is not paid
     assert not choice("model.preset=llama3-1b-untied", "train.seq_len=4096", "train.global_batch_size=8")
+
+
+def test_the_lever_without_compile_is_refused_with_the_fix() -> None:
+    from megaloom.config import ConfigError
+
+    with pytest.raises(ConfigError, match="train.recompute_casts=true .* set train.compile=true"):
+        load_config(None, ["train.recompute_casts=true", "train.compile=false"])
+    load_config(None, ["train.recompute_casts=true"])  # compile auto: on a GPU it compiles
