@@ -63,6 +63,11 @@ def main() -> None:
     ap.add_argument("--recompute-layers", type=int, default=0, help="recompute=full: only the first N blocks")
     ap.add_argument("--recompute-casts", action="store_true",
                     help="compiled blocks recompute weight casts / norm outputs in backward (train.recompute_casts)")
+    ap.add_argument("--overlap-optimizer", action="store_true",
+                    help="the AdamW step beside the next forward on a side stream (train.overlap_optimizer)")
+    ap.add_argument("--window", action="store_true",
+                    help="time the steps after --warmup back to back, one sync at the end (mean step): what a lever "
+                         "that overlaps one step's end with the next one's start needs (--overlap-optimizer)")
     ap.add_argument("--offload", action="store_true", help="keep saved activations in pinned CPU memory")
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--fused-loss", action="store_true",
@@ -113,7 +118,8 @@ def main() -> None:
 
         documents = partial(Documents.from_tokens, eod_id=0)  # token 0 ends a document (written below)
     step = TrainStep(model, optimizer, args.precision, device, args.micro_batch, grad_clip=1.0,
-                     attention=args.attention, offload=args.offload, documents=documents)
+                     attention=args.attention, offload=args.offload, documents=documents,
+                     overlap_optimizer=args.overlap_optimizer)
 
     gbs = args.micro_batch * args.grad_accum
     tokens_per_step = gbs * args.seq_len
@@ -122,10 +128,14 @@ def main() -> None:
     times, losses = [], []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
+    batches = []
     for i in range(args.steps):
         batch = torch.randint(1, cfg.model.vocab_size, (gbs, args.seq_len + 1), device=device)
         if args.document_mask:
             batch[:, args.document_mask - 1::args.document_mask] = 0
+        if args.window and i >= args.warmup:
+            batches.append(batch)  # timed below, back to back
+            continue
         sync()
         t0 = time.perf_counter()
         out = step(batch)
@@ -135,7 +145,17 @@ def main() -> None:
         losses.append(out.loss.item())
         print(f"step {i + 1}: {dt * 1e3:.1f} ms, {tokens_per_step / dt:,.0f} tok/s, loss {losses[-1]:.3f}",
               flush=True)
-    use = times[args.warmup:] or times
+    if batches:  # --window: no host sync between the timed steps; their mean time
+        sync()
+        t0 = time.perf_counter()
+        outs = [step(b) for b in batches]
+        sync()
+        dt = (time.perf_counter() - t0) / len(batches)
+        times = [dt] * len(batches)
+        losses += [o.loss.item() for o in outs]
+        print(f"steps {args.warmup + 1}-{args.steps} back to back: {dt * 1e3:.1f} ms a step, "
+              f"{tokens_per_step / dt:,.0f} tok/s", flush=True)
+    use = times if batches else (times[args.warmup:] or times)
     tps = tokens_per_step / statistics.median(use)
     n_params = sum(p.numel() for p in model.parameters())
     row = {
@@ -161,7 +181,8 @@ def main() -> None:
         "attention": args.attention,
         "active_params_matmul": matmul_params(model),
         "recompute": args.recompute, "recompute_layers": args.recompute_layers,
-        "recompute_casts": args.recompute_casts, "offload": args.offload,
+        "recompute_casts": args.recompute_casts, "overlap_optimizer": args.overlap_optimizer,
+        "timing": "window mean" if args.window else "median step", "offload": args.offload,
         "document_mask": args.document_mask or None,
         "tokens_per_s": round(tps),
         "mfu": round(fpt * tps / peak, 4),

@@ -19,6 +19,7 @@
 #                                    # RUN_TIMEOUT, for llama3-8b)
 #   bash bench/run_speed.sh moe      # qwen3-moe-2.6b compiled (profiled, MoE kinds; MOE_EAGER=1: eager too) vs
 #                                    # TorchTitan's qwen3 moe-2.6B (bench/titan_moe.py; needs bench/.peer)
+#   bash bench/run_speed.sh overlap  # train.overlap_optimizer against the plain step (mb 4 twice, alternated; 16k)
 #   bash bench/run_speed.sh ab       # this tree against an older megaloom in bench/.old (a `git archive` of the commit,
 #                                    # carried to the machine): best bf16 mb 4, alternated new/old/new/old
 #                                    # (a refactor's speed check: the same step, two commits, one call)
@@ -169,6 +170,16 @@ elif [ "$PART" = moe ]; then  # MoE race: qwen3-moe-2.6b (every block MoE, 32 ex
     echo "titan moe rc=$?"; { echo "=== TorchTitan moe-2.6B compiled"; tail -12 /tmp/peer/titan_moe_compile.log; } >> "$LOG"
     python3 bench/.peer/summarize.py /tmp/peer > /tmp/peer.log 2>&1; peer_collect "TorchTitan qwen3 moe-2.6B"
   fi
+elif [ "$PART" = overlap ]; then  # train.overlap_optimizer A/B: steps timed back to back (--window), alternated
+  for round in 1 2; do
+    run "plain$round" $BEST --window
+    run "overlap$round" $BEST --window --overlap-optimizer
+  done
+  L16="--micro-batch 1 --seq-len 16384 --fused-loss --attention cudnn --window"
+  # shellcheck disable=SC2086
+  B="${B/--seq-len 4096/}" run plain16k $L16
+  # shellcheck disable=SC2086
+  B="${B/--seq-len 4096/}" run overlap16k $L16 --overlap-optimizer
 elif [ "$PART" = ab ]; then
   OLD_COMMIT=$(cat bench/.old/COMMIT 2>/dev/null || echo old)
   for round in 1 2; do

@@ -188,6 +188,10 @@ class TrainConfig:
                                            "SwiGLU product) instead of saving them (megaloom/training/"
                                            "compile_saves.py): far less activation memory for ~1% of speed. auto = on "
                                            "only on a GPU where the memory plan does not fit without it.", AUTO_BOOL)
+    overlap_optimizer: bool = _f(False, "Run the AdamW step on a side CUDA stream, chunk by chunk in the order the "
+                                        "next forward reads the weights, each waited for just before its module "
+                                        "(megaloom/training/overlap_optimizer.py): the memory-bound update beside "
+                                        "the next forward's GEMMs. Same update; pp=1, zero=0, adamw only.")
     offload_activations: bool = _f(False, "Keep the large tensors saved for backward in pinned CPU memory "
                                           "(GPU only; trades PCIe traffic for activation memory).")
     compile: AutoBool = _f("auto", "torch.compile each transformer block. auto = on CUDA (measured to pay for dense "
@@ -560,6 +564,11 @@ def validate(cfg: Config) -> None:
                        "the GEMMs; set parallel.sp=true (or parallel.async_tp=false).")
         _require(t.compile is not True, "parallel.async_tp=true runs its ring steps in eager mode, which compiled "
                                         "blocks bypass; set train.compile=false or auto (or parallel.async_tp=false).")
+    if t.overlap_optimizer:
+        _require(p.pp == 1 and p.zero == 0 and t.optimizer == "adamw",
+                 f"train.overlap_optimizer=true needs one model replica's whole AdamW per rank (parallel.pp=1, "
+                 f"parallel.zero=0, train.optimizer=adamw); got pp={p.pp}, zero={p.zero}, optimizer={t.optimizer}. "
+                 "Set train.overlap_optimizer=false, or those settings.")
     _require(t.recompute_casts is not True or t.compile is not False,
              "train.recompute_casts=true changes what compiled blocks save, and train.compile=false compiles none; "
              "set train.compile=true (or auto, on a GPU) or leave train.recompute_casts at auto.")

@@ -124,11 +124,13 @@ class TrainStep:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, precision: str,
                  device: torch.device, micro_batch_size: int, grad_clip: float, grads=None,
                  nan_guard: bool = False, pipeline=None, attention: str = "auto", offload: bool = False,
-                 documents: Callable[[torch.Tensor], Documents] | None = None, seq_shard=None):
+                 documents: Callable[[torch.Tensor], Documents] | None = None, seq_shard=None,
+                 overlap_optimizer: bool = False):
         """`grads`: a megaloom.parallel.grads.GradientSync for parallel runs (reduces and clips over all
         groups); None on one process. `documents`: the document boundaries of an input micro-batch
         (data.document_mask / data.reset_positions), passed to the model as ``docs``. `seq_shard`: context
-        parallelism's split of tokens and labels."""
+        parallelism's split of tokens and labels. `overlap_optimizer`: the update runs beside the next forward
+        (megaloom.training.overlap_optimizer; call `settle()` before using the weights outside a forward)."""
         self.seq_shard = seq_shard
         self.model, self.optimizer = model, optimizer
         self.grads = grads
@@ -146,6 +148,16 @@ class TrainStep:
         self.moe = moe_layers(model)
         if pipeline is not None and self.scaler is not None:
             pipeline.scale_loss = lambda loss: loss * self.scaler.scale
+        self.overlap = None
+        if overlap_optimizer:
+            from megaloom.training.overlap_optimizer import OverlappedStep
+
+            self.overlap = OverlappedStep(model, optimizer, device)
+
+    def settle(self) -> None:
+        """Every update queued is complete before what is queued next (checkpoints, rollbacks, the end)."""
+        if self.overlap is not None:
+            self.overlap.wait_all()
 
     def __call__(self, batch: torch.Tensor | None) -> StepOutput:
         # The preferred SDPA kernel holds for the backward too: recomputation (train.recompute) re-runs attention
@@ -205,7 +217,10 @@ class TrainStep:
             self.optimizer.grad_scale = None
             self.optimizer.zero_grad(set_to_none=True)
             return StepOutput(total, grad_norm, True)
-        self.optimizer.step()
+        if self.overlap is not None:
+            self.overlap.step()
+        else:
+            self.optimizer.step()
         self.optimizer.grad_scale = None  # a clip folded in by clip_gradients holds for this step only
         self.optimizer.zero_grad(set_to_none=True)
         self._update_router_bias()

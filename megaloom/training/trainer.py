@@ -238,7 +238,7 @@ class Trainer:
         self.train_step = TrainStep(model, optimizer, self.precision, device, t.micro_batch_size, t.grad_clip, grads,
                                     nan_guard=cfg.resilience.nan_guard, pipeline=pipe, attention=t.attention,
                                     offload=t.offload_activations, documents=self.documents(),
-                                    seq_shard=self.seq_shard)
+                                    seq_shard=self.seq_shard, overlap_optimizer=t.overlap_optimizer)
         self.model, self.optimizer, self.pipe, self.eval_pipe = model, optimizer, pipe, eval_pipe
 
     def documents(self):
@@ -346,6 +346,7 @@ class Trainer:
                 if not self._run_until_rollback(stop_after):
                     break
             self.stops.close()
+            self.train_step.settle()  # the weights a caller reads after fit() are the last update's
             self.ckpt.wait()  # the last checkpoint is on disk before fit() returns
         finally:  # also when the run stops with an error: no watchdog left armed in a process that goes on
             self.stops.restore()
@@ -502,6 +503,7 @@ class Trainer:
             self._save()
 
     def _save(self) -> None:
+        self.train_step.settle()  # train.overlap_optimizer: the last update is complete before the weights are read
         with self.guard.paused():
             self.pending_stall = self.ckpt.save(self.step, self.model, self.optimizer, self.train_step,
                                                 self.data_offset)
@@ -520,6 +522,7 @@ class Trainer:
         (resilience/rollbacks.py)."""
         step, r, t = self.step, self.cfg.resilience, self.cfg.train
         self.ckpt.wait()  # a background save in flight is on disk (or has failed) before the newest is chosen
+        self.train_step.settle()  # no overlapped update still writing the weights the restore overwrites
         self.rollbacks.allow(step, r.max_bad_steps, self.ckpt.newest_step(),
                              f"lower train.lr (now {t.lr:g}) or raise train.warmup_steps, or check the data")
         back_to = self.ckpt.rollback(self.model, self.optimizer)
