@@ -77,6 +77,10 @@ def main() -> None:
     ap.add_argument("--profile", default=None, help="after the timed steps, profile one step into this folder "
                                                   "(trace.json.gz, breakdown.json; see profile_breakdown.py)")
     ap.add_argument("--run-id", default=None)
+    ap.add_argument("--gemm-tflops", type=float, default=760.0,
+                    help="--profile: the matmul ceiling for the floor (bf16 8192^3 on an H200, bench/RESULTS.md)")
+    ap.add_argument("--hbm-tbps", type=float, default=4.26,
+                    help="--profile: HBM bandwidth for the optimizer's floor (bench_optimizer.py's copy on an H200)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--attention", default="auto", help="preferred SDPA kernel: auto, cudnn, flash, efficient")
     ap.add_argument("--document-mask", type=int, default=0, metavar="LEN",
@@ -194,13 +198,19 @@ def main() -> None:
         "commit": git_commit(),
     }
     if args.profile:
-        from profile_breakdown import profile_step, table
+        from profile_breakdown import floor_ms, profile_step, table
 
         batch = torch.randint(1, cfg.model.vocab_size, (gbs, args.seq_len + 1), device=device)
         if args.document_mask:
             batch[:, args.document_mask - 1::args.document_mask] = 0
         b = profile_step(lambda: step(batch), Path(args.profile), device.type, moe=cfg.model.moe_every > 0)
-        print(table(b, row["step_ms_median"]), flush=True)
+        passes = 8 if args.recompute == "full" else 6  # forward, backward (2x), and the recomputed forward
+        gemm_kinds = {k: v for k, v in b["kinds_ms"].items() if "gemm" in k.lower()}  # dense + grouped
+        floor = floor_ms({"attention": b["kinds_ms"].get("attention", 0.0)},
+                         gemm_flop=passes * matmul_params(model) * tokens_per_step, gemm_tflops=args.gemm_tflops,
+                         optimizer_bytes=32 * n_params, hbm_tb_per_s=args.hbm_tbps)
+        b["floor_ms"] = {**floor, "gemm_kinds_measured_ms": sum(gemm_kinds.values())}
+        print(table(b, row["step_ms_median"], floor), flush=True)
         row["profile"] = b
     print("RESULT " + json.dumps(row), flush=True)
     if args.results:

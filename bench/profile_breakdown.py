@@ -16,7 +16,10 @@ kernel that fuses the combine's index copy with the residual add counts as dispa
 
     python bench/profile_breakdown.py TRACE.json.gz [--moe] [--step-ms MS] [--top N]
 
-re-reads a saved trace and prints the table and each kind's largest kernels.
+re-reads a saved trace and prints the table and each kind's largest kernels. `bench_train.py --profile` adds the
+speed issue's floor (`floor_ms`: GEMMs at the measured matmul ceiling, attention as the kernel ran, the optimizer
+at HBM bandwidth) as a column and the step's ratio to it; an MoE step's GEMM floor (active parameters) stands on
+the dense GEMM row and covers the grouped GEMM too.
 """
 
 from __future__ import annotations
@@ -111,18 +114,34 @@ def breakdown(trace_path: Path, device_type: str, moe: bool = False) -> dict:
     return out
 
 
-def table(b: dict, step_ms: float | None = None) -> str:
+def floor_ms(kinds_ms: dict[str, float], *, gemm_flop: float, gemm_tflops: float, optimizer_bytes: float,
+             hbm_tb_per_s: float) -> dict[str, float]:
+    """The speed issue's floor of one step, per kind (ms): the step's GEMM FLOPs at the measured matmul ceiling,
+    attention at the time the best kernel available (the one that ran) took, the optimizer's traffic at HBM
+    bandwidth; every other kind 0 (elementwise work, the loss, copies and gaps are what fusion and overlap could
+    remove). ``gemm_flop``: e.g. 6 x matmul parameters x tokens (8 x with full recompute); ``optimizer_bytes``:
+    28 per fp32 parameter for AdamW plus 4 for the clipping norm's read."""
+    return {"gemm": gemm_flop / (gemm_tflops * 1e12) * 1e3, "attention": kinds_ms.get("attention", 0.0),
+            "optimizer": optimizer_bytes / (hbm_tb_per_s * 1e12) * 1e3}
+
+
+def table(b: dict, step_ms: float | None = None, floor: dict[str, float] | None = None) -> str:
     """Busy time per kind, as a share of the step. The profiler's own overhead stretches the profiled step's
     wall time (launch gaps), so with ``step_ms`` (the unprofiled median step) the shares are of that, and the
-    last line is what is left of it beyond the kernels: host gaps and launch latency."""
+    last line is what is left of it beyond the kernels: host gaps and launch latency. With ``floor`` (`floor_ms`)
+    a column of each kind's floor and, under the step, its ratio to the summed floor."""
     wall = step_ms or b.get("wall_ms") or b["busy_ms"]
-    lines = [f"{'kind':<24}{'ms':>10}{'% of step':>11}"]
+    floor_col = (lambda k: f"{floor.get(k, 0.0):>10.2f}") if floor else (lambda k: "")
+    lines = [f"{'kind':<24}{'ms':>10}{'% of step':>11}" + (f"{'floor ms':>10}" if floor else "")]
     for k, ms in b["kinds_ms"].items():
-        lines.append(f"{k:<24}{ms:>10.2f}{100 * ms / wall:>10.1f}%")
+        lines.append(f"{k:<24}{ms:>10.2f}{100 * ms / wall:>10.1f}%" + floor_col(k))
     if step_ms:
         gap = max(0.0, step_ms - b["busy_ms"])
-        lines.append(f"{'no kernel (host, gaps)':<24}{gap:>10.2f}{100 * gap / wall:>10.1f}%")
+        lines.append(f"{'no kernel (host, gaps)':<24}{gap:>10.2f}{100 * gap / wall:>10.1f}%" + floor_col("-"))
         lines.append(f"{'step (unprofiled median)':<24}{step_ms:>10.2f}")
+        if floor:
+            total = sum(floor.values())
+            lines.append(f"{'floor (sum)':<24}{total:>10.2f}  step / floor = {step_ms / total:.3f}")
         if b.get("wall_ms"):
             lines.append(f"{'profiled step wall time':<24}{b['wall_ms']:>10.2f}  (profiler overhead included)")
         return "\n".join(lines)

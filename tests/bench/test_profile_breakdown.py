@@ -75,3 +75,16 @@ def test_moe_kernels_get_their_own_kinds_only_for_an_moe_model() -> None:
     # a dense model's trace keeps the plain kinds (an index kernel of RoPE is not dispatch there)
     assert kind_of("triton_poi_fused_index_copy_mul_3") == "elementwise/norm/other"
     assert kind_of(next(iter(seen))) == "gemm"
+
+
+def test_the_floor_counts_gemm_at_the_ceiling_attention_as_run_and_the_optimizer_at_bandwidth() -> None:
+    from profile_breakdown import floor_ms
+
+    # llama3-1b-untied, micro-batch 4 x 4096: 6 x 1.236e9 x 16,384 FLOP at 760 TFLOP/s; 32 bytes x 1.498e9 at 4.26 TB/s
+    f = floor_ms({"attention": 44.9, "gemm": 160.2}, gemm_flop=6 * 1.236e9 * 16384, gemm_tflops=760,
+                 optimizer_bytes=32 * 1.498e9, hbm_tb_per_s=4.26)
+    assert abs(f["gemm"] - 159.87) < 0.01 and f["attention"] == 44.9 and abs(f["optimizer"] - 11.25) < 0.01
+    b = {"busy_ms": 250.0, "kinds_ms": {"gemm": 160.2, "attention": 44.9, "elementwise/norm/other": 24.0}}
+    lines = table(b, step_ms=256.0, floor=f).splitlines()
+    assert lines[0].split()[-2:] == ["floor", "ms"] and lines[1].split()[-1] == "159.87"
+    assert lines[-1].endswith(f"step / floor = {256.0 / sum(f.values()):.3f}")
