@@ -108,3 +108,24 @@ def test_the_lever_without_compile_is_refused_with_the_fix() -> None:
     with pytest.raises(ConfigError, match="train.recompute_casts=true .* set train.compile=true"):
         load_config(None, ["train.recompute_casts=true", "train.compile=false"])
     load_config(None, ["train.recompute_casts=true"])  # compile auto: on a GPU it compiles
+
+
+def test_the_plan_of_a_compiled_block_with_selective_recompute() -> None:
+    """Selective recompute under compile drops the SwiGLU product from the saved set, with or without the lever."""
+    from megaloom.models import apply_recompute
+
+    args = ["model.preset=mixtral-tiny", "model.vocab_size=512", "model.moe_every=0"]
+    torch.manual_seed(0)
+    model = build_on_device(load_config(None, args).model, torch.device("cpu"))
+    apply_recompute(model, "selective", core_attention=False)  # as the trainer, with a fused attention kernel
+    block = model.layers["0"]
+    x, rope = torch.randn(3, 50, 128), model.rope(50)
+    shapes = {tuple(p.shape) for p in block.parameters()}
+    shapes |= {s[::-1] for s in shapes}
+    for lean in (False, True):
+        saved, _ = _saved_and_grads(copy.deepcopy(block), x, rope, lean=lean)
+        measured = sum(torch.Size(s).numel() * (2 if d == torch.bfloat16 else 4) for s, d in saved if s not in shapes)
+        cfg = load_config(None, [*args, "train.compile=true", "train.recompute=selective", "train.precision=bf16",
+                                 f"train.recompute_casts={str(lean).lower()}"])
+        planned = block_activation_bytes(cfg, tokens=150, batch=3, device="cuda", attention="flash")
+        assert sum(planned.values()) == measured, (lean, planned, saved)

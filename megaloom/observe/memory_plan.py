@@ -64,7 +64,7 @@ it is is reported with it. Steady state is assumed (optimizer state exists, i.e.
 ``update=False`` plans steps that never call the optimizer (a dry run that leaves the update out).
 
 torch.compile (train.compile) changes what is saved: for compiled dense decoder blocks (RMSNorm, SwiGLU, RoPE,
-QK-norm or not, fused attention, no recompute, tp=1) the plan counts the partitioner's own save-set
+QK-norm or not, fused attention, no or selective recompute, tp=1) the plan counts the partitioner's own save-set
 (`_compiled_block_bytes`, checked against a compiled block's saved tensors), with train.recompute_casts the leaner
 one; other compiled blocks are planned as eager, which over-estimates them.
 
@@ -212,14 +212,9 @@ def block_activation_bytes(cfg: Config, *, tokens: int, batch: int, layer: int =
         return {"block input (full recompute)": residual * dm.n_r * m.d_model}
     attention = attention or attention_backend(cfg, device, tp)
     moe = is_moe_layer(m, layer)
-    # Compiled blocks: the partitioner's save-set. Selective recompute (not modelled compiled) saves a subset of
-    # what the same compiled block saves without it, so that set bounds it when it is below the eager estimate.
-    compiled = None
-    if _compiled_save_set_known(cfg, dm, device, "none" if recompute == "selective" else recompute, attention,
-                                moe, fp8):
-        compiled = _compiled_block_bytes(m, dm, lean=t.recompute_casts is True)
-        if recompute == "none":
-            return compiled
+    # Compiled blocks: the partitioner's own save-set (selective recompute drops the SwiGLU product from it).
+    if _compiled_save_set_known(cfg, dm, device, recompute, attention, moe, fp8):
+        return _compiled_block_bytes(m, dm, lean=t.recompute_casts is True, selective=recompute == "selective")
     lin_in = 1 if fp8 and getattr(t, "fp8_recipe", "tensorwise") == "tensorwise" else 2
     attn_in = 2 if getattr(t, "fp8_keep_attention", False) else lin_in  # projections kept bf16: 2-byte inputs
     out: dict[str, int] = {}
@@ -271,8 +266,6 @@ def block_activation_bytes(cfg: Config, *, tokens: int, batch: int, layer: int =
             out["up, gelu"] = 2 * a * n * dm.fl
     if m.dropout > 0:  # masks of the residual dropouts on o_proj's and down_proj's outputs (MoE: its own)
         out["dropout masks"] = (1 if moe else 2) * _mask_bytes(device, a) * n_r * d
-    if compiled is not None and sum(compiled.values()) < sum(out.values()):
-        return compiled
     return out
 
 
@@ -280,17 +273,17 @@ def _compiled_save_set_known(cfg: Config, dm: _Dims, device: str, recompute: str
                              fp8: bool) -> bool:
     """Whether `_compiled_block_bytes` describes this block: a compiled dense pre-norm decoder block (RMSNorm,
     SwiGLU, RoPE, with or without QK-norm; no parallel block, window or dropout) under bf16/fp16 autocast with a
-    fused attention kernel, no recomputation, fp8 or tensor parallelism. Other blocks keep the eager save-set (an
-    over-estimate of what compile keeps)."""
+    fused attention kernel, no full recomputation, fp8 or tensor parallelism. Other blocks keep the eager save-set
+    (an over-estimate of what compile keeps)."""
     m, t = cfg.model, cfg.train
     tr = _traits(m)
-    return (device == "cuda" and t.compile is True and dm.autocast and dm.tp == 1 and recompute == "none"
+    return (device == "cuda" and t.compile is True and dm.autocast and dm.tp == 1 and recompute in ("none", "selective")
             and not moe and not fp8 and attention in ("flash", "cudnn", "efficient") and tr.norm == "rmsnorm"
             and tr.gated_mlp and tr.positions == "rope" and not tr.bias and not tr.post_norm
             and not m.parallel_block and not m.sliding_window and m.dropout == 0)
 
 
-def _compiled_block_bytes(m: ModelConfig, dm: _Dims, lean: bool) -> dict[str, int]:
+def _compiled_block_bytes(m: ModelConfig, dm: _Dims, lean: bool, selective: bool = False) -> dict[str, int]:
     """What a compiled block (`_compiled_save_set_known`) saves for backward, as AOTAutograd's partitioner picks it
     (read with saved-tensor hooks on a compiled block, tests/test_compile_saves.py). By default it keeps, besides
     the fp32 block input and each norm's 1/rms: three [n, d] bf16 tensors (the normed inputs of attention and MLP,
@@ -298,8 +291,9 @@ def _compiled_block_bytes(m: ModelConfig, dm: _Dims, lean: bool) -> dict[str, in
     [n, ffn] bf16 tensors (gate, up, their SwiGLU product); weight casts are counted apart. With
     ``lean`` (train.recompute_casts) it recomputes the normed inputs, the o_proj layout and the product from what
     it keeps: one [n, d] bf16 tensor (o_proj's output), gate and up; the fp32 weights it saves are parameters,
-    resident anyway. Which tensor is which is read from shapes; the byte counts are what the test checks. With
-    QK-norm (either way) the q and k projections' outputs before their norms and the norms' 1/rms are kept too."""
+    resident anyway. Selective recompute (``selective``; the fused attention core is never recomputed) drops the
+    product either way. Which tensor is which is read from shapes; the byte counts are what the test checks. With
+    QK-norm the q and k projections' outputs before their norms and the norms' 1/rms are kept too."""
     n, d, a = dm.n, dm.d, dm.a
     q, kv = a * n * dm.hl * dm.hd, a * n * dm.hkvl * dm.hd
     out = {
@@ -310,7 +304,7 @@ def _compiled_block_bytes(m: ModelConfig, dm: _Dims, lean: bool) -> dict[str, in
         "q, k, v": q + 2 * kv,
         "attention out": q,
         "logsumexp": 4 * dm.b * dm.hl * dm.t,
-        "gate, up" + ("" if lean else ", product"): (2 if lean else 3) * a * n * dm.fl,
+        "gate, up" + ("" if lean or selective else ", product"): (2 if lean or selective else 3) * a * n * dm.fl,
     }
     if _traits(m).qk_norm:
         out["q, k before their norms"] = q + kv
