@@ -37,6 +37,23 @@ def cli_run_losses(corpus: dict, run_dir: Path, preset: str, *extra: str) -> tup
     return sum(loss[s] for s in (1, 2, 3)) / 3, sum(loss[s] for s in (28, 29, 30)) / 3, records
 
 
+def assert_recompute_keeps_grads(model, x, y, mode: str) -> None:
+    """One backward of ``model(x, y)`` before and after `apply_recompute(model, mode)`: the same gradients, bitwise."""
+    import torch
+
+    from megaloom.models import apply_recompute
+
+    def grads() -> dict:
+        model.zero_grad(set_to_none=True)
+        model(x, y).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    plain = grads()
+    apply_recompute(model, mode)
+    for n, g in grads().items():
+        assert torch.equal(g, plain[n]), n
+
+
 def tiny_overrides(corpus: dict, run_dir: Path, *extra: str) -> list[str]:
     return [f"data.paths={corpus['prefix']}", f"data.tokenizer={corpus['tokenizer']}", f"run.dir={run_dir}",
             "model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",

@@ -23,14 +23,14 @@ from megaloom.data.loader import StepBatches
 from megaloom.data.objective import ObjectiveDataset, inputs_and_labels, objective_kwargs
 from megaloom.data.tokenizer import Tokenizer
 from megaloom.generate import load_for_generation
-from megaloom.models import Transformer, apply_recompute
+from megaloom.models import Transformer
 from megaloom.models.bert.masking import MaskedLMObjective
 from megaloom.models.registry import get_family
 from megaloom.models.transformer import Span
 from megaloom.train import train
 from megaloom.training.preflight import preflight
 from megaloom.training.trainer import Trainer
-from tests.conftest import cli_run_losses, tiny_overrides
+from tests.conftest import assert_recompute_keeps_grads, cli_run_losses, tiny_overrides
 
 V, EOD, SEQ = 1000, 0, 128
 
@@ -206,17 +206,7 @@ def _tiny_model_and_batch():
 
 @pytest.mark.parametrize("mode", ["selective", "full"])
 def test_recomputation_gives_the_same_gradients(mode):
-    model, x, y = _tiny_model_and_batch()
-
-    def grads() -> dict:
-        model.zero_grad(set_to_none=True)
-        model(x, y).backward()
-        return {n: p.grad.clone() for n, p in model.named_parameters()}
-
-    plain = grads()
-    apply_recompute(model, mode)
-    for n, g in grads().items():
-        assert torch.equal(g, plain[n]), n
+    assert_recompute_keeps_grads(*_tiny_model_and_batch(), mode)
 
 
 def test_bf16_autocast_loss_close_to_fp32():

@@ -15,11 +15,10 @@ from megaloom.config import ConfigError, load_config
 from megaloom.data.loader import StepBatches
 from megaloom.data.objective import ObjectiveDataset
 from megaloom.data.tokenizer import Tokenizer
-from megaloom.models import apply_recompute
 from megaloom.models.registry import get_family
 from megaloom.models.t5.spans import SpanCorruptionObjective, encoder_length, lengths, span_counts
 from megaloom.training.preflight import preflight
-from tests.conftest import cli_run_losses
+from tests.conftest import assert_recompute_keeps_grads, cli_run_losses
 
 V, EOD, SEQ = 1000, 0, 128
 
@@ -132,17 +131,7 @@ def _tiny_model_and_batch():
 
 @pytest.mark.parametrize("mode", ["selective", "full"])
 def test_recomputation_gives_the_same_gradients(mode):
-    model, x, y = _tiny_model_and_batch()
-
-    def grads() -> dict:
-        model.zero_grad(set_to_none=True)
-        model(x, y).backward()
-        return {n: p.grad.clone() for n, p in model.named_parameters()}
-
-    plain = grads()
-    apply_recompute(model, mode)
-    for n, g in grads().items():
-        assert torch.equal(g, plain[n]), n
+    assert_recompute_keeps_grads(*_tiny_model_and_batch(), mode)
 
 
 @pytest.mark.parametrize("override,key", [("parallel.tp=2 parallel.sp=true", "train.seq_len=16 would"),
