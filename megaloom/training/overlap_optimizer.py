@@ -63,6 +63,11 @@ class OverlappedStep:
         self.chunks = forward_order_chunks(model)
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.pending: dict[int, torch.cuda.Event] = {}  # chunk -> its update's event, until a forward waits for it
+        # Each chunk's parameters per optimizer group, split once (the groups' parameter lists never change).
+        chunk_ids = [{id(p) for p in params} for _, params in self.chunks]
+        self.group_params = [[[p for p in g["params"] if id(p) in ids] for g in optimizer.param_groups]
+                             for ids in chunk_ids]
+        self._ready = False  # the optimizer state exists (after the first, unchunked step)
         self._hooks = []
         for i, (module, _) in enumerate(self.chunks):
             self._hooks.append(module.register_forward_pre_hook(self._waiter(i)))
@@ -76,8 +81,10 @@ class OverlappedStep:
         return wait
 
     def _states_ready(self) -> bool:
-        state = self.optimizer.state
-        return all(len(state[p]) > 0 for _, ps in self.chunks for p in ps if p.grad is not None)
+        if not self._ready:
+            state = self.optimizer.state
+            self._ready = all(len(state[p]) > 0 for _, ps in self.chunks for p in ps if p.grad is not None)
+        return self._ready
 
     def step(self) -> None:
         """The update, chunk by chunk; on CUDA queued on the side stream after everything queued so far."""
@@ -86,15 +93,15 @@ class OverlappedStep:
             self.optimizer.step()
             return
         if self.side is None:
-            for _, params in self.chunks:
-                self._step_chunk(params)
+            for i in range(len(self.chunks)):
+                self._step_chunk(i)
             return
         main = torch.cuda.current_stream(self.device)
         self.side.wait_stream(main)  # the gradients, their reduction and the clip coefficient are ready
         scale = getattr(self.optimizer, "grad_scale", None)
         with torch.cuda.stream(self.side):
-            for i, (_, params) in enumerate(self.chunks):
-                self._step_chunk(params)
+            for i in range(len(self.chunks)):
+                self._step_chunk(i)
                 event = torch.cuda.Event()
                 event.record(self.side)
                 self.pending[i] = event
@@ -106,11 +113,11 @@ class OverlappedStep:
         if isinstance(scale, torch.Tensor):
             scale.record_stream(self.side)
 
-    def _step_chunk(self, params: list[nn.Parameter]) -> None:
-        """One `optimizer.step()` over the groups restricted to ``params`` (same hyper-parameters, same state)."""
-        opt, chunk = self.optimizer, {id(p) for p in params}
+    def _step_chunk(self, i: int) -> None:
+        """One `optimizer.step()` over the groups restricted to chunk ``i`` (same hyper-parameters, same state)."""
+        opt = self.optimizer
         groups = opt.param_groups
-        opt.param_groups = [{**g, "params": [p for p in g["params"] if id(p) in chunk]} for g in groups]
+        opt.param_groups = [{**g, "params": ps} for g, ps in zip(groups, self.group_params[i], strict=True)]
         try:
             opt.step()
         finally:
