@@ -186,6 +186,7 @@ def main() -> None:
         "active_params_matmul": matmul_params(model),
         "recompute": args.recompute, "recompute_layers": args.recompute_layers,
         "recompute_casts": args.recompute_casts, "overlap_optimizer": args.overlap_optimizer,
+        "bf16_residual": t.bf16_residual,
         "timing": "window mean" if args.window else "median step", "offload": args.offload,
         "document_mask": args.document_mask or None,
         "tokens_per_s": round(tps),

@@ -20,6 +20,7 @@
 #   bash bench/run_speed.sh moe      # qwen3-moe-2.6b compiled (profiled, MoE kinds; MOE_EAGER=1: eager too) vs
 #                                    # TorchTitan's qwen3 moe-2.6B (bench/titan_moe.py; needs bench/.peer)
 #   bash bench/run_speed.sh overlap  # train.overlap_optimizer against the plain step (mb 4 twice, alternated; 16k)
+#   bash bench/run_speed.sh bf16res  # train.bf16_residual against the fp32 residual stream (mb 4 alternated; 16k profiled)
 #   bash bench/run_speed.sh ab       # this tree against an older megaloom in bench/.old (a `git archive` of the commit,
 #                                    # carried to the machine): best bf16 mb 4, alternated new/old/new/old
 #                                    # (a refactor's speed check: the same step, two commits, one call)
@@ -180,6 +181,16 @@ elif [ "$PART" = overlap ]; then  # train.overlap_optimizer A/B: steps timed bac
   B="${B/--seq-len 4096/}" run plain16k $L16
   # shellcheck disable=SC2086
   B="${B/--seq-len 4096/}" run overlap16k $L16 --overlap-optimizer
+elif [ "$PART" = bf16res ]; then  # train.bf16_residual A/B: mb 4 alternated (back to back), then 16k profiled
+  for round in 1 2; do
+    run "fp32res$round" $BEST --window
+    run "bf16res$round" $BEST --window train.bf16_residual=true
+  done
+  L16="--micro-batch 1 --seq-len 16384 --fused-loss --attention cudnn"
+  # shellcheck disable=SC2086
+  B="${B/--seq-len 4096/}" run fp32res16k $L16 --profile "$OUT/p16"
+  # shellcheck disable=SC2086
+  B="${B/--seq-len 4096/}" run bf16res16k $L16 --profile "$OUT/p16b" train.bf16_residual=true
 elif [ "$PART" = ab ]; then
   OLD_COMMIT=$(cat bench/.old/COMMIT 2>/dev/null || echo old)
   for round in 1 2; do
