@@ -5,6 +5,7 @@
 #   bash bench/run_speed.sh race     # TorchTitan bf16 + float8 (needs bench/.peer) and megaloom's best, back to back
 #                                    # (FP8_MORE=1: fp8 at mb 8; FP8_PROFILE=1: an fp8 step profile; PEER_MB8=1: TorchTitan mb 8)
 #   bash bench/run_speed.sh parity   # `megaloom train` 200 steps on the embedded corpus: plain path vs optimised path
+#                                    # (PARITY_FAST_EXTRA: more keys for the optimised side, e.g. train.bf16_residual=true)
 #   bash bench/run_speed.sh moe-parity  # the same for qwen3-moe-2.6b (the compiled MoE block against eager)
 #   bash bench/run_speed.sh 8b       # llama3-8b at sequence 8192: EIGHTB_VARIANTS "MB:RECOMPUTE[:N] ..." tried in order
 #                                    # (default: mb 1 keeping every activation, then 4 or 10 blocks recomputed, then mb 3 full)
@@ -259,7 +260,7 @@ elif [ "$PART" = parity ] || [ "$PART" = moe-parity ]; then
     timeout 220 $T run.dir=/tmp/parity-plain-$seed train.compile=false train.fused_loss=false train.attention=torch $S \
       >> "$LOG" 2>&1; echo "plain seed $seed rc=$?"
     # shellcheck disable=SC2086
-    timeout 220 $T run.dir=/tmp/parity-fast-$seed $S >> "$LOG" 2>&1; echo "optimised seed $seed rc=$?"
+    timeout 220 $T run.dir=/tmp/parity-fast-$seed $S ${PARITY_FAST_EXTRA:-} >> "$LOG" 2>&1; echo "optimised seed $seed rc=$?"
     cp "/tmp/parity-plain-$seed/metrics.jsonl" "$OUT/${PART}_plain_$seed.jsonl"
     cp "/tmp/parity-fast-$seed/metrics.jsonl" "$OUT/${PART}_fast_$seed.jsonl"
   done
