@@ -67,10 +67,10 @@ def _seq_len(run: str) -> int:
     return int(m.group(1)) * 1024 if m else 4096
 
 
-def _key(r: dict) -> tuple:
-    return (r.get("run_id"), r.get("framework"), r.get("model"), r.get("precision"), r.get("micro_batch"),
-            r.get("seq_len", 4096), r.get("recompute"), r.get("recompute_layers"), r.get("recompute_casts"),
-            r.get("document_mask"), r.get("bench"), r.get("preset"))
+def _key(r: dict) -> str:
+    """A row's identity is all of it: a call recorded again adds nothing, while the rounds of an A/B that alternates
+    the same configuration (run_speed.sh's bf16res, overlap) differ in their measurements and all land."""
+    return json.dumps(r, sort_keys=True)
 
 
 def table(rows: list[dict]) -> str:

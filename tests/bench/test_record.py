@@ -34,3 +34,16 @@ def test_record_appends_once_and_compares_with_the_peer(tmp_path, capsys) -> Non
     assert "| 1.100x |" in capsys.readouterr().out  # against the peer's best setting (mb 4 here)
     assert main([str(out), "--results", str(results)]) == 0  # the same call recorded again: nothing new
     assert len(results.read_text().splitlines()) == 3
+
+
+def test_record_keeps_each_round_of_an_alternated_ab(tmp_path) -> None:
+    """Two rounds of one configuration in one call (run_speed.sh bf16res, overlap) are two measurements: both land."""
+    out = tmp_path / "out"
+    out.mkdir()
+    row = {"run_id": "R2", "date": "2026-12-04", "gpu": "NVIDIA H200", "framework": "megaloom", "mfu": 0.575,
+           "model": "llama3-1b-untied", "micro_batch": 4, "precision": "bf16", "bf16_residual": True}
+    rounds = [dict(row, tokens_per_s=63024), dict(row, tokens_per_s=63051)]
+    (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rounds))
+    results = tmp_path / "results.jsonl"
+    assert main([str(out), "--results", str(results)]) == 0
+    assert [json.loads(line)["tokens_per_s"] for line in results.read_text().splitlines()] == [63024, 63051]
