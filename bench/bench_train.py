@@ -32,6 +32,7 @@ from megaloom.optim import build_optimizer  # noqa: E402
 from megaloom.step import TrainStep  # noqa: E402
 from megaloom.train import apply_train_options  # noqa: E402
 from megaloom.training.compile_saves import set_lean_saves  # noqa: E402
+from megaloom.training.levers import choose_levers  # noqa: E402
 
 
 def git_commit() -> str:
@@ -101,6 +102,8 @@ def main() -> None:
     t.precision, t.fp8_recipe, t.fp8_keep_first_last = args.precision, args.fp8_recipe, args.fp8_keep_first_last
     t.fp8_fast_accum, t.fp8_keep_attention = args.fp8_fast_accum, args.fp8_keep_attention
     t.recompute, t.recompute_layers, t.fused_loss = args.recompute, args.recompute_layers, args.fused_loss
+    if t.bf16_residual == "auto":  # as `megaloom train` chooses it on this device (levers.py)
+        t.bf16_residual = next(c.value for c in choose_levers(cfg, device.type) if c.key == "train.bf16_residual")
     torch.manual_seed(0)
     model = build_on_device(cfg.model, device)
     # As the trainer: selective recompute re-runs the attention core only under the math kernel.

@@ -22,6 +22,8 @@
 #                                    # TorchTitan's qwen3 moe-2.6B (bench/titan_moe.py; needs bench/.peer)
 #   bash bench/run_speed.sh overlap  # train.overlap_optimizer against the plain step (mb 4 twice, alternated; 16k)
 #   bash bench/run_speed.sh bf16res  # train.bf16_residual against the fp32 residual stream (mb 4 alternated; 16k profiled)
+#   bash bench/run_speed.sh fa4      # FlashAttention-4 behind SDPA (train.attention=fa4) vs cuDNN: bench/fa4_probe.py's
+#                                    # kernels, then steps at 4k mb 4 and FA4_SEQS (default 16k, 32k) mb 1
 #   bash bench/run_speed.sh ab       # this tree against an older megaloom in bench/.old (a `git archive` of the commit,
 #                                    # carried to the machine): best bf16 mb 4, alternated new/old/new/old
 #                                    # (a refactor's speed check: the same step, two commits, one call)
@@ -184,14 +186,26 @@ elif [ "$PART" = overlap ]; then  # train.overlap_optimizer A/B: steps timed bac
   B="${B/--seq-len 4096/}" run overlap16k $L16 --overlap-optimizer
 elif [ "$PART" = bf16res ]; then  # train.bf16_residual A/B: mb 4 alternated (back to back), then 16k profiled
   for round in 1 2; do
-    run "fp32res$round" $BEST --window
+    run "fp32res$round" $BEST --window train.bf16_residual=false
     run "bf16res$round" $BEST --window train.bf16_residual=true
   done
   L16="--micro-batch 1 --seq-len 16384 --fused-loss --attention cudnn"
   # shellcheck disable=SC2086
-  B="${B/--seq-len 4096/}" run fp32res16k $L16 --profile "$OUT/p16"
+  B="${B/--seq-len 4096/}" run fp32res16k $L16 --profile "$OUT/p16" train.bf16_residual=false
   # shellcheck disable=SC2086
   B="${B/--seq-len 4096/}" run bf16res16k $L16 --profile "$OUT/p16b" train.bf16_residual=true
+elif [ "$PART" = fa4 ]; then  # FlashAttention-4 behind SDPA (train.attention=fa4) against cuDNN: kernels, then steps
+  # (needs flash-attn-4 and its CuTe DSL wheels importable, e.g. installed with --target on PYTHONPATH)
+  timeout 200 python3 bench/fa4_probe.py >> "$LOG" 2>&1; echo "probe rc=$?"; grep '^b[0-9]\|Error' "$LOG" | head -8
+  export RUN_TIMEOUT=${RUN_TIMEOUT:-200}  # the first FA4 run of a shape compiles its kernels
+  run cudnn4k $BEST --window
+  run fa4_4k --micro-batch 4 --fused-loss --attention fa4 --window
+  for seq in ${FA4_SEQS:-16384 32768}; do
+    # shellcheck disable=SC2086
+    B="${B/--seq-len 4096/--seq-len $seq}" run "cudnn$seq" --micro-batch 1 --fused-loss --attention cudnn
+    # shellcheck disable=SC2086
+    B="${B/--seq-len 4096/--seq-len $seq}" run "fa4_$seq" --micro-batch 1 --fused-loss --attention fa4
+  done
 elif [ "$PART" = ab ]; then
   OLD_COMMIT=$(cat bench/.old/COMMIT 2>/dev/null || echo old)
   for round in 1 2; do
@@ -257,7 +271,8 @@ elif [ "$PART" = parity ] || [ "$PART" = moe-parity ]; then
   for seed in ${PARITY_SEEDS:-default}; do
     S=""; [ "$seed" = default ] || S="train.seed=$seed"
     # shellcheck disable=SC2086
-    timeout 220 $T run.dir=/tmp/parity-plain-$seed train.compile=false train.fused_loss=false train.attention=torch $S \
+    timeout 220 $T run.dir=/tmp/parity-plain-$seed train.compile=false train.fused_loss=false train.attention=torch \
+      train.bf16_residual=false $S \
       >> "$LOG" 2>&1; echo "plain seed $seed rc=$?"
     # shellcheck disable=SC2086
     timeout 220 $T run.dir=/tmp/parity-fast-$seed $S ${PARITY_FAST_EXTRA:-} >> "$LOG" 2>&1; echo "optimised seed $seed rc=$?"

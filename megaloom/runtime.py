@@ -100,7 +100,7 @@ def resolve_precision(cfg: Config, device: torch.device) -> str:
     p = cfg.train.precision
     if p == "auto":
         p = "bf16" if device.type == "cuda" else "fp32"
-        if p == "fp32" and cfg.train.bf16_residual:
+        if p == "fp32" and cfg.train.bf16_residual is True:
             raise ConfigError("train.bf16_residual=true: precision auto is fp32 on this device (no autocast); set "
                               "train.precision=bf16 or train.bf16_residual=false.")
         return p

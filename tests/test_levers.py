@@ -1,4 +1,5 @@
-"""train.compile / train.fused_loss / train.attention left at "auto": chosen per device (megaloom/training/levers.py);
+"""train.compile / train.fused_loss / train.attention / train.bf16_residual left at "auto": chosen per device
+(megaloom/training/levers.py);
 CPU runs as before, the measured fast path on a GPU, explicit values untouched."""
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ def chosen(overrides: list[str], device: str, capability=None) -> dict:
 
 
 def test_cpu_keeps_the_plain_path():
-    assert chosen([], "cpu") == {"train.compile": False, "train.fused_loss": False, "train.attention": "torch"}
+    assert chosen([], "cpu") == {"train.compile": False, "train.fused_loss": False, "train.attention": "torch",
+                                 "train.bf16_residual": False}
 
 
 def test_hopper_takes_the_measured_fast_path():
-    assert chosen([], "cuda", (9, 0)) == {"train.compile": True, "train.fused_loss": True, "train.attention": "cudnn"}
+    assert chosen([], "cuda", (9, 0)) == {"train.compile": True, "train.fused_loss": True, "train.attention": "cudnn",
+                                          "train.bf16_residual": True}
     assert chosen([], "cuda", (8, 0))["train.attention"] == "torch"  # cuDNN measured faster on Hopper only
 
 
@@ -31,13 +34,22 @@ def test_hopper_takes_the_measured_fast_path():
     (["model.preset=bert-tiny"], "train.fused_loss", False),  # the masked-LM head has a bias
     (["model.preset=t5-tiny"], "train.fused_loss", True),
     (["parallel.tp=2"], "train.compile", True),
+    (["train.precision=fp8"], "train.bf16_residual", True),  # the fp8 linears run under bf16 autocast too
+    (["train.precision=fp32"], "train.bf16_residual", False),  # no autocast: nothing to keep in bf16
+    (["train.precision=fp16"], "train.bf16_residual", False),
+    (["model.preset=gpt2-124m"], "train.bf16_residual", True),
+    (["model.preset=mixtral-tiny"], "train.bf16_residual", False),  # MoE: not measured
+    (["model.preset=bert-tiny"], "train.bf16_residual", False),
+    (["model.preset=t5-tiny"], "train.bf16_residual", False),
+    (["parallel.pp=2"], "train.bf16_residual", True),  # and the pipeline's messages halve
 ])
 def test_each_lever_where_it_applies(overrides, key, value):
     assert chosen(overrides, "cuda", (9, 0))[key] == value
 
 
 def test_explicit_values_are_never_changed():
-    cfg = load_config(None, ["train.compile=false", "train.fused_loss=true", "train.attention=flash"])
+    cfg = load_config(None, ["train.compile=false", "train.fused_loss=true", "train.attention=flash",
+                             "train.bf16_residual=false"])
     resolved, choices = resolve_levers(cfg, "cuda", (9, 0))
     assert choices == [] and resolved is cfg
 

@@ -208,7 +208,7 @@ def block_activation_bytes(cfg: Config, *, tokens: int, batch: int, layer: int =
     recompute = recompute or t.recompute
     dm = _dims(m, tokens, batch, compute_precision(cfg, device), tp, sp)
     if recompute == "full":  # the residual stream: fp32, or bf16 with train.bf16_residual under autocast
-        residual = 2 if dm.autocast and getattr(t, "bf16_residual", False) else 4
+        residual = 2 if dm.autocast and getattr(t, "bf16_residual", False) is True else 4
         return {"block input (full recompute)": residual * dm.n_r * m.d_model}
     attention = attention or attention_backend(cfg, device, tp)
     moe = is_moe_layer(m, layer)

@@ -1,4 +1,5 @@
-"""The speed levers a user leaves at "auto" (train.compile, train.fused_loss, train.attention), chosen for the device.
+"""The speed levers a user leaves at "auto" (train.compile, train.fused_loss, train.attention, train.bf16_residual),
+chosen for the device.
 
 A run typed with only the model and the batch should take the fastest path that is proven equal to the plain
 one. Each lever turns on where it is supported and was measured to pay (one H200, llama3-1b-untied, seq 4096, bf16;
@@ -12,6 +13,11 @@ bench/RESULTS.md), and stays off elsewhere, so CPU runs are what they were:
   parallelism (not tested there).
 - ``train.attention``: cuDNN's SDPA on Hopper or newer (2.6 vs flash's 4.2 ms per layer at seq 4096; the other
   kernels stay fallbacks); PyTorch's own order elsewhere.
+- ``train.bf16_residual``: the residual stream between blocks in bf16 under bf16/fp8 autocast (Megatron's and
+  TorchTitan's numerics; norms and the loss still compute in fp32): +1.0% tok/s at seq 4096 and +1.1% at 16k,
+  -1 GB, and the loss within 0.55% of the plain fp32-residual path over 200 steps (2026-12-04). On for the dense
+  decoders (llama, qwen3, gpt2), where it was measured or runs the same code; off for MoE (its layer's output is
+  fp32 and no run measured it), the encoder families and LLaVA (not measured), CPU and fp32/fp16.
 
 Explicit true/false (or a kernel name) is never changed. `resolve_levers` returns the resolved copy, written to
 run.dir/config.yaml, and one line per choice for the start-up log.
@@ -64,6 +70,24 @@ def _attention(device: str, capability: tuple[int, int] | None) -> LeverChoice:
     return LeverChoice("train.attention", "torch", why)
 
 
+DENSE_DECODERS = ("llama", "qwen3", "gpt2")  # the shared pre-norm decoder, without a vision encoder
+
+
+def _bf16_residual(cfg: Config, device: str) -> LeverChoice:
+    precision = cfg.train.precision
+    if device == "cuda" and precision == "auto":
+        precision = "bf16"  # as megaloom.runtime.resolve_precision does on a GPU
+    if device != "cuda":
+        return LeverChoice("train.bf16_residual", False, "not on CPU")
+    if precision not in ("bf16", "fp8"):
+        return LeverChoice("train.bf16_residual", False, f"precision {precision}")
+    if cfg.model.arch not in DENSE_DECODERS:
+        return LeverChoice("train.bf16_residual", False, f"{cfg.model.arch}: not measured")
+    if cfg.model.moe_every:
+        return LeverChoice("train.bf16_residual", False, "MoE: not measured")
+    return LeverChoice("train.bf16_residual", True, f"CUDA, {precision}, dense decoder")
+
+
 def choose_levers(cfg: Config, device: str, capability: tuple[int, int] | None = None) -> list[LeverChoice]:
     """The choice for every lever of ``cfg`` left at "auto" on ``device`` ("cuda" or "cpu"; ``capability``: the
     GPU's compute capability when known)."""
@@ -75,6 +99,8 @@ def choose_levers(cfg: Config, device: str, capability: tuple[int, int] | None =
         out.append(_fused_loss(cfg, device))
     if t.attention == "auto":
         out.append(_attention(device, capability))
+    if t.bf16_residual == "auto":
+        out.append(_bf16_residual(cfg, device))
     return out
 
 

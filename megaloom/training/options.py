@@ -24,7 +24,7 @@ def apply_train_options(model: torch.nn.Module, t: TrainConfig, loss_chunk: int 
                                     t.fp8_keep_attention)
     apply_recompute(model, t.recompute, t.recompute_layers or None, core_attention=recompute_attention)
     # Under autocast only (Transformer.embed checks): the cast has no effect on an fp32 run.
-    model.residual_dtype = torch.bfloat16 if t.bf16_residual else None
+    model.residual_dtype = torch.bfloat16 if t.bf16_residual is True else None
     if t.fused_loss is True:  # head + cross-entropy in chunks, never the full logits
         model.loss = FusedHeadLoss(loss_chunk)
     return summary

@@ -24,6 +24,7 @@ from megaloom.data.dataset import build_datasets
 from megaloom.data.image_text.batch import ImageTextBatch
 from megaloom.data.loader import StepBatches, make_loader
 from megaloom.data.objective import ObjectiveDataset
+from megaloom.fa4 import fa4_problem
 from megaloom.models import count_params, registry
 from megaloom.models.documents import Documents
 from megaloom.models.freeze import freeze_parts
@@ -174,9 +175,11 @@ class Trainer:
                              tokenizer_vocab=(self.objective or self.tokenizer).vocab_size,
                              image_token_id=getattr(self.tokenizer, "image_id", None))
         capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
-        cfg, levers = resolve_levers(cfg, self.device.type, capability)  # compile, fused loss, attention "auto"
+        cfg, levers = resolve_levers(cfg, self.device.type, capability)  # the speed levers left at "auto"
         if levers and self.rt.is_main:  # on CPU every lever stays off: said at debug level only
             (log.info if self.device.type == "cuda" else log.debug)(f"megaloom: {describe_levers(levers)}")
+        if cfg.train.attention == "fa4" and (problem := fa4_problem(self.device)) is not None:  # before the build
+            raise ConfigError(f"train.attention=fa4: {problem}. Use train.attention=cudnn (or auto).")
         cfg = resolve_recompute_casts(cfg, self.rt, self.device)  # needs compile resolved; before the micro-batch
         if cfg.train.micro_batch_size == 0:
             cfg = with_micro_batch(cfg, choose_micro_batch(cfg, self.rt, self.device))  # a collective
@@ -202,7 +205,7 @@ class Trainer:
         if stage is not None:  # a schedule executor runs the micro-batches across stages
             emb_group = build_embedding_groups(mesh) if cfg.model.tie_embeddings else None  # collective
             auto = lambda: forward_ctx(self.precision, device, t.offload_activations)  # noqa: E731
-            residual = torch.bfloat16 if t.bf16_residual and self.precision != "fp32" else None  # messages
+            residual = torch.bfloat16 if t.bf16_residual is True and self.precision != "fp32" else None  # messages
             pipe = PipelineExecutor(stage, build_schedule(cfg.parallel.schedule, mesh.pp, cfg.parallel.vpp,
                                                           self.n_micro),
                                     mesh, t.micro_batch_size, t.seq_len, sp=cfg.parallel.sp, autocast=auto,
