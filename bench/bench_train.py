@@ -83,7 +83,8 @@ def main() -> None:
     ap.add_argument("--hbm-tbps", type=float, default=4.26,
                     help="--profile: HBM bandwidth for the optimizer's floor (bench_optimizer.py's copy on an H200)")
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--attention", default="auto", help="preferred SDPA kernel: auto, cudnn, flash, efficient")
+    ap.add_argument("--attention", default="auto", help="preferred SDPA kernel: auto, cudnn, flash, efficient; "
+                    "fa4: the causal core by FlashAttention-4 (megaloom/fa4.py)")
     ap.add_argument("--document-mask", type=int, default=0, metavar="LEN",
                     help="packed documents of LEN tokens kept apart (data.document_mask; FlexAttention on GPUs)")
     ap.add_argument("--no-grouped-mm", action="store_true", help="MoE: per-expert loop instead of torch._grouped_mm")
@@ -102,6 +103,7 @@ def main() -> None:
     t.precision, t.fp8_recipe, t.fp8_keep_first_last = args.precision, args.fp8_recipe, args.fp8_keep_first_last
     t.fp8_fast_accum, t.fp8_keep_attention = args.fp8_fast_accum, args.fp8_keep_attention
     t.recompute, t.recompute_layers, t.fused_loss = args.recompute, args.recompute_layers, args.fused_loss
+    t.attention = args.attention
     if t.bf16_residual == "auto":  # as `megaloom train` chooses it on this device (levers.py)
         t.bf16_residual = next(c.value for c in choose_levers(cfg, device.type) if c.key == "train.bf16_residual")
     torch.manual_seed(0)

@@ -1,11 +1,9 @@
 """Attention kernels head to head on one GPU: PyTorch's SDPA with cuDNN, with its built-in flash kernel (FA2), and
-with FlashAttention-4 registered behind it (train.attention=fa4), forward + backward, causal, bf16, at
+FlashAttention-4 as train.attention=fa4 calls it (megaloom/fa4.py), forward + backward, causal, bf16, at
 llama3-1b's heads (32 query, 8 key/value heads of 64). Prints ms per call, TFLOP/s, and FA4's largest difference
 from cuDNN's output and input gradients.
 
-    python bench/fa4_probe.py [--shapes 4x4096,1x16384,1x32768] [--iters 20]
-
-FA4 is registered last (the registration is process-wide and replaces the built-in flash kernel)."""
+    python bench/fa4_probe.py [--shapes 4x4096,1x16384,1x32768] [--iters 20]"""
 
 from __future__ import annotations
 
@@ -19,15 +17,18 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megaloom.fa4 import enable_fa4  # noqa: E402
+from megaloom.fa4 import check_fa4, fa4_causal_attention  # noqa: E402
 
 
-def run(backend: SDPBackend, q, k, v, grad, iters: int) -> tuple[float, list[torch.Tensor]]:
-    def once():
+def run(backend: SDPBackend | None, q, k, v, grad, iters: int) -> tuple[float, list[torch.Tensor]]:
+    def once():  # backend None: FA4
         for t in (q, k, v):
             t.grad = None
-        with sdpa_kernel([backend]):
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        if backend is None:
+            out = fa4_causal_attention(q, k, v)
+        else:
+            with sdpa_kernel([backend]):
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         out.backward(grad)
         return out
 
@@ -61,9 +62,9 @@ def main() -> None:
                 results[name, shape] = run(backend, q, k, v, grad, args.iters)
             except RuntimeError as e:
                 print(f"{name} {shape}: {str(e).splitlines()[0][:200]}")
-    enable_fa4(dev)
+    check_fa4(dev)
     for shape, (q, k, v, grad) in inputs.items():
-        results["fa4", shape] = run(SDPBackend.FLASH_ATTENTION, q, k, v, grad, args.iters)
+        results["fa4", shape] = run(None, q, k, v, grad, args.iters)
     for (b, s) in shapes:
         flops = 3.5 * 4 * b * 32 * s * s * 64 / 2  # fwd + bwd (2.5x fwd), causal halves the square
         line = [f"b{b} s{s}:"]

@@ -104,8 +104,10 @@ elif [ "$PART" = long ]; then  # long sequences on one GPU (cp=1): llama3-1b-unt
     else rc_ours="selective"; rc_titan="--activation_checkpoint.mode selective --activation_checkpoint.selective_ac_option op"
     fi
     # --profile: one more step after the timed ones, its kernel time by kind (the attention's share) in the row
-    long "s$k" --seq-len "$seq" --recompute "$rc_ours" --profile "/tmp/prof_s$k"
-    grep -A12 "^kind" "/tmp/run_s$k.log"
+    if [ -z "${LONG_PEER_ONLY:-}" ]; then  # LONG_PEER_ONLY=1: TorchTitan's rows alone (megaloom's in another part)
+      long "s$k" --seq-len "$seq" --recompute "$rc_ours" --profile "/tmp/prof_s$k"
+      grep -A12 "^kind" "/tmp/run_s$k.log"
+    fi
     [ -n "${LONG_DOC:-}" ] && long "s${k}_doc4k" --seq-len "$seq" --recompute "$rc_ours" --document-mask 4096
     if [ -d bench/.peer/.whl ]; then
       # shellcheck disable=SC2086
@@ -119,7 +121,7 @@ elif [ "$PART" = long ]; then  # long sequences on one GPU (cp=1): llama3-1b-unt
     python3 bench/.peer/summarize.py /tmp/peer > /tmp/peer.log 2>&1; peer_collect "TorchTitan long sequences"
   fi
   # the optimizer against HBM bandwidth (the floor's third term), a few seconds
-  python3 bench/bench_optimizer.py --preset llama3-1b-untied --results "$OUT/results.jsonl" --run-id "$RUN_ID" \
+  [ -z "${LONG_PEER_ONLY:-}" ] && python3 bench/bench_optimizer.py --preset llama3-1b-untied --results "$OUT/results.jsonl" --run-id "$RUN_ID" \
     2>&1 | tail -3
 elif [ "$PART" = defaults ]; then  # `megaloom train` as a user types it (levers at auto) vs bench_train's best path
   export MEGALOOM_CACHE=/tmp/megaloom-cache

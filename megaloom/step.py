@@ -50,10 +50,10 @@ def forward_ctx(precision: str, device: torch.device, offload: bool = False):
 def attention_ctx(backend: str, device: torch.device):
     """Prefer one SDPA kernel on GPU (`train.attention`): cuDNN's is the fastest for causal attention on Hopper
     (../shared/bench probe: 2.6 ms vs flash 4.2 ms per layer at seq 4096); `torch` (and an unresolved `auto`) leaves
-    PyTorch's choice. `fa4`: SDPA's flash backend, whose ops megaloom.fa4 re-pointed at FlashAttention-4."""
+    PyTorch's choice. `fa4`: the blocks' causal core runs FA4 (megaloom.fa4); SDPA calls left prefer cuDNN."""
     if backend in ("auto", "torch") or device.type != "cuda":
         return contextlib.nullcontext()
-    first = SDPA_BACKENDS["flash" if backend == "fa4" else backend]
+    first = SDPA_BACKENDS["cudnn" if backend == "fa4" else backend]
     return sdpa_kernel([first] + [b for b in SDPA_BACKENDS.values() if b != first], set_priority=True)
 
 
@@ -144,9 +144,9 @@ class TrainStep:
         self.pipeline = pipeline
         self.attention = attention
         if attention == "fa4":
-            from megaloom.fa4 import enable_fa4
+            from megaloom.fa4 import check_fa4
 
-            enable_fa4(device)  # process-wide, before the first forward
+            check_fa4(device)
         self.offload = offload  # activation offload (train.offload_activations); pipelines get it via their ctx
         self.documents = documents
         self.moe = moe_layers(model)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from megaloom.fa4 import fa4_causal_attention
 from megaloom.models.documents import Documents
 from megaloom.models.layers import apply_rope
 
@@ -71,6 +72,8 @@ class Attention(nn.Module):
         self.window = window
         # Selective recomputation: recompute the attention core (the largest activations) in backward.
         self.recompute_core = False
+        # train.attention=fa4 (set by apply_train_options): the plain causal core by FlashAttention-4 (megaloom.fa4).
+        self.fa4 = False
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int,
               docs: Documents | None = None) -> torch.Tensor:
@@ -87,6 +90,8 @@ class Attention(nn.Module):
                                  "window or document masks)")
             return F.scaled_dot_product_attention(q, k, v, dropout_p=p, enable_gqa=gqa)
         if self.window == 0 and pos == 0 and q_len == k_len:
+            if self.fa4 and p == 0 and q.dtype in (torch.bfloat16, torch.float16):
+                return fa4_causal_attention(q, k, v)
             return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa)
         if self.window == 0 and q_len == 1:  # one new token attends to everything cached
             return F.scaled_dot_product_attention(q, k, v, dropout_p=p, enable_gqa=gqa)

@@ -6,6 +6,7 @@ import torch
 
 from megaloom.config import TrainConfig
 from megaloom.models import apply_recompute
+from megaloom.models.attention import Attention
 from megaloom.models.fused_ce import FusedHeadLoss
 from megaloom.precision.fp8 import convert_to_float8
 
@@ -25,6 +26,9 @@ def apply_train_options(model: torch.nn.Module, t: TrainConfig, loss_chunk: int 
     apply_recompute(model, t.recompute, t.recompute_layers or None, core_attention=recompute_attention)
     # Under autocast only (Transformer.embed checks): the cast has no effect on an fp32 run.
     model.residual_dtype = torch.bfloat16 if t.bf16_residual is True else None
+    for module in model.modules():  # train.attention=fa4: the causal core by FlashAttention-4 (megaloom.fa4)
+        if isinstance(module, Attention):
+            module.fa4 = t.attention == "fa4"
     if t.fused_loss is True:  # head + cross-entropy in chunks, never the full logits
         model.loss = FusedHeadLoss(loss_chunk)
     return summary

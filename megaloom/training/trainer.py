@@ -24,7 +24,7 @@ from megaloom.data.dataset import build_datasets
 from megaloom.data.image_text.batch import ImageTextBatch
 from megaloom.data.loader import StepBatches, make_loader
 from megaloom.data.objective import ObjectiveDataset
-from megaloom.fa4 import fa4_problem
+from megaloom.fa4 import check_fa4
 from megaloom.models import count_params, registry
 from megaloom.models.documents import Documents
 from megaloom.models.freeze import freeze_parts
@@ -178,8 +178,8 @@ class Trainer:
         cfg, levers = resolve_levers(cfg, self.device.type, capability)  # the speed levers left at "auto"
         if levers and self.rt.is_main:  # on CPU every lever stays off: said at debug level only
             (log.info if self.device.type == "cuda" else log.debug)(f"megaloom: {describe_levers(levers)}")
-        if cfg.train.attention == "fa4" and (problem := fa4_problem(self.device)) is not None:  # before the build
-            raise ConfigError(f"train.attention=fa4: {problem}. Use train.attention=cudnn (or auto).")
+        if cfg.train.attention == "fa4":
+            check_fa4(self.device)  # before the build
         cfg = resolve_recompute_casts(cfg, self.rt, self.device)  # needs compile resolved; before the micro-batch
         if cfg.train.micro_batch_size == 0:
             cfg = with_micro_batch(cfg, choose_micro_batch(cfg, self.rt, self.device))  # a collective
