@@ -208,9 +208,10 @@ class TrainConfig:
                                          "measured +1% tokens/s, loss within 0.6% over 200 steps), off elsewhere; "
                                          "fp32 runs are unaffected.", AUTO_BOOL)
     attention: str = _f("auto", "Preferred SDPA kernel on GPU (the others remain fallbacks); torch = PyTorch's own "
-                                "order; auto = cudnn on Hopper or newer (measured fastest there), else torch; "
-                                "fa4 = FlashAttention-4 (pip install flash-attn-4; Hopper/Blackwell) through "
-                                "PyTorch's flash-attention registry.",
+                                "order; fa4 = FlashAttention-4 for the causal core (pip install flash-attn-4; "
+                                "Hopper/Blackwell; megaloom/fa4.py); auto = fa4 where it is installed on Hopper or "
+                                "Blackwell, else cudnn on Hopper or newer (both measured fastest there), else "
+                                "torch.",
                         ("auto", "torch", "cudnn", "flash", "efficient", "math", "fa4"))
     log_every: int = _f(10, "Steps between metric lines (loss is averaged over the interval).")
     eval_every: int = _f(200, "Steps between evaluations on the validation split; 0 = only at the end.")

@@ -16,6 +16,8 @@ dropout, documents, window or KV cache: `Attention._core` falls back to SDPA for
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -71,6 +73,16 @@ def fa4_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> t
     """Causal attention of SDPA-layout [B, H, T, D] tensors (k, v may have fewer heads) by FA4; same layout out."""
     out, _ = _fwd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), q.shape[-1] ** -0.5)
     return out.transpose(1, 2)
+
+
+@functools.cache
+def fa4_importable() -> bool:
+    """Whether FA4's interface imports (train.attention=auto takes it on Hopper/Blackwell where it does)."""
+    try:
+        _interface()
+    except ImportError:
+        return False
+    return True
 
 
 def fa4_problem(device: torch.device) -> str | None:

@@ -20,7 +20,8 @@ def test_cpu_keeps_the_plain_path():
                                  "train.bf16_residual": False}
 
 
-def test_hopper_takes_the_measured_fast_path():
+def test_hopper_takes_the_measured_fast_path(monkeypatch):
+    monkeypatch.setattr("megaloom.training.levers.fa4_importable", lambda: False)  # flash-attn-4: the test below
     assert chosen([], "cuda", (9, 0)) == {"train.compile": True, "train.fused_loss": True, "train.attention": "cudnn",
                                           "train.bf16_residual": True}
     assert chosen([], "cuda", (8, 0))["train.attention"] == "torch"  # cuDNN measured faster on Hopper only
@@ -72,3 +73,14 @@ def test_auto_values_parse_and_bad_ones_name_the_key():
     with pytest.raises(ConfigError, match="parallel.async_tp"):
         load_config(None, ["parallel.tp=2", "parallel.sp=true", "parallel.async_tp=true", "train.compile=true"])
     load_config(None, ["parallel.tp=2", "parallel.sp=true", "parallel.async_tp=true"])
+
+
+def test_attention_takes_fa4_where_it_is_installed(monkeypatch):
+    import megaloom.training.levers as levers
+
+    monkeypatch.setattr(levers, "fa4_importable", lambda: True)
+    assert chosen([], "cuda", (9, 0))["train.attention"] == "fa4"
+    assert chosen([], "cuda", (12, 0))["train.attention"] == "cudnn"  # FA4's kernels: compute capability 9 and 10
+    assert chosen([], "cpu")["train.attention"] == "torch"
+    monkeypatch.setattr(levers, "fa4_importable", lambda: False)
+    assert chosen([], "cuda", (9, 0))["train.attention"] == "cudnn"
