@@ -80,7 +80,8 @@ def test_fit_tries_the_fused_loss_and_no_accumulation_and_says_so(capsys):
     """Issue 24 (5): llama3-8b at 8192 on 141 GB fits only with full recompute, the fused loss and one
     micro-batch per step; the planner used to answer "does not fit" for every mode (README said micro-batch 3)."""
     assert main(["memory", "--gpu-gb", "141", "model.preset=llama3-8b", "train.seq_len=8192",
-                 "train.fused_loss=false", "train.micro_batch_size=8", "train.recompute_casts=false"]) == 0
+                 "train.fused_loss=false", "train.micro_batch_size=8", "train.recompute_casts=false",
+                 "train.bf16_residual=false"]) == 0  # (auto's bf16 stream halves full recompute's saved inputs)
     out = capsys.readouterr().out
     assert "as configured: 2 micro-batch(es) per step, train.fused_loss=false" in out
     full = next(line for line in out.splitlines() if "recompute=full" in line and "micro-batch" in line)
