@@ -137,12 +137,16 @@ elif [ "$PART" = defaults ]; then  # `megaloom train` as a user types it (levers
     > /tmp/defaults.log 2>&1
   echo "megaloom train rc=$?"; { echo "=== megaloom train (defaults)"; grep -v "^step\|^  " /tmp/defaults.log; } >> "$LOG"
   grep "auto:" /tmp/defaults.log
-  python3 - "$MODEL" "$SEQ" "$MB" "$RUN_ID" "$OUT/results.jsonl" <<'PY'
-import json, statistics, sys
-model, seq, mb, run_id, results = sys.argv[1:]
+  python3 - "$MODEL" "$SEQ" "$MB" "$RUN_ID" "$OUT/results.jsonl" "$MEGALOOM_COMMIT" "$(grep -o 'auto: .*' /tmp/defaults.log | head -1)" <<'PY'
+import datetime, json, statistics, sys
+import torch
+model, seq, mb, run_id, results, commit, auto = sys.argv[1:]
 rows = [json.loads(line) for line in open("/tmp/defaults-run/metrics.jsonl")]
 steady = [r["tokens_per_s"] for r in rows if r["step"] >= 8]
-row = {"bench": "megaloom_train_defaults", "run_id": run_id, "preset": model, "seq_len": int(seq),
+row = {"bench": "megaloom_train_defaults", "run_id": run_id, "date": datetime.date.today().isoformat(),
+       "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit, "auto": auto,
+       "typed": f"megaloom train model.preset={model} train.seq_len={seq} train.global_batch_size={mb}",
+       "preset": model, "seq_len": int(seq),
        "micro_batch": int(mb), "tokens_per_s": round(statistics.median(steady)), "steps_timed": len(steady),
        "mfu": statistics.median(r["mfu"] for r in rows if r["step"] >= 8 and r["mfu"]) if steady else None,
        "peak_memory_gb": max(r.get("mem_gb", 0) or 0 for r in rows)}
