@@ -29,11 +29,13 @@ def test_loss_falls_and_run_dir_contract(small_corpus, tmp_path):
 
 
 def test_no_final_checkpoint_when_asked(small_corpus, tmp_path):
+    """(A GPU job's train.attention=fa4 rides along: on CPU the run takes PyTorch's SDPA, and config.yaml says so.)"""
     run = tmp_path / "run"
     res = train(load_config(None, tiny_overrides(small_corpus, run, "train.steps=6", "checkpoint.every=4",
-                                                 "checkpoint.final=false")))
+                                                 "checkpoint.final=false", "train.attention=fa4")))
     assert res.final_step == 6
     assert [p.name for p in (run / "checkpoints").glob("step_*")] == ["step_00000004"]  # the periodic one only
+    assert load_config(run / "config.yaml").train.attention == "torch"
 
 
 def test_exact_resume_after_stop(small_corpus, tmp_path):

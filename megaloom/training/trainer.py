@@ -9,6 +9,7 @@ evaluate and checkpoint until the last step, rolling back past runs of non-finit
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import time
@@ -178,8 +179,12 @@ class Trainer:
         cfg, levers = resolve_levers(cfg, self.device.type, capability)  # the speed levers left at "auto"
         if levers and self.rt.is_main:  # on CPU every lever stays off: said at debug level only
             (log.info if self.device.type == "cuda" else log.debug)(f"megaloom: {describe_levers(levers)}")
-        if cfg.train.attention == "fa4":
-            check_fa4(self.device)  # before the build
+        if cfg.train.attention == "fa4" and self.device.type == "cuda":
+            check_fa4(self.device)  # before the build: refused where it cannot run, naming the fix
+        elif cfg.train.attention == "fa4":  # a GPU job's config tried on CPU (a dry run): SDPA, as cudnn would be
+            (log.info if self.rt.is_main else log.debug)("megaloom: train.attention=fa4 runs on GPUs; on CPU the "
+                                                         "attention is PyTorch's SDPA (train.attention=torch)")
+            cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, attention="torch"))
         cfg = resolve_recompute_casts(cfg, self.rt, self.device)  # needs compile resolved; before the micro-batch
         if cfg.train.micro_batch_size == 0:
             cfg = with_micro_batch(cfg, choose_micro_batch(cfg, self.rt, self.device))  # a collective
