@@ -69,6 +69,11 @@ def _backward(ctx, dout, _dlse):
 _fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+def fa4_takes(head_dim: int) -> bool:
+    """Head sizes FA4 runs on both Hopper and Blackwell (8..128, multiples of 8 for 16-byte rows); others keep SDPA."""
+    return 8 <= head_dim <= 128 and head_dim % 8 == 0
+
+
 def fa4_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal attention of SDPA-layout [B, H, T, D] tensors (k, v may have fewer heads) by FA4; same layout out."""
     out, _ = _fwd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), q.shape[-1] ** -0.5)

@@ -112,6 +112,11 @@ def test_the_model_routes_its_causal_core_to_fa4(reference_kernel, monkeypatch):
     assert not any(m.fa4 for m in attn)
 
 
+def test_head_sizes_fa4_does_not_take_keep_sdpa():
+    assert fa4.fa4_takes(64) and fa4.fa4_takes(128) and fa4.fa4_takes(8)
+    assert not fa4.fa4_takes(256) and not fa4.fa4_takes(60) and not fa4.fa4_takes(4)
+
+
 def test_fa4_refused_on_cpu_with_the_fix():
     assert load_config(None, ["train.attention=fa4"]).train.attention == "fa4"
     assert "CUDA GPU" in fa4.fa4_problem(torch.device("cpu"))

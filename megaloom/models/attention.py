@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from megaloom.fa4 import fa4_causal_attention
+from megaloom.fa4 import fa4_causal_attention, fa4_takes
 from megaloom.models.documents import Documents
 from megaloom.models.layers import apply_rope
 
@@ -90,7 +90,7 @@ class Attention(nn.Module):
                                  "window or document masks)")
             return F.scaled_dot_product_attention(q, k, v, dropout_p=p, enable_gqa=gqa)
         if self.window == 0 and pos == 0 and q_len == k_len:
-            if self.fa4 and p == 0 and q.dtype in (torch.bfloat16, torch.float16):
+            if self.fa4 and p == 0 and q.dtype in (torch.bfloat16, torch.float16) and fa4_takes(q.shape[-1]):
                 return fa4_causal_attention(q, k, v)
             return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa)
         if self.window == 0 and q_len == 1:  # one new token attends to everything cached
