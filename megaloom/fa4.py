@@ -81,13 +81,18 @@ def fa4_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> t
 
 
 @functools.cache
-def fa4_importable() -> bool:
-    """Whether FA4's interface imports (train.attention=auto takes it on Hopper/Blackwell where it does)."""
+def _import_error() -> str | None:
+    """Why FA4's interface does not import (None: it does); asked once per process."""
     try:
         _interface()
-    except ImportError:
-        return False
-    return True
+    except ImportError as e:
+        return str(e)
+    return None
+
+
+def fa4_importable() -> bool:
+    """Whether FA4's interface imports (train.attention=auto takes it on Hopper/Blackwell where it does)."""
+    return _import_error() is None
 
 
 def fa4_problem(device: torch.device) -> str | None:
@@ -97,10 +102,8 @@ def fa4_problem(device: torch.device) -> str | None:
     major, minor = torch.cuda.get_device_capability(device)
     if major not in (9, 10):
         return f"FA4 runs on compute capability 9.0 or 10.x, this GPU is {major}.{minor}"
-    try:
-        _interface()
-    except ImportError as e:
-        return f"the flash-attn-4 package is not importable ({e}); pip install flash-attn-4"
+    if (error := _import_error()) is not None:
+        return f"the flash-attn-4 package is not importable ({error}); pip install flash-attn-4"
     return None
 
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from megaloom.config import Config
 from megaloom.fa4 import fa4_importable
 from megaloom.models.registry import get_family
+from megaloom.observe.memory_plan import compute_precision
 
 
 @dataclass(frozen=True)
@@ -81,9 +82,7 @@ DENSE_DECODERS = ("llama", "qwen3", "gpt2")  # the shared pre-norm decoder, with
 
 
 def _bf16_residual(cfg: Config, device: str) -> LeverChoice:
-    precision = cfg.train.precision
-    if device == "cuda" and precision == "auto":
-        precision = "bf16"  # as megaloom.runtime.resolve_precision does on a GPU
+    precision = compute_precision(cfg, device)
     if device != "cuda":
         return LeverChoice("train.bf16_residual", False, "not on CPU")
     if precision not in ("bf16", "fp8"):
