@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -85,6 +86,9 @@ def main() -> int:
     r.add_argument("--steps", type=int, default=1)
     r.add_argument("--memory-gb", type=float, default=None)
     r.add_argument("--json", default=None)
+    r.add_argument("--results", default=None, help="append one row (bench=dry_run) to this JSON-lines file")
+    r.add_argument("--run-id", default=None)
+    r.add_argument("--keep-dir", default=None, help="keep the run directory (the GPU profile's trace) here")
     r.add_argument("overrides", nargs="*")
     args = p.parse_args()
     if args.part == "mesh":
@@ -93,13 +97,74 @@ def main() -> int:
             Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
         return 0
     from megaloom.config import load_config
-    from megaloom.training.dryrun import main_dry_run
+    from megaloom.observe.memory_plan import GB
+    from megaloom.training.dryrun import dry_run
 
     t0 = time.perf_counter()
-    rc = main_dry_run(load_config(None, args.overrides), args.world, args.rank, args.steps, args.memory_gb,
-                      args.json, None)
-    print(f"wall time {time.perf_counter() - t0:.1f}s")
-    return rc
+    cfg = load_config(None, args.overrides)
+    budget = int(args.memory_gb * GB) if args.memory_gb else None
+    report = dry_run(cfg, args.world, args.rank, args.steps, budget, args.keep_dir)
+    if report.plan is not None:
+        print(report.plan.table())
+    print(report.table())
+    wall = time.perf_counter() - t0
+    print(f"wall time {wall:.1f}s")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report.as_dict(), indent=1, default=str) + "\n")
+    row = result_row(cfg, report, args.overrides, args.run_id, wall)
+    print("RESULT " + json.dumps(row), flush=True)
+    if args.results:
+        with open(args.results, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    return 0
+
+
+def layout_name(sizes: dict[str, int], cfg) -> str:
+    """e.g. tp8-pp8-vpp2-dp16-sp (the sizes above 1, in mesh order)."""
+    parts = [f"{k}{sizes[k]}" for k in ("tp", "cp", "ep", "pp") if sizes.get(k, 1) > 1]
+    if cfg.parallel.vpp > 1:
+        parts.append(f"vpp{cfg.parallel.vpp}")
+    parts.append(f"dp{sizes['dp']}")
+    if cfg.parallel.zero:
+        parts.append(f"zero{cfg.parallel.zero}")
+    if cfg.parallel.sp and sizes.get("tp", 1) > 1:
+        parts.append("sp")
+    return "-".join(parts)
+
+
+def result_row(cfg, report, overrides: list[str], run_id: str | None, wall_s: float) -> dict:
+    """One bench=dry_run row: the issue's columns (preset, world, layout, gpu, step_ms, kernel_ms, floor_ms,
+    gpu_busy, mfu, peak_gb, plan_gb) and what identifies the run."""
+    import datetime
+    import subprocess
+
+    import torch
+
+    from megaloom.observe.memory_plan import GB
+
+    prof = report.profile
+    commit = os.environ.get("MEGALOOM_COMMIT") or subprocess.run(  # the GPU machine's copy has no .git
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    r2 = lambda v: round(v, 2) if v is not None else None  # noqa: E731
+    return {
+        "bench": "dry_run", "run_id": run_id, "date": datetime.date.today().isoformat(),
+        "gpu": prof.get("gpu") or report.device, "torch": torch.__version__,
+        "commit": commit or None, "preset": cfg.model.preset, "world": report.world,
+        "rank": report.rank, "stage": report.stage, "layout": layout_name(report.sizes, cfg),
+        "seq_len": cfg.train.seq_len, "micro_batch": cfg.train.micro_batch_size,
+        "global_batch": cfg.train.global_batch_size, "mode": report.mode,
+        "step_ms": r2(prof.get("step_ms")), "kernel_ms": r2(prof.get("kernel_ms")), "busy_ms": r2(prof.get("busy_ms")),
+        "floor_ms": r2(prof.get("floor_total_ms")), "gpu_busy": r2(prof.get("gpu_busy")) if prof else None,
+        "step_vs_floor": r2(prof.get("step_vs_floor")), "mfu": round(prof["mfu"], 4) if "mfu" in prof else None,
+        "kernels": prof.get("kernels"), "kinds_ms": {k: r2(v) for k, v in prof.get("kinds_ms", {}).items()},
+        "floor_kinds_ms": {k: r2(v) for k, v in (prof.get("floor_ms") or {}).items()},
+        "steps_s": [round(report.seconds[f"step_{i + 1}"], 3) for i in range(len(report.losses))],
+        "peak_gb": r2(report.memory["step_peak"] / GB) if "step_peak" in report.memory else None,
+        "plan_gb": r2(report.plan.peak / GB) if report.plan is not None else None,
+        "build_peak_gb": r2(report.memory["build_peak"] / GB) if "build_peak" in report.memory else None,
+        "plan_weights_gb": r2(report.plan.weights / GB) if report.plan is not None else None,
+        "overrides": overrides, "wall_s": round(wall_s, 1),
+    }
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
+from megaloom.parallel import traced_comm
+
 Group = Any  # torch.distributed.ProcessGroup or None (no peers)
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; 2.11 only has the old names (same signatures).
@@ -478,27 +480,47 @@ class _ReduceScatterToSeq(Function):
 
 def copy_to_tp(x: torch.Tensor, group: Group, recorder: OpRecorder | None = None) -> torch.Tensor:
     """Enter a tensor-parallel region with a replicated input: identity forward, all-reduce backward."""
-    return x if group_size(group) == 1 else _CopyToRegion.apply(x, group, recorder)
+    if group_size(group) == 1:
+        return x
+    if torch.compiler.is_compiling():  # one graph per compiled block (traced_comm)
+        return traced_comm.copy_to_tp(x, group)
+    return _CopyToRegion.apply(x, group, recorder)
 
 
 def reduce_from_tp(x: torch.Tensor, group: Group, recorder: OpRecorder | None = None) -> torch.Tensor:
     """Leave a region with partial sums: all-reduce forward (in place on ``x``), identity backward."""
-    return x if group_size(group) == 1 else _ReduceFromRegion.apply(x, group, recorder)
+    if group_size(group) == 1:
+        return x
+    if torch.compiler.is_compiling():  # one graph per compiled block (traced_comm)
+        return traced_comm.reduce_from_tp(x, group)
+    return _ReduceFromRegion.apply(x, group, recorder)
 
 
 def scatter_to_seq(x: torch.Tensor, group: Group, recorder: OpRecorder | None = None) -> torch.Tensor:
     """Keep this rank's T/tp slice of [B, T, ...] forward; all-gather the gradient backward."""
-    return x if group_size(group) == 1 else _ScatterToSeq.apply(x, group, recorder)
+    if group_size(group) == 1:
+        return x
+    if torch.compiler.is_compiling():  # one graph per compiled block (traced_comm)
+        return traced_comm.scatter_to_seq(x, group)
+    return _ScatterToSeq.apply(x, group, recorder)
 
 
 def gather_from_seq(x: torch.Tensor, group: Group, recorder: OpRecorder | None = None) -> torch.Tensor:
     """Enter a region from sequence shards: all-gather along T forward, reduce-scatter backward."""
-    return x if group_size(group) == 1 else _GatherFromSeq.apply(x, group, recorder)
+    if group_size(group) == 1:
+        return x
+    if torch.compiler.is_compiling():  # one graph per compiled block (traced_comm)
+        return traced_comm.gather_from_seq(x, group)
+    return _GatherFromSeq.apply(x, group, recorder)
 
 
 def reduce_scatter_to_seq(x: torch.Tensor, group: Group, recorder: OpRecorder | None = None) -> torch.Tensor:
     """Leave a region into sequence shards: reduce-scatter along T forward, all-gather backward."""
-    return x if group_size(group) == 1 else _ReduceScatterToSeq.apply(x, group, recorder)
+    if group_size(group) == 1:
+        return x
+    if torch.compiler.is_compiling():  # one graph per compiled block (traced_comm)
+        return traced_comm.reduce_scatter_to_seq(x, group)
+    return _ReduceScatterToSeq.apply(x, group, recorder)
 
 
 # ------------------------------------------------------------------------------ expert-parallel autograd ops

@@ -22,7 +22,9 @@ F.linear on the gathered input. The output head under sp (input mode "gather") u
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import contextvars
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -46,10 +48,27 @@ def to_compute_dtype(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == dtype or not x.is_floating_point() else x.to(dtype)
 
 
+_AS_COMPILED: contextvars.ContextVar[bool] = contextvars.ContextVar("megaloom_sp_as_compiled", default=False)
+
+
 def lean_path_active() -> bool:
     """Whether the shard-saving node is used: only while gradients are recorded and outside torch.compile's
-    tracing (which partitions saved tensors itself and does not take the region's Python-side bookkeeping)."""
-    return torch.is_grad_enabled() and not torch.compiler.is_compiling()
+    tracing (which partitions saved tensors itself and does not take the region's Python-side bookkeeping), and
+    not inside `collectives_as_compiled`."""
+    return torch.is_grad_enabled() and not torch.compiler.is_compiling() and not _AS_COMPILED.get()
+
+
+@contextlib.contextmanager
+def collectives_as_compiled() -> Iterator[None]:
+    """Eager code inside issues the collectives that compiled blocks issue: the regions' linears run as plain
+    linears on the gathered sequence (no shard-saving node, so no re-gather in backward), as they do under
+    torch.compile. A dry run counts a compiled job's collectives in such an eager step (compiled graphs call
+    no recorder)."""
+    token = _AS_COMPILED.set(True)
+    try:
+        yield
+    finally:
+        _AS_COMPILED.reset(token)
 
 
 class _GatheredLinears(Function):
@@ -137,12 +156,16 @@ class SeqRegion:
         self._full: torch.Tensor | None = None
         self._outputs: dict[int, torch.Tensor] | None = None
 
+    def bind(self, module: nn.Module) -> None:
+        """Find the column-parallel children that read the region's input (once the plan has split them)."""
+        self._linears = [m for m in module.children()
+                         if hasattr(m, "seq_region") and getattr(m, "input_mode", None) == "none"]
+        for m in self._linears:
+            m.seq_region = self
+
     def enter(self, module: nn.Module, args: tuple) -> tuple:
-        if self._linears is None:  # the column-parallel children that read the region's input
-            self._linears = [m for m in module.children()
-                             if hasattr(m, "seq_region") and getattr(m, "input_mode", None) == "none"]
-            for m in self._linears:
-                m.seq_region = self
+        if self._linears is None:  # not bound by parallelize_tensor (a region installed by hand)
+            self.bind(module)
         # fp8 linears quantise from the input as it comes (an fp32 input keeps its amax exact): no cast then.
         fp8 = any(m.fp8_recipe is not None for m in self._linears)
         local = args[0] if fp8 else to_compute_dtype(args[0])

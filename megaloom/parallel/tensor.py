@@ -24,7 +24,7 @@ After backward (and before the data-parallel reduction and clipping) call `sync_
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 
 import torch
@@ -106,6 +106,7 @@ class _Context:
     cfg: ModelConfig
     tracker: RNGTracker
     ring: bool = False  # parallel.async_tp: sp's all-gathers / reduce-scatters as ring steps under the GEMMs
+    regions: list = field(default_factory=list)  # (SeqRegion, module): bound once the plan has split the children
 
     @property
     def kv_rows(self) -> tuple[tuple[int, int] | None, int]:
@@ -145,6 +146,7 @@ def _apply(style: st.Style, module: nn.Module, ctx: _Context) -> nn.Module | Non
             return row
         case st.Region(sequence=True) if sp:  # gathered once; its column-parallel linears save only this rank's shard
             region = SeqRegion(mesh, ring=ctx.ring)
+            ctx.regions.append((region, module))
             module.register_forward_pre_hook(region.enter)
             module.register_forward_hook(region.leave)
         case st.Region():
@@ -217,7 +219,10 @@ def parallelize_tensor(model: nn.Module, mesh: Mesh, sp: bool, plan: st.Plan | N
         raise ValueError("parallelize_tensor: this model is already tensor-parallel")
     check_tp_model(model.cfg, mesh.tp)
     tied = model.tie_embeddings_active()
-    apply_plan(model, plan, _Context(mesh, sp, model.cfg, RNGTracker.for_mesh(mesh), ring=sp and async_tp))
+    ctx = _Context(mesh, sp, model.cfg, RNGTracker.for_mesh(mesh), ring=sp and async_tp)
+    apply_plan(model, plan, ctx)
+    for region, module in ctx.regions:  # before any forward: a compiled block's first trace then sees them bound
+        region.bind(module)
     if tied:  # the head shares the embedding's (vocabulary-split) rows
         model.head.weight = model.tok_emb.weight
     return model

@@ -17,7 +17,13 @@ reports:
   before each phase), ``torch.cuda.max_memory_allocated`` on GPU; weights and optimizer state also counted;
 - the collectives of each step, calls and bytes per group (`comm.CommTally` on ``mesh.recorder``): tp, pp, dp
   (named with the kinds that share the group, e.g. dp/dp_cp/edp), the tied-embedding pair, point-to-point
-  sends and receives one by one;
+  sends and receives one by one. Compiled blocks issue their tensor-parallel collectives from inside their
+  graphs, where no recorder runs (parallel/traced_comm.py): with train.compile the counts come from one more
+  step run eagerly (``torch.compiler.set_stance("force_eager")``) that issues the same collectives
+  (`sp_linear.collectives_as_compiled`);
+- on a GPU, where the step's time goes (`profile_rank`): one more step under the profiler, its kernel time by
+  kind, the GPU's busy fraction of the unprofiled step, the rank's floor (its GEMMs at the GPU's measured matmul
+  ceiling, attention as it ran, the optimizer at HBM bandwidth) and its compute-only MFU (collectives free);
 - the checkpoint of this rank's shard: DCP cannot plan a collective save on the fake group (its coordinator
   gets N copies of this rank's plan, which do not tile the tensors), so it is written with ``no_dist=True``:
   this rank's slices, under the same names and global offsets a real save gives them.
@@ -62,6 +68,7 @@ from megaloom.training.preflight import preflight
 
 log = get_logger(__name__)
 BUDGET_FRACTION = 0.9  # of the memory available at the start, when no budget is given
+EXTRA_STEPS = 3  # after the timed steps: the profiler's warm-up and profiled step (GPU), the eager counting step
 
 
 # ------------------------------------------------------------------------------------------- synthetic data
@@ -127,7 +134,7 @@ def pick_rank(choice: str | int, world: int, sizes: dict[str, int], order: str =
 def dry_run_config(cfg: Config, steps: int, run_dir: Path) -> Config:
     """A copy of ``cfg`` with the settings a dry run changes (module doc)."""
     cfg = copy.deepcopy(cfg)
-    cfg.train.steps = steps
+    cfg.train.steps = steps + EXTRA_STEPS  # the data of the timed steps and of the profiled / counting ones
     cfg.data.num_workers = 0
     cfg.checkpoint.async_save = False
     cfg.checkpoint.resume = "none"
@@ -268,6 +275,8 @@ class DryRunReport:
     checkpoint: dict = field(default_factory=dict)
     run_dir: str = ""
     memory_note: str = ""  # how memory was measured
+    comm_note: str = ""  # how the collectives were counted
+    profile: dict = field(default_factory=dict)  # GPU: one profiled step (`profile_rank`)
 
     @property
     def stage(self) -> str:
@@ -339,9 +348,13 @@ class DryRunReport:
                 lines.append(f"    (with optimizer updates the plan's peak is {self.plan_with_update.peak / GB:.2f} GB"
                              f" at the {self.plan_with_update.peak_phase}; budget "
                              f"{(self.budget or 0) / GB:.2f} GB)")
+        if self.profile:
+            lines.extend("  " + line for line in profile_lines(self.profile))
         if self.comm:
             last = self.comm[-1]
-            lines.append(f"  collectives of step {len(self.comm)} (per step; bytes = the op's buffer):")
+            how = f"; {self.comm_note}" if self.comm_note else ""
+            which = "one step" if self.comm_note else f"step {len(self.comm)}"
+            lines.append(f"  collectives of {which} (bytes = the op's buffer{how}):")
             lines.append(f"    {'group':<14}{'op':<22}{'calls':>7}{'MB':>12}")
             for row in last:
                 lines.append(f"    {row['group']:<14}{row['op']:<22}{row['calls']:>7}{row['bytes'] / 1e6:>12.2f}")
@@ -496,6 +509,27 @@ def _build_and_step(report: DryRunReport, dcfg: Config, rt, steps: int, budget: 
     if steps:
         report.memory["step_peak"] = max(report.phase_peaks[-1].values())
     report.memory["optimizer"] = optimizer_state_bytes(trainer.optimizer)
+
+    def one_step() -> None:
+        batch = next(batches)
+        float(ts(batch.to(device) if batch is not None else None).loss)
+
+    if steps and device.type == "cuda":
+        report.profile = profile_rank(trainer, one_step, report, Path(cfg.run.dir) / "profile")
+    if steps and cfg.train.compile:
+        # Compiled blocks call no recorder (parallel/traced_comm.py): count one eager step that issues the same
+        # collectives as the compiled one (the sp regions' linears as compiled, not the shard-saving path).
+        from megaloom.parallel.sp_linear import collectives_as_compiled
+
+        tally.reset()
+        try:
+            with torch.compiler.set_stance("force_eager"), collectives_as_compiled():
+                one_step()
+            report.comm.append(tally.rows())
+            report.comm_note = "counted in one more step run eagerly, issuing what the compiled blocks issue"
+        except torch.OutOfMemoryError:
+            report.comm_note = ("the compiled blocks' collectives are not in these counts: the eager step that "
+                                "counts them ran out of memory")
     mesh.recorder = tally.inner
 
     # This rank's shard of a checkpoint (module doc: no_dist).
@@ -503,6 +537,72 @@ def _build_and_step(report: DryRunReport, dcfg: Config, rt, steps: int, budget: 
     report.seconds["checkpoint"] = report.checkpoint["seconds"]
     trainer.guard.close()
     trainer.sink.close()
+
+
+def profile_rank(trainer, one_step, report: DryRunReport, out_dir: Path) -> dict:
+    """One more step under the profiler (GPU): kernel time by kind, the GPU's busy time against the unprofiled
+    step (the median of the timed steps after the first, which compiles), the rank's floor (its GEMM FLOPs at
+    the GPU's measured matmul ceiling, attention as the kernel ran, the optimizer's traffic at HBM bandwidth;
+    observe/profile.py) and the rank's compute-only MFU: the model FLOPs of this rank's share of the step (6 x
+    its matmul parameters x the tokens it processes, plus attention scores and values of its heads, counted as
+    observe/flops.py counts them) over the step time, with the collectives free (the fake group moves no data)."""
+    from megaloom.observe.flops import device_peak_flops, matmul_params
+    from megaloom.observe.profile import device_ceilings, floor_ms, kernel_count, profile_step
+
+    cfg, mesh, model = trainer.cfg, trainer.mesh, trainer.model
+    t = cfg.train
+    timed = [report.seconds[f"step_{i + 1}"] for i in range(len(report.losses))]
+    step_ms = 1e3 * float(np.median(timed[1:] if len(timed) > 1 else timed))
+    b = profile_step(one_step, out_dir, "cuda", moe=cfg.model.moe_every > 0)
+    b["kernels"] = kernel_count(out_dir / "trace.json.gz")
+    tokens = trainer.n_micro * t.micro_batch_size * t.seq_len // mesh.cp  # this rank's tokens per step
+    mm = matmul_params(model)
+    blocks = list(model.layers.values())
+    # Full recomputation runs the blocks' forward GEMMs again (the first recompute_layers of each chunk, or all).
+    recomputed = 0.0
+    if t.recompute == "full":
+        block_mm = sum(p.numel() for blk in blocks for p in blk.parameters() if p.ndim >= 2)
+        chunk = max(1, len(blocks) // max(1, cfg.parallel.vpp))
+        recomputed = block_mm * (min(1.0, t.recompute_layers / chunk) if t.recompute_layers else 1.0)
+    q_width = cfg.model.d_model // mesh.tp  # this rank's query heads x head size
+    attention_flop = 12.0 * len(blocks) * q_width * t.seq_len * tokens
+    model_flop = 6.0 * mm * tokens + attention_flop
+    updated = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    grads = trainer.train_step.grads
+    if cfg.parallel.zero in (1, 2) and hasattr(grads, "shard_numel"):
+        updated = grads.shard_numel()  # ZeRO: this rank updates its 1/dp shard
+    name = torch.cuda.get_device_name(mesh.device)
+    ceilings = device_ceilings(name)
+    prof = {"step_ms": step_ms, "busy_ms": b["busy_ms"], "kernel_ms": sum(b["kinds_ms"].values()),
+            "kinds_ms": b["kinds_ms"], "kernels": b["kernels"], "gpu_busy": min(1.0, b["busy_ms"] / step_ms),
+            "tokens": tokens, "model_tflop": model_flop / 1e12, "gpu": name, "trace": str(out_dir / "trace.json.gz")}
+    if ceilings is not None:
+        floor = floor_ms(b["kinds_ms"], gemm_flop=6.0 * mm * tokens + 2.0 * recomputed * tokens,
+                         gemm_tflops=ceilings["gemm_tflops"], optimizer_bytes=32.0 * updated,
+                         hbm_tb_per_s=ceilings["hbm_tbps"])
+        prof.update(floor_ms=floor, floor_total_ms=sum(floor.values()),
+                    step_vs_floor=step_ms / sum(floor.values()), ceilings=ceilings)
+    peak = device_peak_flops(mesh.device)
+    if peak:
+        prof["mfu"] = model_flop / (step_ms / 1e3) / peak
+    return prof
+
+
+def profile_lines(prof: dict) -> list[str]:
+    """The profile's table (observe/profile.table) and its summary line."""
+    from megaloom.observe.profile import table
+
+    lines = [f"GPU time by kind of one profiled step ({prof['kernels']:,} kernels; shares of the unprofiled step, "
+             "the median of steps 2..N):"]
+    lines += ["  " + x for x in table({"kinds_ms": prof["kinds_ms"], "busy_ms": prof["busy_ms"]}, prof["step_ms"],
+                                      prof.get("floor_ms")).splitlines()]
+    summary = f"GPU busy {100 * prof['gpu_busy']:.1f}% of the step"
+    if "step_vs_floor" in prof:
+        summary += f"; step / floor {prof['step_vs_floor']:.2f}"
+    if "mfu" in prof:
+        summary += (f"; compute-only MFU {100 * prof['mfu']:.1f}% ({prof['model_tflop']:.1f} TFLOP of this rank's "
+                    f"model FLOPs, {prof['tokens']:,} tokens; collectives free on the fake group)")
+    return lines + [summary]
 
 
 def save_rank_shard(trainer, path: Path) -> dict:
@@ -539,4 +639,4 @@ def main_dry_run(cfg: Config, world: int, rank: str, steps: int, memory_gb: floa
 
 
 __all__ = ["DryRunReport", "MemoryProbe", "SyntheticTokens", "dry_run", "last_stage_rank", "pick_rank",
-           "save_rank_shard", "synthetic_datasets"]
+           "profile_rank", "save_rank_shard", "synthetic_datasets"]

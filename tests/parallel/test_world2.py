@@ -23,6 +23,9 @@ PARITY = ["parity-llama-tp2-sp0", "parity-llama-tp2-sp1", "parity-gpt2-tp2-sp0",
           "parity-t5-tp2-sp1", "parity-bert-sop-tp2-sp0", "parity-bert-sop-tp2-sp1"]
 
 
+COMPILED = ["parity-llama-tp2-sp1-compiled", "parity-qwen3-tp2-sp1-compiled", "parity-gpt2-tp2-sp0-compiled"]
+
+
 @pytest.fixture(scope="module")
 def world() -> list[dict]:
     return run_world(2, suite_world2)
@@ -32,6 +35,17 @@ def world() -> list[dict]:
 def test_parity_with_single_process(world: list[dict], case: str) -> None:
     for res in world:
         assert_parity(res[case], tie="untied" not in case)
+
+
+@pytest.mark.parametrize("case", COMPILED)
+def test_compiled_blocks_are_one_graph_and_match_the_single_process(world: list[dict], case: str) -> None:
+    """Compiled tensor-parallel blocks (the borders traced as functional collectives, parallel/traced_comm.py):
+    no graph break, one graph for every block (grad mode; a second for the no-grad logits check), and the same
+    losses and gradients as the eager single process."""
+    for res in world:
+        assert res[case]["graph_breaks"] == 0, res[case]["graph_breaks"]
+        assert res[case]["graphs"] <= 2, res[case]["graphs"]
+        assert_parity(res[case])
 
 
 def test_each_rank_holds_its_share(world: list[dict]) -> None:

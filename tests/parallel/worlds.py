@@ -34,6 +34,7 @@ from megaloom.parallel.tensor import (
 from .grad_compare import first_step_grads
 
 VOCAB, SEQ, BATCH = 128, 16, 2
+N_LAYERS = 2
 ENCODER_LABELS = 4  # predicted positions per row of an encoder's batch (the rest -100)
 T5_TOKENS = 24  # tokens per span-corruption row
 
@@ -87,7 +88,7 @@ def tiny_config(arch: str = "llama", tp: int = 1, pp: int = 1, ep: int = 1, sp: 
     dp = world // (tp * pp)
     return load_config(None, [
         f"model.arch={family_arch(arch)}", f"model.sentence_order={arch == BERT_SOP}", f"model.vocab_size={VOCAB}",
-        "model.d_model=64", "model.n_layers=2",
+        "model.d_model=64", f"model.n_layers={N_LAYERS}",
         "model.n_heads=4", f"model.n_kv_heads={4 if is_encoder(arch) else 2}", "model.ffn_dim=128",
         f"model.max_seq_len={SEQ}", f"model.tie_embeddings={tie}", f"model.dropout={dropout}", f"train.seq_len={SEQ}",
         f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.ep={ep}", f"parallel.sp={sp}",
@@ -254,14 +255,22 @@ def check_rng(mesh: Mesh) -> dict:
 
 
 def parity_case(mesh: Mesh, arch: str, sp: bool, tie: bool = True, steps: int = 10, docs: str = "",
-                async_tp: bool = False) -> dict:
+                async_tp: bool = False, compiled: bool = False) -> dict:
     """Train the same model in this process (reference) and tensor-parallel for `steps` AdamW steps.
     `docs`: "mask" or "mask+reset": packed documents (token 0 ends one) kept apart, positions restarting.
-    `async_tp`: the sp borders as collective matmuls (ring steps); the first step's tp ops are counted."""
+    `async_tp`: the sp borders as collective matmuls (ring steps); the first step's tp ops are counted.
+    `compiled`: every block of the tensor-parallel model compiled as train.compile does (AOTAutograd with the
+    eager backend: forward and backward graphs traced and partitioned, no C++ compiler needed); the graph
+    breaks and graphs compiled are counted (the region borders trace as functional collectives)."""
     cfg = tiny_config(arch, tp=mesh.tp, sp=sp, tie=tie, world=mesh.world_size)
     torch.manual_seed(1234)
     ref = get_family(cfg.model.arch).build(cfg.model).to(mesh.device)
     model = parallelize_tensor(copy.deepcopy(ref), mesh, sp, async_tp=async_tp)
+    if compiled:
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        for layer in model.layers.values():
+            layer.compile(backend="aot_eager")
     tally = comm.CommTally({mesh.tp_group: "tp"})
     # eps 1e-6, not 1e-8: a gradient that is zero in exact arithmetic (gpt2's key bias: softmax ignores a shift
     # shared by all keys) is rounding noise of ~1e-12 on both sides, which Adam with eps 1e-8 turns into steps of
@@ -304,6 +313,10 @@ def parity_case(mesh: Mesh, arch: str, sp: bool, tie: bool = True, steps: int = 
         opt.zero_grad(set_to_none=True)
         out["loss_ref"].append(loss_ref.item())
         out["loss"].append(loss.item())
+    if compiled:
+        counters = torch._dynamo.utils.counters
+        out["graph_breaks"] = sum(counters["graph_break"].values())
+        out["graphs"] = counters["stats"]["unique_graphs"]
     final = gather_full_params(model, mesh)
     errs = {n: _err(final[n], p) for n, p in ref.named_parameters()}
     out["param_err"], out["param_err_at"] = max((e, n) for n, e in errs.items())
@@ -419,6 +432,8 @@ def suite_world2(rank: int, world: int, device: torch.device) -> dict:
     res["parity-llama-tp2-sp1-docs"] = parity_case(mesh, "llama", True, steps=3, docs="mask")
     res["parity-gpt2-tp2-sp1-docs-reset"] = parity_case(mesh, "gpt2", True, steps=3, docs="mask+reset")
     res["parity-qwen3-tp2-sp1-async"] = parity_case(mesh, "qwen3", True, steps=3, async_tp=True)
+    for arch, sp in (("llama", True), ("qwen3", True), ("gpt2", False)):  # compiled blocks, borders traced
+        res[f"parity-{arch}-tp2-sp{int(sp)}-compiled"] = parity_case(mesh, arch, sp, steps=3, compiled=True)
     for sp in (False, True):  # LLaVA: a ViT split over tp (never over the sequence), image features merged
         res[f"parity-llava-tp2-sp{int(sp)}"] = llava_parity_case(mesh, sp)
     # LLaVA at pp=2: the encoder on the first stage, the images carried with its micro-batches.
