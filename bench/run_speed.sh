@@ -27,6 +27,11 @@
 #   bash bench/run_speed.sh ab       # this tree against an older megaloom in bench/.old (a `git archive` of the commit,
 #                                    # carried to the machine): best bf16 mb 4, alternated new/old/new/old
 #                                    # (a refactor's speed check: the same step, two commits, one call)
+#   bash bench/run_speed.sh dryrun   # one rank of a large job per layout (`megaloom train --dry-run` through
+#                                    # bench_dry_run.py run): step, kernel time by kind, GPU busy, floor, MFU, memory vs
+#                                    # plan, as bench=dry_run rows. DRY_RUNS "LAYOUT:RANK ..." (layouts in dry_layout
+#                                    # below; default: every layout at rank 0 and its last stage); DRY_OLD=LAYOUT:RANK
+#                                    # also runs that one with the megaloom of bench/.old (its step times in the log)
 # Rows land in $OUT/results.jsonl (append them to bench/results.jsonl), all logs in $OUT/$PART.log, the profile
 # in $OUT/profile/ (trace.json.gz, breakdown.json): few files, as the device tool brings back at most eight.
 set -u
@@ -77,7 +82,50 @@ peer_collect() {  # peer_collect TITLE: TorchTitan's log into $LOG, its summary 
   { echo "=== $1"; cat /tmp/peer.log; } >> "$LOG"
   grep "^{" /tmp/peer.log | awk '!seen[$0]++' > "$OUT/peer_summary.jsonl"; cat "$OUT/peer_summary.jsonl"
 }
-if [ "$PART" = peer-mb8 ]; then  # TorchTitan's micro-batch 8 runs alone (when a race call had no time for them)
+dry_layout() {  # the issue-34 layouts: world, then the config overrides
+  local L70="model.preset=llama3-70b train.micro_batch_size=1 parallel.zero=1 parallel.sp=true"
+  case $1 in
+    70b-4k) echo "--world 1024 $L70 parallel.tp=8 parallel.pp=8 parallel.vpp=2 parallel.schedule=interleaved \
+      train.seq_len=4096 train.global_batch_size=256";;
+    70b-4k-novpp) echo "--world 1024 $L70 parallel.tp=8 parallel.pp=8 train.seq_len=4096 train.global_batch_size=256";;
+    70b-8k) echo "--world 1024 $L70 parallel.tp=8 parallel.pp=8 parallel.vpp=2 parallel.schedule=interleaved \
+      train.seq_len=8192 model.max_seq_len=8192 train.global_batch_size=256";;
+    70b-cp) echo "--world 1024 $L70 parallel.tp=4 parallel.pp=4 parallel.vpp=5 parallel.schedule=interleaved \
+      parallel.cp=2 train.seq_len=8192 model.max_seq_len=8192 train.global_batch_size=256";;
+    8b) echo "--world 1024 model.preset=llama3-8b train.micro_batch_size=1 parallel.zero=1 parallel.sp=true \
+      parallel.tp=4 parallel.pp=2 train.seq_len=8192 model.max_seq_len=8192 train.global_batch_size=1024";;
+    405b) echo "--world 8192 model.preset=llama3-70b model.n_layers=126 model.d_model=16384 model.n_heads=128 \
+      model.n_kv_heads=8 model.ffn_dim=53248 train.micro_batch_size=1 parallel.zero=1 parallel.sp=true \
+      parallel.tp=8 parallel.pp=16 parallel.pp_first_stage_layers=7 parallel.pp_last_stage_layers=7 \
+      train.seq_len=8192 model.max_seq_len=8192 train.global_batch_size=1024";;
+    mixtral) echo "--world 256 model.preset=mixtral-8x7b train.micro_batch_size=1 parallel.zero=1 parallel.ep=8 \
+      parallel.pp=4 train.seq_len=4096 train.global_batch_size=512";;
+    *) echo "unknown layout $1" >&2; return 1;;
+  esac
+}
+if [ "$PART" = dryrun ]; then
+  D="python3 bench/bench_dry_run.py run --steps ${DRY_STEPS:-3} --results $OUT/results.jsonl --run-id $RUN_ID"
+  if [ -n "${DRY_OLD:-}" ]; then  # the same layout with an older megaloom (bench/.old): its own report
+    name=${DRY_OLD%%:*}; rank=${DRY_OLD#*:}
+    echo "=== OLD $(cat bench/.old/COMMIT 2>/dev/null) $name rank $rank" >> "$LOG"
+    # shellcheck disable=SC2046
+    PYTHONPATH=bench/.old timeout "${DRY_TIMEOUT:-300}" python3 -m megaloom train --dry-run --rank "$rank" \
+      --dry-run-steps "${DRY_STEPS:-3}" $(dry_layout "$name") > /tmp/dry_old.log 2>&1
+    echo "old $name $rank rc=$? $(grep -o 'steps: .*s (' /tmp/dry_old.log)"
+    sed -n '/^megaloom dry run/,$p' /tmp/dry_old.log >> "$LOG"
+  fi
+  for spec in ${DRY_RUNS:-70b-4k:0 70b-4k:last-stage 70b-8k:0 70b-8k:last-stage 70b-cp:0 70b-cp:last-stage 8b:0 \
+                8b:last-stage 405b:0 405b:last-stage mixtral:0 mixtral:last-stage}; do
+    name=${spec%%:*}; rank=${spec#*:}
+    echo "=== $name rank $rank" >> "$LOG"
+    # shellcheck disable=SC2046
+    timeout "${DRY_TIMEOUT:-300}" $D --rank "$rank" $(dry_layout "$name") > "/tmp/dry_$name.log" 2>&1
+    rc=$?
+    sed -n '/^megaloom dry run/,$p' "/tmp/dry_$name.log" >> "$LOG"
+    [ $rc = 0 ] || tail -30 "/tmp/dry_$name.log" >> "$LOG"
+    echo "$name $rank rc=$rc $(grep -o 'GPU busy.*' "/tmp/dry_$name.log" | cut -c1-120)"
+  done
+elif [ "$PART" = peer-mb8 ]; then  # TorchTitan's micro-batch 8 runs alone (when a race call had no time for them)
   if [ -d bench/.peer/.whl ]; then
     rm -rf /tmp/peer /tmp/peer.log  # only this call's logs (see the race part)
     titan_mb8
