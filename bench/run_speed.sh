@@ -31,7 +31,8 @@
 #                                    # bench_dry_run.py run): step, kernel time by kind, GPU busy, floor, MFU, memory vs
 #                                    # plan, as bench=dry_run rows. DRY_RUNS "LAYOUT:RANK ..." (layouts in dry_layout
 #                                    # below; default: every layout at rank 0 and its last stage); DRY_OLD=LAYOUT:RANK
-#                                    # also runs that one with the megaloom of bench/.old (its step times in the log)
+#                                    # also runs that one with the megaloom of bench/.old (its step times in the log);
+#                                    # DRY_TOP=LAYOUT:RANK keeps that run's trace ($OUT) and lists its largest kernels
 # Rows land in $OUT/results.jsonl (append them to bench/results.jsonl), all logs in $OUT/$PART.log, the profile
 # in $OUT/profile/ (trace.json.gz, breakdown.json): few files, as the device tool brings back at most eight.
 set -u
@@ -119,9 +120,15 @@ if [ "$PART" = dryrun ]; then
     name=${spec%%:*}; rank=${spec#*:}
     echo "=== $name rank $rank" >> "$LOG"
     # shellcheck disable=SC2046
-    timeout "${DRY_TIMEOUT:-300}" $D --rank "$rank" $(dry_layout "$name") > "/tmp/dry_$name.log" 2>&1
+    keep=""; [ "$spec" = "${DRY_TOP:-}" ] && keep="--keep-dir /tmp/dry_keep"  # DRY_TOP=LAYOUT:RANK: largest kernels
+    # shellcheck disable=SC2046,SC2086
+    timeout "${DRY_TIMEOUT:-300}" $D --rank "$rank" $keep $(dry_layout "$name") > "/tmp/dry_$name.log" 2>&1
     rc=$?
     sed -n '/^megaloom dry run/,$p' "/tmp/dry_$name.log" >> "$LOG"
+    if [ -n "$keep" ] && [ -f /tmp/dry_keep/profile/trace.json.gz ]; then
+      python3 bench/profile_breakdown.py /tmp/dry_keep/profile/trace.json.gz --top 14 >> "$LOG" 2>&1
+      cp /tmp/dry_keep/profile/trace.json.gz "$OUT/trace_$name.json.gz"
+    fi
     [ $rc = 0 ] || tail -30 "/tmp/dry_$name.log" >> "$LOG"
     echo "$name $rank rc=$rc $(grep -o 'GPU busy.*' "/tmp/dry_$name.log" | cut -c1-120)"
   done

@@ -86,10 +86,17 @@ def scatter_to_seq(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def gather_from_seq(x: torch.Tensor, group) -> torch.Tensor:
-    """All-gather along the sequence (dim 1) forward; the gradient reduce-scattered back (funcol's autograd op)."""
-    return _wait(_all_gather(x.contiguous(), 1, group))
+    """All-gather along the sequence (dim 1) forward; the gradient reduce-scattered back (funcol's autograd op).
+    Gathered along dim 0, then moved into place: a view when the micro-batch has one row (the large-scale case;
+    funcol's own ``gather_dim=1`` always copies)."""
+    n, b, t = group.size(), x.shape[0], x.shape[1]
+    y = _wait(_all_gather(x.contiguous(), 0, group))  # [n * b, t, ...], rank-major
+    return y.view(n, b, t, *x.shape[2:]).movedim(0, 1).reshape(b, n * t, *x.shape[2:])
 
 
 def reduce_scatter_to_seq(x: torch.Tensor, group) -> torch.Tensor:
-    """Sum over the group and keep this rank's slice of dim 1; the gradient all-gathered back."""
-    return _wait(_reduce_scatter(x.contiguous(), "sum", 1, group))
+    """Sum over the group and keep this rank's slice of dim 1; the gradient all-gathered back. The rank-chunks of
+    the sequence are brought to the front first: a view when the micro-batch has one row."""
+    n, b, t = group.size(), x.shape[0], x.shape[1]
+    chunks = x.view(b, n, t // n, *x.shape[2:]).movedim(1, 0).reshape(n * b, t // n, *x.shape[2:])
+    return _wait(_reduce_scatter(chunks.contiguous(), "sum", 0, group)).view(b, t // n, *x.shape[2:])
