@@ -110,8 +110,9 @@ if [ "$PART" = dryrun ]; then
     name=${DRY_OLD%%:*}; rank=${DRY_OLD#*:}
     echo "=== OLD $(cat bench/.old/COMMIT 2>/dev/null) $name rank $rank" >> "$LOG"
     # shellcheck disable=SC2046
-    PYTHONPATH=bench/.old timeout "${DRY_TIMEOUT:-300}" python3 -m megaloom train --dry-run --rank "$rank" \
-      --dry-run-steps "${DRY_STEPS:-3}" $(dry_layout "$name") > /tmp/dry_old.log 2>&1
+    # from inside bench/.old: `python -m` puts the working directory first on sys.path
+    (cd bench/.old && timeout "${DRY_TIMEOUT:-300}" python3 -m megaloom train --dry-run --rank "$rank" \
+      --dry-run-steps "${DRY_STEPS:-3}" $(dry_layout "$name")) > /tmp/dry_old.log 2>&1
     echo "old $name $rank rc=$? $(grep -o 'steps: .*s (' /tmp/dry_old.log)"
     sed -n '/^megaloom dry run/,$p' /tmp/dry_old.log >> "$LOG"
   fi
@@ -129,7 +130,7 @@ if [ "$PART" = dryrun ]; then
       python3 bench/profile_breakdown.py /tmp/dry_keep/profile/trace.json.gz --top 14 >> "$LOG" 2>&1
       cp /tmp/dry_keep/profile/trace.json.gz "$OUT/trace_$name.json.gz"
     fi
-    [ $rc = 0 ] || tail -30 "/tmp/dry_$name.log" >> "$LOG"
+    [ $rc = 0 ] || tail -60 "/tmp/dry_$name.log" >> "$LOG"  # (errors come as "[rank0]:" lines)
     echo "$name $rank rc=$rc $(grep -o 'GPU busy.*' "/tmp/dry_$name.log" | cut -c1-120)"
   done
 elif [ "$PART" = peer-mb8 ]; then  # TorchTitan's micro-batch 8 runs alone (when a race call had no time for them)
