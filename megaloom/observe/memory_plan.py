@@ -64,9 +64,10 @@ it is is reported with it. Steady state is assumed (optimizer state exists, i.e.
 ``update=False`` plans steps that never call the optimizer (a dry run that leaves the update out).
 
 torch.compile (train.compile) changes what is saved: for compiled dense decoder blocks (RMSNorm, SwiGLU, RoPE,
-QK-norm or not, fused attention, no or selective recompute, tp=1) the plan counts the partitioner's own save-set
-(`_compiled_block_bytes`, checked against a compiled block's saved tensors), with train.recompute_casts the leaner
-one; other compiled blocks are planned as eager, which over-estimates them.
+QK-norm or not, fused attention, no or selective recompute, any tp with or without sp, cp 1) the plan counts the
+partitioner's own save-set (`_compiled_block_bytes`, checked against compiled blocks' saved tensors at tp 1 and
+tp 2), with train.recompute_casts the leaner one; other compiled blocks are planned as eager, which
+over-estimates them.
 
 Not modelled: the CUDA caching allocator's rounding and fragmentation (the comparison is with
 max_memory_allocated, not reserved), cuBLAS workspaces, the gradient temporaries inside one block's backward,
@@ -214,7 +215,9 @@ def block_activation_bytes(cfg: Config, *, tokens: int, batch: int, layer: int =
     moe = is_moe_layer(m, layer)
     # Compiled blocks: the partitioner's own save-set (selective recompute drops the SwiGLU product from it).
     if _compiled_save_set_known(cfg, dm, device, recompute, attention, moe, fp8):
-        return _compiled_block_bytes(m, dm, lean=t.recompute_casts is True, selective=recompute == "selective")
+        residual = 2 if dm.autocast and getattr(t, "bf16_residual", False) is True else 4
+        return _compiled_block_bytes(m, dm, lean=t.recompute_casts is True, selective=recompute == "selective",
+                                     residual=residual)
     lin_in = 1 if fp8 and getattr(t, "fp8_recipe", "tensorwise") == "tensorwise" else 2
     attn_in = 2 if getattr(t, "fp8_keep_attention", False) else lin_in  # projections kept bf16: 2-byte inputs
     out: dict[str, int] = {}
@@ -273,39 +276,54 @@ def _compiled_save_set_known(cfg: Config, dm: _Dims, device: str, recompute: str
                              fp8: bool) -> bool:
     """Whether `_compiled_block_bytes` describes this block: a compiled dense pre-norm decoder block (RMSNorm,
     SwiGLU, RoPE, with or without QK-norm; no parallel block, window or dropout) under bf16/fp16 autocast with a
-    fused attention kernel, no full recomputation, fp8 or tensor parallelism. Other blocks keep the eager save-set
-    (an over-estimate of what compile keeps)."""
+    fused attention kernel, no full recomputation or fp8, and no context parallelism (whose ring attention is not
+    traced into the block's graph). Tensor parallelism, with or without sp, traces into one graph
+    (parallel/traced_comm.py). Other blocks keep the eager save-set (an over-estimate of what compile keeps)."""
     m, t = cfg.model, cfg.train
     tr = _traits(m)
-    return (device == "cuda" and t.compile is True and dm.autocast and dm.tp == 1 and recompute in ("none", "selective")
-            and not moe and not fp8 and attention in ("flash", "cudnn", "efficient") and tr.norm == "rmsnorm"
+    return (device == "cuda" and t.compile is True and dm.autocast and cfg.parallel.cp == 1
+            and recompute in ("none", "selective") and not moe and not fp8
+            and attention in ("flash", "cudnn", "efficient") and tr.norm == "rmsnorm"
             and tr.gated_mlp and tr.positions == "rope" and not tr.bias and not tr.post_norm
             and not m.parallel_block and not m.sliding_window and m.dropout == 0)
 
 
-def _compiled_block_bytes(m: ModelConfig, dm: _Dims, lean: bool, selective: bool = False) -> dict[str, int]:
+def _compiled_block_bytes(m: ModelConfig, dm: _Dims, lean: bool, selective: bool = False,
+                          residual: int = 4) -> dict[str, int]:
     """What a compiled block (`_compiled_save_set_known`) saves for backward, as AOTAutograd's partitioner picks it
-    (read with saved-tensor hooks on a compiled block, tests/test_compile_saves.py). By default it keeps, besides
-    the fp32 block input and each norm's 1/rms: three [n, d] bf16 tensors (the normed inputs of attention and MLP,
-    the attention output in the o_proj layout), q, k, v, the attention output and its logsumexp, and three
-    [n, ffn] bf16 tensors (gate, up, their SwiGLU product); weight casts are counted apart. With
-    ``lean`` (train.recompute_casts) it recomputes the normed inputs, the o_proj layout and the product from what
-    it keeps: one [n, d] bf16 tensor (o_proj's output), gate and up; the fp32 weights it saves are parameters,
-    resident anyway. Selective recompute (``selective``; the fused attention core is never recomputed) drops the
-    product either way. Which tensor is which is read from shapes; the byte counts are what the test checks. With
-    QK-norm the q and k projections' outputs before their norms and the norms' 1/rms are kept too."""
-    n, d, a = dm.n, dm.d, dm.a
+    (read with saved-tensor hooks on a compiled block: tests/test_compile_saves.py at tp 1, and tp 2 with and without
+    sp in tests/parallel/test_world2.py). By default it keeps, besides the block input (``residual`` bytes an
+    element: 2 with train.bf16_residual) and each norm's 1/rms: three [n, d] bf16 tensors (the normed inputs of
+    attention and MLP, the attention output in the o_proj layout, or under tp its all-reduced output), q, k, v of
+    this rank's heads, the attention output and its logsumexp, and three [n, ffn/tp] bf16 tensors (gate, up, their
+    SwiGLU product); weight casts are counted apart. With ``lean`` (train.recompute_casts) it recomputes the normed
+    inputs, the o_proj layout and the product from what it keeps: one [n, d] bf16 tensor (o_proj's output), gate
+    and up; the fp32 weights it saves are parameters, resident anyway. With sequence parallelism the block input
+    and norms hold n / tp tokens, the two normed inputs are kept as all-gathered ([n, d] bf16 each, lean or not:
+    the partitioner does not recompute a collective) and o_proj's reduce-scattered output as a [n / tp, d] bf16
+    shard. Selective recompute (``selective``; the fused attention core is never recomputed) drops the product
+    either way. Which tensor is which is read from shapes; the byte counts are what the tests check. With QK-norm
+    the q and k projections' outputs before their norms and the norms' 1/rms are kept too."""
+    n, n_r, d, a = dm.n, dm.n_r, dm.d, dm.a
     q, kv = a * n * dm.hl * dm.hd, a * n * dm.hkvl * dm.hd
     out = {
-        "block input (fp32)": 4 * n * d,
-        "norms 1/rms": 2 * 4 * n,
+        "block input": residual * n_r * d,
+        "norms 1/rms": 2 * 4 * n_r,
         "rope tables": 2 * 4 * dm.t * dm.hd,
-        "[n, d] bf16 (normed inputs, o_proj input)" if not lean else "o_proj output": (1 if lean else 3) * a * n * d,
+    }
+    if dm.sp:
+        out["normed inputs, all-gathered (bf16)"] = 2 * a * n * d
+        out["o_proj output shard (bf16)"] = a * n_r * d
+    elif lean:
+        out["o_proj output"] = a * n * d
+    else:
+        out["[n, d] bf16 (normed inputs, o_proj input)"] = 3 * a * n * d
+    out.update({
         "q, k, v": q + 2 * kv,
         "attention out": q,
         "logsumexp": 4 * dm.b * dm.hl * dm.t,
         "gate, up" + ("" if lean or selective else ", product"): (2 if lean or selective else 3) * a * n * dm.fl,
-    }
+    })
     if _traits(m).qk_norm:
         out["q, k before their norms"] = q + kv
         out["q/k norms 1/rms"] = 4 * n * (dm.hl + dm.hkvl)

@@ -48,6 +48,14 @@ def test_compiled_blocks_are_one_graph_and_match_the_single_process(world: list[
         assert_parity(res[case])
 
 
+@pytest.mark.parametrize("case", ["compiled-saves-sp1-lean0", "compiled-saves-sp1-lean1", "compiled-saves-sp0-lean0"])
+def test_the_memory_plan_knows_what_compiled_tp_blocks_save(world: list[dict], case: str) -> None:
+    """The plan's compiled save-set at tp 2 (with sp: the normed inputs kept all-gathered, lean or not) is what
+    Inductor's partitioner saves, byte for byte."""
+    for res in world:
+        assert res[case]["measured"] == res[case]["planned"], (res[case]["plan"], res[case]["saved"])
+
+
 def test_each_rank_holds_its_share(world: list[dict]) -> None:
     assert_element_counts([r["parity-gpt2-tp2-sp1"] for r in world], tp=2)
 

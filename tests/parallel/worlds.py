@@ -331,6 +331,51 @@ def parity_case(mesh: Mesh, arch: str, sp: bool, tie: bool = True, steps: int = 
     return out
 
 
+def compiled_saves_case(mesh: Mesh, sp: bool, lean: bool) -> dict:
+    """What a compiled tensor-parallel block saves for backward under bf16 autocast (Inductor, as train.compile
+    runs it; saved-tensor hooks), against the memory plan's compiled save-set for tp > 1: the activation bytes
+    (neither the resident fp32 parameters nor their bf16 copies, which the plan counts apart)."""
+    from megaloom.models.transformer import build_on_device
+    from megaloom.observe.memory_plan import block_activation_bytes
+    from megaloom.training.compile_saves import set_lean_saves
+
+    over = ["model.preset=mixtral-tiny", "model.vocab_size=512", "model.moe_every=0", "model.d_model=128",
+            "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=352", "train.seq_len=40", "model.max_seq_len=40",
+            f"parallel.tp={mesh.tp}", f"parallel.sp={sp}", "train.micro_batch_size=3", "train.global_batch_size=3"]
+    cfg = load_config(None, over)
+    torch.manual_seed(0)
+    model = parallelize_tensor(build_on_device(cfg.model, torch.device("cpu")), mesh, sp)
+    block = model.layers["0"]
+    x = torch.randn(3, 40 // mesh.tp if sp else 40, 128, requires_grad=True)
+    torch._dynamo.reset()
+    set_lean_saves(lean)
+    saved: list[tuple[tuple[int, ...], torch.dtype]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append((tuple(t.shape), t.dtype))
+        return t
+
+    try:
+        compiled = torch.compile(block)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = compiled(x, model.rope(40))
+        out.float().square().mean().backward()
+    finally:
+        set_lean_saves(False)
+        torch._dynamo.reset()
+    weights = {tuple(p.shape) for p in block.parameters()}
+    weights |= {s[::-1] for s in weights}
+    measured = sum(torch.Size(s).numel() * d.itemsize for s, d in saved  # not parameters, nor their bf16 copies
+                   if not (d == torch.float32 and s in weights) and not (d == torch.bfloat16 and s in weights
+                                                                          and len(s) == 2))
+    plan_cfg = load_config(None, over + ["train.compile=true", f"train.recompute_casts={str(lean).lower()}",
+                                         "train.precision=bf16"])
+    planned = block_activation_bytes(plan_cfg, tokens=120, batch=3, tp=mesh.tp, sp=sp, device="cuda",
+                                     attention="flash")
+    return {"measured": measured, "planned": sum(planned.values()), "saved": saved, "plan": planned}
+
+
 def decode_case(mesh: Mesh, arch: str) -> float:
     """Incremental decoding with KV caches (the generation path, sp off): max logit error vs reference."""
     cfg = tiny_config(arch, tp=mesh.tp, world=mesh.world_size)
@@ -434,6 +479,8 @@ def suite_world2(rank: int, world: int, device: torch.device) -> dict:
     res["parity-qwen3-tp2-sp1-async"] = parity_case(mesh, "qwen3", True, steps=3, async_tp=True)
     for arch, sp in (("llama", True), ("qwen3", True), ("gpt2", False)):  # compiled blocks, borders traced
         res[f"parity-{arch}-tp2-sp{int(sp)}-compiled"] = parity_case(mesh, arch, sp, steps=3, compiled=True)
+    for sp, lean in ((True, False), (True, True), (False, False)):  # the compiled save-set at tp 2
+        res[f"compiled-saves-sp{int(sp)}-lean{int(lean)}"] = compiled_saves_case(mesh, sp, lean)
     for sp in (False, True):  # LLaVA: a ViT split over tp (never over the sequence), image features merged
         res[f"parity-llava-tp2-sp{int(sp)}"] = llava_parity_case(mesh, sp)
     # LLaVA at pp=2: the encoder on the first stage, the images carried with its micro-batches.
