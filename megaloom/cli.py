@@ -39,7 +39,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         check_run_dir_free(Path(cfg.run.dir))  # another run in run.dir: refused here, once (rank 0 takes the lock)
         flags = {"quiet": ["--quiet"], "verbose": ["--verbose"]}.get(verbosity, [])  # the workers log alike
         argv = (["--config", args.config] if args.config else []) + flags + list(args.overrides)
-        return run_torchrun(torchrun_command(args.nproc, argv, max_restarts=args.max_restarts))  # signals passed on
+        return run_torchrun(torchrun_command(args.nproc, argv, max_restarts=args.max_restarts),  # signals passed on
+                            run_dir=Path(cfg.run.dir))
     from megaloom.observe.log import console_verbosity
     from megaloom.training.trainer import Trainer
 
