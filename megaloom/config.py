@@ -253,6 +253,11 @@ class CheckpointConfig:
     timeout_s: float = _f(3600.0, "Timeout of the checkpoint process group (save barriers, checksum gathering, the "
                                   "vote on which checkpoint verified): slow storage must not trip the training "
                                   "collectives' timeout.")
+    allow_data_change: bool = _f(False, "Resume even though the token files differ from those the checkpoint was "
+                                        "trained on (each checkpoint records their sizes, token counts and hashes "
+                                        "of the index and a sample of the tokens; a mismatch is refused by "
+                                        "default). The data stream then continues at the same step on the new data: "
+                                        "no longer the samples the uninterrupted run would have read.")
 
 
 @dataclass

@@ -21,7 +21,8 @@ import torch
 
 from megaloom.checkpoint.store import remove_partial_saves
 from megaloom.config import Config, ConfigError
-from megaloom.data.dataset import build_datasets
+from megaloom.data.dataset import build_datasets, source_prefixes
+from megaloom.data.identity import data_identity
 from megaloom.data.image_text.batch import ImageTextBatch
 from megaloom.data.loader import StepBatches, make_loader
 from megaloom.data.objective import ObjectiveDataset
@@ -156,6 +157,11 @@ class Trainer:
             default=default_builder(self.requested, build_datasets))
         # A family whose objective is not next-token prediction (BERT's masked LM) turns each row into
         # (inputs, labels) as the loader reads it, from (seed, sample index) alone (data/objective.py).
+        # What the token files are (sizes, counts, cheap hashes), saved with each checkpoint and compared on resume;
+        # every rank reads it (a few MiB at most), so every rank takes the same decision. Not for image-text sets
+        # or a caller's datasets (a dry run's synthetic tokens).
+        self.data_identity = (data_identity(source_prefixes(self.requested.data))
+                              if self._datasets is None and not self.requested.model.vision_layers else None)
         objective = registry.get_family(self.requested.model.arch).objective  # a lookup: no model is built
         self.objective = objective.build(self.requested, self.tokenizer) if objective is not None else None
         if self.objective is not None:
@@ -295,7 +301,7 @@ class Trainer:
         return model, stage
 
     def _resume(self) -> None:
-        self.ckpt = RunCheckpoints(self.cfg, self.run_dir, self.rt, self.mesh)
+        self.ckpt = RunCheckpoints(self.cfg, self.run_dir, self.rt, self.mesh, data=self.data_identity)
         self.step, resumed_state = self.ckpt.resume(self.model, self.optimizer)
         self.resumed_step, self._warm = self.step, False
         if self.train_step.scaler is not None and "loss_scaler" in resumed_state:
