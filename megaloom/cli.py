@@ -12,6 +12,7 @@ from pathlib import Path
 
 from megaloom.config import ConfigError, describe_keys, load_config
 from megaloom.errors import RunStopped
+from megaloom.resilience.peers import PeerLost
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -57,6 +58,22 @@ def _cmd_train(args: argparse.Namespace) -> int:
             print(_interrupted_line(args, result.stopped_by), file=sys.stderr, flush=True)
         return 130 if result.stopped_by == "SIGINT" else 0
     return 0
+
+
+def _peer_lost_line(args: argparse.Namespace, e: BaseException) -> str | None:
+    """For a torchrun worker of `megaloom train` whose collective failed because another rank died: the line
+    naming it ("" when a lower rank says it); None for any other error."""
+    from megaloom.resilience.peers import describe, peer_loss
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    pattern = peer_loss(e) if world > 1 and getattr(args, "command", None) == "train" else None
+    if pattern is None:
+        return None
+    trainer = getattr(args, "trainer", None)
+    if trainer is None:  # no process group exists before the trainer
+        return None
+    run_dir = getattr(trainer, "run_dir", None) or Path(trainer.requested.run.dir)
+    return describe(pattern, int(os.environ.get("RANK", "0")), world, getattr(trainer, "step", None), run_dir)
 
 
 def _interrupted_line(args: argparse.Namespace, signal_name: str = "SIGINT") -> str:
@@ -338,6 +355,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
+    except PeerLost:  # another rank died: the line naming it is said (by one rank) where it was caught
+        if os.environ.get("MEGALOOM_TRACEBACK"):
+            raise
+        return 1
     except RunStopped as e:  # before ValueError: a failed save is a CheckpointError too
         # The run cannot go on and a person must act (diverged, disk full, ...): one line, exit 1.
         if os.environ.get("MEGALOOM_TRACEBACK"):
@@ -356,6 +377,14 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"megaloom: stopped: no space left on the device writing {e.filename or 'a file'} ({e.strerror}); "
               "free space and start again (a run resumes from its newest checkpoint)", file=sys.stderr)
+        return 1
+    except RuntimeError as e:
+        # A rank died while the job was starting (before the training loop, which says it itself): one line.
+        line = _peer_lost_line(args, e)
+        if line is None or os.environ.get("MEGALOOM_TRACEBACK"):
+            raise
+        if line:
+            print(f"megaloom: stopped: {line}", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:
         # Ctrl-C: one line, no traceback, the shell's exit status for SIGINT (128 + 2). Under torchrun every rank

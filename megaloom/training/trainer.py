@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -54,6 +55,7 @@ from megaloom.parallel.tensor import parallelize_tensor
 from megaloom.parallel.zero import ShardedOptimizer, build_data_parallel, param_gather_dtype
 from megaloom.resilience import suspects
 from megaloom.resilience.guard import Resilience
+from megaloom.resilience.peers import PeerLost, describe, peer_loss
 from megaloom.resilience.rollbacks import RollbackBudget
 from megaloom.resilience.run_lock import RunLock, lock_run_dir
 from megaloom.resilience.signals import StopRequests, signal_name
@@ -362,6 +364,9 @@ class Trainer:
             self.stops.close()
             self.train_step.settle()  # the weights a caller reads after fit() are the last update's
             self.ckpt.wait()  # the last checkpoint is on disk before fit() returns
+        except Exception as e:
+            self._raise_if_peer_lost(e)
+            raise
         finally:  # also when the run stops with an error: no watchdog left armed in a process that goes on
             self.stops.restore()
             self.guard.close()
@@ -371,6 +376,18 @@ class Trainer:
         if self.step >= self.cfg.train.steps and self.step > self.resumed_step:
             log.info(self._summary())
         return self.result
+
+    def _raise_if_peer_lost(self, e: Exception) -> None:
+        """A collective failed because another rank died: one line for the job naming it (said here, while a
+        SIGTERM from torchrun tearing the job down is still only recorded), then PeerLost, not the backend's
+        traceback (resilience/peers.py)."""
+        pattern = peer_loss(e) if self.rt.world_size > 1 else None
+        if pattern is None:
+            return
+        line = describe(pattern, self.rt.rank, self.rt.world_size, self.step, self.run_dir)
+        if line:
+            print(f"megaloom: stopped: {line}", file=sys.stderr, flush=True)
+        raise PeerLost(line) from e
 
     def _summary(self) -> str:
         """One line at the end of a run: what was trained, how long it took, where the results are."""
