@@ -216,7 +216,8 @@ class TrainConfig:
     log_every: int = _f(10, "Steps between metric lines (loss is averaged over the interval).")
     eval_every: int = _f(200, "Steps between evaluations on the validation split; 0 = only at the end.")
     eval_batches: int = _f(4, "Global batches per evaluation.")
-    device: str = _f("auto", "auto = cuda if available else cpu; or cpu / cuda.")
+    device: str = _f("auto", "auto = cuda if available else cpu; or cpu / cuda (each rank on the GPU of its local "
+                             "rank) / cuda:N (one process per node only: several on one GPU are refused).")
 
 
 @dataclass
