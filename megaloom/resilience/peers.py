@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 from megaloom.errors import RunStopped
@@ -92,10 +93,17 @@ def restart_note() -> str:
     return "start the job again: it resumes from the newest checkpoint"
 
 
-def describe(error_pattern: str, rank: int, world: int, step: int | None, run_dir: str | Path) -> str:
+def describe(error_pattern: str, rank: int, world: int, step: int | None, run_dir: str | Path,
+             settle_s: float = 2.0) -> str:
     """The one line for the job, or "" when a lower rank still alive will say it. ``step``: the last step this
-    rank finished (None: while the job was starting)."""
-    dead, unchecked = dead_ranks(run_dir, world)
+    rank finished (None: while the job was starting). A dying process closes its sockets before it is a zombie, so
+    the connection may be lost a moment before the death shows: up to ``settle_s`` is given to it."""
+    deadline = time.monotonic() + settle_s
+    while True:
+        dead, unchecked = dead_ranks(run_dir, world)
+        if dead or time.monotonic() >= deadline:
+            break
+        time.sleep(0.05)
     alive = [r for r in range(world) if r not in dead]
     if alive and rank != min(alive):
         return ""

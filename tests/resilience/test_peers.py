@@ -43,4 +43,5 @@ def test_the_lowest_live_rank_names_the_dead_one(tmp_path, monkeypatch):
         "restart left (--max-restarts 2)")
 
     _beats(tmp_path, {0: alive, 1: alive}, node="elsewhere")  # processes of another node cannot be checked
-    assert describe(pattern, 0, 2, 3, tmp_path).startswith("a rank of another node (or without a heartbeat file) died")
+    assert describe(pattern, 0, 2, 3, tmp_path, settle_s=0).startswith(
+        "a rank of another node (or without a heartbeat file) died")
