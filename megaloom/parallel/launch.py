@@ -129,7 +129,10 @@ def _not_stopped(exits: dict[int, int | None]) -> str:
         if code is None:
             return "still running when torchrun gave up on it"
         if code < 0:
-            return f"killed by {signal.Signals(-code).name}"
+            try:
+                return f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
         return f"exit status {code}"
 
     bad = {r: c for r, c in sorted(exits.items()) if c not in STOPPED_CLEANLY}
