@@ -12,6 +12,7 @@ from pathlib import Path
 
 from megaloom.config import ConfigError, describe_keys, load_config
 from megaloom.errors import RunStopped
+from megaloom.resilience.peers import PeerLost
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -39,7 +40,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         check_run_dir_free(Path(cfg.run.dir))  # another run in run.dir: refused here, once (rank 0 takes the lock)
         flags = {"quiet": ["--quiet"], "verbose": ["--verbose"]}.get(verbosity, [])  # the workers log alike
         argv = (["--config", args.config] if args.config else []) + flags + list(args.overrides)
-        return run_torchrun(torchrun_command(args.nproc, argv, max_restarts=args.max_restarts))  # signals passed on
+        return run_torchrun(torchrun_command(args.nproc, argv, max_restarts=args.max_restarts),  # signals passed on
+                            run_dir=Path(cfg.run.dir))
     from megaloom.observe.log import console_verbosity
     from megaloom.training.trainer import Trainer
 
@@ -56,6 +58,22 @@ def _cmd_train(args: argparse.Namespace) -> int:
             print(_interrupted_line(args, result.stopped_by), file=sys.stderr, flush=True)
         return 130 if result.stopped_by == "SIGINT" else 0
     return 0
+
+
+def _peer_lost_line(args: argparse.Namespace, e: BaseException) -> str | None:
+    """For a torchrun worker of `megaloom train` whose collective failed because another rank died: the line
+    naming it ("" when a lower rank says it); None for any other error."""
+    from megaloom.resilience.peers import describe, peer_loss
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    pattern = peer_loss(e) if world > 1 and getattr(args, "command", None) == "train" else None
+    if pattern is None:
+        return None
+    trainer = getattr(args, "trainer", None)
+    if trainer is None:  # no process group exists before the trainer
+        return None
+    run_dir = getattr(trainer, "run_dir", None) or Path(trainer.requested.run.dir)
+    return describe(pattern, int(os.environ.get("RANK", "0")), world, getattr(trainer, "step", None), run_dir)
 
 
 def _interrupted_line(args: argparse.Namespace, signal_name: str = "SIGINT") -> str:
@@ -337,6 +355,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
+    except PeerLost:  # another rank died: the line naming it is said (by one rank) where it was caught
+        if os.environ.get("MEGALOOM_TRACEBACK"):
+            raise
+        return 1
     except RunStopped as e:  # before ValueError: a failed save is a CheckpointError too
         # The run cannot go on and a person must act (diverged, disk full, ...): one line, exit 1.
         if os.environ.get("MEGALOOM_TRACEBACK"):
@@ -355,6 +377,14 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"megaloom: stopped: no space left on the device writing {e.filename or 'a file'} ({e.strerror}); "
               "free space and start again (a run resumes from its newest checkpoint)", file=sys.stderr)
+        return 1
+    except RuntimeError as e:
+        # A rank died while the job was starting (before the training loop, which says it itself): one line.
+        line = _peer_lost_line(args, e)
+        if line is None or os.environ.get("MEGALOOM_TRACEBACK"):
+            raise
+        if line:
+            print(f"megaloom: stopped: {line}", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:
         # Ctrl-C: one line, no traceback, the shell's exit status for SIGINT (128 + 2). Under torchrun every rank

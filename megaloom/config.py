@@ -216,7 +216,8 @@ class TrainConfig:
     log_every: int = _f(10, "Steps between metric lines (loss is averaged over the interval).")
     eval_every: int = _f(200, "Steps between evaluations on the validation split; 0 = only at the end.")
     eval_batches: int = _f(4, "Global batches per evaluation.")
-    device: str = _f("auto", "auto = cuda if available else cpu; or cpu / cuda.")
+    device: str = _f("auto", "auto = cuda if available else cpu; or cpu / cuda (each rank on the GPU of its local "
+                             "rank) / cuda:N (one process per node only: several on one GPU are refused).")
 
 
 @dataclass
@@ -253,6 +254,11 @@ class CheckpointConfig:
     timeout_s: float = _f(3600.0, "Timeout of the checkpoint process group (save barriers, checksum gathering, the "
                                   "vote on which checkpoint verified): slow storage must not trip the training "
                                   "collectives' timeout.")
+    allow_data_change: bool = _f(False, "Resume even though the token files differ from those the checkpoint was "
+                                        "trained on (each checkpoint records their sizes, token counts and hashes "
+                                        "of the index and a sample of the tokens; a mismatch is refused by "
+                                        "default). The data stream then continues at the same step on the new data: "
+                                        "no longer the samples the uninterrupted run would have read.")
 
 
 @dataclass

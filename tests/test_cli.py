@@ -75,6 +75,7 @@ def test_version_and_help_list_every_command():
     (["parallel.tp=2", "data.paths=/nonexistent"], "/nonexistent.bin does not exist"),
     (["parallel.tp=3"], "does not divide the world size 2"),
     (["parallel.zero=1", "parallel.tp=2"], "dp=1"),
+    (["train.device=cuda:1"], "train.device=cuda:1 with 2 processes on this node would put every rank on GPU 1"),
 ])
 def test_nproc_user_errors_print_once_before_torchrun(tmp_path, overrides, message):
     """Checked in the launching process: one line, exit 2, no rank started (so no torchrun traceback)."""
@@ -85,6 +86,24 @@ def test_nproc_user_errors_print_once_before_torchrun(tmp_path, overrides, messa
     assert r.stderr.count("megaloom: error:") == 1
     assert "Traceback" not in r.stderr and "torch.distributed" not in r.stderr
     assert not (tmp_path / "r").exists()
+
+
+def test_one_gpu_for_every_rank_of_a_torchrun_node_is_refused_before_the_process_group(tmp_path, capsys,
+                                                                                        monkeypatch):
+    """Under torchrun (its environment: two processes on this node), train.device=cuda:N is refused by preflight,
+    before any process group or GPU is touched (so this runs on CPU); one process per node may choose its GPU."""
+    from megaloom.training.preflight import preflight
+
+    for key, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    assert main(["train", "train.device=cuda:0", f"run.dir={tmp_path / 'r'}"]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == ("megaloom: error: train.device=cuda:0 with 2 processes on this node would put every rank on GPU 0 "
+                    "(NCCL: \"Duplicate GPU detected\"); set train.device=cuda (or auto) so that each rank takes the "
+                    "GPU of its local rank (restrict the GPUs used with CUDA_VISIBLE_DEVICES).")
+    assert not (tmp_path / "r").exists()
+    cfg = load_config(None, ["train.device=cuda:0"])
+    assert preflight(cfg, 8, local_world_size=1).sizes["dp"] == 8  # 8 nodes of one process each: allowed
 
 
 def test_train_again_after_a_finished_run_says_nothing_to_do(small_corpus, tmp_path, capsys):

@@ -434,15 +434,21 @@ def _load_rng(rng_file: Path) -> dict:
 
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                     rank: int = 0, model_cfg: dict | None = None, mesh: Mesh | None = None,
-                    group: CheckpointGroup | None = None) -> dict:
+                    group: CheckpointGroup | None = None,
+                    check_state: Callable[[Path, dict], None] | None = None) -> dict:
     """Verify and load `path` into model (and optimizer); restore this rank's RNG. Returns state.json.
 
     A model-only checkpoint (state.json has_optimizer_state false) leaves the optimizer untouched, i.e. fresh
-    for a fine-tune; the RNG is restored only if the checkpoint has a file for this rank."""
+    for a fine-tune; the RNG is restored only if the checkpoint has a file for this rank. ``check_state(path,
+    state)`` runs once the checkpoint verified, before any tensor is read: it raises to refuse the checkpoint
+    (e.g. the run's data changed since it was written; an exception other than CheckpointError ends
+    `load_newest`'s fall-back too)."""
     mesh = mesh or Mesh.single()
     state = verify_checkpoint(path, group)
     if model_cfg is not None and "model" in state:
         check_compatible(state["model"], model_cfg)
+    if check_state is not None:
+        check_state(path, state)
     with_optim = optimizer is not None and state.get(OPTIMIZER_FLAG, True)
     if with_optim:
         ensure_optimizer_state(model, optimizer)
@@ -459,7 +465,8 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
 
 def load_newest(ckpt_root: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, rank: int = 0,
                 model_cfg: dict | None = None, mesh: Mesh | None = None,
-                warn: Callable[[str], None] = print, group: CheckpointGroup | None = None) -> tuple[Path, dict] | None:
+                warn: Callable[[str], None] = print, group: CheckpointGroup | None = None,
+                check_state: Callable[[Path, dict], None] | None = None) -> tuple[Path, dict] | None:
     """Load the newest checkpoint under `ckpt_root` that verifies; returns (path, state.json), or None when there is
     no checkpoint at all.
 
@@ -473,7 +480,7 @@ def load_newest(ckpt_root: Path, model: nn.Module, optimizer: torch.optim.Optimi
     for i, path in enumerate(candidates):
         try:
             return path, load_checkpoint(path, model, optimizer, rank=rank, model_cfg=model_cfg, mesh=mesh,
-                                         group=group)
+                                         group=group, check_state=check_state)
         except CheckpointError as e:
             if "incompatible" in str(e):
                 raise

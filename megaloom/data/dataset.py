@@ -90,6 +90,12 @@ def resolve_sources(cfg: DataConfig, root: Path) -> tuple[list[str], Tokenizer]:
     return list(cfg.paths), tok
 
 
+def source_prefixes(cfg: DataConfig) -> list[str]:
+    """The token-file prefixes ``data.*`` trains on: data.paths, or the default corpus's (built on first use; the
+    datasets were built before this is asked, so it is found in the cache)."""
+    return list(cfg.paths) if cfg.paths else [prepare_default(cache_root(cfg.cache_dir), cfg.default_vocab_size)[1]]
+
+
 def _blend(parts: list[PackedDataset], tokens: list[IndexedTokens], weights: list[float], n: int, seed: int,
            role: str, seq_len: int, split: str, folder: Path) -> BlendedDataset:
     if len(parts) == 1:

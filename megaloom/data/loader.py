@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import signal
+
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -54,9 +56,29 @@ def stack_rows(rows: list):
     return torch.from_numpy(np.stack(rows).astype(np.int64, copy=False))
 
 
+def ignore_stop_signals(worker_id: int = 0) -> None:
+    """A data-loader worker's start (``worker_init_fn``): ignore the signals the trainer turns into a save and a
+    stop, and die with the trainer.
+
+    torchrun stops a worker by signalling its whole process group (a scheduler or a terminal may signal every
+    process too), so the loader's workers get the SIGTERM meant for the trainer. With the default action (torch's
+    worker handler ends the worker unless the trainer itself sent the signal) they died at once, and the trainer's
+    next batch or collective failed with "DataLoader worker (pid ...) is killed by signal: Terminated" before it
+    could save. Ignored here, the trainer decides: it saves, stops and shuts its workers down. A worker still
+    ends with the trainer however the trainer ends: the loader's shutdown, torch's check that the parent lives,
+    and (Linux) the kernel's SIGKILL when the trainer dies (PR_SET_PDEATHSIG)."""
+    from megaloom.parallel.launch import die_with_parent
+    from megaloom.resilience.signals import STOP_SIGNALS
+
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    die_with_parent()
+
+
 def make_loader(batches: StepBatches, num_workers: int, prefetch: int, pin_memory: bool) -> DataLoader:
     """A DataLoader yielding ``batches`` in step order, built ahead by ``num_workers`` processes so that
-    reading and stacking overlap with the forward/backward pass."""
+    reading and stacking overlap with the forward/backward pass. The workers ignore the trainer's stop signals
+    (`ignore_stop_signals`)."""
     if num_workers < 0:
         raise DataError(f"data.num_workers must be >= 0, got {num_workers}")
     if num_workers > 0 and prefetch < 1:
@@ -69,6 +91,7 @@ def make_loader(batches: StepBatches, num_workers: int, prefetch: int, pin_memor
         pin_memory=pin_memory,
         persistent_workers=num_workers > 0,
         prefetch_factor=prefetch if num_workers > 0 else None,
+        worker_init_fn=ignore_stop_signals if num_workers > 0 else None,
         # The loader draws a base seed when an iterator starts; a private generator keeps that draw off the
         # global RNG, so a resumed run's dropout stream is exactly the uninterrupted run's.
         generator=torch.Generator().manual_seed(0),

@@ -12,6 +12,9 @@ from tqdm import tqdm
 
 from megaloom.data.cache import tmp_name
 from megaloom.data.errors import DataError
+from megaloom.observe.log import TO_STDERR, get_logger
+
+log = get_logger(__name__)
 
 EOD_TOKEN = "<|endoftext|>"
 IMAGE_TOKEN = "<image>"  # where an image's features go in a multimodal model's input
@@ -92,6 +95,16 @@ def _bpe_trainer(vocab_size: int) -> tuple[HFTokenizer, trainers.BpeTrainer]:
     return hf, trainer
 
 
+def _warn_if_short(hf: HFTokenizer, vocab_size: int) -> None:
+    """BPE stops merging when no pair of tokens is left to merge (every word of the corpus is one token): a small
+    corpus gives fewer tokens than asked, which used to pass without a word. One line on stderr says so."""
+    reached = hf.get_vocab_size(with_added_tokens=True)
+    if reached < vocab_size:
+        log.warning(f"WARNING: the tokenizer has {reached:,} tokens, not the {vocab_size:,} asked: the corpus ran "
+                    "out of pairs to merge (every word in it is already one token); train on more text for a "
+                    f"larger vocabulary, or ask for {reached:,} or fewer", extra=TO_STDERR)
+
+
 def _save_atomic(hf: HFTokenizer, out_path: Path) -> Path:
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -119,6 +132,7 @@ def train_bpe(files: list[Path], vocab_size: int, out_path: Path, show_progress:
         if not f.is_file():
             raise DataError(f"tokenizer training file {f} does not exist; check the corpus path")
     hf.train([str(f) for f in files], trainer)
+    _warn_if_short(hf, vocab_size)
     return _save_atomic(hf, out_path)
 
 
@@ -137,4 +151,5 @@ def train_bpe_on_texts(texts: Iterable[str], vocab_size: int, out_path: Path, sh
     hf.train_from_iterator(counted(), trainer)
     if not seen:
         raise DataError("no documents to train the tokenizer on; the inputs hold no text")
+    _warn_if_short(hf, vocab_size)
     return _save_atomic(hf, out_path)

@@ -31,6 +31,28 @@ class RunDirLocked(ConfigError):
     """run.dir is in use by another live megaloom run."""
 
 
+class RunDirUnwritable(ConfigError):
+    """run.dir cannot be created or written (read-only, another user's, not a directory)."""
+
+
+def _open_lock_file(run_dir: Path) -> IO[str]:
+    """run.dir (created if missing) and its lock file, open for the run's life. A directory this process cannot
+    write is one line naming it and the fix, here, before the run does any work (a full disk is left to the
+    caller's no-space line)."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if not os.access(run_dir, os.W_OK | os.X_OK):  # a lock file left writable in a read-only directory
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(run_dir))
+        return open(run_dir / LOCK_NAME, "a+")  # noqa: SIM115 (held open for the run's life)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        where = f" ({e.filename})" if e.filename and str(e.filename) != str(run_dir) else ""
+        raise RunDirUnwritable(f"run.dir {run_dir} cannot be written: {e.strerror or e}{where}; a run writes its "
+                               "config, metrics and checkpoints there: make it writable, or set run.dir to a "
+                               "directory you can write.") from e
+
+
 def _holder(f: IO[str]) -> str:
     try:
         f.seek(0)
@@ -45,7 +67,7 @@ def _holder(f: IO[str]) -> str:
 
 def _try_lock(run_dir: Path) -> IO[str] | None:
     """The open, locked file; None where the file system has no locks (warned); RunDirLocked when held."""
-    f = open(run_dir / LOCK_NAME, "a+")  # noqa: SIM115 (held open for the run's life)
+    f = _open_lock_file(run_dir)
     try:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
@@ -64,8 +86,7 @@ def _try_lock(run_dir: Path) -> IO[str] | None:
 
 def lock_run_dir(run_dir: Path) -> RunLock:
     """Take (or, in this process, share) the lock of ``run_dir``, creating the directory; raise RunDirLocked
-    when another live process holds it."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+    when another live process holds it, RunDirUnwritable when it cannot be written."""
     key = str(run_dir.resolve())
     if key in _HELD:
         _HELD[key][1] += 1
@@ -84,9 +105,9 @@ def lock_run_dir(run_dir: Path) -> RunLock:
 
 
 def check_run_dir_free(run_dir: Path) -> None:
-    """Raise RunDirLocked if another process holds ``run_dir``'s lock now (a launcher's early check: the
-    workers' rank 0 takes the real lock)."""
-    if run_dir.is_dir() and str(run_dir.resolve()) not in _HELD:
+    """Raise RunDirLocked if another process holds ``run_dir``'s lock now, RunDirUnwritable if it cannot be
+    written (a launcher's early check, creating the directory: the workers' rank 0 takes the real lock)."""
+    if str(run_dir.resolve()) not in _HELD:
         f = _try_lock(run_dir)
         if f is not None:
             f.close()  # closing releases the lock

@@ -17,6 +17,8 @@ from megaloom.checkpoint import (
 from megaloom.checkpoint.group import CheckpointGroup
 from megaloom.checkpoint.store import STATE
 from megaloom.config import Config
+from megaloom.data.errors import DataError
+from megaloom.data.identity import data_changes
 from megaloom.errors import RunStopped
 from megaloom.observe.log import get_logger
 from megaloom.parallel.mesh import Mesh
@@ -26,11 +28,18 @@ from megaloom.step import TrainStep
 log = get_logger(__name__)
 
 
+class DataChanged(DataError):
+    """The checkpoint to resume from was trained on other token files than the run's data.paths hold now."""
+
+
 class RunCheckpoints:
     """run.dir/checkpoints of one run, for every rank: `resume`, `save`, `rollback`, and `wait` at the end."""
 
-    def __init__(self, cfg: Config, run_dir: Path, rt: Runtime, mesh: Mesh) -> None:
+    def __init__(self, cfg: Config, run_dir: Path, rt: Runtime, mesh: Mesh, data: list[dict] | None = None) -> None:
+        """``data``: the identity of the run's token files (data/identity.py), saved with every checkpoint and
+        compared on resume; None where the data is not token files (image-text sets, a dry run's tokens)."""
         self.cfg, self.root, self.rt, self.mesh = cfg, run_dir / "checkpoints", rt, mesh
+        self.data = data
         # Collective: every rank makes the checkpoint group here (checkpoint/group.py).
         self.group = CheckpointGroup(cfg.checkpoint.timeout_s)
         self.saver: AsyncCheckpointer | None = None
@@ -53,7 +62,7 @@ class RunCheckpoints:
             return 0, {}
         if choice == "auto":
             found = load_newest(self.root, model, optimizer, rank=rt.rank, model_cfg=cfg.model.__dict__, mesh=mesh,
-                                warn=self._warn, group=self.group)
+                                warn=self._warn, group=self.group, check_state=self._check_data)
             if found is None:
                 return 0, {}
             path, state = found
@@ -68,12 +77,28 @@ class RunCheckpoints:
                          f"run starts from its weights at step 0 with a fresh optimizer")
                 return 0, {}
             state = load_checkpoint(path, model, optimizer, rank=rt.rank, model_cfg=cfg.model.__dict__, mesh=mesh,
-                                    group=self.group)
+                                    group=self.group, check_state=self._check_data)
         _check_data_compatible(state, cfg)
         log.info(f"resumed from {path} at step {state['step']}")
         for line in resume_changes(state, cfg, self.layout()):
             log.info(line)
         return int(state["step"]), state
+
+    def _check_data(self, path: Path, state: dict) -> None:
+        """Refuse a checkpoint whose data differs from this run's (exact resume would silently read other
+        samples), before its tensors load; checkpoint.allow_data_change=true goes on with a warning."""
+        changes = data_changes(state.get("data"), self.data)
+        if not changes:
+            return
+        what = "; ".join(changes)
+        if self.cfg.checkpoint.allow_data_change:
+            self._warn(f"WARNING: the data changed since checkpoint {path.name} was written ({what}); continuing on "
+                       "the new data as checkpoint.allow_data_change=true asks (the resume is not exact)")
+            return
+        raise DataChanged(f"checkpoint {path} was trained on other data than this run's (data.paths): {what}; "
+                          "resuming would read other samples than the run it continues. Put the original files "
+                          "back, or set checkpoint.allow_data_change=true to continue on the new data (or start a "
+                          "new run.dir).")
 
     def _another_stage(self, path: Path) -> bool:
         """The checkpoint was trained with other parts frozen (model.freeze): its optimizer state does not cover
@@ -96,6 +121,8 @@ class RunCheckpoints:
         t0 = time.perf_counter()
         state = run_state(cfg, step)
         state["data_offset"] = data_offset
+        if self.data is not None:
+            state["data"] = self.data
         state["layout"] = self.layout()
         if train_step.scaler is not None:
             state["loss_scaler"] = train_step.scaler.state_dict()

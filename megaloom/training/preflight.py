@@ -30,8 +30,15 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def preflight(cfg: Config, world_size: int) -> Checked:
-    """Refuse what cannot run, before any process group, data or model exists; return the layout."""
+def local_world_size_from_env() -> int:
+    """The processes of this job on this node (torchrun's LOCAL_WORLD_SIZE; 1 outside torchrun)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def preflight(cfg: Config, world_size: int, local_world_size: int | None = None) -> Checked:
+    """Refuse what cannot run, before any process group, data or model exists; return the layout.
+    ``local_world_size``: the job's processes on this node (default: torchrun's LOCAL_WORLD_SIZE, else 1)."""
+    check_device(cfg, local_world_size_from_env() if local_world_size is None else local_world_size)
     refuse_unbuilt(cfg)
     sizes = validate_layout(cfg, world_size)
     partition = validate_pipeline(cfg, sizes["dp"], cfg.parallel.pp_first_stage_layers or None,
@@ -46,6 +53,18 @@ def preflight(cfg: Config, world_size: int) -> Checked:
     return Checked(sizes=sizes, partition=partition)
 
 
+def check_device(cfg: Config, local_world_size: int) -> None:
+    """train.device=cuda:N with several processes on a node puts all of them on GPU N (NCCL then fails with
+    "Duplicate GPU detected", or they share one GPU's memory): refused, naming the fix. One process per node
+    (multi-node, --nproc-per-node 1) may pick its GPU so."""
+    d = cfg.train.device
+    if d.startswith("cuda:") and local_world_size > 1:
+        raise ConfigError(f"train.device={d} with {local_world_size} processes on this node would put every rank on "
+                          f"GPU {d[len('cuda:'):]} (NCCL: \"Duplicate GPU detected\"); set train.device=cuda (or auto) "
+                          "so that each rank takes the GPU of its local rank (restrict the GPUs used with "
+                          "CUDA_VISIBLE_DEVICES).")
+
+
 def preflight_launch(cfg: Config, world_size: int) -> Checked:
     """`megaloom train --nproc N` in the launching process, before torchrun starts any rank: `preflight` at the
     job's world size, and the data files and tokenizer exist (opening a token file's index validates its header;
@@ -55,7 +74,7 @@ def preflight_launch(cfg: Config, world_size: int) -> Checked:
     from megaloom.data.errors import DataError
     from megaloom.data.indexed import IndexedTokens
 
-    checked = preflight(cfg, world_size)
+    checked = preflight(cfg, world_size, local_world_size=world_size)  # --nproc N: N processes on this node
     for prefix in cfg.data.paths:
         IndexedTokens(prefix)
     if cfg.data.tokenizer and not Path(cfg.data.tokenizer).expanduser().is_file():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -21,7 +22,8 @@ import torch
 
 from megaloom.checkpoint.store import remove_partial_saves
 from megaloom.config import Config, ConfigError
-from megaloom.data.dataset import build_datasets
+from megaloom.data.dataset import build_datasets, source_prefixes
+from megaloom.data.identity import data_identity
 from megaloom.data.image_text.batch import ImageTextBatch
 from megaloom.data.loader import StepBatches, make_loader
 from megaloom.data.objective import ObjectiveDataset
@@ -53,6 +55,7 @@ from megaloom.parallel.tensor import parallelize_tensor
 from megaloom.parallel.zero import ShardedOptimizer, build_data_parallel, param_gather_dtype
 from megaloom.resilience import suspects
 from megaloom.resilience.guard import Resilience
+from megaloom.resilience.peers import PeerLost, describe, peer_loss
 from megaloom.resilience.rollbacks import RollbackBudget
 from megaloom.resilience.run_lock import RunLock, lock_run_dir
 from megaloom.resilience.signals import StopRequests, signal_name
@@ -156,6 +159,11 @@ class Trainer:
             default=default_builder(self.requested, build_datasets))
         # A family whose objective is not next-token prediction (BERT's masked LM) turns each row into
         # (inputs, labels) as the loader reads it, from (seed, sample index) alone (data/objective.py).
+        # What the token files are (sizes, counts, cheap hashes), saved with each checkpoint and compared on resume;
+        # every rank reads it (a few MiB at most), so every rank takes the same decision. Not for image-text sets
+        # or a caller's datasets (a dry run's synthetic tokens).
+        self.data_identity = (data_identity(source_prefixes(self.requested.data))
+                              if self._datasets is None and not self.requested.model.vision_layers else None)
         objective = registry.get_family(self.requested.model.arch).objective  # a lookup: no model is built
         self.objective = objective.build(self.requested, self.tokenizer) if objective is not None else None
         if self.objective is not None:
@@ -295,7 +303,7 @@ class Trainer:
         return model, stage
 
     def _resume(self) -> None:
-        self.ckpt = RunCheckpoints(self.cfg, self.run_dir, self.rt, self.mesh)
+        self.ckpt = RunCheckpoints(self.cfg, self.run_dir, self.rt, self.mesh, data=self.data_identity)
         self.step, resumed_state = self.ckpt.resume(self.model, self.optimizer)
         self.resumed_step, self._warm = self.step, False
         if self.train_step.scaler is not None and "loss_scaler" in resumed_state:
@@ -356,6 +364,9 @@ class Trainer:
             self.stops.close()
             self.train_step.settle()  # the weights a caller reads after fit() are the last update's
             self.ckpt.wait()  # the last checkpoint is on disk before fit() returns
+        except Exception as e:
+            self._raise_if_peer_lost(e)
+            raise
         finally:  # also when the run stops with an error: no watchdog left armed in a process that goes on
             self.stops.restore()
             self.guard.close()
@@ -365,6 +376,18 @@ class Trainer:
         if self.step >= self.cfg.train.steps and self.step > self.resumed_step:
             log.info(self._summary())
         return self.result
+
+    def _raise_if_peer_lost(self, e: Exception) -> None:
+        """A collective failed because another rank died: one line for the job naming it (said here, while a
+        SIGTERM from torchrun tearing the job down is still only recorded), then PeerLost, not the backend's
+        traceback (resilience/peers.py)."""
+        pattern = peer_loss(e) if self.rt.world_size > 1 else None
+        if pattern is None:
+            return
+        line = describe(pattern, self.rt.rank, self.rt.world_size, self.step, self.run_dir)
+        if line:
+            print(f"megaloom: stopped: {line}", file=sys.stderr, flush=True)
+        raise PeerLost(line) from e
 
     def _summary(self) -> str:
         """One line at the end of a run: what was trained, how long it took, where the results are."""

@@ -70,3 +70,20 @@ def test_train_bpe_rejects_tiny_vocab_and_missing_files(tmp_path: Path, text_dir
     with pytest.raises(DataError, match=r"missing.txt"):
         train_bpe([tmp_path / "missing.txt"], 300, tmp_path / "t.json", show_progress=False)
     assert not (tmp_path / "t.json").exists()
+
+
+def test_a_vocabulary_smaller_than_asked_is_said_in_one_line(tmp_path: Path, capsys) -> None:
+    """A small corpus runs out of pairs to merge before --vocab-size: it used to return fewer tokens silently."""
+    from megaloom.cli import main
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("the model reads tokens and the model writes tokens\n" * 20)
+    assert main(["tokenizer", "train", str(corpus), "--vocab-size", "32000", "--out", str(tmp_path / "t.json")]) == 0
+    reached = Tokenizer.from_file(tmp_path / "t.json").vocab_size
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if "WARNING" in x]
+    assert line == (f"WARNING: the tokenizer has {reached:,} tokens, not the 32,000 asked: the corpus ran out of "
+                    "pairs to merge (every word in it is already one token); train on more text for a larger "
+                    f"vocabulary, or ask for {reached:,} or fewer")
+    again = ["tokenizer", "train", str(corpus), "--vocab-size", str(reached), "--out", str(tmp_path / "u.json")]
+    assert main(again) == 0
+    assert "WARNING" not in capsys.readouterr().err  # the size reached: nothing to say

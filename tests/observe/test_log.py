@@ -68,7 +68,7 @@ def test_console_verbosity_is_restored(capsys):
 def test_flags_pass_through_nproc(flag, monkeypatch):
     calls = []
     monkeypatch.delenv("LOCAL_RANK", raising=False)
-    monkeypatch.setattr(launch, "run_torchrun", lambda cmd: calls.append(cmd) or 0)
+    monkeypatch.setattr(launch, "run_torchrun", lambda cmd, **kw: calls.append(cmd) or 0)
     assert cli.main(["train", "--nproc", "2", flag, "train.steps=3"]) == 0
     (cmd,) = calls
     assert cmd[cmd.index("megaloom"):] == ["megaloom", "train", flag, "train.steps=3"]

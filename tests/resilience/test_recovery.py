@@ -42,6 +42,13 @@ def test_killed_worker_restarts_and_matches_uninterrupted_run(small_corpus, tmp_
     proc = launch(tiny_overrides(small_corpus, run, *BASE), fault="kill:rank=1:step=8")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stdout  # step 6, or step 3 if the background write of 6 was cut short
+    # The survivor says which rank died in one line, not with gloo's "Connection reset by peer" traceback.
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("megaloom:")]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0] == ("megaloom: stopped: rank 1 died at step 8 (rank 0 lost its connection to it: Connection reset "
+                        "by peer); torchrun restarts the job (restart 1 of 1), which resumes from the newest "
+                        "checkpoint"), proc.stderr[-3000:]
     got = last_losses(run)
     assert sorted(got) == list(range(1, 11))
     for step, ref in reference.items():

@@ -56,6 +56,30 @@ def test_a_second_run_is_refused_naming_the_first_and_writes_nothing(small_corpu
     assert rc == 2 and f"pid {proc.pid}" in capsys.readouterr().err
 
 
+def _unwritable_dir(tmp_path):
+    """A directory this process cannot write: a read-only one (mode 0555), or for root, whom modes do not stop,
+    sysfs's /sys/kernel (no file can be created there, not even by root)."""
+    from pathlib import Path
+
+    d = tmp_path / "ro"
+    d.mkdir()
+    d.chmod(0o555)
+    return d if not os.access(d, os.W_OK) else Path("/sys/kernel")
+
+
+@pytest.mark.parametrize("nproc", [[], ["--nproc", "2"]])
+def test_a_read_only_run_dir_is_one_line_before_any_work(small_corpus, tmp_path, capsys, monkeypatch, nproc):
+    from megaloom.parallel import launch
+
+    monkeypatch.setattr(launch, "run_torchrun", lambda *a, **k: pytest.fail("torchrun started"))
+    ro, cache = _unwritable_dir(tmp_path), tmp_path / "cache"
+    rc = main(["train", *nproc, *tiny_overrides(small_corpus, ro, *BASE, f"data.cache_dir={cache}")])
+    (line,) = capsys.readouterr().err.splitlines()
+    assert rc == 2, line
+    assert line.startswith(f"megaloom: error: run.dir {ro} cannot be written: ") and "set run.dir to a" in line, line
+    assert not cache.exists()  # refused before the data was opened (its sample indices are cached there)
+
+
 def test_the_lock_goes_with_a_killed_holder(small_corpus, holder):
     run, proc = holder
     proc.send_signal(signal.SIGKILL)  # a crash: no clean-up ran

@@ -106,15 +106,18 @@ def _gone_within(run_dir, seconds: float) -> list[int]:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process death signal is Linux's")
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGUSR1", "kill9_group"])
 def test_killing_the_nproc_launcher_leaves_no_worker(small_corpus, tmp_path, how):
+    """With data-loader workers (data.num_workers=1): torchrun signals each rank's whole process group, so they get
+    the signal too; they must ignore it (the rank saves, then stops them), and die with their rank after kill -9."""
     import os
 
     run = tmp_path / "run"
     p = subprocess.Popen([sys.executable, "-m", "megaloom", "train", "--nproc", "2",
-                          *tiny_overrides(small_corpus, run, "train.steps=100000", "checkpoint.every=0")],
+                          *tiny_overrides(small_corpus, run, "train.steps=100000", "checkpoint.every=0",
+                                          "data.num_workers=1")],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         wait_for_step(p, 2, 100000)
-        assert len(_processes_of(run)) >= 4  # launcher, torchrun, two workers
+        assert len(_processes_of(run)) >= 6  # launcher, torchrun, two ranks and a data worker each
         if how.startswith("SIG"):  # SIGUSR1: torchrun must be told to handle it, or it dies and orphans the workers
             p.send_signal(getattr(signal, how))
         else:
@@ -125,9 +128,52 @@ def test_killing_the_nproc_launcher_leaves_no_worker(small_corpus, tmp_path, how
     finally:
         for pid in _processes_of(run):
             os.kill(pid, signal.SIGKILL)
-    if how.startswith("SIG"):  # passed on to every worker: they saved the same step and stopped; one line, exit 0
+    if how.startswith("SIG"):  # passed on to every rank: they saved the same step and stopped; one line, exit 0
         assert p.returncode == 0, err[-3000:]
-        assert "Traceback" not in err, err[-3000:]
+        assert "Traceback" not in err and "DataLoader worker" not in err, err[-3000:]
         (line,) = [x for x in err.splitlines() if x.startswith("megaloom:")]
         m = re.fullmatch(rf"megaloom: stopped by {how} at step (\d+); the last checkpoint is step (\d+) \(.*\)", line)
         assert m and m[1] == m[2], line
+        reached = max(losses(run))  # the last step trained (train.log_every=1)
+        assert int(m[1]) == reached
+        latest = (run / "checkpoints" / "latest").read_text().strip()
+        assert latest == f"step_{reached:08d}"
+        files = {f.name for f in (run / "checkpoints" / latest).iterdir()}
+        assert {"__0_0.distcp", "__1_0.distcp", "rng_rank0.pt", "rng_rank1.pt"} <= files, files  # both ranks
+
+
+def test_nproc_launcher_exit_status_says_whether_every_rank_stopped_after_saving(tmp_path, capsys):
+    """A stand-in for torchrun that, signalled, reports how its ranks ended (as torchrun_main does): the launcher
+    exits 0 only when every rank stopped as asked, else 1 with one line naming the ranks and the last checkpoint."""
+    import os
+    import threading
+    import time
+
+    from megaloom.parallel.launch import run_torchrun
+
+    (tmp_path / "checkpoints" / "step_00000010").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "latest").write_text("step_00000010")
+    stand_in = ("import json, os, signal, sys, time\n"
+                "def stop(*_):\n"
+                "    open(os.environ['MEGALOOM_WORKER_EXITS'], 'w').write(sys.argv[1]); sys.exit(143)\n"
+                "signal.signal(signal.SIGTERM, stop); open(sys.argv[2], 'w').close(); time.sleep(60)\n")
+
+    def stopped(exits: str) -> int:
+        ready = tmp_path / "ready"
+        ready.unlink(missing_ok=True)
+
+        def preempt() -> None:
+            while not ready.exists():
+                time.sleep(0.02)
+            os.kill(os.getpid(), signal.SIGTERM)  # to the launcher (this process), which passes it on
+
+        threading.Thread(target=preempt, daemon=True).start()
+        return run_torchrun([sys.executable, "-c", stand_in, exits, str(ready)], run_dir=tmp_path)
+
+    assert stopped('{"0": 0, "1": 0}') == 0
+    assert capsys.readouterr().err == ""
+    assert stopped('{"0": 1, "1": -9}') == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == ("megaloom: stopped: SIGTERM reached the job, but rank(s) 0 (exit status 1), 1 (killed by SIGKILL) "
+                    "did not stop after saving (their output above says why); the last checkpoint is step 10 "
+                    f"({tmp_path / 'checkpoints' / 'step_00000010'}): `megaloom train` resumes there")
