@@ -52,10 +52,23 @@ def init_runtime(cfg: Config) -> Runtime:
     if world > 1 and not dist.is_initialized():
         # Before the process group exists: torch reads the flight recorder's settings once (resilience doc).
         flight_recorder.configure(cfg.run.dir)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=_attempt_store(rank, world),
-                                rank=rank, world_size=world, device_id=device if device.type == "cuda" else None,
-                                timeout=collective_timeout(cfg))
+        start_process_group(device, rank, world, collective_timeout(cfg), store=_attempt_store(rank, world))
     return Runtime(device=device, rank=rank, world_size=world, local_rank=local_rank)
+
+
+def start_process_group(device: torch.device, rank: int, world: int, timeout: timedelta, *,
+                        store: dist.Store | None = None, init_method: str | None = None, backend: str | None = None,
+                        bind: torch.device | None = None) -> None:
+    """The one way megaloom starts torch.distributed (`init_runtime`; the test worlds, tests/parallel/harness.py,
+    call it too, so they take the same path): NCCL on a CUDA device, gloo otherwise (``backend`` overrides), and
+    the device bound to the default group (``device_id``) when it is an accelerator. The binding is what lets
+    `Mesh.build` split communicators (`parallel.groups.can_split`); torch refuses to bind a CPU device, so a gloo
+    world on CPU makes its groups with ``new_group``. ``bind``: the device to bind when it is not ``device`` (a
+    test binding a gloo world to the one GPU of its host)."""
+    bind = bind if bind is not None else device
+    dist.init_process_group(backend or ("nccl" if device.type == "cuda" else "gloo"), init_method=init_method,
+                            store=store, rank=rank, world_size=world,
+                            device_id=bind if bind.type != "cpu" else None, timeout=timeout)
 
 
 def collective_timeout(cfg: Config) -> timedelta:

@@ -211,6 +211,7 @@ class Mesh:
     # Timeout of the groups this mesh's builders create (resilience.collective_timeout_s); None = torch's default.
     group_timeout: timedelta | None = None
     group_calls: int = 0  # process-group creation calls this rank made in `build` (one per distinct kind)
+    group_paths: dict[str, int] = field(default_factory=dict)  # those calls by path: "split" / "new_group"
     # Records the collective in flight for a watchdog; replace with comm.LastOpRecorder() to enable.
     recorder: OpRecorder = field(default_factory=NullRecorder)
 
@@ -280,7 +281,7 @@ class Mesh:
                                "initialised with that world size and rank first.")
         layout = mesh_layout(world_size, sizes, order)
         made: dict[tuple[tuple[int, ...], ...], Any] = {}
-        calls = [0]
+        calls: dict[str, int] = {}
         for kind in GROUP_KINDS:
             key = tuple(map(tuple, layout[kind]))
             if key not in made:
@@ -291,6 +292,6 @@ class Mesh:
                 ranks = next(r for r in layout["pp"] if rank in r)
                 i = ranks.index(rank)
                 mesh.pp_prev, mesh.pp_next = ranks[i - 1], ranks[(i + 1) % len(ranks)]
-        mesh.group_calls = calls[0]
+        mesh.group_calls, mesh.group_paths = sum(calls.values()), calls
         mesh.init_seconds = time.perf_counter() - start
         return mesh
