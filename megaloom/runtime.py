@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,10 +27,6 @@ class Runtime:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            dist.barrier()
 
 
 def pick_device(choice: str, local_rank: int) -> torch.device:
@@ -52,7 +50,7 @@ def init_runtime(cfg: Config) -> Runtime:
     if world > 1 and not dist.is_initialized():
         # Before the process group exists: torch reads the flight recorder's settings once (resilience doc).
         flight_recorder.configure(cfg.run.dir)
-        start_process_group(device, rank, world, collective_timeout(cfg), store=_attempt_store(rank, world))
+        start_process_group(device, rank, world, init_timeout(cfg), store=_attempt_store(rank, world))
     return Runtime(device=device, rank=rank, world_size=world, local_rank=local_rank)
 
 
@@ -75,6 +73,38 @@ def collective_timeout(cfg: Config) -> timedelta:
     """Every training process group's timeout (`resilience.collective_timeout_s`, above the watchdog's): passed to
     init_process_group and to each new_group, which would otherwise take torch's default (10 min on NCCL)."""
     return timedelta(seconds=cfg.resilience.collective_timeout_s)
+
+
+def init_timeout(cfg: Config) -> timedelta:
+    """The training groups' timeout until the first step has finished (`resilience.init_timeout_s`, 0 = twice
+    the collective timeout): start-up, compilation and communicator set-up take longer than a step. After step 1
+    `shorten_timeouts` sets `collective_timeout` (TorchTitan's init and train timeouts)."""
+    r = cfg.resilience
+    return timedelta(seconds=r.init_timeout_s or 2 * r.collective_timeout_s)
+
+
+def set_group_timeout(group: Any, timeout: timedelta) -> None:
+    """Change a process group's collective timeout after creation (torch's ``_set_pg_timeout``, in torch since 2.3
+    and what TorchTitan calls; it sets the NCCL and gloo backends' default timeout)."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(timeout, group)
+
+
+def shorten_timeouts(groups: list[Any], timeout: timedelta, host_barrier: Callable[[], None],
+                     device: torch.device) -> None:
+    """After the first step: every rank's training groups (and the world) take ``timeout``. The work queued on
+    the device is finished and every rank has arrived (``host_barrier``, a gloo group's) first, so that no rank
+    still inside step 1, legitimately slow under the long timeout, meets a peer's shortened one (TorchTitan's
+    order)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    host_barrier()
+    seen: set[int] = set()
+    for g in [dist.group.WORLD, *groups]:
+        if g is not None and id(g) not in seen:
+            seen.add(id(g))
+            set_group_timeout(g, timeout)
 
 
 def init_fake_runtime(cfg: Config, world_size: int, rank: int) -> Runtime:

@@ -29,6 +29,7 @@ from megaloom.config import Config, ConfigError, ModelConfig
 from megaloom.models.transformer import resolved_ffn_dim
 from megaloom.parallel.comm import NullRecorder, OpRecorder
 from megaloom.parallel.groups import partition_group
+from megaloom.runtime import init_timeout
 
 DIMS = ("pp", "dp", "cp", "tp")
 DEFAULT_ORDER = "pp-dp-cp-tp"
@@ -212,6 +213,9 @@ class Mesh:
     group_timeout: timedelta | None = None
     group_calls: int = 0  # process-group creation calls this rank made in `build` (one per distinct kind)
     group_paths: dict[str, int] = field(default_factory=dict)  # those calls by path: "split" / "new_group"
+    # Training groups made for this mesh outside `build` (the pipeline's embedding pair): `training_groups` lists
+    # them with the mesh's own, for the timeout change after the first step.
+    extra_groups: list[Any] = field(default_factory=list)
     # Records the collective in flight for a watchdog; replace with comm.LastOpRecorder() to enable.
     recorder: OpRecorder = field(default_factory=NullRecorder)
 
@@ -243,6 +247,14 @@ class Mesh:
                 names.setdefault(g, []).append(kind)
         return {g: "/".join(kinds) for g, kinds in names.items()}
 
+    def training_groups(self) -> list[Any]:
+        """Every process group this rank trains over (each once): the mesh's kinds and `extra_groups`."""
+        out: list[Any] = []
+        for g in [*(getattr(self, f"{kind}_group") for kind in GROUP_KINDS), *self.extra_groups]:
+            if g is not None and all(g is not h for h in out):
+                out.append(g)
+        return out
+
     def __deepcopy__(self, memo: dict) -> Mesh:
         # A handle on process-wide runtime state (process groups): a copied model shares it.
         return self
@@ -270,7 +282,7 @@ class Mesh:
         sizes = validate_layout(cfg, world_size)
         coords = rank_coords(rank, sizes, order)
         mesh = cls(device=torch.device(device), world_size=world_size, rank=rank, order=order,
-                   group_timeout=timedelta(seconds=cfg.resilience.collective_timeout_s),
+                   group_timeout=init_timeout(cfg),  # until step 1 is done (runtime.shorten_timeouts)
                    tp=sizes["tp"], pp=sizes["pp"], dp=sizes["dp"], cp=sizes["cp"], ep=sizes["ep"],
                    tp_rank=coords["tp"], pp_rank=coords["pp"], dp_rank=coords["dp"], cp_rank=coords["cp"],
                    ep_rank=coords["dp"] % sizes["ep"], pp_prev=rank, pp_next=rank)

@@ -29,10 +29,11 @@ log = get_logger(__name__)
 class RunCheckpoints:
     """run.dir/checkpoints of one run, for every rank: `resume`, `save`, `rollback`, and `wait` at the end."""
 
-    def __init__(self, cfg: Config, run_dir: Path, rt: Runtime, mesh: Mesh) -> None:
+    def __init__(self, cfg: Config, run_dir: Path, rt: Runtime, mesh: Mesh, group: CheckpointGroup | None = None
+                 ) -> None:
+        """``group``: the trainer's checkpoint group (made at start-up); None makes one here (collective)."""
         self.cfg, self.root, self.rt, self.mesh = cfg, run_dir / "checkpoints", rt, mesh
-        # Collective: every rank makes the checkpoint group here (checkpoint/group.py).
-        self.group = CheckpointGroup(cfg.checkpoint.timeout_s)
+        self.group = group if group is not None else CheckpointGroup(cfg.checkpoint.timeout_s)
         self.saver: AsyncCheckpointer | None = None
 
     def start_background_saves(self) -> None:

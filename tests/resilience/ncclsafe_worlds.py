@@ -31,7 +31,34 @@ def _timeout_s(group, device: str = "cpu") -> float:
     return group._get_backend(torch.device(device)).options._timeout.total_seconds()
 
 
-def host_side_cases(rank: int, world: int, device: torch.device, comm_group_gloo: bool) -> dict:
+def start_up_and_checkpoint_cases(rank: int, world: int, root: str) -> dict:
+    """The data-cache build's barriers and a blocking DCP save + load, as the trainer runs them, in a world whose
+    default group has no CPU backend: they must travel over the host-side (gloo) checkpoint group."""
+    from megaloom.checkpoint.group import CheckpointGroup
+    from megaloom.checkpoint.store import load_checkpoint, save_checkpoint
+    from megaloom.runtime import Runtime
+    from megaloom.training.data import load_rank_datasets
+
+    host = CheckpointGroup(61)
+    res: dict = {"host_timeout_s": _timeout_s(host.group)}
+    built = []
+    rt = Runtime(device=torch.device("cpu"), rank=rank, world_size=world, local_rank=rank)
+    out = load_rank_datasets(None, None, 8, 0, 4, 2, rt, True, host=host,
+                             default=lambda *a, **k: built.append(rank) or ("train", "valid", "tok"))
+    res["datasets"], res["built"] = out, built
+    torch.manual_seed(0)  # every rank the same weights: a replicated model, written once
+    model = torch.nn.Linear(4, 3)
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    path = save_checkpoint(Path(root) / "ckpt", 1, model, None, {"step": 1}, keep=2, group=host)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    load_checkpoint(path, model, None, rank=rank, group=host)
+    res["restored"] = all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
+    return res
+
+
+def host_side_cases(rank: int, world: int, device: torch.device, comm_group_gloo: bool, root: str) -> dict:
     from megaloom.parallel.comm import LastOpRecorder
     from megaloom.parallel.host_group import HostGroup
     from megaloom.resilience.doctor import doctor
@@ -51,6 +78,7 @@ def host_side_cases(rank: int, world: int, device: torch.device, comm_group_gloo
     group = dist.new_group(backend="gloo") if comm_group_gloo else None
     res["doctor_code"] = doctor(factor=50.0, matmul_n=32, comm_mb=0.01, repeats=1, group=group)
     res["doctor_failed_code"] = doctor(factor=50.0, matmul_n=32, comm_mb=0.01, repeats=1)
+    res.update(start_up_and_checkpoint_cases(rank, world, root))
     return res
 
 
@@ -75,7 +103,7 @@ def runtime_then_hang(rank: int, world: int, port: int, out: str, overrides: lis
     from megaloom.parallel.mesh import Mesh
     from megaloom.parallel.pipeline.stage import build_embedding_groups
     from megaloom.resilience.guard import Resilience
-    from megaloom.runtime import init_runtime
+    from megaloom.runtime import collective_timeout, init_runtime, shorten_timeouts
 
     cfg = load_config(None, overrides)
     rt = init_runtime(cfg)
@@ -88,7 +116,6 @@ def runtime_then_hang(rank: int, world: int, port: int, out: str, overrides: lis
                 "checkpoint": _timeout_s(ckpt.group)}
     env = {k: os.environ.get(k) for k in ("TORCH_FR_BUFFER_SIZE", "TORCH_FR_DUMP_TEMP_FILE",
                                           "TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_NCCL_ASYNC_ERROR_HANDLING")}
-    torch.save({"timeouts": timeouts, "env": env}, Path(out) / f"rank{rank}.pt")
     model = torch.nn.Linear(2, 2)
     x = torch.ones(4)
     for step in (1, 2):
@@ -96,6 +123,11 @@ def runtime_then_hang(rank: int, world: int, port: int, out: str, overrides: lis
         t0 = time.perf_counter()
         comm.all_reduce(x, mesh.pp_group, recorder=mesh.recorder)  # the others wait here for rank 1
         guard.after_step(step, False, time.perf_counter() - t0)
+        if step == 1:  # what the trainer does after its first step: the start-up timeout ends
+            shorten_timeouts(mesh.training_groups(), collective_timeout(cfg), ckpt.barrier, rt.device)
+            after = {"world": _timeout_s(dist.group.WORLD), "pp": _timeout_s(mesh.pp_group),
+                     "embedding": _timeout_s(emb), "checkpoint": _timeout_s(ckpt.group)}
+            torch.save({"timeouts": timeouts, "after_step1": after, "env": env}, Path(out) / f"rank{rank}.pt")
     time.sleep(120)  # not reached: the watchdog ends the process first
 
 
