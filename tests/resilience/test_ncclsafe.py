@@ -44,6 +44,9 @@ def test_straggler_doctor_data_barriers_and_checkpoints_in_a_world_without_a_cpu
                                               ncclsafe_worlds.SLOW_RANK_SECONDS])
         assert res["doctor_code"] == 0  # healthy: timings gathered over the side group
         assert res["doctor_failed_code"] == 1  # the device tests failed on every rank, and the report still came
+        # GPU timing (simulated device): the waiting rank's collective span is not compute; the slow one is named
+        assert res["device_stragglers"] == [1] and res["host_stragglers"] == [], res
+        assert res["device_times"] == pytest.approx([0.012, 0.052])
 
 
 @pytest.mark.parametrize("seed", range(5))
