@@ -86,7 +86,10 @@ class DeviceSpans:
         self._start, self._open, self._comm = self._now(), None, []
 
     def comm_enter(self) -> None:
-        if self._start is not None:  # collectives outside a step (evaluation, checkpoints) are not counted
+        # Collectives outside a step (evaluation, checkpoints) are not counted, nor those traced into a compiled
+        # block (train.compile), where no event can be recorded: their waits count as compute (a slow rank then
+        # makes its tp peers look slow with it, which still names the group).
+        if self._start is not None and not torch.compiler.is_compiling():
             self._open = self._now()
 
     def comm_exit(self) -> None:
