@@ -14,7 +14,10 @@ import torch
 import torch.distributed as dist
 
 from megaloom.config import Config, ConfigError
+from megaloom.observe.log import get_logger
 from megaloom.resilience import flight_recorder
+
+log = get_logger(__name__)
 
 
 @dataclass
@@ -83,12 +86,17 @@ def init_timeout(cfg: Config) -> timedelta:
     return timedelta(seconds=r.init_timeout_s or 2 * r.collective_timeout_s)
 
 
-def set_group_timeout(group: Any, timeout: timedelta) -> None:
-    """Change a process group's collective timeout after creation (torch's ``_set_pg_timeout``, in torch since 2.3
-    and what TorchTitan calls; it sets the NCCL and gloo backends' default timeout)."""
-    from torch.distributed.distributed_c10d import _set_pg_timeout
+def set_group_timeout(group: Any, timeout: timedelta) -> bool:
+    """Change a process group's collective timeout after creation (torch's private ``_set_pg_timeout``, what
+    TorchTitan calls; it sets the NCCL and gloo backends' default timeout). False, with the group unchanged, where
+    this torch lacks it."""
+    from torch.distributed import distributed_c10d
 
-    _set_pg_timeout(timeout, group)
+    set_timeout = getattr(distributed_c10d, "_set_pg_timeout", None)
+    if set_timeout is None:
+        return False
+    set_timeout(timeout, group)
+    return True
 
 
 def shorten_timeouts(groups: list[Any], timeout: timedelta, host_barrier: Callable[[], None],
@@ -104,7 +112,12 @@ def shorten_timeouts(groups: list[Any], timeout: timedelta, host_barrier: Callab
     for g in [dist.group.WORLD, *groups]:
         if g is not None and id(g) not in seen:
             seen.add(id(g))
-            set_group_timeout(g, timeout)
+            if not set_group_timeout(g, timeout):
+                log.warning("WARNING: this torch cannot change a process group's timeout after creation "
+                            "(torch.distributed.distributed_c10d._set_pg_timeout): the training groups keep the "
+                            "start-up timeout (resilience.init_timeout_s); set it to resilience.collective_timeout_s "
+                            "to train under that one.")
+                return
 
 
 def init_fake_runtime(cfg: Config, world_size: int, rank: int) -> Runtime:
