@@ -73,8 +73,9 @@ def start_process_group(device: torch.device, rank: int, world: int, timeout: ti
 
 
 def collective_timeout(cfg: Config) -> timedelta:
-    """Every training process group's timeout (`resilience.collective_timeout_s`, above the watchdog's): passed to
-    init_process_group and to each new_group, which would otherwise take torch's default (10 min on NCCL)."""
+    """Every training process group's timeout after step 1 (`resilience.collective_timeout_s`, above the
+    watchdog's; `shorten_timeouts`). Until then they run under `init_timeout`, given to init_process_group and to
+    each group megaloom creates, which would otherwise take torch's default (10 min on NCCL)."""
     return timedelta(seconds=cfg.resilience.collective_timeout_s)
 
 
