@@ -283,6 +283,10 @@ class ResilienceConfig:
     collective_timeout_s: float = _f(1800.0, "Timeout of every training process group (NCCL/gloo): a collective "
                                              "stuck this long aborts the job. Must exceed resilience.hang_timeout_s "
                                              "so that megaloom's watchdog reports (who is stuck where) first.")
+    init_timeout_s: float = _f(0.0, "Timeout of the training process groups until the first step has finished "
+                                    "(communicator set-up, torch.compile, the data-cache build); then they take "
+                                    "resilience.collective_timeout_s (TorchTitan's init/train timeouts). "
+                                    "0 = 2 x resilience.collective_timeout_s.")
     straggler_every: int = _f(100, "Steps between straggler checks (per-rank compute time vs the median); 0 = off.")
     straggler_factor: float = _f(1.5, "A rank is a straggler when its compute time exceeds the median by this factor.")
     save_on_signal: bool = _f(True, "SIGTERM / SIGUSR1 (preemption) or Ctrl-C: every rank saves the same step at a "
@@ -500,6 +504,10 @@ def _check_timeouts(r: ResilienceConfig) -> None:
     _require(r.heartbeat_every_s > 0, f"resilience.heartbeat_every_s must be > 0, got {r.heartbeat_every_s}.")
     _require(r.collective_timeout_s > 0,
              f"resilience.collective_timeout_s must be > 0, got {r.collective_timeout_s} (e.g. 1800).")
+    _require(r.init_timeout_s == 0 or r.init_timeout_s >= r.collective_timeout_s,
+             f"resilience.init_timeout_s ({r.init_timeout_s:g}) must be 0 (auto) or at least "
+             f"resilience.collective_timeout_s ({r.collective_timeout_s:g}): it covers the first step, which only "
+             "takes longer than the others.")
     if r.hang_timeout_s > 0:
         _require(r.collective_timeout_s > r.hang_timeout_s,
                  f"resilience.collective_timeout_s ({r.collective_timeout_s:g}) must exceed "

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 import torch
 
 from megaloom.parallel import comm
-from megaloom.parallel.data_parallel import tp_weight
+from megaloom.parallel.data_parallel import DeviceConstants, tp_weight
 from megaloom.parallel.expert import is_expert_param
 from megaloom.parallel.mesh import Mesh
 
@@ -41,17 +41,19 @@ def tp_norm_sync(params: list[torch.Tensor], mesh: Mesh) -> NormSync | None:
     expert = [mesh.ep > 1 and is_expert_param(p) for p in params]
     if mesh.tp == 1 and not any(expert):
         return None
-    weights = torch.tensor([tp_weight(p, mesh) for p in params], dtype=torch.float32)
-    is_expert = torch.tensor(expert).unsqueeze(1)
+    weights = [tp_weight(p, mesh) for p in params]
+    constants = DeviceConstants()  # on the device once, not copied from the host every step
 
     def sync(partial: torch.Tensor) -> torch.Tensor:
-        full = partial * weights.to(partial.device).unsqueeze(1)
+        w = constants.get("weights", partial.device, lambda: torch.tensor(weights, dtype=torch.float32)[:, None])
+        full = partial * w
         if any(expert):
-            mask = is_expert.to(partial.device)
+            mask = constants.get("is_expert", partial.device, lambda: torch.tensor(expert)[:, None])
             over_ep = comm.all_reduce(full * mask, mesh.ep_group, recorder=mesh.recorder)
             full = torch.where(mask, over_ep, full)
         return comm.all_reduce(full, mesh.tp_group, recorder=mesh.recorder)
 
+    sync.constants = constants
     return sync
 
 

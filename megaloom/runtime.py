@@ -4,15 +4,20 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from megaloom.config import Config, ConfigError
+from megaloom.observe.log import get_logger
 from megaloom.resilience import flight_recorder
+
+log = get_logger(__name__)
 
 
 @dataclass
@@ -25,10 +30,6 @@ class Runtime:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
-
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            dist.barrier()
 
 
 def pick_device(choice: str, local_rank: int) -> torch.device:
@@ -52,16 +53,72 @@ def init_runtime(cfg: Config) -> Runtime:
     if world > 1 and not dist.is_initialized():
         # Before the process group exists: torch reads the flight recorder's settings once (resilience doc).
         flight_recorder.configure(cfg.run.dir)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=_attempt_store(rank, world),
-                                rank=rank, world_size=world, device_id=device if device.type == "cuda" else None,
-                                timeout=collective_timeout(cfg))
+        start_process_group(device, rank, world, init_timeout(cfg), store=_attempt_store(rank, world))
     return Runtime(device=device, rank=rank, world_size=world, local_rank=local_rank)
 
 
+def start_process_group(device: torch.device, rank: int, world: int, timeout: timedelta, *,
+                        store: dist.Store | None = None, init_method: str | None = None, backend: str | None = None,
+                        bind: torch.device | None = None) -> None:
+    """The one way megaloom starts torch.distributed (`init_runtime`; the test worlds, tests/parallel/harness.py,
+    call it too, so they take the same path): NCCL on a CUDA device, gloo otherwise (``backend`` overrides), and
+    the device bound to the default group (``device_id``) when it is an accelerator. The binding is what lets
+    `Mesh.build` split communicators (`parallel.groups.can_split`); torch refuses to bind a CPU device, so a gloo
+    world on CPU makes its groups with ``new_group``. ``bind``: the device to bind when it is not ``device`` (a
+    test binding a gloo world to the one GPU of its host)."""
+    bind = bind if bind is not None else device
+    dist.init_process_group(backend or ("nccl" if device.type == "cuda" else "gloo"), init_method=init_method,
+                            store=store, rank=rank, world_size=world,
+                            device_id=bind if bind.type != "cpu" else None, timeout=timeout)
+
+
 def collective_timeout(cfg: Config) -> timedelta:
-    """Every training process group's timeout (`resilience.collective_timeout_s`, above the watchdog's): passed to
-    init_process_group and to each new_group, which would otherwise take torch's default (10 min on NCCL)."""
+    """Every training process group's timeout after step 1 (`resilience.collective_timeout_s`, above the
+    watchdog's; `shorten_timeouts`). Until then they run under `init_timeout`, given to init_process_group and to
+    each group megaloom creates, which would otherwise take torch's default (10 min on NCCL)."""
     return timedelta(seconds=cfg.resilience.collective_timeout_s)
+
+
+def init_timeout(cfg: Config) -> timedelta:
+    """The training groups' timeout until the first step has finished (`resilience.init_timeout_s`, 0 = twice
+    the collective timeout): start-up, compilation and communicator set-up take longer than a step. After step 1
+    `shorten_timeouts` sets `collective_timeout` (TorchTitan's init and train timeouts)."""
+    r = cfg.resilience
+    return timedelta(seconds=r.init_timeout_s or 2 * r.collective_timeout_s)
+
+
+def set_group_timeout(group: Any, timeout: timedelta) -> bool:
+    """Change a process group's collective timeout after creation (torch's private ``_set_pg_timeout``, what
+    TorchTitan calls; it sets the NCCL and gloo backends' default timeout). False, with the group unchanged, where
+    this torch lacks it."""
+    from torch.distributed import distributed_c10d
+
+    set_timeout = getattr(distributed_c10d, "_set_pg_timeout", None)
+    if set_timeout is None:
+        return False
+    set_timeout(timeout, group)
+    return True
+
+
+def shorten_timeouts(groups: list[Any], timeout: timedelta, host_barrier: Callable[[], None],
+                     device: torch.device) -> None:
+    """After the first step: every rank's training groups (and the world) take ``timeout``. The work queued on
+    the device is finished and every rank has arrived (``host_barrier``, a gloo group's) first, so that no rank
+    still inside step 1, legitimately slow under the long timeout, meets a peer's shortened one (TorchTitan's
+    order)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    host_barrier()
+    seen: set[int] = set()
+    for g in [dist.group.WORLD, *groups]:
+        if g is not None and id(g) not in seen:
+            seen.add(id(g))
+            if not set_group_timeout(g, timeout):
+                log.warning("WARNING: this torch cannot change a process group's timeout after creation "
+                            "(torch.distributed.distributed_c10d._set_pg_timeout): the training groups keep the "
+                            "start-up timeout (resilience.init_timeout_s); set it to resilience.collective_timeout_s "
+                            "to train under that one.")
+                return
 
 
 def init_fake_runtime(cfg: Config, world_size: int, rank: int) -> Runtime:

@@ -132,14 +132,17 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
-def safe_load(state_dict: dict, path: Path, planner: DefaultLoadPlanner, no_dist: bool = False) -> None:
+def safe_load(state_dict: dict, path: Path, planner: DefaultLoadPlanner, no_dist: bool = False,
+              process_group: Any = None) -> None:
     """`dcp.load` of checkpoint directory ``path`` into ``state_dict`` with the safe reader; ``planner`` must be a
-    SafeLoadPlanner. A refusal is a CheckpointError (DCP wraps errors of its steps in its own exception)."""
+    SafeLoadPlanner. DCP's collectives run on ``process_group`` (the checkpoint group; None: the default group).
+    A refusal is a CheckpointError (DCP wraps errors of its steps in its own exception)."""
     if not isinstance(planner, SafeLoadPlanner):
         raise TypeError("safe_load needs a SafeLoadPlanner (DCP's default one unpickles values unrestricted)")
     check_metadata(path)  # a forged .metadata is refused here, in one line, before DCP reads it
     try:
-        dcp.load(state_dict, storage_reader=SafeFileSystemReader(path), planner=planner, no_dist=no_dist)
+        dcp.load(state_dict, storage_reader=SafeFileSystemReader(path), planner=planner, no_dist=no_dist,
+                 process_group=process_group)
     except CheckpointException as e:
         refused = next((exc for exc, _ in e.failures.values() if type(exc).__name__ == "CheckpointError"), None)
         if refused is not None:

@@ -188,7 +188,7 @@ def _save_checkpoint(ckpt_root: Path, step: int, model: nn.Module, optimizer: to
         rank, barrier = group.rank, group.barrier
     tmp = begin_save(ckpt_root, step, rank)
     barrier()
-    write_tensors(tmp, sharded_state(model, optimizer, mesh))
+    write_tensors(tmp, sharded_state(model, optimizer, mesh), group=group)
     if optimizer is not None:  # a model-only checkpoint is a starting point: the trainer's own seeding stands
         write_rng(tmp, rank, rng_state())
     barrier()
@@ -228,16 +228,19 @@ def remove_partial_saves(ckpt_root: Path) -> list[str]:
     return gone
 
 
-def write_tensors(tmp: Path, state: dict, no_dist: bool = False) -> None:
-    """DCP-write `state` into tmp. no_dist=True writes this process's tensors alone, with no collective: the
-    async writer thread of rank 0 uses it, because collectives from a second thread could interleave with
-    the training loop's collectives on the same process group. (That caller silences DCP's single-process
-    warning itself: warnings.catch_warnings() is not thread-safe.)"""
+def write_tensors(tmp: Path, state: dict, no_dist: bool = False, group: CheckpointGroup | None = None) -> None:
+    """DCP-write `state` into tmp. DCP's planning collectives run on ``group`` (the checkpoint group: gloo, with
+    its own long timeout) and never on the default group (NCCL on GPUs, the training timeout, no CPU backend);
+    without a group (one process, tools) on the default one. no_dist=True writes this process's tensors alone,
+    with no collective: the async writer thread of rank 0 uses it, because collectives from a second thread could
+    interleave with the training loop's collectives on the same process group. (That caller silences DCP's
+    single-process warning itself: warnings.catch_warnings() is not thread-safe.)"""
     if no_dist:
         dcp.save(state, checkpoint_id=str(tmp), no_dist=True, planner=SlicesSavePlanner())
         return
     with _quiet_single_process():
-        dcp.save(state, checkpoint_id=str(tmp), planner=SlicesSavePlanner())
+        dcp.save(state, checkpoint_id=str(tmp), planner=SlicesSavePlanner(),
+                 process_group=group.group if group is not None else None)
 
 
 def write_rng(tmp: Path, rank: int, rng: dict[str, torch.Tensor]) -> None:
@@ -408,12 +411,14 @@ def _dcp_failure(e: BaseException) -> BaseException:
     return e
 
 
-def _read_tensors(path: Path, sd: dict) -> None:
-    """DCP-read ``sd`` from ``path``; its failures become one CheckpointError line. The checksums verified, so a
-    failure is a mismatch with this model (a setting that changes a tensor's name or shape) or an I/O error."""
+def _read_tensors(path: Path, sd: dict, group: CheckpointGroup | None = None) -> None:
+    """DCP-read ``sd`` from ``path`` (DCP's collectives on ``group``, as `write_tensors`); its failures become one
+    CheckpointError line. The checksums verified, so a failure is a mismatch with this model (a setting that
+    changes a tensor's name or shape) or an I/O error."""
     try:
         with torch.no_grad(), _quiet_single_process():
-            safe_load(sd, path, SlicesLoadPlanner())  # DCP's load, unpickling nothing arbitrary (safe_metadata.py)
+            # DCP's load, unpickling nothing arbitrary (safe_metadata.py)
+            safe_load(sd, path, SlicesLoadPlanner(), process_group=group.group if group is not None else None)
     except CheckpointException as e:
         cause = _dcp_failure(e)
         text = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
@@ -453,7 +458,7 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     if with_optim:
         ensure_optimizer_state(model, optimizer)
     sd = sharded_state(model, optimizer if with_optim else None, mesh)  # views of the live tensors
-    _read_tensors(path, sd)
+    _read_tensors(path, sd, group)
     after_load(optimizer if with_optim else None, sd)
     if getattr(optimizer, "separate_masters", False):  # ZeRO gathering bf16: replicas from the master shards
         optimizer.weights_loaded(masters_loaded=with_optim)

@@ -70,15 +70,20 @@ class LastOpRecorder(OpRecorder):
         self.in_flight = False
         self.count = 0
         self.seconds = 0.0  # host time spent inside collectives, for the straggler report
+        self.spans = None  # the straggler check's device timing on GPUs (resilience.straggler.DeviceSpans)
 
     def enter(self, name: str, group: Group, nbytes: int = 0) -> None:
         self.name, self.group, self.started = name, group, time.monotonic()
         self.count += 1
         self.in_flight = True
+        if self.spans is not None:
+            self.spans.comm_enter()
 
     def exit(self) -> None:
         self.in_flight = False
         self.seconds += time.monotonic() - self.started
+        if self.spans is not None:
+            self.spans.comm_exit()
 
     def describe(self) -> str:
         if self.name is None:

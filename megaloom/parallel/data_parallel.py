@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -186,15 +186,35 @@ def tp_weight(p: object, mesh: Mesh) -> float:
     return layout_of(p).norm_weight(mesh.tp)
 
 
-def sharded_grad_norm(views: list[GradView], mesh: Mesh) -> torch.Tensor:
+class DeviceConstants:
+    """Small constant tensors a step needs (per-tensor norm weights, index maps), made from Python values once per
+    device on first use and reused: a tensor made from a list on the GPU is a host-to-device copy that waits for
+    the host, every step it is remade. ``made`` counts the tensors made (the tests read it)."""
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple[str, torch.device], torch.Tensor] = {}
+        self.made = 0
+
+    def get(self, key: str, device: torch.device, build: Callable[[], torch.Tensor]) -> torch.Tensor:
+        t = self._cache.get((key, device))
+        if t is None:
+            t = self._cache[(key, device)] = build().to(device)
+            self.made += 1
+        return t
+
+
+def sharded_grad_norm(views: list[GradView], mesh: Mesh, constants: DeviceConstants | None = None) -> torch.Tensor:
     """L2 norm of the full gradient when each data-parallel rank holds disjoint pieces of it: local squares
     weighted as in `tp_grad_norm`, summed over tp, pp and the data-parallel group. The last pipeline stage's
-    copy of a tied embedding is left out (the first stage counts it)."""
+    copy of a tied embedding is left out (the first stage counts it). ``constants``: where the caller keeps the
+    weights between steps (the views' layouts must then stay the same: they are the caller's fixed shards)."""
     total = torch.zeros((), dtype=torch.float32, device=mesh.device)
     views = [v for v in views if not layout_of(v).tied_copy]
     if views:
         norms = torch.stack(torch._foreach_norm([v.grad.float() for v in views]))
-        weights = torch.tensor([tp_weight(v, mesh) for v in views], dtype=torch.float32, device=norms.device)
+        weights = (constants or DeviceConstants()).get(
+            "norm_weights", norms.device,
+            lambda: torch.tensor([tp_weight(v, mesh) for v in views], dtype=torch.float32))
         total += (norms.float().pow(2) * weights).sum().to(total.device)
     for group in (mesh.tp_group, mesh.pp_group, mesh.dp_cp_group):
         comm.all_reduce(total, group, recorder=mesh.recorder)
@@ -271,6 +291,7 @@ class DataParallelGrads:
         self._shard_views = GradViews([GradView(s.grad, self.params[s.owner]) for s in self.shard_segments()]) \
             if zero else None
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        self.constants = DeviceConstants()  # the norm's per-shard weights, on the device once
 
     # ------------------------------------------------------------------------------------------- layout
 
@@ -449,7 +470,7 @@ class DataParallelGrads:
             else:
                 total = tp_grad_norm(self.model, self.mesh)
         else:
-            total = sharded_grad_norm(self._shard_views.views, self.mesh)
+            total = sharded_grad_norm(self._shard_views.views, self.mesh, self.constants)
         local = self.local_grads()
         if math.isfinite(max_norm) and local:  # a pipeline stage may hold only frozen parameters (model.freeze)
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

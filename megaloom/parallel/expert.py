@@ -12,7 +12,10 @@
   partial input gradients) and `reduce_from_tp` after (the combine then sees complete expert outputs, so the
   router's gradient is complete and identical on every tp rank). Shared experts become column/row layers.
   With sequence parallelism the layer first gathers the sequence (backward: keep the own slice, because
-  every tp rank back-propagates the same complete gradient) and scatters its output back to sequence shards.
+  every tp rank back-propagates the complete gradient of its own tokens) and scatters its output back to
+  sequence shards. With ep > 1 too, each tp rank then dispatches only its own shard's tokens over ep
+  (`SequenceShardDispatcher`: ep traffic 1/tp of every rank sending every token), and the rows reach the tp
+  peers, which hold the other hidden units of the same experts, over the tp group instead.
 
 Gradients: an expert weight exists on the dp ranks that share an ep rank (the edp group). Its gradient there
 already holds the contributions of every token of the ep group (the all-to-all backward brings them home),
@@ -88,6 +91,87 @@ class AllToAllDispatcher:
         return self.local.combine(back, r.inner)
 
 
+@dataclass
+class _ShardRoute:
+    """How this tp rank's rows travelled (`SequenceShardDispatcher`): over ep, then to every tp peer."""
+
+    inner: Dispatched  # this rank's own (token, expert) pairs: what the local combine sums
+    send: list[int]  # own rows sent to each ep rank
+    recv: list[int]  # rows received from each ep rank (for this tp rank's tokens)
+    per_tp: list[int]  # rows each tp peer received over ep (all of them computed here, on this rank's hidden units)
+    order: torch.Tensor  # rows by (tp source, ep source, local expert) -> grouped by local expert
+
+
+class SequenceShardDispatcher:
+    """Expert dispatch under sequence parallelism with tp > 1 and ep > 1: each tp rank sends only the (token,
+    expert) pairs of its own sequence shard over ep, so the ep all-to-alls carry each token once instead of once
+    per tp rank (Megatron-Core's expert tensor parallelism: the tokens are split over tp before dispatch).
+
+    The router still runs on the gathered sequence, identically on every tp rank, so top-k, capacity drops (by
+    position over the whole micro-batch), aux and z losses and the logged load are the single process's
+    (Megatron routes only the shard, which changes what capacity drops). Then:
+
+    - dispatch: the local permutation of every kept pair; this rank keeps the pairs of its own tokens, sends them
+      over ep (counts first, one host sync for all the split sizes, as `AllToAllDispatcher`), and every tp peer
+      receives them (an all-to-all over tp: each rank's rows to all, i.e. a variable-size all-gather, whose
+      backward sums the peers' partial input gradients), because each tp rank holds its own slice of every local
+      expert's hidden units. The rows of all tp sources are regrouped by local expert for one grouped GEMM.
+    - combine: the expert outputs (partial sums over this rank's hidden units) go back to their tp source and are
+      summed there (a variable-size reduce-scatter), return over ep, and the local combine sums this rank's own
+      pairs only; other tokens' rows stay zero and the MoE's exit keeps this rank's sequence shard.
+    - the router's combine weights enter through `copy_to_tp`: each rank combines only its own tokens, so the
+      weights' gradients are summed over tp, and the router's gradient stays complete on every tp rank.
+
+    ``seq_len`` (the gathered sequence's length) is set by the MoE's entry hook before each forward.
+    """
+
+    def __init__(self, mesh: Mesh) -> None:
+        self.mesh, self.ep, self.tp = mesh, mesh.ep, mesh.tp
+        self.local = LocalDispatcher()
+        self.seq_len = 0
+
+    def dispatch(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, n_experts: int,
+                 capacity: int | None) -> Dispatched:
+        m, ep, tp = self.mesh, self.ep, self.tp
+        weights = comm.copy_to_tp(weights, m.tp_group, m.recorder)
+        d = self.local.dispatch(x, weights, experts, n_experts, capacity)  # every token's kept pairs
+        token = torch.div(d.slot, d.top_k, rounding_mode="floor")  # flat token b * T + s of each row
+        own = torch.div(token % self.seq_len, self.seq_len // tp, rounding_mode="floor") == m.tp_rank
+        row_expert = experts.reshape(-1)[d.slot]
+        n_local = n_experts // ep
+        send_counts = torch.zeros(n_experts, dtype=torch.long, device=x.device).index_add_(
+            0, row_expert, own.long()).view(ep, n_local)  # [destination ep rank, its local expert]
+        recv_counts = torch.empty_like(send_counts)  # [source ep rank, my local expert]
+        comm.all_to_all_single(recv_counts.view(-1), send_counts.reshape(-1), m.ep_group, recorder=m.recorder)
+        every_recv = comm.gather_along_dim(recv_counts, 0, m.tp_group, m.recorder)  # [tp * ep, local expert]
+        sizes = torch.cat([send_counts.sum(1), every_recv.sum(1)]).tolist()  # the one host sync
+        send, got = sizes[:ep], sizes[ep:]
+        per_tp = [sum(got[q * ep:(q + 1) * ep]) for q in range(tp)]
+        recv = got[m.tp_rank * ep:(m.tp_rank + 1) * ep]
+        # this rank's rows, still grouped by global expert (a stable sort keeps their order)
+        mine = torch.sort((~own).to(torch.int32), stable=True).indices[:sum(send)]
+        rows = d.x[mine]
+        if torch.is_autocast_enabled(rows.device.type):  # the experts compute in the low precision anyway
+            rows = rows.to(torch.get_autocast_dtype(rows.device.type))
+        rows = comm.all_to_all(rows, m.ep_group, recv, send, m.recorder)  # (ep source, local expert)
+        n = rows.shape[0]
+        rows = comm.all_to_all(rows.repeat(tp, 1), m.tp_group, per_tp, [n] * tp, m.recorder)
+        order = _source_major_to_expert_major(every_recv, sum(per_tp))
+        inner = Dispatched(rows, send_counts.reshape(-1), d.slot[mine], d.weights[mine], d.n_tokens, d.top_k,
+                           d.dropped)
+        return Dispatched(rows[order], every_recv.sum(0), d.slot, d.weights, d.n_tokens, d.top_k, d.dropped,
+                          route=_ShardRoute(inner, send, recv, per_tp, order))
+
+    def combine(self, y: torch.Tensor, d: Dispatched) -> torch.Tensor:
+        m, r = self.mesh, d.route
+        back = torch.empty_like(y).index_copy(0, r.order, y)  # by (tp source, ep source, local expert)
+        n = sum(r.recv)
+        back = comm.all_to_all(back, m.tp_group, [n] * self.tp, r.per_tp, m.recorder)  # partial sums, home
+        back = back.view(self.tp, n, *back.shape[1:]).sum(0)
+        back = comm.all_to_all(back, m.ep_group, r.send, r.recv, m.recorder)
+        return self.local.combine(back, r.inner)
+
+
 def _source_major_to_expert_major(counts: torch.Tensor, n: int) -> torch.Tensor:
     """Gather indices taking rows laid out by (source rank, local expert) to (local expert, source rank).
 
@@ -114,7 +198,10 @@ def _enter_copy(mesh: Mesh, module: nn.Module, args: tuple) -> tuple:
 
 
 def _gather_input(mesh: Mesh, module: nn.Module, args: tuple) -> tuple:
-    return (comm.gather_from_seq_replicated(args[0], mesh.tp_group, mesh.recorder),) + tuple(args[1:])
+    x = comm.gather_from_seq_replicated(args[0], mesh.tp_group, mesh.recorder)
+    if isinstance(module.dispatcher, SequenceShardDispatcher):
+        module.dispatcher.seq_len = x.shape[1]
+    return (x,) + tuple(args[1:])
 
 
 def _expert_in(mesh: Mesh, x: torch.Tensor) -> torch.Tensor:
@@ -148,8 +235,11 @@ def parallelize_moe(moe: MoE, mesh: Mesh, sp: bool) -> MoE:
         ex.w_gate = _slice(ex.w_gate, 2, mesh.tp_rank, mesh.tp)
         ex.w_up = _slice(ex.w_up, 2, mesh.tp_rank, mesh.tp)
         ex.w_down = _slice(ex.w_down, 1, mesh.tp_rank, mesh.tp)
-        moe.expert_in = partial(_expert_in, mesh)  # the recorder is read per call: the trainer replaces it later
-        moe.expert_out = partial(_expert_out, mesh)
+        if sp and mesh.ep > 1:  # tokens split over tp before dispatch; the dispatcher crosses the tp border
+            moe.dispatcher = SequenceShardDispatcher(mesh)
+        else:
+            moe.expert_in = partial(_expert_in, mesh)  # the recorder is read per call: the trainer replaces it
+            moe.expert_out = partial(_expert_out, mesh)
         if moe.shared is not None:
             sh = moe.shared
             sh.gate_proj = ColumnParallelLinear.from_linear(sh.gate_proj, mesh, "none")

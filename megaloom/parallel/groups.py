@@ -23,7 +23,11 @@ import torch.distributed as dist
 
 
 def can_split() -> bool:
-    """Whether the default group can split communicators (a device bound to it and a backend that splits)."""
+    """Whether the default group can split communicators (a device bound to it and a backend that splits), which
+    is what ``dist.split_group`` requires. A device is bound by `runtime.start_process_group` for an accelerator
+    only: torch refuses ``device_id`` for a CPU device (torch 2.11-2.13), so a gloo world on CPU takes
+    ``new_group``, while gloo or NCCL bound to a GPU splits (tests/parallel/test_world2.py checks that torch agrees
+    with this answer)."""
     pg = dist.group.WORLD
     device = getattr(pg, "bound_device_id", None)
     if device is None:
@@ -34,16 +38,18 @@ def can_split() -> bool:
         return False
 
 
-def partition_group(partition: list[list[int]], rank: int, desc: str, counter: list[int] | None = None,
+def partition_group(partition: list[list[int]], rank: int, desc: str, calls: dict[str, int] | None = None,
                     timeout: timedelta | None = None) -> Any:
     """This rank's group of ``partition`` (every world rank in exactly one part, parts ascending); collective:
-    every rank calls it with the same partition. ``counter[0]`` counts the creation calls this rank made.
-    ``timeout``: the group's collective timeout (None: torch's default)."""
+    every rank calls it with the same partition. ``calls`` counts the creation calls this rank made by path
+    ("split" or "new_group"; `can_split` is the one place that chooses). ``timeout``: the group's collective
+    timeout (None: torch's default)."""
     mine = next((p for p in partition if rank in p), None)
     if mine is None or sum(len(p) for p in partition) != dist.get_world_size():
         raise ValueError(f"partition_group({desc}): the parts must cover every rank of the world exactly once")
-    if counter is not None:
-        counter[0] += 1
-    if can_split():
+    path = "split" if can_split() else "new_group"
+    if calls is not None:
+        calls[path] = calls.get(path, 0) + 1
+    if path == "split":
         return dist.split_group(split_ranks=partition, timeout=timeout, group_desc=desc)
     return dist.new_group(mine, timeout=timeout, use_local_synchronization=True, group_desc=desc)

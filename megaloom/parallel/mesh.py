@@ -29,6 +29,7 @@ from megaloom.config import Config, ConfigError, ModelConfig
 from megaloom.models.transformer import resolved_ffn_dim
 from megaloom.parallel.comm import NullRecorder, OpRecorder
 from megaloom.parallel.groups import partition_group
+from megaloom.runtime import init_timeout
 
 DIMS = ("pp", "dp", "cp", "tp")
 DEFAULT_ORDER = "pp-dp-cp-tp"
@@ -211,6 +212,10 @@ class Mesh:
     # Timeout of the groups this mesh's builders create (resilience.collective_timeout_s); None = torch's default.
     group_timeout: timedelta | None = None
     group_calls: int = 0  # process-group creation calls this rank made in `build` (one per distinct kind)
+    group_paths: dict[str, int] = field(default_factory=dict)  # those calls by path: "split" / "new_group"
+    # Training groups made for this mesh outside `build` (the pipeline's embedding pair): `training_groups` lists
+    # them with the mesh's own, for the timeout change after the first step.
+    extra_groups: list[Any] = field(default_factory=list)
     # Records the collective in flight for a watchdog; replace with comm.LastOpRecorder() to enable.
     recorder: OpRecorder = field(default_factory=NullRecorder)
 
@@ -242,6 +247,14 @@ class Mesh:
                 names.setdefault(g, []).append(kind)
         return {g: "/".join(kinds) for g, kinds in names.items()}
 
+    def training_groups(self) -> list[Any]:
+        """Every process group this rank trains over (each once): the mesh's kinds and `extra_groups`."""
+        out: list[Any] = []
+        for g in [*(getattr(self, f"{kind}_group") for kind in GROUP_KINDS), *self.extra_groups]:
+            if g is not None and all(g is not h for h in out):
+                out.append(g)
+        return out
+
     def __deepcopy__(self, memo: dict) -> Mesh:
         # A handle on process-wide runtime state (process groups): a copied model shares it.
         return self
@@ -269,7 +282,7 @@ class Mesh:
         sizes = validate_layout(cfg, world_size)
         coords = rank_coords(rank, sizes, order)
         mesh = cls(device=torch.device(device), world_size=world_size, rank=rank, order=order,
-                   group_timeout=timedelta(seconds=cfg.resilience.collective_timeout_s),
+                   group_timeout=init_timeout(cfg),  # until step 1 is done (runtime.shorten_timeouts)
                    tp=sizes["tp"], pp=sizes["pp"], dp=sizes["dp"], cp=sizes["cp"], ep=sizes["ep"],
                    tp_rank=coords["tp"], pp_rank=coords["pp"], dp_rank=coords["dp"], cp_rank=coords["cp"],
                    ep_rank=coords["dp"] % sizes["ep"], pp_prev=rank, pp_next=rank)
@@ -280,7 +293,7 @@ class Mesh:
                                "initialised with that world size and rank first.")
         layout = mesh_layout(world_size, sizes, order)
         made: dict[tuple[tuple[int, ...], ...], Any] = {}
-        calls = [0]
+        calls: dict[str, int] = {}
         for kind in GROUP_KINDS:
             key = tuple(map(tuple, layout[kind]))
             if key not in made:
@@ -291,6 +304,6 @@ class Mesh:
                 ranks = next(r for r in layout["pp"] if rank in r)
                 i = ranks.index(rank)
                 mesh.pp_prev, mesh.pp_next = ranks[i - 1], ranks[(i + 1) % len(ranks)]
-        mesh.group_calls = calls[0]
+        mesh.group_calls, mesh.group_paths = sum(calls.values()), calls
         mesh.init_seconds = time.perf_counter() - start
         return mesh

@@ -45,6 +45,7 @@ from megaloom.parallel import comm
 from megaloom.parallel.data_parallel import (
     DEFAULT_BUCKET_MB,
     DataParallelGrads,
+    DeviceConstants,
     GradView,
     GradViews,
     ReductionStats,
@@ -142,6 +143,7 @@ class FullyShardedGrads:
         model.set_requires_gradient_sync(False)
         self.stats = ReductionStats()
         self._armed = False
+        self.constants = DeviceConstants()  # the norm's per-parameter weights, on the device once
 
     def _shard_of(self, p: torch.Tensor) -> tuple[int, int]:
         """(ranks, index) of the group a parameter is sharded over: edp for expert weights, else dp x cp."""
@@ -192,7 +194,7 @@ class FullyShardedGrads:
 
     def clip(self, max_norm: float) -> torch.Tensor:
         views = self._views()
-        total = sharded_grad_norm(views.views, self.mesh)
+        total = sharded_grad_norm(views.views, self.mesh, self.constants)
         if math.isfinite(max_norm):
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             torch._foreach_mul_([v.grad for v in views.views], coef)
@@ -246,20 +248,25 @@ class _WaitForParams:
         self.layout.wait_params(self.params)
 
 
-def shard_norm_sync(owners: list[int], params: list[nn.Parameter], mesh: Mesh, group: comm.Group):
+def shard_norm_sync(owners: list[int], params: list[nn.Parameter], mesh: Mesh, group: comm.Group,
+                    constants: DeviceConstants | None = None):
     """LAMB's ``norm_sync`` for ZeRO shards: segment partial squares summed per parameter, over the data-
-    parallel group (the other pieces of each parameter), then weighted and summed over tp."""
-    index = torch.tensor(owners, dtype=torch.long)
-    weights = torch.tensor([tp_weight(p, mesh) for p in params], dtype=torch.float32).unsqueeze(1)
+    parallel group (the other pieces of each parameter), then weighted and summed over tp. The index and the
+    weights go to the device once (``constants``), not every step."""
+    constants = constants if constants is not None else DeviceConstants()
+    weights = [tp_weight(p, mesh) for p in params]
 
     def sync(partial: torch.Tensor) -> torch.Tensor:
+        index = constants.get("owners", partial.device, lambda: torch.tensor(owners, dtype=torch.long))
+        w = constants.get("weights", partial.device, lambda: torch.tensor(weights, dtype=torch.float32)[:, None])
         per = partial.new_zeros(len(params), 2)
-        per.index_add_(0, index.to(partial.device), partial)
+        per.index_add_(0, index, partial)
         comm.all_reduce(per, group, recorder=mesh.recorder)
-        per *= weights.to(per.device)
+        per *= w
         comm.all_reduce(per, mesh.tp_group, recorder=mesh.recorder)
-        return per[index.to(partial.device)]
+        return per[index]
 
+    sync.constants = constants
     return sync
 
 

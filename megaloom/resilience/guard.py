@@ -30,7 +30,9 @@ class Resilience:
         # The loop's host-side control group (gloo, whatever trains): collective, every rank makes it here. Not
         # the checkpoint group, which the background writer thread uses at the same time.
         control = HostGroup(r.collective_timeout_s) if world_size > 1 and r.straggler_every > 0 else None
-        self.straggler = StragglerDetector(world_size, r.straggler_factor, self.recorder, control)
+        # compute time from CUDA events on a GPU (NCCL returns at enqueue), from the host's clock on CPU
+        self.straggler = StragglerDetector.for_device(mesh.device, world_size, r.straggler_factor, self.recorder,
+                                                      control)
         # Every rank's node, on rank 0 (once; O(world) names): a straggler is reported with its node, for the
         # bad-node eviction of the next restart (suspects.py).
         self.nodes = control.gather(node_name()) if control is not None else [node_name()]

@@ -1,17 +1,28 @@
 """Straggler detection (MegaScale's performance diagnosis): which rank computes slower than the others.
 
-Each rank accumulates its compute time per step: the step's wall time minus the host time spent inside
-collectives (waiting for others is not being slow). Every `resilience.straggler_every` steps the averages are
-all-gathered once over the run's host-side (gloo) control group, never over the training groups: on GPUs those
-are NCCL groups, which have no CPU backend. A rank whose compute time exceeds the median of the other ranks by
-`resilience.straggler_factor` is named. The medians of all ranks come from one sort (`medians_of_others`):
-O(world log world), 8,192 ranks in about a millisecond. On GPUs the host-side split is approximate (NCCL calls
-return once enqueued); per-rank CUDA-event timers are the refinement.
+Each rank accumulates its compute time per step, waiting for others excluded (that is communication, not being
+slow):
+
+- on CPU: the step's wall time minus the host time spent inside collectives (gloo blocks the host until done);
+- on a GPU: the host cannot tell (NCCL calls return once enqueued, so the wait lands in the next host sync and
+  every rank looks equally slow). `DeviceSpans` records CUDA events on the compute stream at the step's start and
+  end and around every collective (`comm`'s recorder: the stream waits for the collective there, peers included),
+  never waiting for them; a step's device compute is its span minus those collective spans. The events are read
+  once they have completed (`Event.query`, no sync) or, for the last steps, when the report is due.
+
+Every `resilience.straggler_every` steps the averages are all-gathered once over the run's host-side (gloo)
+control group, never over the training groups: on GPUs those are NCCL groups, which have no CPU backend. A rank
+whose compute time exceeds the median of the other ranks by `resilience.straggler_factor` is named. The medians of
+all ranks come from one sort (`medians_of_others`): O(world log world), 8,192 ranks in about a millisecond.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
+import torch
 
 from megaloom.parallel.host_group import HostGroup
 
@@ -47,23 +58,108 @@ def slower_than_others(values: np.ndarray, factor: float, include: np.ndarray | 
     return (med > 0) & (np.asarray(values, dtype=np.float64) > factor * med)
 
 
+def cuda_timing_event() -> Any:
+    return torch.cuda.Event(enable_timing=True)
+
+
+class DeviceSpans:
+    """Per-step device compute from events on the current stream: the step's span minus its collectives' spans.
+
+    ``event``: makes an event with ``record()``, ``query()``, ``synchronize()`` and ``elapsed_time(later)`` in
+    milliseconds (CUDA's by default; the CPU tests pass a simulated clock). Nothing here waits for the device
+    except `take`, when the report is due."""
+
+    def __init__(self, event: Callable[[], Any] = cuda_timing_event) -> None:
+        self.event = event
+        self._start: Any = None
+        self._open: Any = None
+        self._comm: list[tuple[Any, Any]] = []
+        self._pending: list[tuple[Any, Any, list[tuple[Any, Any]]]] = []  # steps whose events are not read yet
+        self.seconds, self.steps = 0.0, 0
+
+    def _now(self) -> Any:
+        e = self.event()
+        e.record()
+        return e
+
+    def start(self) -> None:
+        self._start, self._open, self._comm = self._now(), None, []
+
+    def comm_enter(self) -> None:
+        # Collectives outside a step (evaluation, checkpoints) are not counted, nor those traced into a compiled
+        # block (train.compile), where no event can be recorded: their waits count as compute (a slow rank then
+        # makes its tp peers look slow with it, which still names the group).
+        if self._start is not None and not torch.compiler.is_compiling():
+            self._open = self._now()
+
+    def comm_exit(self) -> None:
+        if self._open is not None:
+            self._comm.append((self._open, self._now()))
+            self._open = None
+
+    def end(self) -> None:
+        if self._start is None:
+            return
+        self._pending.append((self._start, self._now(), self._comm))
+        self._start, self._open, self._comm = None, None, []
+        self._fold(wait=False)
+
+    def _fold(self, wait: bool) -> None:
+        while self._pending:
+            start, end, comm = self._pending[0]
+            if wait:
+                end.synchronize()
+            elif not end.query():  # later steps end later on the stream: stop at the first unfinished one
+                return
+            ms = start.elapsed_time(end) - sum(a.elapsed_time(b) for a, b in comm)
+            self.seconds += max(0.0, ms) / 1e3
+            self.steps += 1
+            self._pending.pop(0)
+
+    def take(self) -> tuple[float, int]:
+        """(device compute seconds, steps) since the last take: waits for the steps still on the device."""
+        self._fold(wait=True)
+        out = (self.seconds, self.steps)
+        self.seconds, self.steps = 0.0, 0
+        return out
+
+
 class StragglerDetector:
-    def __init__(self, world_size: int, factor: float, recorder, group: HostGroup | None = None):
-        """``group``: the run's host-side control group (None: one process, nothing to gather)."""
+    def __init__(self, world_size: int, factor: float, recorder, group: HostGroup | None = None,
+                 spans: DeviceSpans | None = None):
+        """``group``: the run's host-side control group (None: one process, nothing to gather). ``spans``: device
+        timing (`DeviceSpans`; what a CUDA run uses, see `for_device`), told by ``recorder`` (a
+        `comm.LastOpRecorder`) about every collective; None: host timing."""
         self.world_size, self.factor, self.recorder, self.group = world_size, factor, recorder, group
+        self.spans = spans
+        if spans is not None:
+            recorder.spans = spans
         self.compute_s, self.steps = 0.0, 0
         self._comm_mark = 0.0
 
+    @classmethod
+    def for_device(cls, device: torch.device, world_size: int, factor: float, recorder,
+                   group: HostGroup | None = None) -> StragglerDetector:
+        """Device timing on a CUDA device, host timing elsewhere."""
+        return cls(world_size, factor, recorder, group, DeviceSpans() if device.type == "cuda" else None)
+
     def start_step(self) -> None:
         self._comm_mark = getattr(self.recorder, "seconds", 0.0)
+        if self.spans is not None:
+            self.spans.start()
 
     def end_step(self, wall_s: float) -> None:
+        if self.spans is not None:
+            self.spans.end()
+            return
         comm_s = getattr(self.recorder, "seconds", 0.0) - self._comm_mark
         self.compute_s += max(0.0, wall_s - comm_s)
         self.steps += 1
 
     def check(self) -> tuple[list[int], list[float]]:
         """Collective over all ranks: (straggler ranks, mean compute seconds per rank); resets the window."""
+        if self.spans is not None:
+            self.compute_s, self.steps = self.spans.take()
         mine = self.compute_s / max(self.steps, 1)
         self.compute_s, self.steps = 0.0, 0
         if self.group is None:

@@ -35,13 +35,14 @@ class DataChanged(DataError):
 class RunCheckpoints:
     """run.dir/checkpoints of one run, for every rank: `resume`, `save`, `rollback`, and `wait` at the end."""
 
-    def __init__(self, cfg: Config, run_dir: Path, rt: Runtime, mesh: Mesh, data: list[dict] | None = None) -> None:
-        """``data``: the identity of the run's token files (data/identity.py), saved with every checkpoint and
+    def __init__(self, cfg: Config, run_dir: Path, rt: Runtime, mesh: Mesh, group: CheckpointGroup | None = None,
+                 data: list[dict] | None = None) -> None:
+        """``group``: the trainer's checkpoint group (made at start-up); None makes one here (collective).
+        ``data``: the identity of the run's token files (data/identity.py), saved with every checkpoint and
         compared on resume; None where the data is not token files (image-text sets, a dry run's tokens)."""
         self.cfg, self.root, self.rt, self.mesh = cfg, run_dir / "checkpoints", rt, mesh
         self.data = data
-        # Collective: every rank makes the checkpoint group here (checkpoint/group.py).
-        self.group = CheckpointGroup(cfg.checkpoint.timeout_s)
+        self.group = group if group is not None else CheckpointGroup(cfg.checkpoint.timeout_s)
         self.saver: AsyncCheckpointer | None = None
 
     def start_background_saves(self) -> None:

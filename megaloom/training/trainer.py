@@ -19,7 +19,9 @@ from functools import partial
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
+from megaloom.checkpoint.group import CheckpointGroup
 from megaloom.checkpoint.store import remove_partial_saves
 from megaloom.config import Config, ConfigError
 from megaloom.data.dataset import build_datasets, source_prefixes
@@ -59,7 +61,14 @@ from megaloom.resilience.peers import PeerLost, describe, peer_loss
 from megaloom.resilience.rollbacks import RollbackBudget
 from megaloom.resilience.run_lock import RunLock, lock_run_dir
 from megaloom.resilience.signals import StopRequests, signal_name
-from megaloom.runtime import Runtime, init_runtime, resolve_precision, seed_everything
+from megaloom.runtime import (
+    Runtime,
+    collective_timeout,
+    init_runtime,
+    resolve_precision,
+    seed_everything,
+    shorten_timeouts,
+)
 from megaloom.step import TrainStep, forward_ctx
 from megaloom.training.checkpoints import RunCheckpoints
 from megaloom.training.compile_saves import set_lean_saves
@@ -139,6 +148,10 @@ class Trainer:
         self.mesh = mesh = (Mesh.build(cfg, rt.world_size, rt.rank, self.device) if rt.world_size > 1
                             else Mesh.single(self.device))
         self.build_seconds["mesh"] = mesh.init_seconds
+        # The host-side gloo group of start-up and checkpoints (collective: every rank makes it here): the data-cache
+        # build's barriers and every DCP save and load run on it, with checkpoint.timeout_s, never on the default
+        # (NCCL) group with the training timeout (checkpoint/group.py).
+        self.host = CheckpointGroup(cfg.checkpoint.timeout_s)
         if rt.world_size > 1:
             log.info(f"megaloom: mesh of {rt.world_size} ranks (tp={mesh.tp} pp={mesh.pp} dp={mesh.dp} cp={mesh.cp} "
                      f"ep={mesh.ep}) built in {mesh.init_seconds:.3f}s")
@@ -156,7 +169,7 @@ class Trainer:
         self.train_ds, self.valid_ds, self.tokenizer = load_rank_datasets(
             self._datasets, self.requested.data, t.seq_len, t.seed, t.steps * t.global_batch_size,
             t.eval_batches * t.global_batch_size, self.rt, self.reads_data,
-            default=default_builder(self.requested, build_datasets))
+            default=default_builder(self.requested, build_datasets), host=self.host)
         # A family whose objective is not next-token prediction (BERT's masked LM) turns each row into
         # (inputs, labels) as the loader reads it, from (seed, sample index) alone (data/objective.py).
         # What the token files are (sizes, counts, cheap hashes), saved with each checkpoint and compared on resume;
@@ -303,7 +316,7 @@ class Trainer:
         return model, stage
 
     def _resume(self) -> None:
-        self.ckpt = RunCheckpoints(self.cfg, self.run_dir, self.rt, self.mesh, data=self.data_identity)
+        self.ckpt = RunCheckpoints(self.cfg, self.run_dir, self.rt, self.mesh, self.host, data=self.data_identity)
         self.step, resumed_state = self.ckpt.resume(self.model, self.optimizer)
         self.resumed_step, self._warm = self.step, False
         if self.train_step.scaler is not None and "loss_scaler" in resumed_state:
@@ -425,7 +438,7 @@ class Trainer:
             self.train_ds, _, _ = load_rank_datasets(
                 self._datasets, cfg.data, t.seq_len, t.seed, (t.steps + self.data_offset) * t.global_batch_size,
                 t.eval_batches * t.global_batch_size, self.rt, self.reads_data,
-                default=default_builder(cfg, build_datasets))
+                default=default_builder(cfg, build_datasets), host=self.host)
         batches = StepBatches(self.train_ds, t.global_batch_size, rank_offset=self.mesh.dp_rank * self.local_batch,
                               rank_size=self.local_batch, start_step=step + self.data_offset, n_steps=t.steps - step)
         if not self.reads_data:
@@ -458,9 +471,18 @@ class Trainer:
         self.interval.compute_s += wall
         if not self._warm:
             self.interval.warmup_s, self._warm = wall, True
+            self._end_start_up_timeouts()
         rollback = self.guard.after_step(self.step, out.skipped, wall)
         self._log(lr, out.grad_norm, self._check_stragglers())
         return rollback
+
+    def _end_start_up_timeouts(self) -> None:
+        """After this process's first step (compilation, communicator set-up): the training groups leave the long
+        start-up timeout (resilience.init_timeout_s) for resilience.collective_timeout_s (runtime.shorten_timeouts).
+        Before any background save exists, so the host group is the main thread's alone."""
+        if self.rt.world_size > 1 and dist.get_backend() != "fake":
+            shorten_timeouts(self.mesh.training_groups(), collective_timeout(self.cfg), self.host.barrier,
+                             self.device)
 
     def _check_stragglers(self) -> dict | None:
         if not self.guard.stragglers_due(self.step):

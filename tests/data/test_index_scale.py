@@ -84,6 +84,7 @@ def _world_builds(rank: int, world: int, device: object, cfg: DataConfig) -> dic
     stage. Returns the files this rank wrote and the first samples it sees."""
     import megaloom.data.blend as blend_mod
     import megaloom.data.shuffle as shuffle_mod
+    from megaloom.parallel.host_group import HostGroup
     from megaloom.runtime import Runtime
     from megaloom.training.data import load_rank_datasets
 
@@ -97,7 +98,7 @@ def _world_builds(rank: int, world: int, device: object, cfg: DataConfig) -> dic
 
         mod.npy_writer = counting
     rt = Runtime(device=device, rank=rank, world_size=world, local_rank=rank % 2)
-    train, _, _ = load_rank_datasets(None, cfg, SEQ, 3, 64, 8, rt, reads_data=rank != 3)
+    train, _, _ = load_rank_datasets(None, cfg, SEQ, 3, 64, 8, rt, reads_data=rank != 3, host=HostGroup(60))
     return {"wrote": wrote, "rows": None if rank == 3 else [train[i].tolist() for i in range(8)],
             "kind": type(train).__name__}
 

@@ -72,12 +72,18 @@ def layer_case(mesh: Mesh, sp: bool, capacity_factor: float) -> dict:
         n = x.shape[1] // mesh.tp
         x, c = x[:, mesh.tp_rank * n:(mesh.tp_rank + 1) * n], c[:, mesh.tp_rank * n:(mesh.tp_rank + 1) * n]
     x = x.clone().requires_grad_()
+    mesh.recorder = tally = comm.CommTally(mesh.group_names())  # the layer's collectives, forward and backward
     y = model(x)
     (y * c).sum().backward()
+    mesh.recorder = comm.NullRecorder()
     want = ref_out[mesh.dp_rank]
     if sp:
         want = want[:, mesh.tp_rank * n:(mesh.tp_rank + 1) * n]
-    out = dict(out_err=_err(y, want), dropped=float(model.last_dropped_fraction))
+    names = mesh.group_names()
+    ep_name, tp_name = names.get(mesh.ep_group), names.get(mesh.tp_group)
+    out = dict(out_err=_err(y, want), dropped=float(model.last_dropped_fraction),
+               ep_bytes={op: n for (g, op), n in tally.bytes.items() if g == ep_name},
+               tp_bytes={op: n for (g, op), n in tally.bytes.items() if g == tp_name})
     grads, ref_grads = {}, dict(ref.named_parameters())
     for name, p in model.named_parameters():
         g = p.grad.detach().clone()

@@ -20,20 +20,21 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from megaloom.runtime import pick_device, start_process_group
+
 
 def pick_backend(world_size: int) -> str:
     return "nccl" if torch.cuda.device_count() >= world_size else "gloo"
 
 
-def _entry(rank: int, world_size: int, backend: str, tmp: str, fn: Callable, args: tuple) -> None:
+def _entry(rank: int, world_size: int, backend: str, tmp: str, fn: Callable, args: tuple, bind: str | None) -> None:
     torch.set_num_threads(1)  # several ranks share two cores: avoid oversubscription
-    if backend == "nccl":
-        device = torch.device(f"cuda:{rank}")
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    dist.init_process_group(backend, init_method=f"file://{tmp}/init", rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=120))
+    # The production start-up (runtime.init_runtime's order): pick and set the device, then start the default
+    # group through runtime.start_process_group, which binds an accelerator to it, so that Mesh.build splits
+    # communicators (dist.split_group) where torch allows it and makes new groups where it does not.
+    device = pick_device(f"cuda:{rank}" if backend == "nccl" else "cpu", rank)
+    start_process_group(device, rank, world_size, timedelta(seconds=120), init_method=f"file://{tmp}/init",
+                        backend=backend, bind=torch.device(bind) if bind else None)
     try:
         result = fn(rank, world_size, device, *args)
         torch.save(result, os.path.join(tmp, f"result{rank}.pt"))
@@ -45,20 +46,22 @@ def _entry(rank: int, world_size: int, backend: str, tmp: str, fn: Callable, arg
         dist.destroy_process_group()
 
 
-def run_world(world_size: int, fn: Callable, *args: Any, timeout: float = 240.0, backend: str | None = None
-              ) -> list[Any]:
+def run_world(world_size: int, fn: Callable, *args: Any, timeout: float = 240.0, backend: str | None = None,
+              bind: str | None = None) -> list[Any]:
     """``fn(rank, world_size, device, *args)`` on ``world_size`` processes; returns the results by rank.
 
     ``backend`` overrides the choice by hardware, e.g. "cuda:gloo": a CPU world whose default group has no CPU
-    backend, as an NCCL world has none (host-side collectives must then use a group of their own).
+    backend, as an NCCL world has none (host-side collectives must then use a group of their own). ``bind``: a
+    device to bind to the default group other than the ranks' own (e.g. "cuda:0" for a gloo world on a host with
+    one GPU: the ranks compute on CPU and the groups are split from the bound world, as in an NCCL job).
 
     ``fn`` must be importable (module level). A worker's exception is re-raised here with its traceback
     (torch.multiprocessing stops the other ranks); a world that outlives ``timeout`` is terminated.
     """
     tmp = tempfile.mkdtemp(prefix="megaloom-world-")
     try:
-        ctx = mp.spawn(_entry, args=(world_size, backend or pick_backend(world_size), tmp, fn, args), nprocs=world_size,
-                       join=False)
+        ctx = mp.spawn(_entry, args=(world_size, backend or pick_backend(world_size), tmp, fn, args, bind),
+                       nprocs=world_size, join=False)
         deadline = time.monotonic() + timeout
         while not ctx.join(timeout=1.0):
             if time.monotonic() > deadline:

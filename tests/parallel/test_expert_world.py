@@ -45,3 +45,19 @@ def test_moe_layer_matches_full_layer(world: list[dict], case: str) -> None:
     ep = 4 if "ep4" in case else 1 if "ep1" in case else 2
     tp = 2 if "tp2" in case else 1
     assert shapes[2] == (8 // ep, 16, 32 // tp)
+
+
+def test_sequence_parallel_ranks_dispatch_only_their_own_tokens(world: list[dict]) -> None:
+    """tp=2 with sp x ep=2: each tp rank sends its sequence shard's (token, expert) rows over ep, so the ep group's
+    all-to-all bytes per rank fall by the tp factor: the two tp ranks' rows add up to what each rank sent without
+    sp, where both sent all of them (same tokens, same routing, same capacity drops). The recorder's bytes."""
+    counts = 8 * 8  # the per-expert counts exchange (E int64, once per dispatch, identical in both layouts)
+    for dp in (0, 1):  # ranks 2dp, 2dp+1 are the tp pair of data-parallel rank dp
+        pair = [world[2 * dp + t] for t in (0, 1)]
+        full = [r["layer-tp2-ep2-sp0"]["ep_bytes"]["all_to_all"] - counts for r in pair]
+        split = [r["layer-tp2-ep2-sp1"]["ep_bytes"]["all_to_all"] - counts for r in pair]
+        assert full[0] == full[1] > 0  # without sp every tp rank dispatches every token
+        assert split[0] + split[1] == full[0], (split, full)
+        assert max(split) < full[0]
+        # the rows reach both tp ranks (each holds half of every expert's hidden units) over the tp group instead
+        assert pair[0]["layer-tp2-ep2-sp1"]["tp_bytes"]["all_to_all"] > 0

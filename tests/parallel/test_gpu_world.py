@@ -7,7 +7,15 @@ import torch
 
 from .checks import assert_collectives, assert_parity, assert_regions, assert_vocab_ce
 from .harness import pick_backend, run_world
-from .worlds import check_collectives, check_mesh, check_regions, check_vocab_ce, parity_case, tiny_config
+from .worlds import (
+    check_collectives,
+    check_mesh,
+    check_regions,
+    check_vocab_ce,
+    group_path_case,
+    parity_case,
+    tiny_config,
+)
 
 
 def suite_gpu(rank: int, world: int, device: torch.device) -> dict:
@@ -35,3 +43,23 @@ def test_tensor_parallel_on_nccl() -> None:
         assert_vocab_ce(res["vocab_ce"])
         for sp in (0, 1):
             assert_parity(res[f"parity-sp{sp}"])
+
+
+def suite_split_gloo(rank: int, world: int, device: torch.device) -> dict:
+    from megaloom.parallel.mesh import Mesh
+
+    mesh = Mesh.build(tiny_config(tp=2, world=world), world, rank, device)
+    return {"paths": group_path_case(mesh), "collectives": check_collectives(mesh),
+            "parity": parity_case(mesh, "llama", True, steps=2)}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (to bind the world to)")
+def test_split_groups_at_world_2_on_one_gpu() -> None:
+    """The production group path (dist.split_group of a world with a bound device) at world > 1 with one GPU:
+    two gloo ranks bound to cuda:0 (NCCL refuses two ranks on one GPU) compute on CPU over split groups."""
+    results = run_world(2, suite_split_gloo, backend="gloo", bind="cuda:0")
+    assert_collectives([r["collectives"] for r in results], tp=2)
+    for res in results:
+        assert res["paths"]["can_split"] and res["paths"]["paths"] == {"split": 2}, res["paths"]
+        assert_parity(res["parity"])

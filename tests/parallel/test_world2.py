@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from .checks import (
     assert_collectives,
@@ -119,3 +120,18 @@ def test_llava_pipeline_projector_only_stage(world: list[dict]) -> None:
             assert abs(loss - ref) <= 1e-5 * abs(ref), (rank, r["loss"], r["loss_ref"])
         assert not r["frozen_grads"] and r["bucketed"] == r["trainable"] == r["changed"]
         assert all(n.startswith("projector.") for n in r["trainable"]) and bool(r["trainable"]) == (rank == 0)
+
+
+def test_groups_are_made_the_way_the_world_allows(world: list[dict]) -> None:
+    """The harness starts the world as production does (runtime.start_process_group): NCCL with a device bound
+    splits communicators; gloo on CPU cannot bind one (torch refuses device_id=cpu) and makes new groups, and
+    torch refuses the split there, as the predicate says."""
+    nccl = torch.cuda.device_count() >= 2
+    for res in world:
+        g = res["group_paths"]
+        assert g["calls"] == sum(g["paths"].values()) == 2  # tp, and the one-rank kinds together
+        if nccl:
+            assert g["can_split"] and g["paths"] == {"split": 2}, g
+        else:
+            assert not g["can_split"] and g["paths"] == {"new_group": 2} and g["bound"] == "None", g
+            assert "not safe to split" in g["refused"], g

@@ -458,9 +458,25 @@ def suite_world4(rank: int, world: int, device: torch.device) -> dict:
     return res
 
 
+def group_path_case(mesh: Mesh) -> dict:
+    """How `Mesh.build` made its groups (split of a bound world, or new groups), what the one predicate said, and,
+    where it said no, torch's own refusal of a split in this world (so the predicate cannot drift from torch)."""
+    from megaloom.parallel.groups import can_split
+
+    refused = ""
+    if not can_split():
+        try:
+            dist.split_group(split_ranks=[[r] for r in range(dist.get_world_size())])
+        except RuntimeError as e:
+            refused = str(e)
+    return dict(paths=dict(mesh.group_paths), calls=mesh.group_calls, can_split=can_split(), refused=refused,
+                bound=str(dist.group.WORLD.bound_device_id))
+
+
 def suite_world2(rank: int, world: int, device: torch.device) -> dict:
     res: dict = {}
     mesh = Mesh.build(tiny_config(tp=2, world=world), world, rank, device)
+    res["group_paths"] = group_path_case(mesh)
     res["regions"] = check_regions(mesh)
     res["vocab_ce"] = check_vocab_ce(mesh)
     res["collectives"] = check_collectives(mesh)

@@ -19,6 +19,15 @@ def _losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
 
 
+def _timeouts(trainer: Trainer) -> list[float]:
+    """Seconds of the timeout of the world group and every training group of ``trainer`` (CPU: gloo)."""
+    import torch
+    import torch.distributed as dist
+
+    groups = [dist.group.WORLD, *trainer.mesh.training_groups()]
+    return [g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in groups]
+
+
 def _train(overrides: list[str], rank: int, world: int, device, fault: str = ""):
     os.environ["MEGALOOM_FAULT"] = fault
     try:
@@ -36,7 +45,20 @@ def signal_suite(rank: int, world: int, device, corpus: dict, root: str, base: l
         return tiny_overrides(corpus, run_dir, *base)
 
     out: dict = {}
-    _train(overrides_of(ref), rank, world, device)
+    # The uninterrupted run, with the process-group timeouts read before and after its first step.
+    t = Trainer(load_config(None, overrides_of(ref) + ["resilience.collective_timeout_s=1000",
+                                                       "resilience.init_timeout_s=3000"]),
+                runtime=Runtime(device, rank, world, rank)).build()
+    out["timeouts_built"] = _timeouts(t)
+    end_start_up = t._end_start_up_timeouts
+
+    def spy() -> None:
+        before = _timeouts(t)
+        end_start_up()
+        out["timeouts_step1"] = (t.step, before, _timeouts(t))
+
+    t._end_start_up_timeouts = spy
+    t.fit()
     stopped = _train(overrides_of(cut), rank, world, device, fault="signal:rank=1:step=3:sig=15")
     out["stopped_by"], out["stopped_at"] = stopped.stopped_by, stopped.final_step
     ckpts = cut / "checkpoints"

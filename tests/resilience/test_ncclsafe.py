@@ -30,9 +30,13 @@ from tests.resilience import ncclsafe_worlds
 NO_CPU_BACKEND = "No backend type associated with device type cpu"
 
 
-def test_straggler_and_doctor_in_a_world_without_a_cpu_backend():
-    results = run_world(2, ncclsafe_worlds.host_side_cases, True, backend="cuda:gloo", timeout=180)
-    for res in results:
+def test_straggler_doctor_data_barriers_and_checkpoints_in_a_world_without_a_cpu_backend(tmp_path):
+    results = run_world(2, ncclsafe_worlds.host_side_cases, True, str(tmp_path), backend="cuda:gloo", timeout=180)
+    for rank, res in enumerate(results):
+        # the data turns (rank 0 builds first, then the rest) and a blocking DCP save + load ran on the checkpoint
+        # group: on the default group (no CPU backend, like NCCL's) each of them raises
+        assert res["host_timeout_s"] == 61 and res["datasets"] == ("train", "valid", "tok")
+        assert res["built"] == [rank] and res["restored"], res
         assert NO_CPU_BACKEND in res["world_cpu_error"]  # the world really is like NCCL's
         assert res["control_timeout_s"] == 77
         assert res["stragglers"] == [1]
@@ -40,6 +44,9 @@ def test_straggler_and_doctor_in_a_world_without_a_cpu_backend():
                                               ncclsafe_worlds.SLOW_RANK_SECONDS])
         assert res["doctor_code"] == 0  # healthy: timings gathered over the side group
         assert res["doctor_failed_code"] == 1  # the device tests failed on every rank, and the report still came
+        # GPU timing (simulated device): the waiting rank's collective span is not compute; the slow one is named
+        assert res["device_stragglers"] == [1] and res["host_stragglers"] == [], res
+        assert res["device_times"] == pytest.approx([0.012, 0.052])
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -115,7 +122,10 @@ def test_timeouts_reach_every_group_and_a_hang_report_names_rank_collective_and_
     for r in range(2):
         got = torch.load(tmp_path / f"rank{r}.pt")
         t = got["timeouts"]
-        assert t == {"world": 47, "pp": 47, "embedding": 47, "control": 47, "checkpoint": 3000}, t
+        # start-up: the training groups at resilience.init_timeout_s (auto: twice the collective timeout) ...
+        assert t == {"world": 94, "pp": 94, "embedding": 94, "control": 47, "checkpoint": 3000}, t
+        # ... after step 1 at resilience.collective_timeout_s; the checkpoint group keeps its own
+        assert got["after_step1"] == {"world": 47, "pp": 47, "embedding": 47, "checkpoint": 3000}, got["after_step1"]
         assert got["env"]["TORCH_FR_BUFFER_SIZE"] == "2000"
         assert got["env"]["TORCH_FR_DUMP_TEMP_FILE"] == str(run / "watchdog" / "flight_recorder_rank")
         assert got["env"]["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"

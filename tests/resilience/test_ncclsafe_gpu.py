@@ -29,6 +29,16 @@ def test_straggler_check_and_doctor_in_an_nccl_world():
         assert res["doctor_code"] == 0
 
 
+def test_a_slow_gpu_is_named_by_device_timing():
+    """Issue 35: on a GPU the straggler check times each rank's compute with CUDA events (NCCL returns at
+    enqueue, so host clocks see equal ranks). Two processes share the one GPU; the last one's matmuls are 64x
+    larger."""
+    results = run_world(2, ncclsafe_worlds.gpu_slow_rank_case, backend="gloo", timeout=300)
+    for res in results:
+        assert res["device_timing"] and res["stragglers"] == [1], res
+        assert res["times"][1] > 5 * res["times"][0], res
+
+
 def _hang(tmp_path: Path, *extra: str) -> tuple[int, Path]:
     run = tmp_path / "run"
     overrides = [f"run.dir={run}", "resilience.heartbeat_every_s=1", *extra]

@@ -73,6 +73,10 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_saved_step(small_corp
     assert r0["stopped_at"] == r1["stopped_at"] == 4
     assert r0["latest"] == r1["latest"] == "step_00000004"
     assert r0["resumed_to"] == r1["resumed_to"] == 8
+    for r in (r0, r1):  # the harness's world (120 s) and the mesh's groups at the start-up timeout until step 1
+        assert r["timeouts_built"][0] == 120 and set(r["timeouts_built"][1:]) == {3000}, r["timeouts_built"]
+        step, before, after = r["timeouts_step1"]
+        assert step == 1 and before == r["timeouts_built"] and set(after) == {1000}, r["timeouts_step1"]
     assert sorted(r0["cut_losses"]) == list(range(1, 9)) and r0["cut_losses"] == r0["ref_losses"]
     # resilience.signal_check_every=3: checks at steps 3, 6, ...: issued at 3 with the record, agreed at 6
     assert r0["agreed_at_every1"] == r1["agreed_at_every1"] == 4

@@ -110,6 +110,7 @@ def build_embedding_groups(mesh: Mesh) -> Any:
     pipelines = Mesh.layout(mesh.world_size, mesh.sizes, mesh.order)["pp"]
     parts = [[r[0], r[-1]] for r in pipelines] + [[x] for r in pipelines for x in r[1:-1]]
     group = partition_group(sorted(parts), mesh.rank, "pp:embedding", timeout=mesh.group_timeout)
+    mesh.extra_groups.append(group)  # its timeout follows the mesh's after step 1 (runtime.shorten_timeouts)
     return None if 0 < mesh.pp_rank < mesh.pp - 1 else group
 
 

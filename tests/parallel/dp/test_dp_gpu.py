@@ -63,3 +63,31 @@ def test_sharded_optimizer_on_cuda_matches_plain(zero: int, kind: str) -> None:
     model.state_dict()
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         assert (p - q).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("kind", ["adamw", "lamb"])
+def test_zero1_step_has_no_host_sync_after_warm_up(kind: str) -> None:
+    """A ZeRO-1 step (bucketed gradients, sharded norm and clipping, the sharded fused AdamW or LAMB, parameter
+    gathers) queues its work without waiting for the device once warmed up: torch's sync debug mode turns any
+    synchronising call (a tensor made from a host list, .item(), a pageable copy) into an error. The NaN guard's
+    one read per step is off here (it is the step's single, intended sync)."""
+    from megaloom.step import TrainStep
+
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = Transformer(tiny_config().model).to(device)
+    grads = DataParallelGrads(model, Mesh.single(device), zero=1, bucket_mb=0.02)
+    opt = ShardedOptimizer(grads, kind, lr=3e-3, weight_decay=0.1)
+    step = TrainStep(model, opt, "fp32", device, 2, grad_clip=0.5, grads=grads, nan_guard=False)
+    gen = torch.Generator().manual_seed(5)
+    batches = [torch.randint(0, VOCAB, (4, SEQ + 1), generator=gen).to(device) for _ in range(4)]
+    for b in batches[:2]:  # warm-up: lazy state, the constants made on the device once
+        step(b)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for b in batches[2:]:
+            out = step(b)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.isfinite(out.loss).item() and torch.isfinite(out.grad_norm).item()

@@ -157,3 +157,48 @@ def test_no_sync_only_accumulates() -> None:
     grads.finish()
     assert list(grads.stats.in_finish) == [len(grads.buckets)]
     assert math.isfinite(grads.clip(math.inf).item())
+
+
+def _zero1_step(kind: str):
+    """A ZeRO-1 TrainStep on one process (the step path a GPU run takes, without its peers) and its batches."""
+    from megaloom.step import TrainStep
+
+    _, model, grads = _setup(1)
+    opt = ShardedOptimizer(grads, kind, lr=3e-3, weight_decay=0.1)
+    return TrainStep(model, opt, "fp32", torch.device("cpu"), 2, grad_clip=0.5, grads=grads), grads, opt
+
+
+@pytest.mark.parametrize("kind", ["adamw", "lamb"])
+def test_zero1_step_makes_no_tensor_from_host_lists_after_the_first(kind: str, monkeypatch) -> None:
+    """The constants a step needs (the norm's per-shard weights, LAMB's owner index and weights) are made on the
+    device once and reused: on a GPU a tensor made from a Python list is a host-to-device copy that waits for the
+    host every step. Counted here by patching torch.tensor: no call from megaloom's code after the first step."""
+    import sys
+
+    from megaloom.lamb import tp_norm_sync
+
+    step, grads, opt = _zero1_step(kind)
+    batches = _batches(4)
+    step(batches[0])  # the first step makes them
+    assert grads.constants.made == 1 and (kind == "adamw" or opt.inner.norm_sync.constants.made == 2)
+    calls: list[str] = []
+    real = torch.tensor
+
+    def counting(*a, **k):
+        where = sys._getframe(1).f_code.co_filename
+        if "megaloom" in where:
+            calls.append(where)
+        return real(*a, **k)
+
+    monkeypatch.setattr(torch, "tensor", counting)
+    for b in batches[1:]:
+        step(b)
+    assert calls == [], calls
+    assert grads.constants.made == 1 and (kind == "adamw" or opt.inner.norm_sync.constants.made == 2)
+    # LAMB's tensor-parallel norm exchange, on a mesh with tp=2 and no peers (its collectives are the identity):
+    # its weights are made at the first call only
+    params = list(step.model.parameters())
+    sync = tp_norm_sync(params, Mesh(tp=2))
+    for _ in range(3):
+        sync(torch.ones(len(params), 2))
+    assert len(calls) == 1 and calls[0].endswith("lamb.py") and sync.constants.made == 1, calls
