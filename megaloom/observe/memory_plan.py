@@ -581,6 +581,9 @@ class MemoryPlan:
     setup: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     measured_peak: int | None = None
+    # The build's peak (before the first step): the weights, the gradient buckets and ZeRO's fp32 master shard
+    # that the build allocates, and one parameter's initialisation temporary (the largest).
+    build: int = 0
 
     def table(self) -> str:
         s = self.setup
@@ -673,7 +676,17 @@ def plan_memory(cfg: Config, model: nn.Module | None = None, *, world_size: int 
                       step_transient=step_transient, workspace=state.workspace, peak=peaks.phases[peak_phase],
                       peak_phase=peak_phase, phases=peaks.phases, per_layer=blocks.saved(first),
                       layers=len(rank.layers), in_flight=peaks.in_flight,
-                      setup=_setup(lay, rank, acts, _grad_note(lay.zero, state)), notes=_notes(lay, rank.counts))
+                      setup=_setup(lay, rank, acts, _grad_note(lay.zero, state)), notes=_notes(lay, rank.counts),
+                      build=_build_peak(lay, rank.counts, state))
+
+
+def _build_peak(lay: _Layout, counts: ParamCounts, state: _State) -> int:
+    """What building this rank holds at most: its weights, the gradient buckets the data-parallel wrapper
+    allocates at once (zero 0/1; zero 2 allocates them at the first backward), ZeRO's fp32 master shard (made
+    with the optimizer; its moments come at the first step) and the largest parameter's initialisation
+    temporary (models/init.py draws each tensor's values, then copies them into place)."""
+    master = 4 * state.p_opt if state.optimizer > 8 * state.p_opt else 0
+    return state.weights + state.grad_persistent + master + 4 * counts.largest
 
 
 @dataclass(frozen=True)

@@ -330,7 +330,7 @@ class DryRunReport:
             lines.append(f"  memory (GB = 1e9 bytes)      plan   measured  ({self.memory_note}, above the start)")
             rows = [("weights", p.weights, m.get("weights"), "counted"),
                     ("optimizer state", p.optimizer, m.get("optimizer"), "counted"),
-                    ("build peak", p.weights, m.get("build_peak"), "peak"),
+                    ("build peak", p.build or p.weights, m.get("build_peak"), "peak"),
                     (f"step peak ({p.peak_phase})", p.peak if self.losses else None, m.get("step_peak"), "peak")]
             for name, planned, got, how in rows:
                 pl = f"{planned / GB:9.2f}" if planned is not None else f"{'-':>9}"
