@@ -24,11 +24,11 @@ def _disk_fills_at_step(monkeypatch, step: int) -> None:
     """The tensor writer of that step's save writes part of a shard, then the disk is full."""
     real = store.write_tensors
 
-    def writer(tmp, state, no_dist=False):
+    def writer(tmp, state, no_dist=False, group=None):
         if tmp.name.endswith(store.step_name(step)):
             (tmp / "__0_0.distcp").write_bytes(b"x" * 4096)
             raise OSError(errno.ENOSPC, "No space left on device", str(tmp / "__0_0.distcp"))
-        return real(tmp, state, no_dist)
+        return real(tmp, state, no_dist, group=group)
     monkeypatch.setattr(store, "write_tensors", writer)
     monkeypatch.setattr(async_save, "write_tensors", writer)
 
