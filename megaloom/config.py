@@ -192,6 +192,13 @@ class TrainConfig:
                                         "next forward reads the weights, each waited for just before its module "
                                         "(megaloom/training/overlap_optimizer.py): the memory-bound update beside "
                                         "the next forward's GEMMs. Same update; pp=1, zero=0, adamw only.")
+    grad_accum_fusion: AutoBool = _f("auto", "The blocks' linears add their weight gradients straight into the fp32 "
+                                             "data-parallel gradient buckets, the GEMM accumulating in fp32 on CUDA, "
+                                             "instead of a bf16 gradient, its fp32 copy and an add per micro-batch "
+                                             "(Megatron's gradient_accumulation_fusion; megaloom/parallel/"
+                                             "grad_fusion.py). Needs the buckets: world > 1, parallel.zero 0 or 1, "
+                                             "not the zb schedule. auto = on CUDA with compiled blocks where the "
+                                             "buckets exist.", AUTO_BOOL)
     offload_activations: bool = _f(False, "Keep the large tensors saved for backward in pinned CPU memory "
                                           "(GPU only; trades PCIe traffic for activation memory).")
     compile: AutoBool = _f("auto", "torch.compile each transformer block. auto = on CUDA (measured to pay for dense "
@@ -589,6 +596,11 @@ def validate(cfg: Config) -> None:
                  f"train.overlap_optimizer=true needs one model replica's whole AdamW per rank (parallel.pp=1, "
                  f"parallel.zero=0, train.optimizer=adamw); got pp={p.pp}, zero={p.zero}, optimizer={t.optimizer}. "
                  "Set train.overlap_optimizer=false, or those settings.")
+    _require(t.grad_accum_fusion is not True or (p.zero in (0, 1) and p.schedule != "zb" and not p.async_tp),
+             f"train.grad_accum_fusion=true adds weight gradients into the data-parallel buckets that parallel.zero "
+             f"0 and 1 keep (zero={p.zero}), outside the zero-bubble schedule's deferred weight pass (schedule="
+             f"{p.schedule}) and the async-tp ring linears (async_tp={p.async_tp}); set "
+             "train.grad_accum_fusion=false or auto, or change those settings.")
     _require(t.recompute_casts is not True or t.compile is not False,
              "train.recompute_casts=true changes what compiled blocks save, and train.compile=false compiles none; "
              "set train.compile=true (or auto, on a GPU) or leave train.recompute_casts at auto.")

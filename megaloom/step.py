@@ -172,6 +172,9 @@ class TrainStep:
             return self._step(batch)
 
     def _step(self, batch: torch.Tensor | None) -> StepOutput:
+        prepare = getattr(self.grads, "prepare_step", None)
+        if prepare is not None:
+            prepare()  # buckets cleared before the first backward (weight gradients fused into them arrive early)
         scale = self.scaler.scale if self.scaler is not None else 1.0
         if self.pipeline is not None:
             self._scale_aux_losses(scale / self.pipeline.schedule.microbatches)

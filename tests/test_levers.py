@@ -17,13 +17,13 @@ def chosen(overrides: list[str], device: str, capability=None) -> dict:
 
 def test_cpu_keeps_the_plain_path():
     assert chosen([], "cpu") == {"train.compile": False, "train.fused_loss": False, "train.attention": "torch",
-                                 "train.bf16_residual": False}
+                                 "train.bf16_residual": False, "train.grad_accum_fusion": False}
 
 
 def test_hopper_takes_the_measured_fast_path(monkeypatch):
     monkeypatch.setattr("megaloom.training.levers.fa4_importable", lambda: False)  # flash-attn-4: the test below
     assert chosen([], "cuda", (9, 0)) == {"train.compile": True, "train.fused_loss": True, "train.attention": "cudnn",
-                                          "train.bf16_residual": True}
+                                          "train.bf16_residual": True, "train.grad_accum_fusion": True}
     assert chosen([], "cuda", (8, 0))["train.attention"] == "torch"  # cuDNN measured faster on Hopper only
 
 
@@ -50,7 +50,7 @@ def test_each_lever_where_it_applies(overrides, key, value):
 
 def test_explicit_values_are_never_changed():
     cfg = load_config(None, ["train.compile=false", "train.fused_loss=true", "train.attention=flash",
-                             "train.bf16_residual=false"])
+                             "train.bf16_residual=false", "train.grad_accum_fusion=false"])
     resolved, choices = resolve_levers(cfg, "cuda", (9, 0))
     assert choices == [] and resolved is cfg
 
@@ -84,3 +84,23 @@ def test_attention_takes_fa4_where_it_is_installed(monkeypatch):
     assert chosen([], "cpu")["train.attention"] == "torch"
     monkeypatch.setattr(levers, "fa4_importable", lambda: False)
     assert chosen([], "cuda", (9, 0))["train.attention"] == "cudnn"
+
+
+def test_grad_accum_fusion_is_refused_where_no_buckets_keep_the_gradients() -> None:
+    from megaloom.config import ConfigError, load_config
+
+    for bad in (["parallel.zero=2"], ["parallel.zero=3"], ["parallel.pp=2", "parallel.schedule=zb"]):
+        with pytest.raises(ConfigError, match="train.grad_accum_fusion=true adds weight gradients"):
+            load_config(None, ["train.grad_accum_fusion=true", *bad])
+
+
+def test_grad_accum_fusion_auto_follows_compile_and_the_buckets() -> None:
+    from megaloom.config import load_config
+    from megaloom.training.levers import resolve_levers
+
+    on, _ = resolve_levers(load_config(None, ["parallel.zero=1"]), "cuda", (9, 0))
+    assert on.train.grad_accum_fusion is True and on.train.compile is True
+    for over, device in ((["parallel.zero=1"], "cpu"), (["parallel.zero=2"], "cuda"),
+                         (["train.compile=false"], "cuda")):
+        off, _ = resolve_levers(load_config(None, over), device, (9, 0))
+        assert off.train.grad_accum_fusion is False, (over, device)

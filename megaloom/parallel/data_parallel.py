@@ -288,10 +288,23 @@ class DataParallelGrads:
         self._ready: set[int] = set()  # ids of parameters whose gradient arrived in the armed backward
         self._armed_ids: set[int] | None = None  # armed parameters (None: all) when chunks are armed one by one
         self._needs_zero = False
+        self.fused = False  # set by enable_fusion: weight gradients added into the buckets by their GEMMs
         self._shard_views = GradViews([GradView(s.grad, self.params[s.owner]) for s in self.shard_segments()]) \
             if zero else None
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
         self.constants = DeviceConstants()  # the norm's per-shard weights, on the device once
+
+    def enable_fusion(self, model: nn.Module) -> int:
+        """train.grad_accum_fusion: the blocks' linears add their weight gradients into ``main_grad`` themselves
+        (megaloom/parallel/grad_fusion.py); returns how many weights. zero 0/1 only (zero 2 frees the buckets)."""
+        from megaloom.parallel.grad_fusion import enable_grad_accum_fusion
+
+        if self.zero not in (0, 1):
+            raise ConfigError(f"train.grad_accum_fusion=true needs gradient buckets that live across steps "
+                              f"(parallel.zero 0 or 1); got zero={self.zero}.")
+        fused = enable_grad_accum_fusion(model)
+        self.fused = bool(fused)
+        return len(fused)
 
     # ------------------------------------------------------------------------------------------- layout
 
@@ -343,6 +356,10 @@ class DataParallelGrads:
     def _on_grad(self, p: nn.Parameter) -> None:
         b, _ = self._where[p]
         if self._needs_zero:  # the first gradient of a new step: clear what the last step accumulated
+            if self.fused:
+                raise RuntimeError("train.grad_accum_fusion: the weight gradients were added into the buckets "
+                                   "before they were cleared; call DataParallelGrads.prepare_step() before the "
+                                   "first backward of every step (TrainStep does)")
             self.zero_grad()
         if b.data is None:
             self._allocate(b)
@@ -351,7 +368,8 @@ class DataParallelGrads:
         if p.grad.data_ptr() == p.main_grad.data_ptr():
             raise RuntimeError("a new backward started while p.grad still aliases p.main_grad: call "
                                "optimizer.zero_grad(set_to_none=True) after every step")
-        p.main_grad.add_(p.grad)
+        if not getattr(p, "fused_wgrad", False):  # fused: already in main_grad, p.grad is a stand-in
+            p.main_grad.add_(p.grad)
         p.grad = None
         if not self._armed or (self._armed_ids is not None and id(p) not in self._armed_ids):
             self.stats.unarmed_hooks += 1
@@ -382,6 +400,12 @@ class DataParallelGrads:
             b.work = comm.reduce_scatter_async(self._grad_chunk(b), b.data, b.group, recorder=self.mesh.recorder)
         b.reductions += 1
         (self.stats.in_backward if in_backward else self.stats.in_finish)[-1] += 1
+
+    def prepare_step(self) -> None:
+        """Before the first forward of a step: clear what the last step accumulated (otherwise done by the first
+        gradient of the step; weight gradients fused into the buckets (grad_fusion) arrive before any hook)."""
+        if self._needs_zero:
+            self.zero_grad()
 
     def zero_grad(self) -> None:
         """Clear the main gradients (done automatically by the first gradient of the next step)."""

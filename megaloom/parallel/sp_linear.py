@@ -182,8 +182,9 @@ class SeqRegion:
     def output(self, linear: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
         """``linear``'s output on the region's gathered input ``x``, or None (then it runs as a plain linear):
         ``x`` is something else, or the region's linears run in fp8 (their own save-sets)."""
-        if self._full is None or x is not self._full or any(m.fp8_recipe is not None for m in self._linears):
-            return None
+        if (self._full is None or x is not self._full
+                or any(m.fp8_recipe is not None or m.fused_wgrad for m in self._linears)):
+            return None  # (fused weight gradients: grad_fusion's node per linear)
         if self._outputs is None:  # the first of the region's linears: all of them, in one node
             outs = gathered_linears(self._local, self._full, [(m.weight, m.bias) for m in self._linears],
                                     self.mesh.tp_group, self.mesh.recorder, ring=self.ring)

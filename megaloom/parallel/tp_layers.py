@@ -21,6 +21,7 @@ from torch import nn
 
 from megaloom.parallel import comm
 from megaloom.parallel.collective_matmul import linear_reduce_scatter
+from megaloom.parallel.grad_fusion import fused_linear
 from megaloom.parallel.layout import Layout, set_layout
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.sp_linear import SeqRegion, gathered_linears, lean_path_active, to_compute_dtype
@@ -55,6 +56,7 @@ class ColumnParallelLinear(nn.Module):
         self.fp8_fast_accum = True
         self.seq_region: SeqRegion | None = None  # set by the enclosing sp region: outputs come from it
         self.ring = False  # input "gather" as ring steps under the GEMM (parallel.async_tp, collective_matmul)
+        self.fused_wgrad = False  # weight gradient into weight.main_grad (train.grad_accum_fusion, grad_fusion)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, mesh: Mesh, input_mode: str = "copy",
@@ -75,9 +77,11 @@ class ColumnParallelLinear(nn.Module):
         elif self.input_mode == "gather":  # sequence shards, gathered in the compute dtype (fp8: as they come)
             if self.fp8_recipe is None:
                 x = to_compute_dtype(x)
-                if lean_path_active():  # saves the shard, not the gathered sequence
+                if lean_path_active() and not self.fused_wgrad:  # saves the shard, not the gathered sequence
                     return gathered_linears(x, None, [(self.weight, self.bias)], g, rec, ring=self.ring)[0]
             x = comm.gather_from_seq(x, g, rec)
+        if self.fused_wgrad:
+            return fused_linear(x, self.weight, self.bias)
         return fp8.linear(x, self.weight, self.bias, self.fp8_recipe, self.fp8_fast_accum)
 
     def extra_repr(self) -> str:
@@ -105,6 +109,7 @@ class RowParallelLinear(nn.Module):
         self.fp8_recipe: str | None = None  # set by precision.fp8.convert_to_float8: the local matmul in fp8
         self.fp8_fast_accum = True
         self.ring = False  # "reduce_scatter" as ring steps under the GEMM (parallel.async_tp, collective_matmul)
+        self.fused_wgrad = False  # weight gradient into weight.main_grad (train.grad_accum_fusion, grad_fusion)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, mesh: Mesh, output_mode: str = "reduce") -> RowParallelLinear:
@@ -114,12 +119,16 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g, rec = self.mesh.tp_group, self.mesh.recorder
-        if self.ring and self.output_mode == "reduce_scatter" and self.fp8_recipe is None and lean_path_active():
+        if (self.ring and self.output_mode == "reduce_scatter" and self.fp8_recipe is None and lean_path_active()
+                and not self.fused_wgrad):
             x = to_compute_dtype(x)
             w = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
             y = linear_reduce_scatter(x, w, g, rec)
             return y + self.bias if self.bias is not None else y
-        y = fp8.linear(x, self.weight, None, self.fp8_recipe, self.fp8_fast_accum)
+        if self.fused_wgrad:
+            y = fused_linear(x, self.weight, None)
+        else:
+            y = fp8.linear(x, self.weight, None, self.fp8_recipe, self.fp8_fast_accum)
         if self.output_mode == "reduce":
             y = comm.reduce_from_tp(y, g, rec)
         else:

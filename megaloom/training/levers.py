@@ -1,5 +1,5 @@
-"""The speed levers a user leaves at "auto" (train.compile, train.fused_loss, train.attention, train.bf16_residual),
-chosen for the device.
+"""The speed levers a user leaves at "auto" (train.compile, train.fused_loss, train.attention, train.bf16_residual,
+train.grad_accum_fusion), chosen for the device.
 
 A run typed with only the model and the batch should take the fastest path that is proven equal to the plain
 one. Each lever turns on where it is supported and was measured to pay (one H200, llama3-1b-untied, seq 4096, bf16;
@@ -21,6 +21,10 @@ bench/RESULTS.md), and stays off elsewhere, so CPU runs are what they were:
   -1 GB, and the loss within 0.55% of the plain fp32-residual path over 200 steps (2026-12-04). On for the dense
   decoders (llama, qwen3, gpt2), where it was measured or runs the same code; off for MoE (its layer's output is
   fp32 and no run measured it), the encoder families and LLaVA (not measured), CPU and fp32/fp16.
+
+- ``train.grad_accum_fusion``: the blocks' weight-gradient GEMMs accumulate into the fp32 data-parallel buckets
+  (megaloom/parallel/grad_fusion.py) where the buckets exist (world > 1, zero 0/1), on CUDA with compiled blocks;
+  off on CPU (no fp32-output GEMM to fuse into; CPU runs keep their arithmetic).
 
 Explicit true/false (or a kernel name) is never changed. `resolve_levers` returns the resolved copy, written to
 run.dir/config.yaml, and one line per choice for the start-up log.
@@ -94,6 +98,19 @@ def _bf16_residual(cfg: Config, device: str) -> LeverChoice:
     return LeverChoice("train.bf16_residual", True, f"CUDA, {precision}, dense decoder")
 
 
+def _grad_accum_fusion(cfg: Config, device: str, compiled: bool) -> LeverChoice:
+    p = cfg.parallel
+    if device != "cuda":
+        return LeverChoice("train.grad_accum_fusion", False, "not on CPU")
+    if not compiled:
+        return LeverChoice("train.grad_accum_fusion", False, "blocks not compiled")
+    if p.zero not in (0, 1):
+        return LeverChoice("train.grad_accum_fusion", False, f"zero {p.zero} keeps no buckets")
+    if p.schedule == "zb" or p.async_tp:
+        return LeverChoice("train.grad_accum_fusion", False, "zb / async_tp compute weight gradients apart")
+    return LeverChoice("train.grad_accum_fusion", True, "CUDA, compiled blocks, gradient buckets")
+
+
 def choose_levers(cfg: Config, device: str, capability: tuple[int, int] | None = None) -> list[LeverChoice]:
     """The choice for every lever of ``cfg`` left at "auto" on ``device`` ("cuda" or "cpu"; ``capability``: the
     GPU's compute capability when known)."""
@@ -107,6 +124,9 @@ def choose_levers(cfg: Config, device: str, capability: tuple[int, int] | None =
         out.append(_attention(device, capability))
     if t.bf16_residual == "auto":
         out.append(_bf16_residual(cfg, device))
+    if t.grad_accum_fusion == "auto":
+        compiled = t.compile is True or any(c.key == "train.compile" and c.value for c in out)
+        out.append(_grad_accum_fusion(cfg, device, compiled))
     return out
 
 

@@ -251,6 +251,12 @@ class Trainer:
                 self._materialize(model)
         else:
             grads = None
+        if t.grad_accum_fusion is True:  # before compile: the blocks' linears change
+            if hasattr(grads, "enable_fusion"):
+                n = grads.enable_fusion(model)
+                log.debug(f"megaloom: {n} weight gradients accumulate into the data-parallel buckets in their GEMMs")
+            else:  # one process (or FSDP2): no buckets; the gradients go to .grad as usual
+                log.debug("megaloom: train.grad_accum_fusion: no gradient buckets to add into")
         if t.compile:
             set_lean_saves(t.recompute_casts)  # read when each block compiles, at its first call
             for layer in model.layers.values():

@@ -51,11 +51,15 @@ def reference(small_corpus, tmp_path_factory):
 def test_tp_sp_and_tp_dp_match_single_process_then_reshard(small_corpus, tmp_path, reference):
     base = ["train.steps=10", "train.micro_batch_size=2", "train.grad_clip=0.5", "checkpoint.every=5"]
     # tp=2 with sequence parallelism, and tp=2 x dp=2, against the single process (clipping active: gnorm ~1)
-    torchrun(2, tiny_overrides(small_corpus, tmp_path / "tp2", *base, "parallel.tp=2", "parallel.sp=true"))
+    # (tp2 and dp2z1 with the weight gradients fused into the buckets, train.grad_accum_fusion: TrainStep clears the
+    # buckets before the first backward; on CPU in fp32 the same arithmetic)
+    torchrun(2, tiny_overrides(small_corpus, tmp_path / "tp2", *base, "parallel.tp=2", "parallel.sp=true",
+                               "train.grad_accum_fusion=true"))
     torchrun(4, tiny_overrides(small_corpus, tmp_path / "tp2dp2", *base, "parallel.tp=2"))
     # (dp2z1 also lets megaloom pick the micro-batch, train.micro_batch_size=0: the ranks agree on one; on CPU,
     # with no device limit, the whole per-rank batch of 4 - accumulation-free, still equal to the reference)
-    torchrun(2, tiny_overrides(small_corpus, tmp_path / "dp2z1", *base, "parallel.zero=1", "train.micro_batch_size=0"))
+    torchrun(2, tiny_overrides(small_corpus, tmp_path / "dp2z1", *base, "parallel.zero=1", "train.micro_batch_size=0",
+                               "train.grad_accum_fusion=true"))
     assert load_config(tmp_path / "dp2z1" / "config.yaml").train.micro_batch_size == 4
     # ZeRO-3 x tp: FSDP2 wraps the model on the meta device; each rank allocates its dim-0 share of its tp shard
     torchrun(4, tiny_overrides(small_corpus, tmp_path / "tp2z3", *base, "parallel.tp=2", "parallel.zero=3"))
@@ -100,7 +104,8 @@ def test_pipeline_layouts_match_single_process_and_resume_elsewhere(small_corpus
     ref = train(load_config(None, tiny_overrides(small_corpus, tmp_path / "ref", *base)))
     torchrun(2, tiny_overrides(small_corpus, tmp_path / "pp2", *base, "parallel.pp=2", "parallel.schedule=zb"))
     torchrun(4, tiny_overrides(small_corpus, tmp_path / "pp2vpp2tp2", *base, "parallel.pp=2", "parallel.vpp=2",
-                               "parallel.schedule=interleaved", "parallel.tp=2", "parallel.sp=true"))
+                               "parallel.schedule=interleaved", "parallel.tp=2", "parallel.sp=true",
+                               "train.grad_accum_fusion=true"))  # (weight gradients fused into the buckets)
     for run in ("pp2", "pp2vpp2tp2"):
         got = losses(tmp_path / run)
         for step, want in ref.losses.items():

@@ -119,7 +119,7 @@ def reference(arch: str, kind: str, clip: float, cache: dict, device: torch.devi
 
 
 def make_parallel(base: nn.Module, mesh: Mesh, zero: int, kind: str, sp: bool = False,
-                  full_params: dict | None = None):
+                  full_params: dict | None = None, fused: bool = False):
     model = copy.deepcopy(base)
     if full_params is not None:
         with torch.no_grad():
@@ -127,6 +127,8 @@ def make_parallel(base: nn.Module, mesh: Mesh, zero: int, kind: str, sp: bool = 
                 p.copy_(full_params[n])
     model = parallelize_tensor(model, mesh, sp)
     grads = build_data_parallel(model, mesh, zero, BUCKET_MB)
+    if fused:  # train.grad_accum_fusion: the blocks' weight gradients go into the buckets in their GEMMs
+        grads.n_fused = grads.enable_fusion(model)
     if zero == 0:
         opt = plain_optimizer(model, kind, mesh)
     else:
@@ -140,6 +142,8 @@ def run_steps(model, grads, opt, mesh: Mesh, batches: list[torch.Tensor], micro:
     local = GLOBAL_BATCH // mesh.dp
     losses, norms = [], []
     for batch in batches:
+        if hasattr(grads, "prepare_step"):
+            grads.prepare_step()  # as TrainStep: the buckets cleared before the first backward
         rows = batch[mesh.dp_rank * local:(mesh.dp_rank + 1) * local].to(mesh.device)
         n_micro = local // micro
         total = torch.zeros((), device=mesh.device)
@@ -171,7 +175,7 @@ def total_numel(model: nn.Module) -> int:
 
 
 def dp_case(mesh: Mesh, zero: int, kind: str = "adamw", clip: float = math.inf, arch: str = "llama",
-            sp: bool = False, cache: dict | None = None, roundtrip: bool = False) -> dict:
+            sp: bool = False, cache: dict | None = None, roundtrip: bool = False, fused: bool = False) -> dict:
     """Train 10 steps at this layout (two micro-batches per step) and report what the tests check."""
     ref = reference(arch, kind, clip, {} if cache is None else cache, mesh.device)
     base = base_model(arch, mesh)
@@ -183,8 +187,9 @@ def dp_case(mesh: Mesh, zero: int, kind: str = "adamw", clip: float = math.inf, 
         if zero == 3:
             stack.enter_context(fsdp_reductions_logged(rec))
         stack.callback(setattr, mesh, "recorder", comm.NullRecorder())
-        model, grads, opt = make_parallel(base, mesh, zero, kind, sp)
+        model, grads, opt = make_parallel(base, mesh, zero, kind, sp, fused=fused)
         out["numel"] = total_numel(model)
+        out["fused"] = getattr(grads, "n_fused", 0)
         batches = global_batches(arch=arch)
         if roundtrip:  # 5 steps, a layout-free save, a fresh model + optimizer loaded from it, 5 more steps
             l1, n1 = run_steps(model, grads, opt, mesh, batches[:5], micro, clip, rec)
@@ -241,6 +246,8 @@ def suite_dp2(rank: int, world: int, device: torch.device) -> dict:
     for zero in (0, 1, 2, 3):
         res[f"z{zero}-adamw"] = dp_case(mesh, zero, cache=cache)
     res["z1-adamw-clip"] = dp_case(mesh, 1, clip=0.05, cache=cache)
+    res["z0-fused"] = dp_case(mesh, 0, cache=cache, fused=True)  # train.grad_accum_fusion
+    res["z1-fused-clip"] = dp_case(mesh, 1, clip=0.05, cache=cache, fused=True)
     res["z2-adamw-clip"] = dp_case(mesh, 2, clip=0.05, cache=cache)
     res["z3-adamw-clip"] = dp_case(mesh, 3, clip=0.05, cache=cache)
     for zero in (0, 1, 2, 3):
@@ -270,6 +277,7 @@ def suite_dp4(rank: int, world: int, device: torch.device) -> dict:
     for zero in (0, 1, 2, 3):
         res[f"tp2dp2-z{zero}"] = dp_case(tp, zero, clip=0.05, cache=cache)
     res["tp2dp2-z1-sp"] = dp_case(tp, 1, sp=True, cache=cache)
+    res["tp2dp2-z1-sp-fused"] = dp_case(tp, 1, sp=True, cache=cache, fused=True)
     res["tp2dp2-z0-lamb"] = dp_case(tp, 0, "lamb", cache=cache)
     res["tp2dp2-z2-lamb"] = dp_case(tp, 2, "lamb", cache=cache)
     res["tp2dp2-z1-roundtrip"] = dp_case(tp, 1, roundtrip=True, cache=cache)

@@ -12,7 +12,8 @@ from .dp_worlds import suite_dp2
 
 CASES = ["z0-adamw", "z1-adamw", "z2-adamw", "z3-adamw", "z1-adamw-clip", "z2-adamw-clip", "z3-adamw-clip",
          "z0-lamb", "z1-lamb", "z2-lamb", "z3-lamb", "z1-gpt2", "z1-qwen3", "z1-bert", "z1-bert-sop", "z1-t5",
-         "z1-roundtrip", "z3-roundtrip", "z2-lamb-roundtrip"]
+         "z1-roundtrip", "z3-roundtrip", "z2-lamb-roundtrip",
+         "z0-fused", "z1-fused-clip"]
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +41,16 @@ def test_llava_dp2_zero1_matches_single_process_and_leaves_frozen_parts_out(worl
         # AdamW state (2 fp32 moments) for this rank's 1/dp share of the trainable elements only
         assert frozen["state_bytes"] == 2 * 4 * frozen["bucket_elements"] // 2
         assert frozen["bucket_elements"] < full["bucket_elements"] // 10
+
+
+def test_fused_weight_gradients_cover_every_block_linear(world: list[dict]) -> None:
+    """train.grad_accum_fusion: the 7 linears of each of the tiny llama's blocks add their weight gradients into the
+    buckets themselves (the cases above match the single process and still reduce every bucket during the last
+    backward, their hooks fired by the stand-in gradients)."""
+    for res in world:
+        for case in ("z0-fused", "z1-fused-clip"):
+            assert res[case]["fused"] == 7 * 2, res[case]["fused"]
+        assert res["z1-adamw"]["fused"] == 0
 
 
 @pytest.mark.parametrize("case", CASES)

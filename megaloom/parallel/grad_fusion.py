@@ -1,0 +1,174 @@
+"""Weight gradients added straight into the data-parallel gradient buckets (train.grad_accum_fusion).
+
+Without it, every micro-batch's backward of a block's linear computes the weight gradient in the compute dtype
+(bf16), autograd casts it to the fp32 parameter's dtype, and the bucket hook (`data_parallel.DataParallelGrads`)
+adds it into ``p.main_grad``: two passes over every weight per micro-batch, in memory-bound kernels (18 bytes an
+element). With many micro-batches of small shapes (a large job's rank: tp 8, micro-batch 1) they were ~55 ms
+of adds and ~25 ms of casts in an 850 ms llama3-70b step on an H200 (docs/performance.md). Here, as Megatron-LM's
+``gradient_accumulation_fusion`` does, the weight-gradient GEMM itself accumulates into the fp32 bucket: on CUDA
+one ``addmm(main_grad, g^T, x, out_dtype=float32, out=main_grad)`` (the GEMM's epilogue reads and writes the
+fp32 accumulator: 8 bytes an element, no extra kernel); elsewhere the product is added as before.
+
+How it fits in:
+
+- `FusedWgradLinear` is the autograd function of one linear: forward as autocast's linear (input, weight and
+  bias cast to the compute dtype), backward the input gradient and the bias gradient as usual, and the weight
+  gradient through the custom op ``megaloom::accumulate_wgrad``, which mutates ``main_grad``. The op is opaque to
+  torch.compile (Inductor calls it in place of its own weight-gradient GEMM, with the accumulator as a graph
+  input), so compiled blocks fuse too.
+- For the parameter itself the function returns an uninitialised tensor of its shape (an allocation, no
+  kernel): autograd still runs the parameter's accumulation node, so the bucket hook still sees the gradient
+  "arrive" and reduces full buckets during the last backward, as before; the hook knows these parameters
+  (``Parameter.fused_wgrad``) and only drops the stand-in.
+- The buckets must be cleared before the first backward of a step, not at the first gradient
+  (`DataParallelGrads.prepare_step`, called by TrainStep).
+
+Where: the linears of the blocks (attention q/k/v/o and the dense MLP, plain or tensor-parallel), with data
+parallelism's buckets (world > 1, parallel.zero 0 or 1: zero 2 frees the buckets between steps). Not fp8 linears
+(their own weight-gradient path), not the embedding or the head, not expert weights, and not with the
+zero-bubble schedule (whose deferred weight pass reads the weights' gradients from autograd).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.autograd import Function
+
+_FP32_OUT: dict[str, bool] = {}
+
+
+def _fp32_out_gemm(device: torch.device) -> bool:
+    """Whether ``torch.addmm(c, a, b, out_dtype=float32, out=c)`` runs for bf16 ``a``, ``b`` on this device type
+    (CUDA in recent PyTorch); probed once on tiny tensors."""
+    if device.type not in _FP32_OUT:
+        try:
+            a = torch.ones(16, 16, device=device, dtype=torch.bfloat16)
+            c = torch.zeros(16, 16, device=device, dtype=torch.float32)
+            torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
+            _FP32_OUT[device.type] = bool(c[0, 0].item() == 16.0)
+        except (RuntimeError, TypeError, NotImplementedError):
+            _FP32_OUT[device.type] = False
+    return _FP32_OUT[device.type]
+
+
+@torch.library.custom_op("megaloom::accumulate_wgrad", mutates_args=("main_grad",))
+def accumulate_wgrad(main_grad: Tensor, grad_out: Tensor, inp: Tensor) -> None:
+    """``main_grad += grad_out^T @ inp`` over all leading dimensions; ``main_grad`` is fp32 [out, in]."""
+    g = grad_out.reshape(-1, grad_out.shape[-1])
+    x = inp.reshape(-1, inp.shape[-1])
+    if g.dtype == torch.float32:  # as autograd + the bucket hook compute it: the product, then the add
+        main_grad.add_(g.t() @ x)
+    elif _fp32_out_gemm(g.device):
+        torch.addmm(main_grad, g.t(), x, out_dtype=torch.float32, out=main_grad)
+    else:
+        main_grad.add_(g.t() @ x)
+
+
+@accumulate_wgrad.register_fake
+def _(main_grad: Tensor, grad_out: Tensor, inp: Tensor) -> None:
+    return None
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    dev = x.device.type
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+
+
+class FusedWgradLinear(Function):
+    """y = x W^T + b in the compute dtype; W's gradient accumulated into ``main_grad`` (module doc)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, main_grad: Tensor) -> Tensor:
+        dtype = _compute_dtype(x)
+        xc = x if x.dtype == dtype else x.to(dtype)
+        wc = weight if weight.dtype == dtype else weight.to(dtype)
+        bc = None if bias is None else bias if bias.dtype == dtype else bias.to(dtype)
+        with torch.autocast(x.device.type, enabled=False):
+            out = F.linear(xc, wc, bc)
+        ctx.save_for_backward(xc, wc)
+        # Not a saved tensor: the accumulations of the other micro-batches in flight (and of the other weights in its
+        # bucket) change it in place between this forward and its backward, which autograd's version check refuses.
+        ctx.main_grad = main_grad
+        ctx.x_dtype, ctx.has_bias = x.dtype, bias is not None
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        xc, wc = ctx.saved_tensors
+        main_grad = ctx.main_grad
+        grad_x = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (grad @ wc).to(ctx.x_dtype)
+        accumulate_wgrad(main_grad, grad, xc)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad.reshape(-1, grad.shape[-1]).sum(0).to(ctx.bias_dtype)
+        # The weight's "gradient" is a stand-in of its shape (no kernel): its accumulation node and hook still run.
+        return grad_x, torch.empty_like(main_grad), grad_b, None
+
+
+def fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """The linear of a fused parameter (``weight.main_grad`` exists): see the module doc."""
+    return FusedWgradLinear.apply(x, weight, bias, weight.main_grad)
+
+
+class FusedLinear(nn.Linear):
+    """An ``nn.Linear`` whose weight gradient goes straight into ``weight.main_grad`` (the same parameters, so
+    names, checkpoints and hooks are unchanged)."""
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> FusedLinear:
+        new = cls.__new__(cls)
+        new.__dict__.update(linear.__dict__)  # the same parameters and hooks, by reference
+        return new
+
+    def forward(self, x: Tensor) -> Tensor:
+        return fused_linear(x, self.weight, self.bias)
+
+
+def fusable_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The blocks' attention and dense-MLP linears whose weight gradient can be fused: plain or tensor-parallel
+    linears with a trainable fp32 weight, not in float8, outside Mixture-of-Experts layers."""
+    from megaloom.models.moe import MoE
+    from megaloom.parallel.tp_layers import ColumnParallelLinear, RowParallelLinear
+
+    layers = getattr(model, "layers", None)
+    if layers is None:
+        return []
+    out = []
+    for bname, block in layers.items():
+        moe = [name for name, m in block.named_modules() if isinstance(m, MoE)]
+        for name, m in block.named_modules():
+            if any(name == x or name.startswith(x + ".") for x in moe):
+                continue
+            if isinstance(m, ColumnParallelLinear | RowParallelLinear):
+                if m.fp8_recipe is not None:
+                    continue
+            elif type(m) is not nn.Linear:
+                continue
+            w = m.weight
+            if w.requires_grad and w.dtype == torch.float32:
+                out.append((f"layers.{bname}.{name}", m))
+    return out
+
+
+def enable_grad_accum_fusion(model: nn.Module) -> list[nn.Parameter]:
+    """Route the weight gradients of `fusable_linears` into their ``main_grad`` (which the data-parallel buckets
+    have given them); returns the parameters concerned. Call after the buckets are built, before compile."""
+    from megaloom.parallel.tp_layers import ColumnParallelLinear, RowParallelLinear
+
+    fused = []
+    for name, m in fusable_linears(model):
+        if getattr(m.weight, "main_grad", None) is None:
+            raise RuntimeError(f"train.grad_accum_fusion: {name}.weight has no main_grad (data-parallel buckets "
+                               "with parallel.zero 0 or 1 give every parameter one)")
+        if isinstance(m, ColumnParallelLinear | RowParallelLinear):
+            m.fused_wgrad = True
+        else:
+            parent_name, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent_name), leaf, FusedLinear.from_linear(m))
+        m.weight.fused_wgrad = True
+        fused.append(m.weight)
+    return fused
