@@ -150,6 +150,7 @@ def result_row(cfg, report, overrides: list[str], run_id: str | None, wall_s: fl
         "bench": "dry_run", "run_id": run_id, "date": datetime.date.today().isoformat(),
         "gpu": prof.get("gpu") or report.device, "torch": torch.__version__,
         "commit": commit or None, "preset": cfg.model.preset, "world": report.world,
+        "shape": f"L{cfg.model.n_layers}-d{cfg.model.d_model}-h{cfg.model.n_heads}-ffn{cfg.model.ffn_dim}",
         "rank": report.rank, "stage": report.stage, "layout": layout_name(report.sizes, cfg),
         "seq_len": cfg.train.seq_len, "micro_batch": cfg.train.micro_batch_size,
         "global_batch": cfg.train.global_batch_size, "mode": report.mode,
