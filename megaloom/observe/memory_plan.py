@@ -10,8 +10,9 @@ Persistent state (megaloom keeps fp32 parameters and runs bf16/fp16 under autoca
   weights      4 bytes x this rank's parameters (ZeRO-3: its 1/dp shard)
   gradients    fp32. One process or pipelines: ``p.grad``, allocated during the first backward of a step and
                freed by ``zero_grad(set_to_none=True)`` after it. Data parallel (megaloom.parallel.data_parallel):
-               flat fp32 buckets, persistent with zero 0/1; zero>=1 adds the reduced 1/dp ``grad_shard``;
-               zero 2 frees the buckets after their reduction; zero 3 (FSDP2) keeps 1/dp sharded gradients
+               flat fp32 buckets, persistent with zero 0/1 (zero 1 reduce-scatters in place: its reduced 1/dp
+               chunk is part of the bucket); zero 2 keeps the reduced 1/dp ``grad_shard`` apart and frees the
+               buckets after their reduction; zero 3 (FSDP2) keeps 1/dp sharded gradients
   optimizer    AdamW / LAMB: exp_avg + exp_avg_sq, 8 bytes per parameter (divided by dp under zero>=1)
 
 Activations, saved for backward per micro-batch, enumerated from what megaloom's own modules save (verified
@@ -902,7 +903,8 @@ def _persistent_state(lay: _Layout, counts: ParamCounts) -> _State:
         weights, p_opt = 4 * (shard + counts.frozen), shard
     grad_persistent = 0
     if buckets:
-        grad_persistent = (4 * p_local if zero in (0, 1) else 0) + (4 * shard if zero in (1, 2) else 0)
+        # zero 1 reduce-scatters in place (the 1/dp chunk is the bucket's own); zero 2 keeps its chunks apart
+        grad_persistent = (4 * p_local if zero in (0, 1) else 0) + (4 * shard if zero == 2 else 0)
     full_local = sum(counts.block_params.values()) + counts.root_params  # unsharded (tp-local) size
     if buckets:
         grad_after_backward = 4 * p_local if zero == 2 else 0  # zero 2: buckets live from first grad to reduction
@@ -1014,7 +1016,7 @@ def _grad_note(zero: int, state: _State) -> str:
     if state.buckets and zero == 2:
         return "fp32 1/dp shard; full buckets only from the first gradient to their reduction"
     if state.buckets:
-        return "fp32 buckets (persistent)" + (", + 1/dp reduced shard" if zero else "")
+        return "fp32 buckets (persistent)" + (", reduce-scattered in place" if zero else "")
     return "fp32 p.grad, allocated in backward, freed after the step"
 
 

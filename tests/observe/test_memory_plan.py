@@ -305,7 +305,10 @@ def test_zero_shards_optimizer_state():
     z1 = plan_memory(_big("none", "train.global_batch_size=8", "parallel.zero=1", "parallel.param_gather=fp32"),
                      world_size=4, device="cuda")
     assert z1.optimizer * 4 == z0.optimizer
-    assert z1.gradients == z0.gradients + z0.gradients // 4  # buckets + the reduced 1/dp shard
+    assert z1.gradients == z0.gradients  # the buckets: the reduced 1/dp chunk is reduce-scattered in place
+    z2 = plan_memory(_big("none", "train.global_batch_size=8", "parallel.zero=2", "parallel.param_gather=fp32"),
+                     world_size=4, device="cuda")
+    assert z2.gradients == z0.gradients + z0.gradients // 4  # zero 2: the buckets in backward + its own shard
     # bf16 parameter all-gathers (the default in bf16) keep an fp32 master shard beside the two moments
     z1b = plan_memory(_big("none", "train.global_batch_size=8", "parallel.zero=1"), world_size=4, device="cuda")
     assert z1b.optimizer * 8 == z1.optimizer * 12 and any("master shard" in n for n in z1b.notes)

@@ -205,6 +205,9 @@ def dp_case(mesh: Mesh, zero: int, kind: str = "adamw", clip: float = math.inf, 
     out["n_buckets"] = len(getattr(grads, "buckets", []))
     out["n_params"] = len(grads.params)
     out["memory"] = grads.memory()
+    if zero in (1, 2):  # where the reduced gradient of each optimizer segment lives
+        buckets = {b.data.untyped_storage().data_ptr() for b in grads.buckets if b.data is not None}
+        out["grads_in_buckets"] = all(s.grad.untyped_storage().data_ptr() in buckets for s in grads.shard_segments())
     if zero:
         out["state_bytes"] = opt.state_bytes()
     else:
