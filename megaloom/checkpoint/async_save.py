@@ -131,7 +131,7 @@ class AsyncCheckpointer:
         wait_s = time.perf_counter() - t0
         tmp = begin_save(ckpt_root, step, rank)
         barrier()  # tmp exists (and no stale save is being removed) before any rank writes into it
-        snapshot = self._buffers.copy(sharded_state(model, optimizer, mesh))
+        snapshot = self._buffers.copy(sharded_state(model, optimizer, mesh, save=True))
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()  # the non-blocking device-to-host copies must land before the thread reads
         if optimizer is not None:

@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from megaloom.checkpoint.async_save import _HostBuffers
+from megaloom.checkpoint.sharded import sharded_state
 from megaloom.checkpoint.store import load_checkpoint, save_checkpoint
 from megaloom.config import load_config
 from megaloom.models import Transformer
@@ -50,6 +52,7 @@ def _build(rank: int, world: int, device):
     mesh = Mesh.build(cfg, world, rank, device)
     torch.manual_seed(0)
     model = parallelize_tensor(Transformer(cfg.model), mesh, sp=False)
+    model.norm.weight.requires_grad_(False)  # a frozen parameter: in no ZeRO segment, saved whole
     grads = build_data_parallel(model, mesh, zero=1)
     opt = ShardedOptimizer(grads, "adamw", lr=1e-3)
     return cfg, model, opt, mesh
@@ -71,6 +74,12 @@ def save_load_peak(rank: int, world: int, device, root: str) -> dict:
     opt.layout.finish()
     opt.step()
     held = _held_bytes(model, opt)
+    # What a save stands for on this rank (what an async save copies to host): its ZeRO segment of the weights
+    # (the replicas hold the same weights; each writes the part it updates), the frozen ones whole, its Adam shard.
+    staged = _HostBuffers()
+    staged.copy(sharded_state(model, opt, mesh, save=True))
+    share = 4 * sum(s.data.numel() for s in opt.segments) + 4 * model.norm.weight.numel() + sum(
+        v.numel() * v.element_size() for st in opt.inner.state.values() for v in st.values())
     ckpt_root = Path(root) / "checkpoints"
     t0 = time.perf_counter()
     with PeakGrowth() as save:
@@ -91,7 +100,8 @@ def save_load_peak(rank: int, world: int, device, root: str) -> dict:
         del gathered
     gathered_s = time.perf_counter() - t0
     return {"held": held, "save": save.bytes, "load": load.bytes, "gathered": old.bytes, "same": same and same_opt,
-            "save_s": save_s, "gathered_s": gathered_s}
+            "save_s": save_s, "gathered_s": gathered_s, "staged": staged.nbytes, "share": share,
+            "tp_weights": sum(p.numel() * p.element_size() for p in model.parameters())}
 
 
 def agreed_fallback(rank: int, world: int, device, root: str) -> dict:

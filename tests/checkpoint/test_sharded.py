@@ -39,6 +39,10 @@ def test_save_and_load_cost_a_rank_its_share_not_the_model() -> None:
         assert r["save"] <= budget, r
         assert r["load"] <= budget, r
         assert r["gathered"] > r["held"], r  # the measurement sees what it is meant to catch
+        # A save stands for this rank's share only (its ZeRO segment of the weights, not every replica's full tp
+        # weights): what an async save stages in host memory.
+        assert r["share"] <= r["staged"] <= r["share"] + 2**20, r
+        assert r["staged"] < r["held"] - 0.4 * r["tp_weights"], r  # the other replica's half of the weights: not
 
 
 def test_ranks_agree_on_which_checkpoint_verifies() -> None:
