@@ -60,7 +60,8 @@ block, the head's weight gradient). The end of each backward is an event too: al
 the other micro-batches' activations are still held (the peak of a stage that runs all its forwards before its
 first backward), and from the second backward through the first virtual stage on, the embedding's dense fp32
 gradient waits to be added into .grad. The optimizer step adds its temporaries (foreach AdamW on CPU: one fp32
-copy of the state; LAMB: the update of every parameter). The predicted peak is the largest event; which one
+copy of the state, or with ZeRO of one parameter group of megaloom.parallel.zero.STEP_GROUP_ELEMENTS; LAMB: the
+update of every parameter). The predicted peak is the largest event; which one
 it is is reported with it. Steady state is assumed (optimizer state exists, i.e. from the second step on);
 ``update=False`` plans steps that never call the optimizer (a dry run that leaves the update out).
 
@@ -646,7 +647,7 @@ def plan_memory(cfg: Config, model: nn.Module | None = None, *, world_size: int 
     acts = _stage_activations(lay, rank, blocks)
     state = _persistent_state(lay, rank.counts)
     step_transient = _step_transient(lay.cfg, device, state.p_opt, rank.counts.largest, lay.tp, lay.pp, lay.dp,
-                                     state.buckets, update)
+                                     state.buckets, update, zero=lay.zero)
     peaks = _play_events(lay, rank, acts, state, step_transient)
     peak_phase = max(peaks.phases, key=lambda k: peaks.phases[k])
     loss_transient = max(acts.loss["loss forward"], acts.loss["loss backward"]) if rank.has_head else 0
@@ -1071,15 +1072,25 @@ def _fp8_linear_params(cfg: Config, tp: int, moe: bool, keep_attention: bool = F
 
 
 def _step_transient(cfg: Config, device: str, p_opt: int, largest: int, tp: int, pp: int, dp: int,
-                    buckets: bool, update: bool = True) -> int:
+                    buckets: bool, update: bool = True, zero: int = 0) -> int:
+    from megaloom.parallel.zero import STEP_GROUP_ELEMENTS
+
     t = cfg.train
+    sharded = buckets and zero >= 1  # megaloom.parallel.zero.ShardedOptimizer over the buckets' 1/dp chunks
     if not update:
         opt = 0
     elif t.optimizer == "lamb":
         opt = 4 * p_opt + 4 * largest  # every parameter's update u is kept until the trust ratios are known
+    elif device == "cuda":
+        opt = 0  # fused AdamW: none
+    elif sharded:  # foreach: sqrt(exp_avg_sq) of one parameter group, groups of STEP_GROUP_ELEMENTS + a segment
+        bucket = int(cfg.parallel.bucket_mb * 2**20) // 4
+        segment = largest if largest < bucket else -(-largest // dp)  # a large parameter fills its own bucket
+        opt = 4 * min(p_opt, STEP_GROUP_ELEMENTS + segment)
     else:
-        opt = 0 if device == "cuda" else 4 * p_opt  # fused AdamW: none; foreach: sqrt(exp_avg_sq) for all
-    clip = 4 * largest if (tp > 1 or pp > 1) else 0  # p.grad.float().pow(2) per parameter
+        opt = 4 * p_opt  # foreach: sqrt(exp_avg_sq) for all
+    # p.grad.float().pow(2) per parameter; ZeRO's sharded norm is one _foreach_norm (no copy)
+    clip = 4 * largest if (tp > 1 or pp > 1) and not sharded else 0
     sync = 4 * p_opt if (pp > 1 and dp > 1 and not buckets) else 0  # a flat all-reduce copy (no buckets)
     return max(opt, clip, sync)
 

@@ -314,6 +314,21 @@ def test_zero_shards_optimizer_state():
     assert z1b.optimizer * 8 == z1.optimizer * 12 and any("master shard" in n for n in z1b.notes)
 
 
+def test_zero_optimizer_step_temporaries_are_one_parameter_group_on_cpu():
+    """The foreach AdamW (CPU) steps a ZeRO shard in groups of STEP_GROUP_ELEMENTS (megaloom.parallel.zero): its
+    sqrt(exp_avg_sq) temporary is one group's, not the shard's; zero 0 still takes the whole state's."""
+    from megaloom.parallel.zero import STEP_GROUP_ELEMENTS
+
+    cfg0 = _big("none", "train.global_batch_size=8", "parallel.tp=2")
+    z0 = plan_memory(cfg0, world_size=4, device="cpu")
+    z1 = plan_memory(_big("none", "train.global_batch_size=8", "parallel.tp=2", "parallel.zero=1"), world_size=4,
+                     device="cpu")
+    shard = z1.optimizer // 8
+    assert z0.step_transient == z0.optimizer // 2  # 4 bytes per parameter of the whole (tp) state
+    head = 128256 * 2048 // 2  # the largest parameter (the untied head's tp shard) fills its own bucket
+    assert z1.step_transient == 4 * (STEP_GROUP_ELEMENTS + head // 2) < 4 * shard
+
+
 if __name__ == "__main__":  # the numbers behind the tests: python tests/observe/test_memory_plan.py
     cases = [(a, p, r) for a in ("gpt2", "llama") for p in ("fp32", "bf16") for r in ("none", "selective", "full")]
     cases += [("moe", p, r, *MOE) for p in ("fp32", "bf16") for r in ("none", "selective", "full")]
