@@ -128,13 +128,26 @@ def flat_range_boxes(shape: Sequence[int], start: int, length: int) -> Iterator[
             yield [last_full] + off, [1] + size, last_full * row + flat
 
 
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or when it is a contiguous view into a larger host storage (a ZeRO segment of a bucket, one box of a
+    segment), a tensor over exactly its bytes of the same memory. DCP's writer copies a tensor whose storage is
+    larger than the tensor (so that torch.save writes only its part) and holds the copies until the whole file is
+    written: for a ZeRO rank that was a second copy of everything it saves."""
+    if type(t) is not torch.Tensor or t.device.type != "cpu" or not t.is_contiguous() \
+            or t.untyped_storage().nbytes() == t.nbytes:
+        return t
+    start = t.storage_offset() * t.element_size()
+    storage = t.untyped_storage()[start:start + t.nbytes]  # shares the memory (and keeps the whole alive)
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, t.shape, t.stride())
+
+
 def _flat_pieces(local: torch.Tensor, local_shape: Sequence[int], start: int, base: Sequence[int]):
     """Pieces of a flat segment ``local`` (elements [start, start + numel) of a tensor of ``local_shape`` whose
     global offsets are ``base``)."""
     flat = local.reshape(-1)
     out = []
     for off, size, f in flat_range_boxes(local_shape, start, flat.numel()):
-        view = flat[f - start:f - start + math.prod(size)].view(size)
+        view = _alias(flat[f - start:f - start + math.prod(size)].view(size))
         out.append((torch.Size([b + o for b, o in zip(base, off, strict=True)]), view))
     return out
 
@@ -148,7 +161,7 @@ def _param_slices(p: nn.Parameter, mesh: Mesh, segment: tuple[int, torch.Tensor]
     if segment is not None:
         start, data = segment
         return Slices(torch.Size(full), _flat_pieces(data, tp_local_shape, start, starts))
-    t = local if local is not None else p.detach()
+    t = _alias(local if local is not None else p.detach())
     return Slices(torch.Size(full), [(torch.Size(starts), t)] if t.numel() else [])
 
 

@@ -14,6 +14,10 @@ Persistent state (megaloom keeps fp32 parameters and runs bf16/fp16 under autoca
                chunk is part of the bucket); zero 2 keeps the reduced 1/dp ``grad_shard`` apart and frees the
                buckets after their reduction; zero 3 (FSDP2) keeps 1/dp sharded gradients
   optimizer    AdamW / LAMB: exp_avg + exp_avg_sq, 8 bytes per parameter (divided by dp under zero>=1)
+  ckpt (host)  checkpoint.async_save: on a GPU, the pinned host copy of what this rank's checkpoint writes (its
+               parameters, with ZeRO-1/2 its own 1/dp segment of them, and its optimizer state), reused by every
+               save: host memory, reported beside the device's peak, not in it. On CPU nothing: the state is
+               written where it lives (the next update waits for the write)
 
 Activations, saved for backward per micro-batch, enumerated from what megaloom's own modules save (verified
 tensor by tensor with saved-tensor hooks, tests/observe/test_memory_plan.py; one block of every registered
@@ -556,6 +560,7 @@ class MemoryPlan:
     loss_transient: int  # the largest loss/logits transient (beyond the saved log-softmax)
     step_transient: int  # optimizer-step temporaries
     workspace: int  # CUDA library workspaces (cuBLAS), persistent
+    checkpoint_host: int  # host bytes an async save adds (GPU: the pinned copy; CPU: none, written in place)
     peak: int
     peak_phase: str
     phases: dict[str, int]
@@ -584,6 +589,9 @@ class MemoryPlan:
             ("loss transient", self.loss_transient, "logits and fp32 loss gradients (largest moment)"),
             ("step transient", self.step_transient, "optimizer-step temporaries"),
             ("workspaces", self.workspace, "cuBLAS, 32 MiB per thread running matmuls"),
+            ("ckpt (host)", self.checkpoint_host,
+             "async saves: pinned host copy of this rank's share (host memory, not in the peak)"
+             if s.get("device") == "cuda" else "async saves write the state in place (no copy)"),
         ]
         lines = [head]
         for name, v, what in rows:
@@ -654,7 +662,8 @@ def plan_memory(cfg: Config, model: nn.Module | None = None, *, world_size: int 
     first = rank.layers[0] if rank.layers else 0
     return MemoryPlan(weights=state.weights, gradients=state.gradients, optimizer=state.optimizer,
                       activations=peaks.activations, weight_casts=peaks.weight_casts, loss_transient=loss_transient,
-                      step_transient=step_transient, workspace=state.workspace, peak=peaks.phases[peak_phase],
+                      step_transient=step_transient, workspace=state.workspace,
+                      checkpoint_host=state.checkpoint_host, peak=peaks.phases[peak_phase],
                       peak_phase=peak_phase, phases=peaks.phases, per_layer=blocks.saved(first),
                       layers=len(rank.layers), in_flight=peaks.in_flight,
                       setup=_setup(lay, rank, acts, _grad_note(lay.zero, state)), notes=_notes(lay, rank.counts))
@@ -873,6 +882,7 @@ class _State:
     workspace: int
     buckets: bool  # data parallel with flat gradient buckets (megaloom.parallel.data_parallel)
     fsdp: bool  # ZeRO-3 through FSDP2
+    checkpoint_host: int = 0  # host bytes an async save adds (`_checkpoint_host`; not in a GPU's peak)
 
     @property
     def gradients(self) -> int:
@@ -920,12 +930,35 @@ def _persistent_state(lay: _Layout, counts: ParamCounts) -> _State:
         blocks_sorted = sorted(counts.block_params.values(), reverse=True)
         fsdp_gather = 4 * (counts.root_params + sum(blocks_sorted[:2]))
     optimizer = 8 * p_opt
-    if buckets and zero in (1, 2) and dp > 1 and master_shards(lay.cfg, lay.precision):
+    masters = buckets and zero in (1, 2) and dp > 1 and master_shards(lay.cfg, lay.precision)
+    if masters:
         optimizer += 4 * p_opt  # fp32 master shard beside the bf16-rounded weights that the all-gather publishes
-    return _State(weights=weights, optimizer=optimizer if lay.update else 0, p_opt=p_opt,
+    optimizer = optimizer if lay.update else 0
+    sharded = (zero >= 1 and buckets) or fsdp
+    host = _checkpoint_host(lay, counts, optimizer, p_opt if sharded else p_local, masters)
+    return _State(weights=weights, optimizer=optimizer, p_opt=p_opt,
                   grad_persistent=grad_persistent, grad_after_backward=grad_after_backward,
                   grad_at_step=grad_at_step, fsdp_gather=fsdp_gather,
-                  workspace=CUBLAS_WORKSPACE if lay.device == "cuda" else 0, buckets=buckets, fsdp=fsdp)
+                  workspace=CUBLAS_WORKSPACE if lay.device == "cuda" else 0, buckets=buckets, fsdp=fsdp,
+                  checkpoint_host=host)
+
+
+def _largest_segment(cfg: Config, largest: int, dp: int) -> int:
+    """The largest ZeRO segment (one parameter's part of a bucket's 1/dp chunk): a parameter of at least a bucket
+    closes its own bucket, so it is split over dp; a smaller one may sit whole in one rank's chunk."""
+    bucket = int(cfg.parallel.bucket_mb * 2**20) // 4
+    return largest if largest < bucket else -(-largest // dp)
+
+
+def _checkpoint_host(lay: _Layout, counts: ParamCounts, optimizer: int, written: int, masters: bool) -> int:
+    """Host bytes an asynchronous save adds (checkpoint/async_save.py): on a GPU the pinned copy of what this rank
+    writes, its parameters' share (ZeRO-1/2: its own segment of the weights, or its fp32 master shard, which
+    ``optimizer`` already counts; frozen parameters whole) and its optimizer state. 0 on CPU (the state is
+    written where it lives) and without async saves."""
+    c = lay.cfg.checkpoint
+    if lay.device != "cuda" or not c.async_save or not (c.every > 0 or c.final):
+        return 0
+    return (0 if masters else 4 * written) + 4 * counts.frozen + optimizer
 
 
 # ----------------------------------------------------------------------------------------------- the step
@@ -1084,9 +1117,7 @@ def _step_transient(cfg: Config, device: str, p_opt: int, largest: int, tp: int,
     elif device == "cuda":
         opt = 0  # fused AdamW: none
     elif sharded:  # foreach: sqrt(exp_avg_sq) of one parameter group, groups of STEP_GROUP_ELEMENTS + a segment
-        bucket = int(cfg.parallel.bucket_mb * 2**20) // 4
-        segment = largest if largest < bucket else -(-largest // dp)  # a large parameter fills its own bucket
-        opt = 4 * min(p_opt, STEP_GROUP_ELEMENTS + segment)
+        opt = 4 * min(p_opt, STEP_GROUP_ELEMENTS + _largest_segment(cfg, largest, dp))
     else:
         opt = 4 * p_opt  # foreach: sqrt(exp_avg_sq) for all
     # p.grad.float().pow(2) per parameter; ZeRO's sharded norm is one _foreach_norm (no copy)

@@ -29,6 +29,21 @@ def test_flat_ranges_are_tiled_by_their_boxes(shape) -> None:
             assert seen == list(range(start, start + length))
 
 
+def test_slices_of_a_larger_buffer_are_handed_to_dcp_without_a_copy() -> None:
+    """DCP's writer copies a tensor whose storage is larger than it (and holds the copies of a whole file): the
+    boxes of a ZeRO segment (a view into its bucket) are tensors over exactly their own bytes of the same memory."""
+    from megaloom.checkpoint.sharded import _flat_pieces
+
+    bucket = torch.arange(100, dtype=torch.float32)
+    segment = bucket[30:60]  # elements 7..37 of a [5, 8] parameter stored at bucket[23:63]
+    pieces = _flat_pieces(segment, [5, 8], 7, [0, 0])
+    assert [tuple(t.shape) for _, t in pieces] == [(1, 1), (3, 8), (1, 5)]
+    for _, t in pieces:
+        assert t.untyped_storage().nbytes() == t.nbytes  # what DCP's writer takes without cloning
+    pieces[1][1].fill_(-1.0)  # the same memory: loading into a piece writes the bucket
+    assert (bucket[31:55] == -1).all() and bucket[30] == 30 and bucket[55] == 55
+
+
 @pytest.mark.slow
 def test_save_and_load_cost_a_rank_its_share_not_the_model() -> None:
     with tempfile.TemporaryDirectory(prefix="megaloom-sharded-") as root:

@@ -329,6 +329,20 @@ def test_zero_optimizer_step_temporaries_are_one_parameter_group_on_cpu():
     assert z1.step_transient == 4 * (STEP_GROUP_ELEMENTS + head // 2) < 4 * shard
 
 
+def test_async_checkpoint_host_copy_is_the_rank_share_on_gpu_and_none_on_cpu():
+    """An async save stages what this rank writes in pinned host memory on a GPU (with ZeRO-1/2 its own segment of
+    the weights and its optimizer shard; not the device's peak); on CPU it writes the state in place."""
+    over = ("train.global_batch_size=8", "parallel.tp=2", "parallel.zero=1", "parallel.param_gather=fp32")
+    gpu = plan_memory(_big("none", *over), world_size=4, device="cuda")
+    assert gpu.checkpoint_host == gpu.optimizer + gpu.optimizer // 2  # 4 + 8 bytes per element of the shard
+    assert gpu.checkpoint_host < gpu.weights + gpu.optimizer  # not every replica's full tp weights
+    masters = plan_memory(_big("none", *over[:-1]), world_size=4, device="cuda")  # bf16 gathers: fp32 masters
+    assert masters.checkpoint_host == masters.optimizer  # the master shard is what is written for the weights
+    no_async = plan_memory(_big("none", *over, "checkpoint.async_save=false"), world_size=4, device="cuda")
+    assert no_async.checkpoint_host == 0 and no_async.peak == gpu.peak  # host memory: never in the GPU's peak
+    assert plan_memory(_big("none", *over), world_size=4, device="cpu").checkpoint_host == 0
+
+
 if __name__ == "__main__":  # the numbers behind the tests: python tests/observe/test_memory_plan.py
     cases = [(a, p, r) for a in ("gpt2", "llama") for p in ("fp32", "bf16") for r in ("none", "selective", "full")]
     cases += [("moe", p, r, *MOE) for p in ("fp32", "bf16") for r in ("none", "selective", "full")]
