@@ -487,14 +487,16 @@ class DataParallelGrads:
         and copied into the parameters when waited for (this rank's chunk too, so all replicas agree)."""
         for b in reversed(self.buckets):
             lo, hi = self._chunk(b)
+            # Nothing reads a bucket's parameters before its gather is waited for (module pre-hooks, the state-dict
+            # pre-hook, the optimizer step): the other ranks' chunks may be overwritten in any way meanwhile.
             if self.gather_dtype == torch.float32:
                 b.gather = comm.all_gather_into_async(b.param_data, b.param_data[lo:hi], b.group,
-                                                      recorder=self.mesh.recorder)
+                                                      recorder=self.mesh.recorder, scratch=True)
                 continue
             b.gather_buf = torch.empty(b.padded, dtype=self.gather_dtype, device=b.param_data.device)
             b.gather_buf[lo:hi].copy_(b.param_data[lo:hi])
             b.gather = comm.all_gather_into_async(b.gather_buf, b.gather_buf[lo:hi], b.group,
-                                                  recorder=self.mesh.recorder)
+                                                  recorder=self.mesh.recorder, scratch=True)
 
     def wait_params(self, params: list[nn.Parameter] | None = None) -> None:
         """Block until the all-gathers holding ``params`` (default: all) have landed."""

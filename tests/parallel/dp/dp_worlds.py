@@ -264,7 +264,9 @@ def suite_dp2(rank: int, world: int, device: torch.device) -> dict:
 
 def reduce_scatter_copy(mesh: Mesh) -> dict | None:
     """Peak resident growth while an async reduce-scatter of a 64 MiB bucket is in flight, with the bucket as the
-    op's scratch (what the data-parallel buckets ask for) and without (gloo's own op clones it); CPU only."""
+    op's scratch (what the data-parallel buckets ask for) and without (gloo's own op clones it); and likewise for
+    the in-place all-gather of a bucket's parameters (gloo's own gathers into a flat copy of the output); CPU
+    only."""
     from megaloom.training.dryrun import return_freed_memory
     from tests.checkpoint.sharded_worlds import PeakGrowth
 
@@ -280,6 +282,13 @@ def reduce_scatter_copy(mesh: Mesh) -> dict | None:
             comm.reduce_scatter_async(chunk, bucket, group, scratch=scratch).wait()
         out["scratch" if scratch else "copy"] = peak.bytes
         out[f"sum_ok_{scratch}"] = bool((chunk == sum(range(1, mesh.dp + 1))).all())
+        bucket.fill_(-1.0)
+        chunk.fill_(float(mesh.dp_rank + 1))  # each rank's updated chunk, gathered into every replica
+        with PeakGrowth() as peak:
+            comm.all_gather_into_async(bucket, chunk, group, scratch=scratch).wait()
+        out["gather_scratch" if scratch else "gather_copy"] = peak.bytes
+        want = torch.arange(1, mesh.dp + 1, dtype=torch.float32).repeat_interleave(n // mesh.dp)
+        out[f"gather_ok_{scratch}"] = torch.equal(bucket, want)
         del bucket, chunk
     return out
 
