@@ -104,6 +104,49 @@ def save_load_peak(rank: int, world: int, device, root: str) -> dict:
             "tp_weights": sum(p.numel() * p.element_size() for p in model.parameters())}
 
 
+# ~42M parameters (untied): what `Trainer.fit` costs a rank at tp2 x dp2 ZeRO-1 with an async save, beside the plan.
+FIT_SETTINGS = ["model.vocab_size=8192", "model.d_model=512", "model.n_layers=8", "model.n_heads=8",
+                "model.n_kv_heads=8", "model.ffn_dim=2048", "model.tie_embeddings=false", "train.seq_len=128",
+                "model.max_seq_len=128", "parallel.tp=2", "parallel.zero=1", "train.global_batch_size=4",
+                "train.micro_batch_size=1", "train.steps=3", "checkpoint.every=2", "checkpoint.final=false",
+                "train.log_every=1", "train.eval_every=0", "train.eval_batches=1", "data.num_workers=0",
+                "run.tensorboard=false", "train.device=cpu"]
+
+
+def fit_peak(rank: int, world: int, device, root: str) -> dict:
+    """Peak resident growth of `Trainer.fit` (3 steps, an async save after step 2 written while step 3 runs) above
+    the resident set before the build, next to the memory plan of the rank and the whole model's weights + Adam
+    state. The process has run a save and a load before (`sharded_suite`): libraries and their code pages are
+    loaded, so what grows is this run's memory."""
+    from megaloom.observe.memory_plan import plan_memory
+    from megaloom.runtime import Runtime
+    from megaloom.training.dryrun import synthetic_datasets
+    from megaloom.training.trainer import Trainer
+
+    cfg = load_config(None, [*FIT_SETTINGS, f"run.dir={Path(root) / 'fit'}"])
+    gc.collect()
+    with PeakGrowth() as peak:
+        trainer = Trainer(cfg, runtime=Runtime(device, rank, world, rank),
+                          datasets=synthetic_datasets(cfg.model.vocab_size)).build()
+        plan = plan_memory(trainer.cfg, trainer.model, world_size=world, device="cpu", pp_rank=trainer.mesh.pp_rank,
+                           n_micro=trainer.n_micro)
+        trainer.fit()
+    m = cfg.model
+    whole = m.vocab_size * m.d_model * 2 + m.n_layers * (4 * m.d_model ** 2 + 3 * m.d_model * m.ffn_dim)
+    record = trainer.ckpt.saver.history[-1]
+    return {"peak": peak.bytes, "plan": plan.peak, "weights_adam": 12 * whole, "in_place": record.in_place,
+            "written": record.write_s is not None and record.error is None}
+
+
+def sharded_suite(rank: int, world: int, device, root: str) -> dict:
+    from megaloom.training.dryrun import return_freed_memory
+
+    return_freed_memory()  # the resident set follows the live tensors (freed blocks leave it)
+    out = {"save_load": save_load_peak(rank, world, device, root)}
+    out["fit"] = fit_peak(rank, world, device, root)
+    return out
+
+
 def agreed_fallback(rank: int, world: int, device, root: str) -> dict:
     """Two saves over the checkpoint group (tp=2); then one file that only rank 1 wrote is corrupted in the newer
     one. Both ranks must reject it together and load the older one, each having hashed only its share."""
