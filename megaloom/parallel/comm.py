@@ -191,7 +191,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group,
     if size == 1:
         return output if output.data_ptr() == input.data_ptr() else output.copy_(input)
     with _recording(recorder, "reduce_scatter", group, buffer_bytes(input)):
-        if scratch and input.device.type == "cpu":
+        if scratch and input.device.type == "cpu" and input.is_contiguous():
             dist.all_reduce(input, group=group)
             _keep_chunk(output, input, size, group.rank())
         else:
@@ -254,7 +254,7 @@ def reduce_scatter_async(output: torch.Tensor, input: torch.Tensor, group: Group
             output.copy_(input)
         return Pending()
     with _recording(recorder, "reduce_scatter_async", group, buffer_bytes(input)):
-        if scratch and input.device.type == "cpu":
+        if scratch and input.device.type == "cpu" and input.is_contiguous():
             work = dist.all_reduce(input, group=group, async_op=True)
             return Pending(work, lambda: _keep_chunk(output, input, size, group.rank()), recorder, "reduce_scatter",
                            group)
@@ -277,7 +277,7 @@ def all_gather_into_async(output: torch.Tensor, input: torch.Tensor, group: Grou
             output.copy_(input)
         return Pending()
     with _recording(recorder, "all_gather_async", group, buffer_bytes(output)):
-        if scratch and output.device.type == "cpu":
+        if scratch and output.device.type == "cpu" and output.is_contiguous():
             n = input.shape[0]
             lo, hi = group.rank() * n, (group.rank() + 1) * n
             mine = output.narrow(0, lo, n)
