@@ -1,5 +1,6 @@
 """Checkpoints without gathering: the boxes of a flat ZeRO segment, and in a world of 4 (tp=2 x dp=2, ZeRO-1) the
-memory a save and a load cost each rank beside the gathered save they replaced."""
+memory a save and a load cost each rank beside the gathered save they replaced, and what training with an async
+save costs a rank beside its memory plan."""
 
 from __future__ import annotations
 
