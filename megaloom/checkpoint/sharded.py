@@ -128,13 +128,26 @@ def flat_range_boxes(shape: Sequence[int], start: int, length: int) -> Iterator[
             yield [last_full] + off, [1] + size, last_full * row + flat
 
 
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or when it is a contiguous view into a larger host storage (a ZeRO segment of a bucket, one box of a
+    segment), a tensor over exactly its bytes of the same memory. DCP's writer copies a tensor whose storage is
+    larger than the tensor (so that torch.save writes only its part) and holds the copies until the whole file is
+    written: for a ZeRO rank that was a second copy of everything it saves."""
+    if type(t) is not torch.Tensor or t.device.type != "cpu" or not t.is_contiguous() \
+            or t.untyped_storage().nbytes() == t.nbytes:
+        return t
+    start = t.storage_offset() * t.element_size()
+    storage = t.untyped_storage()[start:start + t.nbytes]  # shares the memory (and keeps the whole alive)
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(storage, 0, t.shape, t.stride())
+
+
 def _flat_pieces(local: torch.Tensor, local_shape: Sequence[int], start: int, base: Sequence[int]):
     """Pieces of a flat segment ``local`` (elements [start, start + numel) of a tensor of ``local_shape`` whose
     global offsets are ``base``)."""
     flat = local.reshape(-1)
     out = []
     for off, size, f in flat_range_boxes(local_shape, start, flat.numel()):
-        view = flat[f - start:f - start + math.prod(size)].view(size)
+        view = _alias(flat[f - start:f - start + math.prod(size)].view(size))
         out.append((torch.Size([b + o for b, o in zip(base, off, strict=True)]), view))
     return out
 
@@ -148,18 +161,19 @@ def _param_slices(p: nn.Parameter, mesh: Mesh, segment: tuple[int, torch.Tensor]
     if segment is not None:
         start, data = segment
         return Slices(torch.Size(full), _flat_pieces(data, tp_local_shape, start, starts))
-    t = local if local is not None else p.detach()
+    t = _alias(local if local is not None else p.detach())
     return Slices(torch.Size(full), [(torch.Size(starts), t)] if t.numel() else [])
 
 
-def sharded_model_state(model: nn.Module, mesh: Mesh, segments: dict[int, tuple[int, torch.Tensor]] | None = None
-                        ) -> dict[str, object]:
-    """The model's state as this rank holds it. ``segments``: when the weights are held as shards (ZeRO-3;
-    ZeRO-1/2 whose fp32 master shards live apart from bf16-rounded replicas), parameter index (in
-    ``named_parameters`` order) -> (flat start, local data) of this rank's shard; the rest it holds nothing of."""
+def sharded_model_state(model: nn.Module, mesh: Mesh,
+                        segments: dict[str, tuple[int, torch.Tensor] | None] | None = None) -> dict[str, object]:
+    """The model's state as this rank holds it. ``segments``: parameter name -> (flat start, local data) of the
+    flat shard of it that this rank stands for (ZeRO-3's parameters; ZeRO-1/2's fp32 master shards, or their own
+    segments of the replicated weights when saving), or None where it holds no shard of that parameter. A
+    parameter not named in ``segments`` (frozen, so in no ZeRO shard) is its whole (tp / ep) box."""
     params = dict(model.named_parameters(remove_duplicate=False))
-    order = {name: i for i, (name, _) in enumerate(model.named_parameters())}
     aliases = model.tied_aliases() if hasattr(model, "tied_aliases") else {}
+    segments = segments or {}
     out: dict[str, object] = {}
     for key, value in model.state_dict(keep_vars=True).items():
         if key in aliases:
@@ -167,15 +181,24 @@ def sharded_model_state(model: nn.Module, mesh: Mesh, segments: dict[int, tuple[
         p = params.get(key)
         if p is None:  # a buffer: replicated, written once
             out[key] = value.detach()
-        elif segments is not None and order.get(key) in segments:
-            out[key] = _param_slices(p, mesh, segments[order[key]])
-        elif segments is not None and key in order:  # a parameter of which this rank holds no shard
+        elif key in segments and segments[key] is not None:
+            out[key] = _param_slices(p, mesh, segments[key])
+        elif key in segments:  # a parameter of which this rank holds no shard
             out[key] = Slices(torch.Size(layout_of(p).box(list(p.shape), mesh.tp_rank, mesh.tp, mesh.ep_rank,
                                                           mesh.ep)[0]), [])
         else:
             out[key] = _param_slices(p, mesh)
     for alias, name in aliases.items():  # the same slices under both names, as the single model's state dict
         out[alias] = out[name]
+    return out
+
+
+def _segments(optimizer, data: list[torch.Tensor]) -> dict[str, tuple[int, torch.Tensor] | None]:
+    """A ZeRO optimizer's segments by parameter name, each standing for ``data`` (None for a trainable parameter
+    with no segment on this rank)."""
+    out: dict[str, tuple[int, torch.Tensor] | None] = {name: None for name, _ in optimizer.named_params}
+    for s, t in zip(optimizer.segments, data, strict=True):
+        out[optimizer.named_params[s.owner][0]] = (s.start, t)
     return out
 
 
@@ -208,15 +231,22 @@ def sharded_optim_state(model: nn.Module, optimizer: torch.optim.Optimizer, mesh
     return {"state": state}
 
 
-def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: Mesh) -> dict:
-    """{'model': ..., 'optim': ...} as this rank holds it (no collective): what a checkpoint writes and loads."""
+def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: Mesh, save: bool = False) -> dict:
+    """{'model': ..., 'optim': ...} as this rank holds it (no collective): what a checkpoint writes and loads.
+
+    ``save``: what this rank writes. With ZeRO-1/2 every data-parallel replica holds the same weights, and DCP
+    would write each box once anyway; each rank then stands for the segment it updates (its ZeRO shard of the
+    weights, 1/dp), so a staged save copies only that, and the boxes of the ranks tile every tensor without a
+    duplicate. Loading (``save=False``) reads every replica's whole box into its parameters."""
     segments = None
-    if optimizer is not None and type(getattr(optimizer, "layout", None)).__name__ == "FullyShardedGrads":
-        segments = {s.owner: (s.start, s.data) for s in optimizer.segments}  # ZeRO-3: parameters are shards too
+    layout = type(getattr(optimizer, "layout", None)).__name__
+    if optimizer is not None and layout == "FullyShardedGrads":
+        segments = _segments(optimizer, [s.data for s in optimizer.segments])  # ZeRO-3: parameters are shards
     elif optimizer is not None and getattr(optimizer, "separate_masters", False):
         # ZeRO-1/2 gathering bf16: the exact weights are the fp32 master shards, not the rounded replicas.
-        segments = {s.owner: (s.start, t.detach()) for t, s in zip(optimizer.tensors, optimizer.segments,
-                                                                    strict=True)}
+        segments = _segments(optimizer, [t.detach() for t in optimizer.tensors])
+    elif save and optimizer is not None and layout == "DataParallelGrads":
+        segments = _segments(optimizer, [s.data for s in optimizer.segments])  # views of the parameters
     state: dict = {"model": sharded_model_state(model, mesh, segments)}
     if optimizer is not None:
         state["optim"] = sharded_optim_state(model, optimizer, mesh)

@@ -188,7 +188,7 @@ def _save_checkpoint(ckpt_root: Path, step: int, model: nn.Module, optimizer: to
         rank, barrier = group.rank, group.barrier
     tmp = begin_save(ckpt_root, step, rank)
     barrier()
-    write_tensors(tmp, sharded_state(model, optimizer, mesh), group=group)
+    write_tensors(tmp, sharded_state(model, optimizer, mesh, save=True), group=group)
     if optimizer is not None:  # a model-only checkpoint is a starting point: the trainer's own seeding stands
         write_rng(tmp, rank, rng_state())
     barrier()

@@ -10,9 +10,14 @@ Persistent state (megaloom keeps fp32 parameters and runs bf16/fp16 under autoca
   weights      4 bytes x this rank's parameters (ZeRO-3: its 1/dp shard)
   gradients    fp32. One process or pipelines: ``p.grad``, allocated during the first backward of a step and
                freed by ``zero_grad(set_to_none=True)`` after it. Data parallel (megaloom.parallel.data_parallel):
-               flat fp32 buckets, persistent with zero 0/1; zero>=1 adds the reduced 1/dp ``grad_shard``;
-               zero 2 frees the buckets after their reduction; zero 3 (FSDP2) keeps 1/dp sharded gradients
+               flat fp32 buckets, persistent with zero 0/1 (zero 1 reduce-scatters in place: its reduced 1/dp
+               chunk is part of the bucket); zero 2 keeps the reduced 1/dp ``grad_shard`` apart and frees the
+               buckets after their reduction; zero 3 (FSDP2) keeps 1/dp sharded gradients
   optimizer    AdamW / LAMB: exp_avg + exp_avg_sq, 8 bytes per parameter (divided by dp under zero>=1)
+  ckpt (host)  checkpoint.async_save: on a GPU, the pinned host copy of what this rank's checkpoint writes (its
+               parameters, with ZeRO-1/2 its own 1/dp segment of them, and its optimizer state), reused by every
+               save: host memory, reported beside the device's peak, not in it. On CPU nothing: the state is
+               written where it lives (the next update waits for the write)
 
 Activations, saved for backward per micro-batch, enumerated from what megaloom's own modules save (verified
 tensor by tensor with saved-tensor hooks, tests/observe/test_memory_plan.py; one block of every registered
@@ -59,7 +64,8 @@ block, the head's weight gradient). The end of each backward is an event too: al
 the other micro-batches' activations are still held (the peak of a stage that runs all its forwards before its
 first backward), and from the second backward through the first virtual stage on, the embedding's dense fp32
 gradient waits to be added into .grad. The optimizer step adds its temporaries (foreach AdamW on CPU: one fp32
-copy of the state; LAMB: the update of every parameter). The predicted peak is the largest event; which one
+copy of the state, or with ZeRO of one parameter group of megaloom.parallel.zero.STEP_GROUP_ELEMENTS; LAMB: the
+update of every parameter). The predicted peak is the largest event; which one
 it is is reported with it. Steady state is assumed (optimizer state exists, i.e. from the second step on);
 ``update=False`` plans steps that never call the optimizer (a dry run that leaves the update out).
 
@@ -572,6 +578,7 @@ class MemoryPlan:
     loss_transient: int  # the largest loss/logits transient (beyond the saved log-softmax)
     step_transient: int  # optimizer-step temporaries
     workspace: int  # CUDA library workspaces (cuBLAS), persistent
+    checkpoint_host: int  # host bytes an async save adds (GPU: the pinned copy; CPU: none, written in place)
     peak: int
     peak_phase: str
     phases: dict[str, int]
@@ -603,6 +610,9 @@ class MemoryPlan:
             ("loss transient", self.loss_transient, "logits and fp32 loss gradients (largest moment)"),
             ("step transient", self.step_transient, "optimizer-step temporaries"),
             ("workspaces", self.workspace, "cuBLAS, 32 MiB per thread running matmuls"),
+            ("ckpt (host)", self.checkpoint_host,
+             "async saves: pinned host copy of this rank's share (host memory, not in the peak)"
+             if s.get("device") == "cuda" else "async saves write the state in place (no copy)"),
         ]
         lines = [head]
         for name, v, what in rows:
@@ -666,14 +676,15 @@ def plan_memory(cfg: Config, model: nn.Module | None = None, *, world_size: int 
     acts = _stage_activations(lay, rank, blocks)
     state = _persistent_state(lay, rank.counts)
     step_transient = _step_transient(lay.cfg, device, state.p_opt, rank.counts.largest, lay.tp, lay.pp, lay.dp,
-                                     state.buckets, update)
+                                     state.buckets, update, zero=lay.zero)
     peaks = _play_events(lay, rank, acts, state, step_transient)
     peak_phase = max(peaks.phases, key=lambda k: peaks.phases[k])
     loss_transient = max(acts.loss["loss forward"], acts.loss["loss backward"]) if rank.has_head else 0
     first = rank.layers[0] if rank.layers else 0
     return MemoryPlan(weights=state.weights, gradients=state.gradients, optimizer=state.optimizer,
                       activations=peaks.activations, weight_casts=peaks.weight_casts, loss_transient=loss_transient,
-                      step_transient=step_transient, workspace=state.workspace, peak=peaks.phases[peak_phase],
+                      step_transient=step_transient, workspace=state.workspace,
+                      checkpoint_host=state.checkpoint_host, peak=peaks.phases[peak_phase],
                       peak_phase=peak_phase, phases=peaks.phases, per_layer=blocks.saved(first),
                       layers=len(rank.layers), in_flight=peaks.in_flight,
                       setup=_setup(lay, rank, acts, _grad_note(lay.zero, state)), notes=_notes(lay, rank.counts),
@@ -902,6 +913,7 @@ class _State:
     workspace: int
     buckets: bool  # data parallel with flat gradient buckets (megaloom.parallel.data_parallel)
     fsdp: bool  # ZeRO-3 through FSDP2
+    checkpoint_host: int = 0  # host bytes an async save adds (`_checkpoint_host`; not in a GPU's peak)
 
     @property
     def gradients(self) -> int:
@@ -933,7 +945,8 @@ def _persistent_state(lay: _Layout, counts: ParamCounts) -> _State:
         weights, p_opt = 4 * (shard + counts.frozen), shard
     grad_persistent = 0
     if buckets:
-        grad_persistent = (4 * p_local if zero in (0, 1) else 0) + (4 * shard if zero in (1, 2) else 0)
+        # zero 1 reduce-scatters in place (the 1/dp chunk is the bucket's own); zero 2 keeps its chunks apart
+        grad_persistent = (4 * p_local if zero in (0, 1) else 0) + (4 * shard if zero == 2 else 0)
     full_local = sum(counts.block_params.values()) + counts.root_params  # unsharded (tp-local) size
     if buckets:
         grad_after_backward = 4 * p_local if zero == 2 else 0  # zero 2: buckets live from first grad to reduction
@@ -948,12 +961,35 @@ def _persistent_state(lay: _Layout, counts: ParamCounts) -> _State:
         blocks_sorted = sorted(counts.block_params.values(), reverse=True)
         fsdp_gather = 4 * (counts.root_params + sum(blocks_sorted[:2]))
     optimizer = 8 * p_opt
-    if buckets and zero in (1, 2) and dp > 1 and master_shards(lay.cfg, lay.precision):
+    masters = buckets and zero in (1, 2) and dp > 1 and master_shards(lay.cfg, lay.precision)
+    if masters:
         optimizer += 4 * p_opt  # fp32 master shard beside the bf16-rounded weights that the all-gather publishes
-    return _State(weights=weights, optimizer=optimizer if lay.update else 0, p_opt=p_opt,
+    optimizer = optimizer if lay.update else 0
+    sharded = (zero >= 1 and buckets) or fsdp
+    host = _checkpoint_host(lay, counts, optimizer, p_opt if sharded else p_local, masters)
+    return _State(weights=weights, optimizer=optimizer, p_opt=p_opt,
                   grad_persistent=grad_persistent, grad_after_backward=grad_after_backward,
                   grad_at_step=grad_at_step, fsdp_gather=fsdp_gather,
-                  workspace=CUBLAS_WORKSPACE if lay.device == "cuda" else 0, buckets=buckets, fsdp=fsdp)
+                  workspace=CUBLAS_WORKSPACE if lay.device == "cuda" else 0, buckets=buckets, fsdp=fsdp,
+                  checkpoint_host=host)
+
+
+def _largest_segment(cfg: Config, largest: int, dp: int) -> int:
+    """The largest ZeRO segment (one parameter's part of a bucket's 1/dp chunk): a parameter of at least a bucket
+    closes its own bucket, so it is split over dp; a smaller one may sit whole in one rank's chunk."""
+    bucket = int(cfg.parallel.bucket_mb * 2**20) // 4
+    return largest if largest < bucket else -(-largest // dp)
+
+
+def _checkpoint_host(lay: _Layout, counts: ParamCounts, optimizer: int, written: int, masters: bool) -> int:
+    """Host bytes an asynchronous save adds (checkpoint/async_save.py): on a GPU the pinned copy of what this rank
+    writes, its parameters' share (ZeRO-1/2: its own segment of the weights, or its fp32 master shard, which
+    ``optimizer`` already counts; frozen parameters whole) and its optimizer state. 0 on CPU (the state is
+    written where it lives) and without async saves."""
+    c = lay.cfg.checkpoint
+    if lay.device != "cuda" or not c.async_save or not (c.every > 0 or c.final):
+        return 0
+    return (0 if masters else 4 * written) + 4 * counts.frozen + optimizer
 
 
 # ----------------------------------------------------------------------------------------------- the step
@@ -1045,7 +1081,7 @@ def _grad_note(zero: int, state: _State) -> str:
     if state.buckets and zero == 2:
         return "fp32 1/dp shard; full buckets only from the first gradient to their reduction"
     if state.buckets:
-        return "fp32 buckets (persistent)" + (", + 1/dp reduced shard" if zero else "")
+        return "fp32 buckets (persistent)" + (", reduce-scattered in place" if zero else "")
     return "fp32 p.grad, allocated in backward, freed after the step"
 
 
@@ -1100,15 +1136,23 @@ def _fp8_linear_params(cfg: Config, tp: int, moe: bool, keep_attention: bool = F
 
 
 def _step_transient(cfg: Config, device: str, p_opt: int, largest: int, tp: int, pp: int, dp: int,
-                    buckets: bool, update: bool = True) -> int:
+                    buckets: bool, update: bool = True, zero: int = 0) -> int:
+    from megaloom.parallel.zero import STEP_GROUP_ELEMENTS
+
     t = cfg.train
+    sharded = buckets and zero >= 1  # megaloom.parallel.zero.ShardedOptimizer over the buckets' 1/dp chunks
     if not update:
         opt = 0
     elif t.optimizer == "lamb":
         opt = 4 * p_opt + 4 * largest  # every parameter's update u is kept until the trust ratios are known
+    elif device == "cuda":
+        opt = 0  # fused AdamW: none
+    elif sharded:  # foreach: sqrt(exp_avg_sq) of one parameter group, groups of STEP_GROUP_ELEMENTS + a segment
+        opt = 4 * min(p_opt, STEP_GROUP_ELEMENTS + _largest_segment(cfg, largest, dp))
     else:
-        opt = 0 if device == "cuda" else 4 * p_opt  # fused AdamW: none; foreach: sqrt(exp_avg_sq) for all
-    clip = 4 * largest if (tp > 1 or pp > 1) else 0  # p.grad.float().pow(2) per parameter
+        opt = 4 * p_opt  # foreach: sqrt(exp_avg_sq) for all
+    # p.grad.float().pow(2) per parameter; ZeRO's sharded norm is one _foreach_norm (no copy)
+    clip = 4 * largest if (tp > 1 or pp > 1) and not sharded else 0
     sync = 4 * p_opt if (pp > 1 and dp > 1 and not buckets) else 0  # a flat all-reduce copy (no buckets)
     return max(opt, clip, sync)
 

@@ -190,21 +190,26 @@ def all_gather_into(output: torch.Tensor, input: torch.Tensor, group: Group,
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: Group,
-                   recorder: OpRecorder | None = None) -> torch.Tensor:
-    """Sum ``input`` over the group and keep this rank's chunk of it along dim 0 in ``output``."""
+                   recorder: OpRecorder | None = None, scratch: bool = False) -> torch.Tensor:
+    """Sum ``input`` over the group and keep this rank's chunk of it along dim 0 in ``output`` (which may be that
+    chunk of ``input`` itself: in place). ``scratch``: the caller does not need ``input`` afterwards, so the op
+    may reduce in it (`reduce_scatter_async` says why that matters on gloo)."""
     size = group_size(group)
     if size == 1:
-        return output.copy_(input)
+        return output if output.data_ptr() == input.data_ptr() else output.copy_(input)
     with _recording(recorder, "reduce_scatter", group, buffer_bytes(input)):
-        if input.device.type == "cpu":
-            # CPU tensors go through gloo, which lacks reduce-scatter in the torch versions we support:
-            # all-reduce a copy (the caller's input must stay intact) and keep our chunk.
-            buf = input.clone()
-            dist.all_reduce(buf, group=group)
-            output.copy_(buf.chunk(size)[group.rank()])
+        if scratch and input.device.type == "cpu" and input.is_contiguous():
+            dist.all_reduce(input, group=group)
+            _keep_chunk(output, input, size, group.rank())
         else:
             _reduce_scatter_single(output, input.contiguous(), group=group)
     return output
+
+
+def _keep_chunk(output: torch.Tensor, reduced: torch.Tensor, size: int, rank: int) -> None:
+    chunk = reduced.chunk(size)[rank]
+    if output.data_ptr() != chunk.data_ptr():
+        output.copy_(chunk)
 
 
 class Pending:
@@ -241,31 +246,53 @@ def all_reduce_async(tensor: torch.Tensor, group: Group, op: str = "sum",
 
 
 def reduce_scatter_async(output: torch.Tensor, input: torch.Tensor, group: Group,
-                         recorder: OpRecorder | None = None) -> Pending:
-    """`reduce_scatter` issued without waiting; ``output`` is valid after ``wait()``."""
+                         recorder: OpRecorder | None = None, scratch: bool = False) -> Pending:
+    """`reduce_scatter` issued without waiting; ``output`` is valid after ``wait()``.
+
+    ``scratch``: the caller does not need ``input`` afterwards (a gradient bucket whose only use after the
+    reduction is this rank's chunk). On CPU (gloo) the op then all-reduces ``input`` in place and keeps the chunk:
+    no memory beyond the caller's. Without it gloo's own reduce-scatter runs, which is an all-reduce of an internal
+    clone of ``input`` held until ``wait()`` (ProcessGroupGloo::reduce_scatter_tensor_coalesced, torch 2.3 to at
+    least 2.13): a full copy of every reduce-scatter in flight. On NCCL the native op runs either way (in place
+    when ``output`` is this rank's chunk of ``input``, as NCCL documents)."""
     size = group_size(group)
     if size == 1:
-        output.copy_(input)
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input)
         return Pending()
     with _recording(recorder, "reduce_scatter_async", group, buffer_bytes(input)):
-        if input.device.type == "cpu":  # gloo: all-reduce a copy, keep our chunk once it has arrived
-            buf = input.clone()
-            work = dist.all_reduce(buf, group=group, async_op=True)
-            return Pending(work, lambda: output.copy_(buf.chunk(size)[group.rank()]), recorder, "reduce_scatter",
+        if scratch and input.device.type == "cpu" and input.is_contiguous():
+            work = dist.all_reduce(input, group=group, async_op=True)
+            return Pending(work, lambda: _keep_chunk(output, input, size, group.rank()), recorder, "reduce_scatter",
                            group)
         return Pending(_reduce_scatter_single(output, input.contiguous(), group=group, async_op=True), None,
                        recorder, "reduce_scatter", group)
 
 
 def all_gather_into_async(output: torch.Tensor, input: torch.Tensor, group: Group,
-                          recorder: OpRecorder | None = None) -> Pending:
+                          recorder: OpRecorder | None = None, scratch: bool = False) -> Pending:
     """`all_gather_into` issued without waiting. ``input`` may be this rank's chunk of ``output`` (in place:
-    NCCL documents it; gloo copies the chunk onto itself)."""
-    if group_size(group) == 1:
+    NCCL documents it; gloo copies the chunk onto itself).
+
+    ``scratch``: nothing reads ``output`` until ``wait()`` (the values it holds are being replaced). On CPU the op
+    then zeroes the other ranks' chunks and all-reduces ``output`` in place, since gloo's all-gather gathers into
+    a flat copy of the whole output and copies it out (a second output-sized buffer while in flight: measured
+    with torch 2.13); the all-reduce moves twice the bytes and allocates nothing."""
+    size = group_size(group)
+    if size == 1:
         if input.data_ptr() != output.data_ptr():
             output.copy_(input)
         return Pending()
     with _recording(recorder, "all_gather_async", group, buffer_bytes(output)):
+        if scratch and output.device.type == "cpu" and output.is_contiguous():
+            n = input.shape[0]
+            lo, hi = group.rank() * n, (group.rank() + 1) * n
+            mine = output.narrow(0, lo, n)
+            if mine.data_ptr() != input.data_ptr():
+                mine.copy_(input)
+            output.narrow(0, 0, lo).zero_()
+            output.narrow(0, hi, output.shape[0] - hi).zero_()
+            return Pending(dist.all_reduce(output, group=group, async_op=True), None, recorder, "all_gather", group)
         return Pending(_all_gather_single(output, input.contiguous(), group=group, async_op=True), None,
                        recorder, "all_gather", group)
 
@@ -373,8 +400,14 @@ def reduce_scatter_along_dim(x: torch.Tensor, dim: int, group: Group,
     # Bring the rank-chunks of `dim` to the front so each rank's part is one contiguous block.
     chunks = x.unflatten(dim, (size, x.shape[dim] // size)).movedim(dim, 0).contiguous()
     out = x.new_empty(chunks.shape[1:])
-    reduce_scatter(out, chunks.flatten(0, 1), group, recorder)
+    reduce_scatter(out, chunks.flatten(0, 1), group, recorder, scratch=_own_copy(chunks, x))
     return out
+
+
+def _own_copy(chunks: torch.Tensor, x: torch.Tensor) -> bool:
+    """Whether ``contiguous()`` made ``chunks`` a new tensor (then the reduction may use it as scratch) rather than
+    returning a view of the caller's ``x`` (one sequence per micro-batch, or dim 0)."""
+    return chunks.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
 
 
 def gather_along_dim_async(x: torch.Tensor, dim: int, group: Group,
@@ -408,7 +441,7 @@ def reduce_scatter_along_dim_async(x: torch.Tensor, dim: int, group: Group,
                          "(with parallel.sp the sequence length must be divisible by parallel.tp)")
     chunks = x.unflatten(dim, (size, x.shape[dim] // size)).movedim(dim, 0).contiguous()
     out = x.new_empty(chunks.shape[1:])
-    pending = reduce_scatter_async(out, chunks.flatten(0, 1), group, recorder)
+    pending = reduce_scatter_async(out, chunks.flatten(0, 1), group, recorder, scratch=_own_copy(chunks, x))
     in_flight = [chunks]  # the backend reads it until the op completes
 
     def finish() -> torch.Tensor:

@@ -14,19 +14,23 @@ gradient) and waits for all. Each bucket is reduced exactly once per step; `stat
 - zero=0: each bucket is all-reduced (averaged); afterwards ``p.grad`` is ``p.main_grad`` so the usual
   optimizer, `sync_tp_grads` and clipping see full gradients.
 - zero>=1: each bucket (padded to a multiple of the data-parallel size) is reduce-scattered: this rank keeps
-  its 1/dp chunk of every bucket in ``grad_shard``, one contiguous tensor. Parameters are moved into
-  buffers of the same layout, so after the sharded optimizer (megaloom.parallel.zero) has updated this
-  rank's chunk, one in-place all-gather per bucket refreshes every replica's weights.
-- zero=2 also releases the full-size buckets as soon as they are reduced and allocates them again at the
-  first gradient of the next step. Honest memory: with gradient accumulation the full buckets must live
-  from the first backward of a step to the end of the last (the reduction waits for the last micro-batch),
-  so the peak is that of zero=1; what zero=2 saves is the full gradient between the reduction and the next
-  step's first backward (optimizer step, all-gather, next forward): then only ``grad_shard`` (1/dp) exists.
+  its 1/dp chunk of every bucket. With zero=1 that chunk is the bucket's own (Megatron's in-place
+  reduce-scatter: the output is this rank's chunk of the input), so the reduced gradient shard costs no memory
+  of its own; on gloo the bucket is all-reduced in place (`comm.reduce_scatter_async` with ``scratch``: no
+  copy of it is made). Parameters are moved into buffers of the same layout, so after the sharded optimizer
+  (megaloom.parallel.zero) has updated this rank's chunk, one in-place all-gather per bucket refreshes every
+  replica's weights.
+- zero=2 reduce-scatters into ``grad_shard``, one contiguous tensor of the chunks, and releases the full-size
+  buckets as soon as they are reduced, allocating them again at the first gradient of the next step. Honest
+  memory: with gradient accumulation the full buckets must live from the first backward of a step to the end of
+  the last (the reduction waits for the last micro-batch), so the peak is that of zero=1 plus the 1/dp shard;
+  what zero=2 saves is the full gradient between the reduction and the next step's first backward (optimizer
+  step, all-gather, next forward): then only ``grad_shard`` (1/dp) exists.
 
 Tensor parallelism: a tp-sharded parameter's gradient is its local shard; the buckets of tp peers have the
 same layout (same local shapes in the same order), so the tp fix-ups of `sync_tp_grads` (sequence-parallel
 norms, replicated KV heads) can run after the data-parallel reduction on the reduced elements: zero=0
-calls it on ``p.grad`` (the main grads), zero>=1 on views of ``grad_shard``. Both operations are sums over
+calls it on ``p.grad`` (the main grads), zero>=1 on views of the reduced chunks. Both operations are sums over
 disjoint groups, so their order does not matter.
 
 Pipeline parallelism: the executor calls `start_last_microbatch(params)` once per model chunk, just before the
@@ -114,7 +118,7 @@ class Bucket:
     params: list[nn.Parameter]
     offsets: list[int]  # element offset of each parameter in the bucket
     padded: int  # elements, a multiple of the reducing group's size
-    shard_offset: int  # where this rank's chunk of the bucket lives in `grad_shard` (zero >= 1)
+    shard_offset: int  # where this rank's chunk of the bucket lives in `grad_shard` (zero 2)
     group: object = None  # reducing group: the data-parallel group, or edp for expert weights (ep > 1)
     size: int = 1  # ranks in `group`
     rank: int = 0  # this rank's index in `group`
@@ -276,7 +280,8 @@ class DataParallelGrads:
                                        rank, tied=kind == "tied"))
             shard_offset += padded // size
         self._where = {p: (b, off) for b in self.buckets for p, off in zip(b.params, b.offsets, strict=True)}
-        self.grad_shard = torch.zeros(shard_offset, dtype=torch.float32, device=device) if zero else None
+        # zero=1: the reduced chunks stay in the buckets; zero=2 frees the buckets, so the chunks need a home.
+        self.grad_shard = torch.zeros(shard_offset, dtype=torch.float32, device=device) if zero == 2 else None
         for b in self.buckets:
             if zero < 2:
                 self._allocate(b)
@@ -331,6 +336,10 @@ class DataParallelGrads:
         return b.rank * n, (b.rank + 1) * n
 
     def _grad_chunk(self, b: Bucket) -> torch.Tensor:
+        """This rank's reduced chunk of bucket ``b``: a view of the bucket itself (zero 1) or of ``grad_shard``."""
+        if self.grad_shard is None:
+            lo, hi = self._chunk(b)
+            return b.data[lo:hi]
         return self.grad_shard[b.shard_offset:b.shard_offset + b.padded // b.size]
 
     def shard_segments(self) -> list[Segment]:
@@ -344,12 +353,12 @@ class DataParallelGrads:
             for p, off in zip(b.params, b.offsets, strict=True):
                 a, e = max(lo, off), min(hi, off + p.numel())
                 if e > a:
-                    g0 = b.shard_offset + a - lo
-                    segs.append(Segment(owner[p], a - off, b.param_data[a:e], self.grad_shard[g0:g0 + e - a]))
+                    segs.append(Segment(owner[p], a - off, b.param_data[a:e], self._grad_chunk(b)[a - lo:e - lo]))
         return segs
 
     def shard_numel(self) -> int:
-        return 0 if self.grad_shard is None else self.grad_shard.numel()
+        """Elements of this rank's reduced chunks (zero >= 1), padding included."""
+        return sum(b.padded // b.size for b in self.buckets) if self.zero else 0
 
     # --------------------------------------------------------------------------------------------- backward
 
@@ -397,7 +406,9 @@ class DataParallelGrads:
         if self.zero == 0:
             b.work = comm.all_reduce_async(b.data, b.group, recorder=self.mesh.recorder)
         else:
-            b.work = comm.reduce_scatter_async(self._grad_chunk(b), b.data, b.group, recorder=self.mesh.recorder)
+            # The bucket is not read after its reduction except for this rank's chunk: the op may reduce in it.
+            b.work = comm.reduce_scatter_async(self._grad_chunk(b), b.data, b.group, recorder=self.mesh.recorder,
+                                               scratch=True)
         b.reductions += 1
         (self.stats.in_backward if in_backward else self.stats.in_finish)[-1] += 1
 
@@ -479,7 +490,7 @@ class DataParallelGrads:
     def local_grads(self) -> list[torch.Tensor]:
         """The reduced gradients this rank holds (for the fp16 overflow check and unscaling)."""
         if self.zero:
-            return [self.grad_shard]
+            return [self.grad_shard] if self.grad_shard is not None else [self._grad_chunk(b) for b in self.buckets]
         return [p.grad for p in self.params if p.grad is not None]
 
     def clip(self, max_norm: float) -> torch.Tensor:
@@ -504,7 +515,7 @@ class DataParallelGrads:
     # ------------------------------------------------------------------------------ parameters (zero >= 1)
 
     def segment_grads(self, segs: list[Segment]) -> list[torch.Tensor]:
-        """The reduced gradient of each segment: fixed views of ``grad_shard``."""
+        """The reduced gradient of each segment: fixed views of the buckets (zero 1) or of ``grad_shard``."""
         return [s.grad for s in segs]
 
     def publish_params(self, overlap: bool) -> None:
@@ -521,14 +532,16 @@ class DataParallelGrads:
         and copied into the parameters when waited for (this rank's chunk too, so all replicas agree)."""
         for b in reversed(self.buckets):
             lo, hi = self._chunk(b)
+            # Nothing reads a bucket's parameters before its gather is waited for (module pre-hooks, the state-dict
+            # pre-hook, the optimizer step): the other ranks' chunks may be overwritten in any way meanwhile.
             if self.gather_dtype == torch.float32:
                 b.gather = comm.all_gather_into_async(b.param_data, b.param_data[lo:hi], b.group,
-                                                      recorder=self.mesh.recorder)
+                                                      recorder=self.mesh.recorder, scratch=True)
                 continue
             b.gather_buf = torch.empty(b.padded, dtype=self.gather_dtype, device=b.param_data.device)
             b.gather_buf[lo:hi].copy_(b.param_data[lo:hi])
             b.gather = comm.all_gather_into_async(b.gather_buf, b.gather_buf[lo:hi], b.group,
-                                                  recorder=self.mesh.recorder)
+                                                  recorder=self.mesh.recorder, scratch=True)
 
     def wait_params(self, params: list[nn.Parameter] | None = None) -> None:
         """Block until the all-gathers holding ``params`` (default: all) have landed."""
@@ -545,7 +558,8 @@ class DataParallelGrads:
         return any(b.gather is not None for b in self.buckets)
 
     def memory(self) -> dict[str, int]:
-        """Bytes this rank holds now: full main-grad buckets, the gradient shard."""
+        """Bytes this rank holds now: full main-grad buckets, the gradient shard (zero 2; zero 1's is inside the
+        buckets)."""
         return {"main_grads": sum(b.data.numel() * 4 for b in self.buckets if b.data is not None),
                 "grad_shard": 0 if self.grad_shard is None else self.grad_shard.numel() * 4}
 

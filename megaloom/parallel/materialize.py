@@ -4,8 +4,9 @@
 cut there, and then calls `materialize`: each parameter gets storage for its local slice only and is filled
 with the values the single process would hold in that slice (`models/init.py`'s tiled, layout-independent
 init, located by the parameter's `Layout`). No rank ever holds the whole model: its peak during construction is
-its shards plus one tile. With ZeRO-3, FSDP2 wraps the model while it is still on meta, so each rank allocates
-only its dim-0 share of every (tensor-parallel) parameter.
+its shards plus one tile, and its work its shards plus the tiles at their edges (a row-parallel weight's slice of
+columns draws only its column blocks). With ZeRO-3, FSDP2 wraps the model while it is still on meta, so each rank
+allocates only its dim-0 share of every (tensor-parallel) parameter.
 """
 
 from __future__ import annotations

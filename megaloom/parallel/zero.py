@@ -270,6 +270,23 @@ def shard_norm_sync(owners: list[int], params: list[nn.Parameter], mesh: Mesh, g
     return sync
 
 
+STEP_GROUP_ELEMENTS = 1 << 22  # 16 MiB of fp32: the foreach AdamW's temporary per group (CPU), beyond one segment
+
+
+def step_groups(indices: list[int], numels: list[int], limit: int) -> list[list[int]]:
+    """``indices`` cut, in order, into runs that stop once they hold ``limit`` elements or more: each run is
+    under ``limit`` plus its last tensor's elements."""
+    runs: list[list[int]] = [[]]
+    held = 0
+    for i, n in zip(indices, numels, strict=True):
+        if held >= limit:
+            runs.append([])
+            held = 0
+        runs[-1].append(i)
+        held += n
+    return [r for r in runs if r]
+
+
 class ShardedOptimizer:
     """AdamW or LAMB over this rank's shard (ZeRO 1, 2 and 3). Behaves like a torch optimizer where the
     training loop touches one: ``param_groups`` (learning rate), ``step()``, ``zero_grad()``."""
@@ -296,10 +313,16 @@ class ShardedOptimizer:
             t.grad = s.grad
         decay = [i for i, s in enumerate(self.segments) if self.named_params[s.owner][1].ndim >= 2]
         no_decay = [i for i, s in enumerate(self.segments) if self.named_params[s.owner][1].ndim < 2]
-        order = [idx for idx in (decay, no_decay) if idx]  # an empty group would be refused on some ranks
-        groups = [{"params": [self.tensors[i] for i in idx], "weight_decay": weight_decay if idx is decay else 0.0}
-                  for idx in order]
+        # (indices, weight decay) per parameter group; an empty group would be refused on some ranks
+        split = [(idx, wd) for idx, wd in ((decay, weight_decay), (no_decay, 0.0)) if idx]
         fused = device.type == "cuda"
+        if optimizer == "adamw" and not fused:
+            # The foreach AdamW allocates sqrt(exp_avg_sq) for a whole parameter group at once (4 bytes per element
+            # of the shard); stepping groups of about STEP_GROUP_ELEMENTS bounds it. Elementwise: the same values.
+            split = [(part, wd) for idx, wd in split
+                     for part in step_groups(idx, [self.tensors[i].numel() for i in idx], STEP_GROUP_ELEMENTS)]
+        order = [idx for idx, _ in split]
+        groups = [{"params": [self.tensors[i] for i in idx], "weight_decay": wd} for idx, wd in split]
         if optimizer == "adamw":
             self.inner: torch.optim.Optimizer = torch.optim.AdamW(
                 groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused,

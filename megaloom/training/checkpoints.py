@@ -130,14 +130,20 @@ class RunCheckpoints:
         if self.saver is not None:
             rec = self.saver.save(self.root, step, model, optimizer, state, cfg.checkpoint.keep, rank=rt.rank,
                                   barrier=self.group.barrier, mesh=mesh)
-            log.info(f"checkpoint step {step}: training paused {rec.stall_s:.3f}s (copy to host; "
-                     f"{rec.wait_s:.3f}s of it waiting for the previous write), writing in the background")
+            how = ("weights and optimizer state written where they are in host memory: the next update waits "
+                   "until they are" if rec.in_place else "copy to host")
+            log.info(f"checkpoint step {step}: training paused {rec.stall_s:.3f}s ({how}; {rec.wait_s:.3f}s of it "
+                     "waiting for the previous write), writing in the background")
             return rec.stall_s
         path = save_checkpoint(self.root, step, model, optimizer, state, cfg.checkpoint.keep, mesh=mesh,
                                group=self.group)
         stall = time.perf_counter() - t0
         log.info(f"saved checkpoint {path} in {stall:.2f}s")
         return stall
+
+    def update_wait_s(self) -> float:
+        """How long the optimizer update after the last background save waited for its in-place write."""
+        return self.saver.history[-1].update_wait_s if self.saver is not None and self.saver.history else 0.0
 
     def rollback(self, model, optimizer) -> int:
         """Restore the newest checkpoint that verifies (model, optimizer, RNG); returns its step."""

@@ -612,7 +612,7 @@ def save_rank_shard(trainer, path: Path) -> dict:
 
     t0 = time.perf_counter()
     path.mkdir(parents=True, exist_ok=True)
-    state = sharded_state(trainer.model, trainer.optimizer, trainer.mesh)
+    state = sharded_state(trainer.model, trainer.optimizer, trainer.mesh, save=True)
     with warnings.catch_warnings():  # DCP's note that a no_dist save assumes one process: intended here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         write_tensors(path, state, no_dist=True)

@@ -514,8 +514,8 @@ class Trainer:
         if stragglers is not None:
             record.update(stragglers)
         record.update(moe_fields(self.train_step.moe))
-        if self.pending_stall is not None:
-            record["ckpt_stall_s"], self.pending_stall = self.pending_stall, None
+        if self.pending_stall is not None:  # the save's stall, and the update's wait for an in-place write
+            record["ckpt_stall_s"], self.pending_stall = self.pending_stall + self.ckpt.update_wait_s(), None
         if do_eval:
             record.update(self._evaluate())
         self.sink.log(record)

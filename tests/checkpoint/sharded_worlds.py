@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from megaloom.checkpoint.async_save import _HostBuffers
+from megaloom.checkpoint.sharded import sharded_state
 from megaloom.checkpoint.store import load_checkpoint, save_checkpoint
 from megaloom.config import load_config
 from megaloom.models import Transformer
@@ -50,6 +52,7 @@ def _build(rank: int, world: int, device):
     mesh = Mesh.build(cfg, world, rank, device)
     torch.manual_seed(0)
     model = parallelize_tensor(Transformer(cfg.model), mesh, sp=False)
+    model.norm.weight.requires_grad_(False)  # a frozen parameter: in no ZeRO segment, saved whole
     grads = build_data_parallel(model, mesh, zero=1)
     opt = ShardedOptimizer(grads, "adamw", lr=1e-3)
     return cfg, model, opt, mesh
@@ -71,6 +74,12 @@ def save_load_peak(rank: int, world: int, device, root: str) -> dict:
     opt.layout.finish()
     opt.step()
     held = _held_bytes(model, opt)
+    # What a save stands for on this rank (what an async save copies to host): its ZeRO segment of the weights
+    # (the replicas hold the same weights; each writes the part it updates), the frozen ones whole, its Adam shard.
+    staged = _HostBuffers()
+    staged.copy(sharded_state(model, opt, mesh, save=True))
+    share = 4 * sum(s.data.numel() for s in opt.segments) + 4 * model.norm.weight.numel() + sum(
+        v.numel() * v.element_size() for st in opt.inner.state.values() for v in st.values())
     ckpt_root = Path(root) / "checkpoints"
     t0 = time.perf_counter()
     with PeakGrowth() as save:
@@ -91,7 +100,51 @@ def save_load_peak(rank: int, world: int, device, root: str) -> dict:
         del gathered
     gathered_s = time.perf_counter() - t0
     return {"held": held, "save": save.bytes, "load": load.bytes, "gathered": old.bytes, "same": same and same_opt,
-            "save_s": save_s, "gathered_s": gathered_s}
+            "save_s": save_s, "gathered_s": gathered_s, "staged": staged.nbytes, "share": share,
+            "tp_weights": sum(p.numel() * p.element_size() for p in model.parameters())}
+
+
+# ~42M parameters (untied): what `Trainer.fit` costs a rank at tp2 x dp2 ZeRO-1 with an async save, beside the plan.
+FIT_SETTINGS = ["model.vocab_size=8192", "model.d_model=512", "model.n_layers=8", "model.n_heads=8",
+                "model.n_kv_heads=8", "model.ffn_dim=2048", "model.tie_embeddings=false", "train.seq_len=128",
+                "model.max_seq_len=128", "parallel.tp=2", "parallel.zero=1", "train.global_batch_size=4",
+                "train.micro_batch_size=1", "train.steps=3", "checkpoint.every=2", "checkpoint.final=false",
+                "train.log_every=1", "train.eval_every=0", "train.eval_batches=1", "data.num_workers=0",
+                "run.tensorboard=false", "train.device=cpu"]
+
+
+def fit_peak(rank: int, world: int, device, root: str) -> dict:
+    """Peak resident growth of `Trainer.fit` (3 steps, an async save after step 2 written while step 3 runs) above
+    the resident set before the build, next to the memory plan of the rank and the whole model's weights + Adam
+    state. The process has run a save and a load before (`sharded_suite`): libraries and their code pages are
+    loaded, so what grows is this run's memory."""
+    from megaloom.observe.memory_plan import plan_memory
+    from megaloom.runtime import Runtime
+    from megaloom.training.dryrun import synthetic_datasets
+    from megaloom.training.trainer import Trainer
+
+    cfg = load_config(None, [*FIT_SETTINGS, f"run.dir={Path(root) / 'fit'}"])
+    gc.collect()
+    with PeakGrowth() as peak:
+        trainer = Trainer(cfg, runtime=Runtime(device, rank, world, rank),
+                          datasets=synthetic_datasets(cfg.model.vocab_size)).build()
+        plan = plan_memory(trainer.cfg, trainer.model, world_size=world, device="cpu", pp_rank=trainer.mesh.pp_rank,
+                           n_micro=trainer.n_micro)
+        trainer.fit()
+    m = cfg.model
+    whole = m.vocab_size * m.d_model * 2 + m.n_layers * (4 * m.d_model ** 2 + 3 * m.d_model * m.ffn_dim)
+    record = trainer.ckpt.saver.history[-1]
+    return {"peak": peak.bytes, "plan": plan.peak, "weights_adam": 12 * whole, "in_place": record.in_place,
+            "written": record.write_s is not None and record.error is None}
+
+
+def sharded_suite(rank: int, world: int, device, root: str) -> dict:
+    from megaloom.training.dryrun import return_freed_memory
+
+    return_freed_memory()  # the resident set follows the live tensors (freed blocks leave it)
+    out = {"save_load": save_load_peak(rank, world, device, root)}
+    out["fit"] = fit_peak(rank, world, device, root)
+    return out
 
 
 def agreed_fallback(rank: int, world: int, device, root: str) -> dict:

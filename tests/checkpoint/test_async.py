@@ -66,12 +66,45 @@ def test_async_save_then_load_is_the_state_at_save_time(tmp_path):
     done = ckpt.wait()
     assert done is record and record.write_s is not None and record.stall_s >= 0
     assert (root / "latest").read_text().strip() == "step_00000001"
-    assert ckpt.host_buffer_bytes > 0
+    # CPU state is written where it lives: only the step counters are copied to host buffers
+    assert record.in_place and 0 < ckpt.host_buffer_bytes < 1024
 
     _, model2, opt2 = make(seed=1)
     state = load_checkpoint(find_checkpoints(root)[0], model2, opt2, model_cfg=cfg.model.__dict__)
     assert state["step"] == 1 and state["has_optimizer_state"] is True
     assert_same(model2, opt2, at_save)
+
+
+def test_an_update_during_an_in_place_write_waits_for_it(tmp_path, monkeypatch):
+    """Host-resident state is written in place, not copied: the optimizer's next update (the only thing that
+    changes it) starts only once the write is done, so the checkpoint is the state at save time."""
+    cfg, model, opt = make()
+    root = tmp_path / "checkpoints"
+    real_write = async_mod.write_tensors
+    events = []
+
+    def slow_write(*args, **kwargs):
+        time.sleep(0.3)
+        real_write(*args, **kwargs)
+        events.append("written")
+
+    monkeypatch.setattr(async_mod, "write_tensors", slow_write)
+    ckpt = AsyncCheckpointer()
+    at_save = snapshot(model, opt)
+    x = torch.randint(0, model.cfg.vocab_size, (2, 8))
+    model(x, x).backward()
+    record = ckpt.save(root, 1, model, opt, {"model": cfg.model.__dict__}, keep=2)
+    opt.register_step_pre_hook(lambda *_: events.append("update"))  # runs after the save's own hook
+    opt.step()
+    assert events == ["written", "update"] and record.in_place and record.update_wait_s > 0, (events, record)
+    step(model, opt)
+    ckpt.wait()
+    _, model2, opt2 = make(seed=1)
+    load_checkpoint(find_checkpoints(root)[0], model2, opt2, model_cfg=cfg.model.__dict__)
+    assert_same(model2, opt2, at_save)
+    ckpt.save(root, 2, model, opt, {}, keep=2)
+    ckpt.wait()
+    assert len(opt._optimizer_step_pre_hooks) == 1  # each save's hook goes with its write (the test's stays)
 
 
 def test_async_files_match_the_blocking_layout_and_buffers_are_reused(tmp_path):

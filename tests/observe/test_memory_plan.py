@@ -305,10 +305,42 @@ def test_zero_shards_optimizer_state():
     z1 = plan_memory(_big("none", "train.global_batch_size=8", "parallel.zero=1", "parallel.param_gather=fp32"),
                      world_size=4, device="cuda")
     assert z1.optimizer * 4 == z0.optimizer
-    assert z1.gradients == z0.gradients + z0.gradients // 4  # buckets + the reduced 1/dp shard
+    assert z1.gradients == z0.gradients  # the buckets: the reduced 1/dp chunk is reduce-scattered in place
+    z2 = plan_memory(_big("none", "train.global_batch_size=8", "parallel.zero=2", "parallel.param_gather=fp32"),
+                     world_size=4, device="cuda")
+    assert z2.gradients == z0.gradients + z0.gradients // 4  # zero 2: the buckets in backward + its own shard
     # bf16 parameter all-gathers (the default in bf16) keep an fp32 master shard beside the two moments
     z1b = plan_memory(_big("none", "train.global_batch_size=8", "parallel.zero=1"), world_size=4, device="cuda")
     assert z1b.optimizer * 8 == z1.optimizer * 12 and any("master shard" in n for n in z1b.notes)
+
+
+def test_zero_optimizer_step_temporaries_are_one_parameter_group_on_cpu():
+    """The foreach AdamW (CPU) steps a ZeRO shard in groups of STEP_GROUP_ELEMENTS (megaloom.parallel.zero): its
+    sqrt(exp_avg_sq) temporary is one group's, not the shard's; zero 0 still takes the whole state's."""
+    from megaloom.parallel.zero import STEP_GROUP_ELEMENTS
+
+    cfg0 = _big("none", "train.global_batch_size=8", "parallel.tp=2")
+    z0 = plan_memory(cfg0, world_size=4, device="cpu")
+    z1 = plan_memory(_big("none", "train.global_batch_size=8", "parallel.tp=2", "parallel.zero=1"), world_size=4,
+                     device="cpu")
+    shard = z1.optimizer // 8
+    assert z0.step_transient == z0.optimizer // 2  # 4 bytes per parameter of the whole (tp) state
+    head = 128256 * 2048 // 2  # the largest parameter (the untied head's tp shard) fills its own bucket
+    assert z1.step_transient == 4 * (STEP_GROUP_ELEMENTS + head // 2) < 4 * shard
+
+
+def test_async_checkpoint_host_copy_is_the_rank_share_on_gpu_and_none_on_cpu():
+    """An async save stages what this rank writes in pinned host memory on a GPU (with ZeRO-1/2 its own segment of
+    the weights and its optimizer shard; not the device's peak); on CPU it writes the state in place."""
+    over = ("train.global_batch_size=8", "parallel.tp=2", "parallel.zero=1", "parallel.param_gather=fp32")
+    gpu = plan_memory(_big("none", *over), world_size=4, device="cuda")
+    assert gpu.checkpoint_host == gpu.optimizer + gpu.optimizer // 2  # 4 + 8 bytes per element of the shard
+    assert gpu.checkpoint_host < gpu.weights + gpu.optimizer  # not every replica's full tp weights
+    masters = plan_memory(_big("none", *over[:-1]), world_size=4, device="cuda")  # bf16 gathers: fp32 masters
+    assert masters.checkpoint_host == masters.optimizer  # the master shard is what is written for the weights
+    no_async = plan_memory(_big("none", *over, "checkpoint.async_save=false"), world_size=4, device="cuda")
+    assert no_async.checkpoint_host == 0 and no_async.peak == gpu.peak  # host memory: never in the GPU's peak
+    assert plan_memory(_big("none", *over), world_size=4, device="cpu").checkpoint_host == 0
 
 
 if __name__ == "__main__":  # the numbers behind the tests: python tests/observe/test_memory_plan.py

@@ -12,7 +12,9 @@ import textwrap
 import pytest
 import torch
 
+import megaloom.parallel.materialize as materialize_mod
 from megaloom.config import load_config
+from megaloom.models import init
 from megaloom.models.transformer import Transformer
 from megaloom.parallel.layout import layout_of
 from megaloom.parallel.materialize import materialize
@@ -30,7 +32,10 @@ def _coords(tp: int, pp: int, ep: int):
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-gpt2", "mixtral-tiny"])
-def test_every_rank_of_every_layout_holds_the_single_process_values(preset: str) -> None:
+def test_every_rank_of_every_layout_holds_the_single_process_values(preset: str, monkeypatch) -> None:
+    # Small tiles, so that the tiny models' slices cross row bands and column blocks as large models' do.
+    monkeypatch.setattr(init, "TILE_ELEMENTS", 4096)
+    monkeypatch.setattr(init, "COLUMN_BLOCK", 48)
     cfg = load_config(None, [f"model.preset={preset}", "model.vocab_size=256"]).model
     torch.manual_seed(3)
     single = dict(Transformer(cfg).named_parameters())
@@ -51,6 +56,67 @@ def test_every_rank_of_every_layout_holds_the_single_process_values(preset: str)
                 assert torch.equal(p.detach(), want), (tp, pp, ep, mesh.tp_rank, mesh.pp_rank, mesh.ep_rank, name)
             if cfg.tie_embeddings and model.tok_emb is not None and model.head is not None:
                 assert model.head.weight is model.tok_emb.weight
+
+
+def test_every_box_of_a_tensor_holds_the_full_tensors_values(monkeypatch) -> None:
+    """Row slices, column slices and both, of 2-D and 3-D tensors, cut anywhere across the bands and blocks."""
+    monkeypatch.setattr(init, "TILE_ELEMENTS", 200)
+    monkeypatch.setattr(init, "COLUMN_BLOCK", 16)
+    rule = init.InitRule("normal", 0.02)
+    for shape in ([37, 50], [5, 7, 40], [9, 12]):
+        full = torch.empty(shape)
+        assert init.fill_slice(full, shape, [0] * len(shape), rule, 11, "w") == full.numel()
+        gen = torch.Generator().manual_seed(len(shape))
+        for _ in range(20):
+            starts = [int(torch.randint(0, n, (1,), generator=gen)) for n in shape]
+            ends = [int(torch.randint(a + 1, n + 1, (1,), generator=gen)) for a, n in zip(starts, shape, strict=True)]
+            box = torch.empty([e - a for a, e in zip(starts, ends, strict=True)])
+            init.fill_slice(box, shape, starts, rule, 11, "w")
+            want = full[tuple(slice(a, e) for a, e in zip(starts, ends, strict=True))]
+            assert torch.equal(box, want), (shape, starts, ends)
+
+
+def test_a_column_slice_draws_only_its_share_of_the_tiles() -> None:
+    """A row-parallel weight's tp shard is a slice of columns: it generates the column blocks it overlaps, not
+    every tile of the whole tensor (what made a 70B rank's build cost the full model's time)."""
+    rule, shape = init.InitRule("normal", 0.02), [1024, 8192]
+    full = torch.empty(shape)
+    n_full = init.fill_slice(full, shape, [0, 0], rule, 5, "w")
+    for k in range(8):  # the 8 ranks of tp=8
+        part = torch.empty(1024, 1024)
+        assert init.fill_slice(part, shape, [0, 1024 * k], rule, 5, "w") == n_full // 8
+        assert torch.equal(part, full[:, 1024 * k:1024 * (k + 1)])
+    part = torch.empty(1024, 1000)  # not on block borders: at most one block more on each side
+    assert init.fill_slice(part, shape, [0, 700], rule, 5, "w") <= 1024 * (1000 + 2 * init.COLUMN_BLOCK)
+    assert torch.equal(part, full[:, 700:1700])
+
+
+def test_a_tensor_parallel_rank_draws_its_share_of_the_model(monkeypatch) -> None:
+    """Building one tp=8 rank of a model with rows wider than a column block draws about 1/8 of the single
+    process's random values (row-parallel weights included), and holds exactly its values. Tiles a quarter of the
+    real ones on a side (128 x 128): this model's tp=8 slices are 128 rows or columns, as llama3-70b's (1024, 3584)
+    are multiples of the real 128-row bands and 512-column blocks."""
+    monkeypatch.setattr(init, "COLUMN_BLOCK", init.COLUMN_BLOCK // 4)
+    monkeypatch.setattr(init, "TILE_ELEMENTS", init.TILE_ELEMENTS // 4)
+    cfg = load_config(None, ["model.preset=tiny", "model.vocab_size=4096", "model.d_model=1024", "model.n_layers=2",
+                             "model.n_heads=8", "model.n_kv_heads=8", "model.ffn_dim=4096"]).model
+    drawn: list[int] = []
+    real = materialize_mod.fill_slice
+    monkeypatch.setattr(materialize_mod, "fill_slice", lambda *a: drawn.append(real(*a)) or drawn[-1])
+
+    def build(tp: int) -> Transformer:
+        mesh = dataclasses.replace(Mesh.single(), tp=tp, tp_rank=tp - 2 if tp > 1 else 0)
+        torch.manual_seed(4)
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        return materialize(parallelize_tensor(model, mesh, sp=False), torch.device("cpu"), mesh)
+
+    single = dict(build(1).named_parameters())
+    whole, drawn[:] = sum(drawn), []
+    rank = build(8)
+    assert sum(drawn) <= 1.02 * whole / 8, (sum(drawn), whole)
+    for name, p in rank.named_parameters():
+        assert torch.equal(p.detach(), layout_of(p).shard(single[name].detach(), 6, 8, 0, 1)), name
 
 
 def test_meta_build_draws_the_same_seed_as_a_real_one() -> None:

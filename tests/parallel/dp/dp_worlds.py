@@ -210,6 +210,9 @@ def dp_case(mesh: Mesh, zero: int, kind: str = "adamw", clip: float = math.inf, 
     out["n_buckets"] = len(getattr(grads, "buckets", []))
     out["n_params"] = len(grads.params)
     out["memory"] = grads.memory()
+    if zero in (1, 2):  # where the reduced gradient of each optimizer segment lives
+        buckets = {b.data.untyped_storage().data_ptr() for b in grads.buckets if b.data is not None}
+        out["grads_in_buckets"] = all(s.grad.untyped_storage().data_ptr() in buckets for s in grads.shard_segments())
     if zero:
         out["state_bytes"] = opt.state_bytes()
     else:
@@ -262,7 +265,39 @@ def suite_dp2(rank: int, world: int, device: torch.device) -> dict:
     res["z2-lamb-roundtrip"] = dp_case(mesh, 2, "lamb", roundtrip=True, cache=cache)
     res["z1-llava"] = llava_dp_case(mesh, 1)  # images through a ViT and projector, ZeRO-1
     res["z1-llava-frozen"] = llava_dp_case(mesh, 1, freeze="vision,language")  # projector-only pretraining
+    res["rs-copy"] = reduce_scatter_copy(mesh)  # last: it tells malloc to return freed blocks from then on
     return res
+
+
+def reduce_scatter_copy(mesh: Mesh) -> dict | None:
+    """Peak resident growth while an async reduce-scatter of a 64 MiB bucket is in flight, with the bucket as the
+    op's scratch (what the data-parallel buckets ask for) and without (gloo's own op clones it); and likewise for
+    the in-place all-gather of a bucket's parameters (gloo's own gathers into a flat copy of the output); CPU
+    only."""
+    from megaloom.training.dryrun import return_freed_memory
+    from tests.checkpoint.sharded_worlds import PeakGrowth
+
+    if mesh.device.type != "cpu":
+        return None
+    return_freed_memory()  # the resident set follows the live tensors (a freed clone leaves it)
+    group, n = mesh.dp_cp_group, 16 * 2**20
+    out: dict = {"bytes": 4 * n}
+    for scratch in (True, False):
+        bucket = torch.full((n,), float(mesh.dp_rank + 1))
+        chunk = bucket.chunk(mesh.dp)[mesh.dp_rank]  # in place: the output is this rank's chunk of the bucket
+        with PeakGrowth() as peak:
+            comm.reduce_scatter_async(chunk, bucket, group, scratch=scratch).wait()
+        out["scratch" if scratch else "copy"] = peak.bytes
+        out[f"sum_ok_{scratch}"] = bool((chunk == sum(range(1, mesh.dp + 1))).all())
+        bucket.fill_(-1.0)
+        chunk.fill_(float(mesh.dp_rank + 1))  # each rank's updated chunk, gathered into every replica
+        with PeakGrowth() as peak:
+            comm.all_gather_into_async(bucket, chunk, group, scratch=scratch).wait()
+        out["gather_scratch" if scratch else "gather_copy"] = peak.bytes
+        want = torch.arange(1, mesh.dp + 1, dtype=torch.float32).repeat_interleave(n // mesh.dp)
+        out[f"gather_ok_{scratch}"] = torch.equal(bucket, want)
+        del bucket, chunk
+    return out
 
 
 def suite_dp4(rank: int, world: int, device: torch.device) -> dict:

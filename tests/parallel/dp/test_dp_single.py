@@ -77,6 +77,31 @@ def test_one_process_matches_plain_adamw(zero: int) -> None:
     assert list(grads.stats.in_backward) == [len(grads.buckets)] * 3
 
 
+def test_sharded_adamw_steps_in_bounded_groups_with_the_same_values(monkeypatch) -> None:
+    """The foreach AdamW (CPU) allocates sqrt(exp_avg_sq) for a whole parameter group: the shard is stepped in
+    groups of about STEP_GROUP_ELEMENTS (plus one segment), which leaves every value bit-identical."""
+    import megaloom.parallel.zero as zero_mod
+
+    assert zero_mod.step_groups([0, 1, 2, 3, 4], [5, 3, 8, 2, 7], limit=8) == [[0, 1], [2], [3, 4]]
+    runs = []
+    for limit in (1 << 40, 3000):
+        monkeypatch.setattr(zero_mod, "STEP_GROUP_ELEMENTS", limit)
+        _, model, grads = _setup(1)
+        opt = ShardedOptimizer(grads, "adamw", lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+        sizes = [sum(t.numel() for t in g["params"]) for g in opt.param_groups]
+        assert max(sizes) < limit + max(t.numel() for t in opt.tensors)
+        for batch in _batches(2):
+            grads.start_last_microbatch()
+            model(batch[:, :-1], batch[:, 1:]).backward()
+            grads.finish()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        model.state_dict()  # waits for the parameter gathers
+        runs.append((len(sizes), [p.detach().clone() for p in model.parameters()]))
+    assert runs[0][0] == 2 and runs[1][0] > 4, [n for n, _ in runs]  # decay / no decay, then many groups
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1], strict=True))
+
+
 def test_main_grad_accumulates_micro_batches_and_zeroes_next_step() -> None:
     ref, model, grads = _setup(0)
     batch = _batches(1)[0]

@@ -25,7 +25,21 @@ LLAVA = ["z1-llava", "z1-llava-frozen"]
 
 
 def test_every_case_ran(world: list[dict]) -> None:
-    assert sorted(world[0]) == sorted(CASES + LLAVA)
+    assert sorted(world[0]) == sorted(CASES + LLAVA + ["rs-copy"])
+
+
+def test_a_bucket_is_reduce_scattered_and_gathered_without_a_copy(world: list[dict]) -> None:
+    """gloo's reduce-scatter all-reduces a clone of its input, held until the wait, and its all-gather gathers into
+    a flat copy of the output: a full copy of every bucket in flight. The buckets let the ops work in them instead
+    (scratch: in-place all-reduces), which costs nothing beyond the bucket."""
+    for res in world:
+        r = res["rs-copy"]
+        if r is None:  # NCCL: the native ops, in place
+            continue
+        assert r["sum_ok_True"] and r["sum_ok_False"] and r["gather_ok_True"] and r["gather_ok_False"], r
+        assert r["scratch"] < 0.1 * r["bytes"] and r["gather_scratch"] < 0.1 * r["bytes"], r
+        # the measurement sees the copies it is meant to catch
+        assert r["copy"] > 0.8 * r["bytes"] and r["gather_copy"] > 0.8 * r["bytes"], r
 
 
 def test_llava_dp2_zero1_matches_single_process_and_leaves_frozen_parts_out(world: list[dict]) -> None:
