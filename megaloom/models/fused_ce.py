@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megaloom.precision.fp32_gemm import fp32_out_gemm
+
 IGNORE_INDEX = -100
 # Target size of one chunk's logits, in elements: 2**29 = 1 GiB in bf16, 4096 tokens for a 128k vocabulary. The
 # compiled CUDA path holds only bf16 [C, V] buffers (logits, gradient); the eager path adds one fp32 buffer.
@@ -98,25 +100,6 @@ def _chunk_function(device: torch.device):
     return _compiled_chunk
 
 
-_FP32_OUT_MM: dict[str, bool] = {}
-
-
-def _fp32_out_mm(device: torch.device) -> bool:
-    """Whether fp32-output GEMMs of low-precision inputs run on this device type: ``torch.mm(a, b,
-    out_dtype=torch.float32)`` and, in place into an fp32 accumulator, ``torch.addmm(c, a, b,
-    out_dtype=torch.float32, out=c)``. CUDA in recent PyTorch; probed once on tiny tensors, the fallback is
-    always correct."""
-    if device.type not in _FP32_OUT_MM:
-        try:
-            a = torch.ones(16, 16, device=device, dtype=torch.bfloat16)
-            c = torch.mm(a, a, out_dtype=torch.float32)
-            torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
-            _FP32_OUT_MM[device.type] = bool(c.dtype == torch.float32 and c[0, 0].item() == 32.0)
-        except (RuntimeError, TypeError, NotImplementedError):
-            _FP32_OUT_MM[device.type] = False
-    return _FP32_OUT_MM[device.type]
-
-
 def _accumulate(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """fp32 acc + a @ b (acc None: the first chunk, a @ b alone). With fp32-output GEMMs the product is
     accumulated by the GEMM's epilogue, in place: no zero fill, no copy of the [V, D] accumulator (an
@@ -125,7 +108,7 @@ def _accumulate(acc: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor) -> t
     f32 = torch.float32
     if a.dtype == f32:
         return a @ b if acc is None else acc.addmm_(a, b)
-    if not torch.compiler.is_compiling() and _fp32_out_mm(a.device):
+    if not torch.compiler.is_compiling() and fp32_out_gemm(a.device):
         return torch.mm(a, b, out_dtype=f32) if acc is None else torch.addmm(acc, a, b, out_dtype=f32, out=acc)
     return (a @ b).to(f32) if acc is None else acc.add_(a @ b)
 

@@ -36,21 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd import Function
 
-_FP32_OUT: dict[str, bool] = {}
-
-
-def _fp32_out_gemm(device: torch.device) -> bool:
-    """Whether ``torch.addmm(c, a, b, out_dtype=float32, out=c)`` runs for bf16 ``a``, ``b`` on this device type
-    (CUDA in recent PyTorch); probed once on tiny tensors."""
-    if device.type not in _FP32_OUT:
-        try:
-            a = torch.ones(16, 16, device=device, dtype=torch.bfloat16)
-            c = torch.zeros(16, 16, device=device, dtype=torch.float32)
-            torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
-            _FP32_OUT[device.type] = bool(c[0, 0].item() == 16.0)
-        except (RuntimeError, TypeError, NotImplementedError):
-            _FP32_OUT[device.type] = False
-    return _FP32_OUT[device.type]
+from megaloom.precision.fp32_gemm import fp32_out_gemm
 
 
 @torch.library.custom_op("megaloom::accumulate_wgrad", mutates_args=("main_grad",))
@@ -60,7 +46,7 @@ def accumulate_wgrad(main_grad: Tensor, grad_out: Tensor, inp: Tensor) -> None:
     x = inp.reshape(-1, inp.shape[-1])
     if g.dtype == torch.float32:  # as autograd + the bucket hook compute it: the product, then the add
         main_grad.add_(g.t() @ x)
-    elif _fp32_out_gemm(g.device):
+    elif fp32_out_gemm(g.device):
         torch.addmm(main_grad, g.t(), x, out_dtype=torch.float32, out=main_grad)
     else:
         main_grad.add_(g.t() @ x)
