@@ -1,5 +1,5 @@
 """Command-line entry points: `megaloom train | preprocess | tokenizer | generate | plot | doctor | evict | schedule
-| status | convert | memory | config`."""
+| status | convert | memory | plan | config`."""
 
 from __future__ import annotations
 
@@ -197,6 +197,15 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from megaloom.planning.command import plan_command
+
+    cfg = load_config(args.config, args.overrides)
+    print(plan_command(cfg, args.gpus, args.gpu, args.top, args.out, args.predict, args.gpus_per_node,
+                       args.nic_gbps, args.json))
+    return 0
+
+
 def _cmd_config(args: argparse.Namespace) -> int:
     if args.list:
         print(describe_keys())
@@ -326,6 +335,24 @@ def _add_memory(sub: argparse._SubParsersAction) -> None:
     mem.set_defaults(fn=_cmd_memory)
 
 
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    from megaloom.planning.hardware import gpu_kinds
+
+    pl = sub.add_parser("plan", help="the fastest layouts of a model on N GPUs (predicted memory, step, MFU, bubble, "
+                                     "exposed communication), or --predict one layout (nothing runs)")
+    pl.add_argument("--config")
+    pl.add_argument("--gpus", type=int, required=True, help="GPUs of the job")
+    pl.add_argument("--gpu", default="h200", help=f"GPU kind: {', '.join(gpu_kinds())}, or a calibration file")
+    pl.add_argument("--gpus-per-node", type=int, default=None, help="GPUs a node (default: the kind's)")
+    pl.add_argument("--nic-gbps", type=float, default=None, help="GB/s across nodes per GPU (default: the kind's)")
+    pl.add_argument("--top", type=int, default=10, help="layouts listed")
+    pl.add_argument("--out", default=None, help="write the best layout as a config file for megaloom train --config")
+    pl.add_argument("--predict", default=None, metavar="CONFIG", help="predict this config's own layout")
+    pl.add_argument("--json", default=None, help="also write the predictions as JSON")
+    pl.add_argument("overrides", nargs="*")
+    pl.set_defaults(fn=_cmd_plan)
+
+
 def _add_config(sub: argparse._SubParsersAction) -> None:
     c = sub.add_parser("config", help="print the resolved config, or every key with --list")
     c.add_argument("--config")
@@ -336,7 +363,7 @@ def _add_config(sub: argparse._SubParsersAction) -> None:
 
 # The subcommands in the order `megaloom --help` lists them.
 _SUBCOMMANDS = (_add_train, _add_preprocess, _add_tokenizer, _add_generate, _add_plot, _add_doctor, _add_evict,
-                _add_schedule, _add_status, _add_convert, _add_memory, _add_config)
+                _add_schedule, _add_status, _add_convert, _add_memory, _add_plan, _add_config)
 
 
 def build_parser() -> argparse.ArgumentParser:
