@@ -68,12 +68,13 @@ def saved_run(tmp_path, *overrides: str):
     return run
 
 
-@pytest.mark.parametrize("override,field", [("model.parallel_block=true", "model.parallel_block"),
-                                            ("model.sliding_window=8", "model.sliding_window"),
-                                            ("model.moe_every=1", "model.moe_every"),
-                                            ("model.qkv_bias=true", "model.qkv_bias")])  # Llama's bias is on o too
-def test_models_hf_cannot_express_are_refused(tmp_path, override, field):
-    run = saved_run(tmp_path, override)
+@pytest.mark.parametrize("overrides,field", [(["model.parallel_block=true"], "model.parallel_block"),
+                                             (["model.sliding_window=8"], "model.sliding_window"),
+                                             # a family without an MoE mapping (llama's and qwen3's have one)
+                                             (["model.preset=tiny-gpt2", "model.moe_every=1"], "model.moe_every"),
+                                             (["model.qkv_bias=true"], "model.qkv_bias")])  # Llama's is on o too
+def test_models_hf_cannot_express_are_refused(tmp_path, overrides, field):
+    run = saved_run(tmp_path, *overrides)
     with pytest.raises(ConversionError, match=field):
         to_hf(run, tmp_path / "out", show_progress=False)
     assert not (tmp_path / "out").exists()  # refused before anything is written
