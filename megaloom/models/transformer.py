@@ -130,10 +130,10 @@ class Transformer(nn.Module):
             self.pooler = Pooler(cfg.d_model)
             self.order_head = nn.Linear(cfg.d_model, 2)
         self.tie_weights()
-        if tr.positions == "rope":
-            cos, sin = rope_tables(cfg.d_model // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta, rope_scaling_of(cfg))
-            self.register_buffer("rope_cos", cos, persistent=False)
-            self.register_buffer("rope_sin", sin, persistent=False)
+        if tr.positions == "rope":  # filled by reset_buffers (below, through reset_parameters): computed once
+            shape = (cfg.max_seq_len, cfg.d_model // cfg.n_heads)
+            self.register_buffer("rope_cos", torch.empty(shape, dtype=torch.float32), persistent=False)
+            self.register_buffer("rope_sin", torch.empty(shape, dtype=torch.float32), persistent=False)
         self.recompute_layers = 0  # full recomputation of the first N blocks of each span (apply_recompute)
         # The residual stream's dtype under autocast (train.bf16_residual: bf16); None keeps the embedding's (fp32).
         self.residual_dtype: torch.dtype | None = None
