@@ -100,7 +100,8 @@ def _interrupted_line(args: argparse.Namespace, signal_name: str = "SIGINT") -> 
 def _cmd_preprocess(args: argparse.Namespace) -> int:
     from megaloom.data.preprocess import preprocess
 
-    stats = preprocess(args.inputs, args.tokenizer, args.out, workers=args.workers, json_key=args.json_key)
+    stats = preprocess(args.inputs, args.tokenizer, args.out, workers=args.workers, json_key=args.json_key,
+                       split=args.split)
     print(f"wrote {args.out}.bin/.idx: {stats.n_docs} documents, {stats.n_tokens:,} tokens ({stats.dtype}) "
           f"in {stats.seconds:.1f}s")
     return 0
@@ -111,7 +112,7 @@ def _cmd_tokenizer(args: argparse.Namespace) -> int:
     from megaloom.data.tokenizer import train_bpe_on_texts
 
     # The documents `megaloom preprocess` would tokenize: JSONL's text field (--json-key), not the raw lines.
-    out = train_bpe_on_texts(iter_documents(args.inputs, args.json_key), args.vocab_size, Path(args.out))
+    out = train_bpe_on_texts(iter_documents(args.inputs, args.json_key, args.split), args.vocab_size, Path(args.out))
     print(f"wrote {out}")
     return 0
 
@@ -239,13 +240,23 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_preprocess(sub: argparse._SubParsersAction) -> None:
-    pp = sub.add_parser("preprocess", help="text / JSONL files or folders -> memory-mapped token files")
-    pp.add_argument("inputs", nargs="+")
+    pp = sub.add_parser("preprocess", help="text / JSONL / Parquet files, saved HF datasets, or folders -> "
+                                           "memory-mapped token files")
+    pp.add_argument("inputs", nargs="+", help="files or folders: text files (one document each), .jsonl (one per "
+                                              "line), .parquet (one per row; pip install 'megaloom[parquet]'), "
+                                              "folders written by datasets' save_to_disk or .arrow files "
+                                              "(pip install 'megaloom[hf]')")
     pp.add_argument("--tokenizer", required=True, help="tokenizer.json")
     pp.add_argument("--out", required=True, help="output prefix (writes PREFIX.bin and PREFIX.idx)")
     pp.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2)))
-    pp.add_argument("--json-key", default="text")
+    _add_text_column(pp)
     pp.set_defaults(fn=_cmd_preprocess)
+
+
+def _add_text_column(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--text-column", "--json-key", dest="json_key", default="text",
+                   help="the JSONL field / Parquet or datasets column holding the text (default: text)")
+    p.add_argument("--split", default="train", help="the split of a saved DatasetDict (default: train)")
 
 
 def _add_tokenizer(sub: argparse._SubParsersAction) -> None:
@@ -256,7 +267,7 @@ def _add_tokenizer(sub: argparse._SubParsersAction) -> None:
     tt.add_argument("inputs", nargs="+")
     tt.add_argument("--vocab-size", type=int, default=8192)
     tt.add_argument("--out", required=True, help="path of the tokenizer.json to write")
-    tt.add_argument("--json-key", default="text", help="field holding the text in .json/.jsonl inputs (as preprocess)")
+    _add_text_column(tt)
     tt.set_defaults(fn=_cmd_tokenizer)
 
 
