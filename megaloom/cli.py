@@ -151,6 +151,10 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
+    if args.calibrate:  # this machine's GPU measured for `megaloom plan` (one process, no collectives)
+        from megaloom.planning.calibrate import calibrate_command
+
+        return calibrate_command(args.out, args.name, args.like, quick=args.quick)
     if "LOCAL_RANK" not in os.environ:  # not under torchrun: start it (one process without --nproc)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                str(args.nproc or 1), "-m", "megaloom", "doctor", "--factor", str(args.factor), "--matmul-n",
@@ -303,6 +307,12 @@ def _add_doctor(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--matmul-n", type=int, default=512)
     d.add_argument("--run-dir", default=None, help="record the nodes of unhealthy ranks in this run directory, "
                                                     "for `megaloom evict` to leave them out of the next restart")
+    d.add_argument("--calibrate", action="store_true",
+                   help="measure this GPU (GEMM, attention, HBM, launch) into a calibration file for megaloom plan")
+    d.add_argument("--out", default=None, help="--calibrate: the file to write (default: megaloom/planning/gpus/)")
+    d.add_argument("--name", default=None, help="--calibrate: the GPU kind's name (default: the device's)")
+    d.add_argument("--like", default=None, help="--calibrate: keep this kind's node and network figures")
+    d.add_argument("--quick", action="store_true", help=argparse.SUPPRESS)  # tiny sizes: tests
     d.set_defaults(fn=_cmd_doctor)
 
 

@@ -121,3 +121,14 @@ def test_the_dry_run_prediction_meets_the_h200_rows() -> None:
         bound = 0.16 if ("tp4-pp2" in r["layout"] or "cp2" in r["layout"]) else 0.10
         assert err <= bound, (r["layout"], r["seq_len"], 1e3 * pred.step_s, r["step_ms"])
     assert math.isfinite(pred.mfu)
+
+
+def test_doctor_calibrate_writes_a_file_plan_reads(tmp_path: Path) -> None:
+    """The command's code path on whatever device there is (on CPU a smoke test: its numbers mean nothing)."""
+    from megaloom.cli import main
+
+    out = tmp_path / "cal.json"
+    assert main(["doctor", "--calibrate", "--quick", "--out", str(out), "--like", "h200"]) == 0
+    g = load_gpu(str(out))
+    assert g.gemm and g.attention and g.hbm_tbps > 0 and g.launch_us > 0
+    assert g.gpus_per_node == load_gpu("h200").gpus_per_node  # kept from --like
