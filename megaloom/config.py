@@ -44,6 +44,8 @@ def _choices(f: dataclasses.Field) -> tuple | None:
     return ch() if callable(ch) else ch
 
 
+TRACKERS = ("tensorboard", "wandb", "mlflow")  # run.trackers (megaloom/observe/trackers/)
+
 # A switch that "auto" leaves to megaloom (train.compile, train.fused_loss): true, false or "auto", resolved to a
 # bool for the device before the run's config.yaml is written (megaloom/training/levers.py).
 AutoBool = bool | str
@@ -303,7 +305,16 @@ class CheckpointConfig:
 @dataclass
 class RunConfig:
     dir: str = _f("runs/default", "Run directory: config.yaml, metrics.jsonl, checkpoints/, TensorBoard events.")
-    tensorboard: bool = _f(True, "Write TensorBoard event files into run.dir.")
+    tensorboard: bool = _f(True, "Write TensorBoard event files into run.dir (with tensorboard in run.trackers; false "
+                                 "turns them off whatever run.trackers says).")
+    trackers: list[str] = _f(["tensorboard"], "Where the numbers of each metrics.jsonl record also go (rank 0; "
+                                              "metrics.jsonl is always written): any of tensorboard, wandb (pip "
+                                              "install 'megaloom[wandb]'; WANDB_MODE=offline needs no account), "
+                                              "mlflow (pip install 'megaloom[mlflow]'). A tracker that fails warns "
+                                              "once and is left out; training goes on.")
+    project: str = _f("megaloom", "The W&B project and MLflow experiment the run logs into (run.trackers).")
+    mlflow_uri: str = _f("", "MLflow tracking URI (e.g. file:/path/mlruns, http://host:5000); empty = "
+                             "$MLFLOW_TRACKING_URI, else MLflow's default.")
 
 
 @dataclass
@@ -660,6 +671,9 @@ def validate(cfg: Config) -> None:
              f"({t.micro_batch_size}) times the data-parallel size.")
     _require(t.device in ("auto", "cpu", "cuda") or t.device.startswith("cuda:"),
              f"train.device: {t.device!r} is not auto, cpu, cuda or cuda:N.")
+    for name in cfg.run.trackers:
+        _require(name in TRACKERS, f"run.trackers: {name!r} is not one of {', '.join(TRACKERS)}."
+                                   f"{_suggest(name, list(TRACKERS))}")
     _require(cfg.data.chat_template in ("auto", "chatml", "llama3") or cfg.data.chat_template.endswith(".jinja"),
              f"data.chat_template: {cfg.data.chat_template!r} is not auto, chatml, llama3 or a .jinja file."
              f"{_suggest(cfg.data.chat_template, ['auto', 'chatml', 'llama3'])}")

@@ -352,7 +352,9 @@ class Trainer:
                                                 enabled=rt.is_main)
         self.eval_batches = eval_batches(self.valid_ds, t.eval_batches, t.global_batch_size, self.local_batch, mesh,
                                          self.reads_data)
-        self.sink = MetricsSink(self.run_dir, cfg.run.tensorboard, enabled=rt.is_main)
+        self.sink = MetricsSink(self.run_dir, cfg.run.tensorboard and "tensorboard" in cfg.run.trackers,
+                                enabled=rt.is_main, trackers=cfg.run.trackers, config=cfg.to_dict(),
+                                project=cfg.run.project, mlflow_uri=cfg.run.mlflow_uri)
         dropped = self.sink.truncate_after(self.step)  # steps after the resumed one are trained again: one row each
         if dropped:
             log.info(f"metrics.jsonl: {dropped} row(s) after the resumed step {self.step} removed (trained again)")
