@@ -81,6 +81,9 @@ def encode_conversations(convs: list[Conversation], template: ChatTemplate, tok:
             ids = tok.encode_batch([text for p in pieces for text, _ in p])
             at = 0
             for conv, p in zip(part, pieces, strict=True):
+                if not p:
+                    raise DataError(f"{conv.where}: the chat template {template.name} renders this conversation as "
+                                    "no text; set data.chat_template to a template that writes the messages")
                 conv_ids = ids[at:at + len(p)]
                 at += len(p)
                 toks = np.fromiter((i for piece in conv_ids for i in piece), dtype=np.int32)
