@@ -94,7 +94,7 @@ def chat_tokenizer(tokenizer_path: Path, tmp_path_factory: pytest.TempPathFactor
 def conversation(i: int, rng: random.Random) -> dict:
     """A small arithmetic conversation: sometimes a system prompt, 1-3 user/assistant turns."""
     messages = [{"role": "system", "content": "answer with the number only"}] if i % 3 == 0 else []
-    for t in range(rng.randint(1, 3)):
+    for _ in range(rng.randint(1, 3)):
         a, b = rng.randint(0, 20), rng.randint(0, 20)
         messages += [{"role": "user", "content": f"what is {a} + {b}?"},
                      {"role": "assistant", "content": f"{a + b}"}]

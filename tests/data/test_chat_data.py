@@ -35,7 +35,8 @@ def chat_cfg(make_cfg, chat_tokenizer, tmp_path):
 @pytest.mark.parametrize("line, why", [
     ("{not json", "not valid JSON"),
     ('["a"]', 'no "messages" list \\(found a JSON list\\)'),
-    ('{"conversations": [{"from": "human", "value": "hi"}]}', 'no "messages" list .*ShareGPT.s conversations/from/value'),
+    ('{"conversations": [{"from": "human", "value": "hi"}]}',
+     'no "messages" list .*ShareGPT.s conversations/from/value'),
     ('{"messages": [{"role": "user"}]}', 'message 0 has no string "content" \\(missing\\)'),
     ('{"messages": [{"role": "user", "content": ["x"]}]}', 'message 0 has no string "content" \\(a JSON list\\)'),
     ('{"messages": ["hi"]}', "message 0 is a JSON str"),
@@ -57,8 +58,8 @@ def test_malformed_data_stops_before_any_heavy_work(chat_cfg, tmp_path, capsys):
     cfg = chat_cfg()
     path = tmp_path / "chats.jsonl"
     path.write_text(path.read_text() + '{"messages": []}\n')
-    overrides = [f"data.paths={path}", f"data.tokenizer={cfg.tokenizer}", "data.format=chat", f"run.dir={tmp_path / 'r'}",
-                 f"data.cache_dir={tmp_path / 'cache'}", "data.num_workers=0"]
+    overrides = [f"data.paths={path}", f"data.tokenizer={cfg.tokenizer}", "data.format=chat",
+                 f"run.dir={tmp_path / 'r'}", f"data.cache_dir={tmp_path / 'cache'}", "data.num_workers=0"]
     with pytest.raises(DataError, match="chats.jsonl:61: no \"assistant\" message"):
         preflight_launch(load_config(None, overrides), 2)
     assert main(["train", *overrides]) == 2

@@ -58,7 +58,8 @@ def test_auto_finds_the_tokenizers_template(chat_tokenizer, tmp_path):
     (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": custom, "bos_token": "<s>",
                                                               "eos_token": {"content": "<|im_end|>"}}))
     found = resolve_template("auto", str(folder / "tokenizer.json"))
-    assert found.source == custom and found.render(MESSAGES[1:3], False) == "[user] hi\n<|im_end|>[assistant]  hello <|im_end|>"
+    assert found.source == custom
+    assert found.render(MESSAGES[1:3], False) == "[user] hi\n<|im_end|>[assistant]  hello <|im_end|>"
     assert resolve_template("llama3", str(folder / "tokenizer.json")).render(MESSAGES[:1], False).startswith("<s>")
     named = [{"name": "tool_use", "template": "x"}, {"name": "default", "template": "{{ messages | length }}"}]
     (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": named}))
