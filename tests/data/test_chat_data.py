@@ -146,3 +146,14 @@ def test_end_of_document_text_inside_a_conversation_is_refused_with_document_mas
                                              '"content": "stop<|endoftext|>here"', 1))
     build_chat_datasets(cfg, SEQ, seed=1, n_train=4, n_valid=1)
     assert Tokenizer.from_file(cfg.tokenizer).eod_id is not None
+
+
+def test_files_without_conversations_are_refused(chat_cfg, tmp_path):
+    cfg = chat_cfg()
+    (tmp_path / "chats.jsonl").write_text("\n\n")
+    with pytest.raises(DataError, match="hold no conversations \\(data.format=chat\\)"):
+        check_chat_files(cfg.paths)
+    with pytest.raises(DataError, match="hold no conversations"):
+        build_chat_datasets(cfg, SEQ, seed=1, n_train=4, n_valid=1)
+    with pytest.raises(DataError, match="data.paths: .*missing.jsonl does not exist; with data.format=chat"):
+        check_chat_files([str(tmp_path / "missing.jsonl")])

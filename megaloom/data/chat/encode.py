@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from megaloom.data.cache import load_npy, short_hash, tmp_name
-from megaloom.data.chat.records import Conversation, chat_files, check_chat_files, read_conversations
+from megaloom.data.chat.records import Conversation, chat_files, read_conversations
 from megaloom.data.chat.segments import segments
 from megaloom.data.chat.templates import ChatTemplate
 from megaloom.data.errors import DataError
@@ -126,9 +126,10 @@ def load_or_encode(paths: list[str], template: ChatTemplate, tok: Tokenizer, cac
     found = _load(folder)
     if found is not None:
         return found
-    check_chat_files(paths)  # a malformed line fails here, before any rendering
     t0 = time.perf_counter()
-    convs = [c for f in chat_files(paths) for c in read_conversations(f)]
+    convs = [c for f in chat_files(paths) for c in read_conversations(f)]  # every line parsed before any rendering
+    if not convs:
+        raise DataError(f"data.paths ({', '.join(paths)}) hold no conversations (data.format=chat)")
     enc = encode_conversations(convs, template, tok, eod_inside_ok)
     tmp = tmp_name(folder)
     try:
