@@ -4,7 +4,9 @@ The run's id is derived from the run directory's absolute path, so a resumed meg
 (``resume="allow"``) instead of starting another; wandb keeps one value per step and drops the records of steps it
 already has, which a resume trains again. Files go under ``run.dir/wandb``; project = `run.project`; everything
 else (entity, offline mode, API key) is wandb's own environment: WANDB_ENTITY, WANDB_MODE=offline, WANDB_API_KEY.
-The config logged is the run's resolved config.yaml.
+The config logged is the run's resolved config.yaml. Without a login, wandb.init fails at once where stdin is not a
+terminal (a job: one warning, the run goes on without W&B) but asks how to proceed in a terminal (wandb's own
+prompt): log in first (`wandb login`) or set WANDB_MODE=offline.
 """
 
 from __future__ import annotations
