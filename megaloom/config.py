@@ -44,6 +44,8 @@ def _choices(f: dataclasses.Field) -> tuple | None:
     return ch() if callable(ch) else ch
 
 
+TRACKERS = ("tensorboard", "wandb", "mlflow")  # run.trackers (megaloom/observe/trackers/)
+
 # A switch that "auto" leaves to megaloom (train.compile, train.fused_loss): true, false or "auto", resolved to a
 # bool for the device before the run's config.yaml is written (megaloom/training/levers.py).
 AutoBool = bool | str
@@ -251,7 +253,8 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
-    paths: list[str] = _f([], "Token-file prefixes from `megaloom preprocess`; empty = embedded default corpus.")
+    paths: list[str] = _f([], "Token-file prefixes from `megaloom preprocess`; empty = embedded default corpus. With "
+                              "data.format=chat: JSONL conversation files (or folders of them).")
     weights: list[float] = _f([], "Blending weights, one per path; empty = proportional to token counts.")
     tokenizer: str = _f("", "Path to a tokenizer.json; empty = the default BPE trained on the embedded corpus.")
     split: str = _f("98,2", "train,valid percentages of documents.")
@@ -264,6 +267,15 @@ class DataConfig:
                                     "tokenizer's EOD token): as if every document were its own sample.")
     reset_positions: bool = _f(False, "Positions (RoPE angles, learned position rows) restart at 0 with each "
                                       "document of a packed sample.")
+    format: str = _f("tokens", "tokens = token files (data.paths) or the default corpus, packed across documents; "
+                               "chat = supervised fine-tuning on JSONL conversations ({\"messages\": [{\"role\": ..., "
+                               "\"content\": ...}]} a line), rendered with data.chat_template, packed whole with "
+                               "document masks and restarting positions (on unless set, with parallel.pp=1), the "
+                               "loss on assistant tokens only (megaloom/data/chat/).", ("tokens", "chat"))
+    chat_template: str = _f("auto", "With data.format=chat: auto = the template shipped with data.tokenizer "
+                                    "(chat_template.jinja or tokenizer_config.json's chat_template beside it, "
+                                    "rendered with jinja2), else chatml; or a built-in one by name: chatml, llama3; "
+                                    "or a .jinja file.")
     images: str = _f("", "Image-text data for a multimodal model (model.vision_layers > 0): a folder of *.jsonl "
                          "records with their images, or of WebDataset-style *.tar shards; empty = a generated "
                          "synthetic set (shapes and colours with captions).")
@@ -293,7 +305,16 @@ class CheckpointConfig:
 @dataclass
 class RunConfig:
     dir: str = _f("runs/default", "Run directory: config.yaml, metrics.jsonl, checkpoints/, TensorBoard events.")
-    tensorboard: bool = _f(True, "Write TensorBoard event files into run.dir.")
+    tensorboard: bool = _f(True, "Write TensorBoard event files into run.dir (with tensorboard in run.trackers; false "
+                                 "turns them off whatever run.trackers says).")
+    trackers: list[str] = _f(["tensorboard"], "Where the numbers of each metrics.jsonl record also go (rank 0; "
+                                              "metrics.jsonl is always written): any of tensorboard, wandb (pip "
+                                              "install 'megaloom[wandb]'; WANDB_MODE=offline needs no account), "
+                                              "mlflow (pip install 'megaloom[mlflow]'). A tracker that fails warns "
+                                              "once and is left out; training goes on.")
+    project: str = _f("megaloom", "The W&B project and MLflow experiment the run logs into (run.trackers).")
+    mlflow_uri: str = _f("", "MLflow tracking URI (e.g. file:/path/mlruns, http://host:5000); empty = "
+                             "$MLFLOW_TRACKING_URI, else MLflow's default.")
 
 
 @dataclass
@@ -486,6 +507,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     _apply_size_defaults(cfg, set(values))
     if "train.micro_batch_size" not in values and cfg.parallel.pp == 1:
         cfg.train.micro_batch_size = 0  # auto: the memory plan picks it for the device (training/resolve.py)
+    if cfg.data.format == "chat" and cfg.parallel.pp == 1:
+        # Packed conversations must not see each other, and each starts at position 0 as at inference; pipelines
+        # do not carry document boundaries yet (preflight), so there they stay off unless asked for.
+        for key in ("document_mask", "reset_positions"):
+            if f"data.{key}" not in values:
+                setattr(cfg.data, key, True)
     validate(cfg)
     return cfg
 
@@ -644,6 +671,12 @@ def validate(cfg: Config) -> None:
              f"({t.micro_batch_size}) times the data-parallel size.")
     _require(t.device in ("auto", "cpu", "cuda") or t.device.startswith("cuda:"),
              f"train.device: {t.device!r} is not auto, cpu, cuda or cuda:N.")
+    for name in cfg.run.trackers:
+        _require(name in TRACKERS, f"run.trackers: {name!r} is not one of {', '.join(TRACKERS)}."
+                                   f"{_suggest(name, list(TRACKERS))}")
+    _require(cfg.data.chat_template in ("auto", "chatml", "llama3") or cfg.data.chat_template.endswith(".jinja"),
+             f"data.chat_template: {cfg.data.chat_template!r} is not auto, chatml, llama3 or a .jinja file."
+             f"{_suggest(cfg.data.chat_template, ['auto', 'chatml', 'llama3'])}")
     if cfg.data.weights:
         _require(len(cfg.data.weights) == len(cfg.data.paths),
                  f"data.weights has {len(cfg.data.weights)} entries but data.paths has {len(cfg.data.paths)}; "

@@ -44,6 +44,10 @@ from megaloom.models.registry import get_family
 ADDED_LATER = {"rope_scaling", "rope_factor", "rope_original_max_len", "rope_low_freq_factor",
                "rope_high_freq_factor", "rope_beta_fast", "rope_beta_slow", "rope_attention_factor", "rope_truncate"}
 
+# Files beside an HF tokenizer.json that `from_hf` copies into the run with it.
+TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
 def to_hf(run_or_ckpt_dir: str | Path, out_dir: str | Path, show_progress: bool = True, dtype: str = "float32",
           max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
     """Export a run's newest good checkpoint (or the given checkpoint directory) as an HF model directory.
@@ -69,6 +73,9 @@ def to_hf(run_or_ckpt_dir: str | Path, out_dir: str | Path, show_progress: bool 
         if eos_id is not None:  # config.json's bos/eos_token_id: the end-of-document token, as the tokenizer spells it
             eod = _token_text(tokenizer, eos_id)
             tok_cfg.update(bos_token=eod, eos_token=eod)
+        # A chat fine-tune: apply_chat_template formats prompts as training rendered them (the template, and the
+        # special tokens it reads, e.g. Llama 3's bos_token <|begin_of_text|>, not the end-of-document token).
+        tok_cfg.update(_chat_template_of_run(run_dir, tokenizer))
         (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
     # config.json last: a directory with a config.json is a finished export
     (out / "config.json").write_text(json.dumps(config_json, indent=2))
@@ -80,7 +87,8 @@ def from_hf(hf_dir: str | Path, out_run_dir: str | Path) -> Path:
     GPT2LMHeadModel, Qwen3ForCausalLM) as a new megaloom run. Returns the checkpoint.
 
     The checkpoint is model-only (no optimizer state, no RNG): training from it starts the optimizer fresh at
-    step 0. tokenizer.json, if present, is copied into the run and set as data.tokenizer."""
+    step 0. tokenizer.json, if present, is copied into the run and set as data.tokenizer (with tokenizer_config.json,
+    special_tokens_map.json and chat_template.jinja where the HF directory has them: its chat template)."""
     src = Path(hf_dir)
     cfg_path = src / "config.json"
     if not cfg_path.is_file():
@@ -105,6 +113,9 @@ def from_hf(hf_dir: str | Path, out_run_dir: str | Path) -> Path:
     if (src / "tokenizer.json").is_file():
         shutil.copyfile(src / "tokenizer.json", run_dir / "tokenizer.json")
         cfg.data.tokenizer = str(run_dir / "tokenizer.json")
+        for name in TOKENIZER_SIDE_FILES:  # its chat template and special tokens: data.chat_template=auto reads them
+            if (src / name).is_file():
+                shutil.copyfile(src / name, run_dir / name)
     else:  # training would otherwise fall back to megaloom's default tokenizer: other token ids
         warnings.warn(f"{src} has no tokenizer.json; set data.tokenizer in {run_dir / 'config.yaml'} to the "
                       "model's tokenizer before fine-tuning", stacklevel=2)
@@ -201,6 +212,21 @@ def _tokenizer_of_run(run_dir: Path) -> tuple[Path | None, int | None]:
         return path, Tokenizer.from_file(path).eod_id
     except DataError:
         return path, None
+
+
+def _chat_template_of_run(run_dir: Path, tokenizer: Path) -> dict[str, str]:
+    """tokenizer_config.json entries of a data.format=chat run: ``chat_template`` (the jinja source of the
+    template it trained with; built-ins have one too) and the special tokens the template read; {} otherwise."""
+    data = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("data", {})
+    if data.get("format") != "chat":
+        return {}
+    from megaloom.data.chat.templates import resolve_template, special_tokens
+    from megaloom.data.tokenizer import Tokenizer
+
+    vocab = Tokenizer.from_file(tokenizer).hf.get_vocab()
+    specials = {k: v for k, v in special_tokens(tokenizer.parent, vocab).items() if v}
+    return {**specials, "chat_template": resolve_template(data.get("chat_template", "auto"), str(tokenizer),
+                                                          vocab).source}
 
 
 def _run_config(settings: dict, run_dir: Path, where: str) -> Config:

@@ -79,9 +79,15 @@ def data_changes(saved: list[dict] | None, now: list[dict] | None) -> list[str]:
     if len(saved) != len(now):
         return [f"{len(saved)} dataset(s) then ({', '.join(d.get('path', '?') for d in saved)}), {len(now)} now "
                 f"({', '.join(d['path'] for d in now)})"]
+    from megaloom.data.chat import identity as chat
+
     out = []
     for i, (then, cur) in enumerate(zip(saved, now, strict=True)):
-        if any(then.get(k) != cur[k] for k in COMPARED):
+        is_chat = cur.get("kind") == chat.KIND  # conversation files (data.format=chat): their own fields
+        if then.get("kind") != cur.get("kind") or any(then.get(k) != cur[k]
+                                                      for k in (chat.COMPARED if is_chat else COMPARED)):
             where = cur["path"] if then.get("path") == cur["path"] else f"{then.get('path')} then, {cur['path']} now"
-            out.append(f"dataset {i + 1} ({where}): {_what_changed(then, cur)}")
+            what = (chat.what_changed(then, cur) if is_chat and then.get("kind") == chat.KIND
+                    else "another kind of data" if then.get("kind") != cur.get("kind") else _what_changed(then, cur))
+            out.append(f"dataset {i + 1} ({where}): {what}")
     return out

@@ -1,41 +1,44 @@
-"""Where metrics go: metrics.jsonl (the contract), TensorBoard, and a console line for humans."""
+"""Where metrics go: metrics.jsonl (the contract), the trackers (TensorBoard, W&B, MLflow), and a console line for
+humans."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 
 class MetricsSink:
-    """Appends one JSON object per logged step to run_dir/metrics.jsonl and mirrors scalars to TensorBoard.
+    """Appends one JSON object per logged step to run_dir/metrics.jsonl and mirrors its numbers to the trackers
+    (`run.trackers`: TensorBoard, W&B, MLflow; observe/trackers/), each imported only when asked for and dropped
+    with one warning line if it fails.
 
     Only rank 0 writes (the caller constructs it with enabled=False elsewhere).
     """
 
-    def __init__(self, run_dir: Path, tensorboard: bool, enabled: bool = True):
+    def __init__(self, run_dir: Path, tensorboard: bool, enabled: bool = True, trackers: Sequence[str] = (),
+                 config: dict | None = None, project: str = "megaloom", mlflow_uri: str = ""):
+        """``tensorboard``: TensorBoard event files in run_dir (``run.tensorboard`` with tensorboard in
+        ``run.trackers``); ``trackers``: the others by name; ``config``: the resolved config they record."""
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
-        self.tb = None
-        if enabled and tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+        self.trackers = []
+        if enabled:
+            from megaloom.observe.trackers import open_trackers
 
-            self.tb = SummaryWriter(log_dir=str(run_dir))
+            names = (["tensorboard"] if tensorboard else []) + [t for t in trackers if t != "tensorboard"]
+            self.trackers = open_trackers(names, run_dir, config, project, mlflow_uri)
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps(json_record(record), allow_nan=False) + "\n")
-        if self.tb is not None:
-            step = record["step"]
-            for k, v in record.items():
-                if k != "step" and isinstance(v, int | float) and not isinstance(v, bool):
-                    tag = k.replace("eval_", "eval/") if k.startswith("eval_") else f"train/{k}"
-                    self.tb.add_scalar(tag, v, step)
-            self.tb.flush()
+        for tracker in self.trackers:
+            tracker.log(record, record["step"])
 
     def truncate_after(self, step: int) -> int:
         """Drop the records of steps after `step` (a resume or rollback to `step` replays them), so that
@@ -53,8 +56,8 @@ class MetricsSink:
         return len(lines) - len(keep)
 
     def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
+        for tracker in self.trackers:
+            tracker.close()
 
 
 def _step_of(line: str) -> int:

@@ -23,11 +23,16 @@ if TYPE_CHECKING:
 
 def default_builder(cfg: Config, text: Callable = build_datasets) -> Callable:
     """``text`` (`build_datasets`: token files), or for a model with an image encoder the image-text datasets
-    (data/image_text/) with its image settings bound."""
+    (data/image_text/) with its image settings bound, or the packed conversations of data.format=chat
+    (data/chat/)."""
     if cfg.model.vision_layers:
         from megaloom.data.image_text.build import build_image_text_datasets
 
         return partial(build_image_text_datasets, model=cfg.model)
+    if cfg.data.format == "chat":
+        from megaloom.data.chat.dataset import build_chat_datasets
+
+        return build_chat_datasets
     return text
 
 

@@ -36,8 +36,8 @@ The report says which.
 
 Settings a dry run changes, because they need other processes, files or threads: checkpoint.async_save=false
 (its gloo group cannot start on a fake store), checkpoint.resume=none, data.num_workers=0, run.tensorboard=false,
-resilience (nan_guard, watchdog, heartbeat, stragglers) off: garbage in unfilled receive buffers must not skip
-an update. The run directory is a temporary one, removed at the end unless ``keep_dir`` is given.
+run.trackers empty, resilience (nan_guard, watchdog, heartbeat, stragglers) off: garbage in unfilled receive
+buffers must not skip an update. The run directory is a temporary one, removed at the end unless ``keep_dir`` is given.
 """
 
 from __future__ import annotations
@@ -141,6 +141,7 @@ def dry_run_config(cfg: Config, steps: int, run_dir: Path) -> Config:
     cfg.checkpoint.every = 0
     cfg.run.dir = str(run_dir)
     cfg.run.tensorboard = False
+    cfg.run.trackers = []  # a dry run's numbers are no experiment: no W&B or MLflow run either
     cfg.resilience = dataclasses.replace(cfg.resilience, nan_guard=False, hang_timeout_s=0.0, heartbeat=False,
                                          straggler_every=0)
     return cfg

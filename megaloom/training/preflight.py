@@ -1,10 +1,10 @@
 """Preflight: every refusal of a config that needs no process group, data or model, before any heavy work.
 
 `preflight` runs first of all (it needs only the world size; `preflight_launch` runs it, and checks the data
-files exist, in the process that `megaloom train --nproc N` starts torchrun from); `preflight_vocab` is its one
-check that needs the tokenizer, run as soon as the tokenizer is known and before the model is built. `load_config`'s
-`validate()` has already checked each value on its own; these are the checks of how values fit together
-with the world size, the pipeline partition and this build's features.
+files exist (conversation files: every line parses), in the process that `megaloom train --nproc N` starts
+torchrun from); `preflight_vocab` is its one check that needs the tokenizer, run as soon as the tokenizer is known
+and before the model is built. `load_config`'s `validate()` has already checked each value on its own; these are the
+checks of how values fit together with the world size, the pipeline partition and this build's features.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass
 
 from megaloom.config import Config, ConfigError, ModelConfig
+from megaloom.data.chat.settings import check_chat_config
 from megaloom.models.registry import get_family
 from megaloom.parallel.context import check_context
 from megaloom.parallel.mesh import validate_layout
@@ -75,12 +76,18 @@ def preflight_launch(cfg: Config, world_size: int) -> Checked:
     from megaloom.data.indexed import IndexedTokens
 
     checked = preflight(cfg, world_size, local_world_size=world_size)  # --nproc N: N processes on this node
-    for prefix in cfg.data.paths:
-        IndexedTokens(prefix)
+    chat = cfg.data.format == "chat"
+    if chat:  # every conversation line parses: a malformed one is refused here, once
+        from megaloom.data.chat.records import check_chat_files
+
+        check_chat_files(cfg.data.paths)
+    else:
+        for prefix in cfg.data.paths:
+            IndexedTokens(prefix)
     if cfg.data.tokenizer and not Path(cfg.data.tokenizer).expanduser().is_file():
         raise DataError(f"tokenizer file {cfg.data.tokenizer} does not exist; set data.tokenizer to a tokenizer.json "
                         "(or leave it empty to use the default tokenizer)")
-    if cfg.data.paths:  # token files made by another tokenizer: refused here once, not by every rank
+    if cfg.data.paths and not chat:  # token files made by another tokenizer: refused here once, not by every rank
         from megaloom.data.corpus import cache_root
         from megaloom.data.dataset import resolve_sources
 
@@ -108,6 +115,7 @@ def refuse_unbuilt(cfg: Config) -> None:
                           "pipeline stages in this build; set parallel.pp=1 (tensor, data and expert parallelism "
                           f"support it) or {which}=false.")
     check_context(cfg)
+    check_chat_config(cfg)
     objective = get_family(cfg.model.arch).objective  # an encoder's objective refuses what it cannot read
     if objective is not None:
         objective.check(cfg)

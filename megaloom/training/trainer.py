@@ -24,6 +24,7 @@ import torch.distributed as dist
 from megaloom.checkpoint.group import CheckpointGroup
 from megaloom.checkpoint.store import remove_partial_saves
 from megaloom.config import Config, ConfigError
+from megaloom.data.chat.identity import chat_identity
 from megaloom.data.dataset import build_datasets, source_prefixes
 from megaloom.data.identity import data_identity
 from megaloom.data.image_text.batch import ImageTextBatch
@@ -175,8 +176,10 @@ class Trainer:
         # What the token files are (sizes, counts, cheap hashes), saved with each checkpoint and compared on resume;
         # every rank reads it (a few MiB at most), so every rank takes the same decision. Not for image-text sets
         # or a caller's datasets (a dry run's synthetic tokens).
-        self.data_identity = (data_identity(source_prefixes(self.requested.data))
-                              if self._datasets is None and not self.requested.model.vision_layers else None)
+        self.data_identity = (None if self._datasets is not None or self.requested.model.vision_layers
+                              else chat_identity(self.requested.data, self.tokenizer)
+                              if self.requested.data.format == "chat"
+                              else data_identity(source_prefixes(self.requested.data)))
         objective = registry.get_family(self.requested.model.arch).objective  # a lookup: no model is built
         self.objective = objective.build(self.requested, self.tokenizer) if objective is not None else None
         if self.objective is not None:
@@ -349,7 +352,9 @@ class Trainer:
                                                 enabled=rt.is_main)
         self.eval_batches = eval_batches(self.valid_ds, t.eval_batches, t.global_batch_size, self.local_batch, mesh,
                                          self.reads_data)
-        self.sink = MetricsSink(self.run_dir, cfg.run.tensorboard, enabled=rt.is_main)
+        self.sink = MetricsSink(self.run_dir, cfg.run.tensorboard and "tensorboard" in cfg.run.trackers,
+                                enabled=rt.is_main, trackers=cfg.run.trackers, config=cfg.to_dict(),
+                                project=cfg.run.project, mlflow_uri=cfg.run.mlflow_uri)
         dropped = self.sink.truncate_after(self.step)  # steps after the resumed one are trained again: one row each
         if dropped:
             log.info(f"metrics.jsonl: {dropped} row(s) after the resumed step {self.step} removed (trained again)")

@@ -72,3 +72,38 @@ def make_cfg(tmp_path: Path, tokens_prefix: str, tokenizer_path: Path) -> Callab
         return DataConfig(**base)
 
     return make
+
+
+CHAT_SPECIALS = ["<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                 "<|eot_id|>"]
+
+
+@pytest.fixture(scope="session")
+def chat_tokenizer(tokenizer_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The corpus BPE plus ChatML's and Llama 3's markup as special tokens (one id each, as in real chat
+    tokenizers), alone in its folder (no tokenizer_config.json: tests that need one copy the folder)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    hf = HFTokenizer.from_file(str(tokenizer_path))
+    hf.add_special_tokens(CHAT_SPECIALS)
+    out = tmp_path_factory.mktemp("chat_tok") / "tokenizer.json"
+    hf.save(str(out))
+    return out
+
+
+def conversation(i: int, rng: random.Random) -> dict:
+    """A small arithmetic conversation: sometimes a system prompt, 1-3 user/assistant turns."""
+    messages = [{"role": "system", "content": "answer with the number only"}] if i % 3 == 0 else []
+    for _ in range(rng.randint(1, 3)):
+        a, b = rng.randint(0, 20), rng.randint(0, 20)
+        messages += [{"role": "user", "content": f"what is {a} + {b}?"},
+                     {"role": "assistant", "content": f"{a + b}"}]
+    return {"messages": messages}
+
+
+def write_chats(path: Path, n: int, seed: int = 0) -> Path:
+    import json
+
+    rng = random.Random(seed)
+    path.write_text("".join(json.dumps(conversation(i, rng)) + "\n" for i in range(n)), encoding="utf-8")
+    return path

@@ -1,11 +1,10 @@
 """Rows of packed image-text records: the plan (which records share row i) and the dataset that assembles row i.
 
-The plan walks the records in a fresh permutation per epoch (drawn from the seed and the epoch number) and fills
-rows greedily: a record goes into the current row if its tokens fit in train.seq_len + 1 and its images in
-data.max_images, otherwise the row is closed (padded with end-of-document tokens that are not targets) and the
-record starts the next one. Row i therefore depends only on (records, seq_len, max_images, seed), never on how
-many rows were asked for: a resumed run reads exactly the rows it would have read. A record too long for a row
-on its own is left out (counted in ``skipped``).
+The plan is data/rows.py's greedy packing of whole records with two budgets: a record goes into the current row if
+its tokens fit in train.seq_len + 1 and its images in data.max_images, otherwise the row is closed (padded with
+end-of-document tokens that are not targets) and the record starts the next one. Row i depends only on (records,
+seq_len, max_images, seed), never on how many rows were asked for: a resumed run reads exactly the rows it would
+have read. A record too long for a row on its own is left out (counted in ``skipped``).
 
 Decoding happens in `__getitem__`, i.e. in the DataLoader's worker processes (data.num_workers), ahead of the
 step that needs the row.
@@ -19,34 +18,19 @@ from megaloom.data.errors import DataError
 from megaloom.data.image_text import synthetic
 from megaloom.data.image_text.images import decode, to_pixels
 from megaloom.data.image_text.sources import load_image_bytes
+from megaloom.data.rows import greedy_rows
 
 
 def plan_rows(lengths: np.ndarray, n_images: np.ndarray, row_len: int, max_images: int, seed: int,
               n_rows: int) -> tuple[list[list[int]], int]:
-    """(record indices of each of the first ``n_rows`` rows, records skipped as too long for a row)."""
+    """(record indices of each of the first ``n_rows`` rows, records skipped as too long for a row): the shared
+    greedy packing (data/rows.py) with two budgets, the row's tokens and data.max_images."""
     fits = (lengths <= row_len) & (n_images <= max_images)
     if not fits.any():
         raise DataError(f"no image-text record fits one row of train.seq_len + 1 = {row_len} tokens with at most "
                         f"data.max_images={max_images} images (shortest record: {int(lengths.min())} tokens); raise "
                         "train.seq_len or data.max_images, or use smaller images (model.patch_size)")
-    rows: list[list[int]] = []
-    row: list[int] = []
-    used = imgs = 0
-    epoch = 0
-    while len(rows) < n_rows:
-        for r in np.random.default_rng([seed, epoch]).permutation(len(lengths)):
-            if not fits[r]:
-                continue
-            if used + lengths[r] > row_len or imgs + n_images[r] > max_images:
-                rows.append(row)
-                if len(rows) == n_rows:
-                    break
-                row, used, imgs = [], 0, 0
-            row.append(int(r))
-            used += int(lengths[r])
-            imgs += int(n_images[r])
-        epoch += 1
-    return rows, int((~fits).sum())
+    return greedy_rows([lengths, n_images], [row_len, max_images], seed, n_rows)
 
 
 class PackedImageText:

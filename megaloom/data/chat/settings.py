@@ -1,0 +1,36 @@
+"""What data.format=chat refuses, checked by preflight before any process group, data or model exists."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from megaloom.config import ConfigError
+
+if TYPE_CHECKING:
+    from megaloom.config import Config
+
+
+def check_chat_config(cfg: Config) -> None:
+    d, m, p = cfg.data, cfg.model, cfg.parallel
+    if d.format != "chat":
+        return
+    if not d.paths:
+        raise ConfigError("data.format=chat needs data.paths: JSONL conversation files (or folders of them), one "
+                          '{"messages": [{"role": ..., "content": ...}, ...]} a line.')
+    if d.weights:
+        raise ConfigError("data.weights with data.format=chat: conversation files are read as one pool, not blended; "
+                          "leave data.weights empty (repeat a file in data.paths to weight it up).")
+    from megaloom.models.registry import get_family
+
+    if get_family(m.arch).objective is not None:
+        raise ConfigError(f"data.format=chat with model.arch={m.arch}: chat fine-tuning trains a decoder's "
+                          f"next-token loss on the assistant's tokens, and {m.arch} trains its own objective; use a "
+                          "decoder (llama, qwen3, gpt2) or data.format=tokens.")
+    if m.vision_layers:
+        raise ConfigError("data.format=chat with an image encoder (model.vision_layers > 0): image-text data has its "
+                          "own records (data.images, docs/multimodal.md); set data.format=tokens.")
+    if p.cp > 1:
+        # The step averages the cp ranks' mean losses; with most tokens masked the ranks hold different numbers of
+        # targets, so that average is not the mean over the row's assistant tokens (and a rank may hold none).
+        raise ConfigError(f"data.format=chat with parallel.cp={p.cp}: the loss over assistant tokens is not split "
+                          "over context-parallel ranks in this build; set parallel.cp=1.")

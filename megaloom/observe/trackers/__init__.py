@@ -1,0 +1,59 @@
+"""Experiment trackers that mirror metrics.jsonl (`run.trackers`): TensorBoard, Weights & Biases, MLflow.
+
+metrics.jsonl is the contract and is always written (observe/metrics.py); a tracker only mirrors its records: the
+same keys, the numbers among them (lists such as per-rank times or per-expert loads stay in metrics.jsonl), at the
+record's step, on rank 0 only. Each tracker's package is imported only when the tracker is asked for, and a tracker
+that fails, when it starts or at any later record, says so in one warning line and is left out from then on
+(guard.py): a dashboard never stops a training run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from megaloom.observe.trackers.guard import Guarded
+
+TRACKERS = ("tensorboard", "wandb", "mlflow")
+
+
+class Tracker(Protocol):
+    def log(self, record: dict[str, Any], step: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def scalars(record: dict[str, Any], finite_only: bool = True) -> dict[str, float]:
+    """The record's numbers (not ``step``, not booleans, not lists); ``finite_only`` drops NaN and infinities,
+    which metrics.jsonl lists under ``nonfinite``."""
+    out = {}
+    for k, v in record.items():
+        if k == "step" or isinstance(v, bool) or not isinstance(v, int | float):
+            continue
+        if finite_only and not (float("-inf") < v < float("inf")):
+            continue
+        out[k] = float(v) if isinstance(v, float) else v
+    return out
+
+
+def _opener(name: str, run_dir: Path, config: dict, project: str, mlflow_uri: str) -> Callable[[], Tracker]:
+    if name == "tensorboard":
+        from megaloom.observe.trackers.tensorboard import TensorBoard
+
+        return lambda: TensorBoard(run_dir)
+    if name == "wandb":
+        from megaloom.observe.trackers.wandb_tracker import WandbTracker
+
+        return lambda: WandbTracker(run_dir, config, project)
+    if name == "mlflow":
+        from megaloom.observe.trackers.mlflow_tracker import MlflowTracker
+
+        return lambda: MlflowTracker(run_dir, config, project, mlflow_uri)
+    raise ValueError(f"unknown tracker {name!r}; known: {', '.join(TRACKERS)}")
+
+
+def open_trackers(names: Sequence[str], run_dir: Path, config: dict | None = None, project: str = "megaloom",
+                  mlflow_uri: str = "") -> list[Guarded]:
+    """The trackers ``names`` started now, each behind its guard (one that cannot start is already disabled)."""
+    return [Guarded(name, _opener(name, run_dir, config or {}, project, mlflow_uri)) for name in dict.fromkeys(names)]
