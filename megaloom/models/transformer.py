@@ -21,10 +21,12 @@ from torch.utils.checkpoint import checkpoint
 
 from megaloom.config import ModelConfig
 from megaloom.models.attention import Attention, KVCache
+from megaloom.models.attention_shapes import is_mla, rope_dim
 from megaloom.models.documents import Documents
 from megaloom.models.init import ONES, ZEROS, InitRule, draw_init_seed, fill_slice
 from megaloom.models.layers import MLP, HeadTransform, Pooler, make_norm, norm_input, rope_scaling_of, rope_tables
-from megaloom.models.moe import MoE
+from megaloom.models.mla import MLAttention
+from megaloom.models.moe import MoE, is_moe_block
 
 if TYPE_CHECKING:
     from megaloom.models.family import Family
@@ -47,18 +49,23 @@ class Block(nn.Module):
         self.parallel = cfg.parallel_block
         self.post_norm = tr.post_norm  # BERT: norm(x + f(x)); the norms keep their names (attn_norm, mlp_norm)
         self.attn_norm = make_norm(tr.norm, cfg.d_model, cfg.norm_eps)
-        attention = tr.attention or Attention
-        self.attn = attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads, tr.bias, cfg.dropout,
-                              cfg.sliding_window, qkv_bias=tr.bias or cfg.qkv_bias, norm_eps=cfg.norm_eps)
+        if is_mla(cfg):  # multi-head latent attention (model.attention=mla) in place of the family's own
+            self.attn = MLAttention(cfg)
+        else:
+            attention = tr.attention or Attention
+            self.attn = attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads, tr.bias, cfg.dropout,
+                                  cfg.sliding_window, qkv_bias=tr.bias or cfg.qkv_bias, norm_eps=cfg.norm_eps)
         self.attn.causal = tr.causal
         if not self.parallel:  # the parallel block reads one normed input for both branches
             self.mlp_norm = make_norm(tr.norm, cfg.d_model, cfg.norm_eps)
         ffn = cfg.ffn_dim or tr.default_ffn_dim(cfg.d_model)
-        if cfg.moe_every and (layer_idx + 1) % cfg.moe_every == 0:
+        if is_moe_block(cfg, layer_idx):
             self.mlp = MoE(cfg.d_model, cfg.n_experts, cfg.top_k, cfg.expert_ffn_dim or ffn,
                            n_shared_experts=cfg.n_shared_experts, score_fn=cfg.router_score,
                            aux_loss_weight=cfg.aux_loss_weight, z_loss_weight=cfg.z_loss_weight,
                            capacity_factor=cfg.capacity_factor, aux_free_bias_rate=cfg.aux_free_bias_rate,
+                           n_groups=cfg.n_expert_groups, topk_groups=cfg.topk_groups,
+                           routed_scaling=cfg.routed_scaling_factor,
                            dropout=cfg.dropout, init_std=cfg.init_std,
                            out_std=cfg.init_std / math.sqrt(2 * cfg.n_layers))
         else:
@@ -131,7 +138,7 @@ class Transformer(nn.Module):
             self.order_head = nn.Linear(cfg.d_model, 2)
         self.tie_weights()
         if tr.positions == "rope":  # filled by reset_buffers (below, through reset_parameters): computed once
-            shape = (cfg.max_seq_len, cfg.d_model // cfg.n_heads)
+            shape = (cfg.max_seq_len, rope_dim(cfg))
             self.register_buffer("rope_cos", torch.empty(shape, dtype=torch.float32), persistent=False)
             self.register_buffer("rope_sin", torch.empty(shape, dtype=torch.float32), persistent=False)
         self.recompute_layers = 0  # full recomputation of the first N blocks of each span (apply_recompute)
@@ -191,7 +198,7 @@ class Transformer(nn.Module):
                 b.zero_()
         if hasattr(self, "rope_cos") and self.rope_cos.device.type != "meta":
             c = self.cfg
-            cos, sin = rope_tables(c.d_model // c.n_heads, c.max_seq_len, c.rope_theta, rope_scaling_of(c))
+            cos, sin = rope_tables(rope_dim(c), c.max_seq_len, c.rope_theta, rope_scaling_of(c))
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
@@ -304,6 +311,8 @@ class Transformer(nn.Module):
 
     def new_caches(self, batch: int, max_len: int, dtype=None) -> list[KVCache]:
         first = next(iter(self.layers.values()))
+        if isinstance(first.attn, MLAttention):  # the compressed latent and the shared RoPE key
+            return [layer.attn.new_cache(batch, max_len, dtype) for layer in self.layers.values()]
         w = first.attn.k_proj.weight
         hd = self.cfg.d_model // self.cfg.n_heads
         return [KVCache(batch, layer.attn.k_proj.out_features // hd, max_len, hd, dtype or w.dtype, w.device)

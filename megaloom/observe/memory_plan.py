@@ -119,7 +119,9 @@ def _resolved(m: ModelConfig) -> tuple[int, int, int, int]:
 
 
 def is_moe_layer(m: ModelConfig, index: int) -> bool:
-    return bool(m.moe_every) and (index + 1) % m.moe_every == 0
+    from megaloom.models.moe import is_moe_block
+
+    return is_moe_block(m, index)
 
 
 def compute_precision(cfg: Config, device: str) -> str:

@@ -138,8 +138,12 @@ def _apply(style: st.Style, module: nn.Module, ctx: _Context) -> nn.Module | Non
         case st.Colwise(kv_heads=True):
             rows, reps = ctx.kv_rows
             return ColumnParallelLinear.from_linear(module, mesh, "none", rows, reps)
-        case st.Colwise():
-            return ColumnParallelLinear.from_linear(module, mesh, "none")
+        case st.Colwise(replicated=True):  # all rows on every rank, one replica per tp rank
+            return ColumnParallelLinear.from_linear(module, mesh, "none", (0, module.out_features), mesh.tp)
+        case st.Colwise(region_input=reads_input):
+            col = ColumnParallelLinear.from_linear(module, mesh, "none")
+            col.region_input = reads_input
+            return col
         case st.Rowwise(sequence=seq):
             row = RowParallelLinear.from_linear(module, mesh, "reduce_scatter" if sp and seq else "reduce")
             row.ring = sp and seq and ctx.ring

@@ -55,6 +55,7 @@ class ColumnParallelLinear(nn.Module):
         self.fp8_recipe: str | None = None  # set by precision.fp8.convert_to_float8: the local matmul in fp8
         self.fp8_fast_accum = True
         self.seq_region: SeqRegion | None = None  # set by the enclosing sp region: outputs come from it
+        self.region_input = True  # False: reads a tensor made inside its region (styles.Colwise.region_input)
         self.ring = False  # input "gather" as ring steps under the GEMM (parallel.async_tp, collective_matmul)
         self.fused_wgrad = False  # weight gradient into weight.main_grad (train.grad_accum_fusion, grad_fusion)
 
