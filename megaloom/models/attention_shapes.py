@@ -78,6 +78,18 @@ def attention_projections(m: ModelConfig, tp: int = 1) -> list[Projection]:
                 Projection("o_proj", d, h * m.v_head_dim, "rows")]
 
 
+def core_widths(m: ModelConfig, tp: int = 1) -> tuple[int, int, int]:
+    """Elements per token of q, k and v as they enter the attention kernel on one of ``tp`` ranks (MLA: every
+    head expanded and padded to `core_head_dim`)."""
+    h = m.n_heads // tp
+    if is_mla(m):
+        w = core_head_dim(m)
+        return h * w, h * w, h * w
+    hd = m.d_model // m.n_heads
+    hkv = max((m.n_kv_heads or m.n_heads) // tp, 1)
+    return h * hd, hkv * hd, hkv * hd
+
+
 def attention_norm_params(m: ModelConfig) -> int:
     """Weights of the norms inside MLA (over the query and key/value latents; replicated under tp)."""
     return (m.q_lora_rank + m.kv_lora_rank) if is_mla(m) else 0

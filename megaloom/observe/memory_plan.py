@@ -91,6 +91,7 @@ from torch import nn
 
 from megaloom.config import Config, ModelConfig
 from megaloom.observe.log import get_logger
+from megaloom.observe.memory_mla import is_mla, mla_attention_bytes
 from megaloom.parallel.layout import layout_of
 
 log = get_logger(__name__)
@@ -233,13 +234,46 @@ def block_activation_bytes(cfg: Config, *, tokens: int, batch: int, layer: int =
     n, n_r, d, a = dm.n, dm.n_r, dm.d, dm.a
     tr = _traits(m)
     out["attn_norm"] = _norm_bytes(tr.norm, n_r, d, device)
+    selective = recompute == "selective"
+    if is_mla(m):  # multi-head latent attention: its own save-set (observe/memory_mla.py)
+        out.update(mla_attention_bytes(m, n=n, n_r=n_r, b=dm.b, t=dm.t, heads=dm.hl, a=a, autocast=dm.autocast,
+                                       sp=dm.sp, attention=attention, selective=selective, device=device,
+                                       dropout_mask=_mask_bytes(device, 4)))
+    else:
+        out.update(_gqa_attention_bytes(cfg, dm, device, attention, selective, fp8, attn_in))
+    if not m.parallel_block:
+        out["mlp_norm"] = _norm_bytes(tr.norm, n_r, d, device)
+    # fp32 and a parallel block: one normed x (or, with sp, its shard) saved for both branches; an MoE layer
+    # gathers its own copy under sp (megaloom.parallel.expert).
+    shares_input = not dm.autocast and m.parallel_block
+    if moe:
+        out.update(_moe_bytes(cfg, dm, device, grouped_mm, selective, shares_input and not dm.sp))
+    else:
+        gated = tr.gated_mlp
+        out["mlp inputs"] = 0 if shares_input else _linear_input_bytes(dm, 2 if gated else 1, lin_in,
+                                                                      region=not fp8)
+        if gated:
+            out["gate, up, silu, product"] = (3 if selective else 4) * a * n * dm.fl
+        else:
+            out["up, gelu"] = 2 * a * n * dm.fl
+    if m.dropout > 0:  # masks of the residual dropouts on o_proj's and down_proj's outputs (MoE: its own)
+        out["dropout masks"] = (1 if moe else 2) * _mask_bytes(device, a) * n_r * d
+    return out
+
+
+def _gqa_attention_bytes(cfg: Config, dm: _Dims, device: str, attention: str, selective: bool, fp8: bool,
+                         attn_in: int) -> dict[str, int]:
+    """The attention half of a grouped-query block's save-set (module doc: linears, QK-norm, attention)."""
+    m, t = cfg.model, cfg.train
+    n, a = dm.n, dm.a
+    tr = _traits(m)
+    out: dict[str, int] = {}
     # One tensor enters each region (with sp: its shard, saved once for the region's linears unless in fp8).
     keep_attn = bool(getattr(t, "fp8_keep_attention", False))
     out["q/k/v inputs"] = _linear_input_bytes(dm, 3, attn_in, region=not fp8 or keep_attn)
     if tr.qk_norm:  # an RMSNorm over each query and key head of the projections' outputs, before RoPE
         out["q/k norms"] = _qk_norm_bytes(n * (dm.hl + dm.hkvl), dm.hd, device, dm.autocast)
     q, kv = a * n * dm.hl * dm.hd, a * n * dm.hkvl * dm.hd
-    selective = recompute == "selective"
     if attention in ("flash", "efficient"):
         out["q, k, v"] = q + 2 * kv
         out["attention out"] = q  # o_proj reads it through a view (the kernels write [b, s, h, hd])
@@ -261,23 +295,6 @@ def block_activation_bytes(cfg: Config, *, tokens: int, batch: int, layer: int =
             if m.dropout > 0:  # the mask (bool on CUDA, the input's dtype on CPU) and the dropped probs
                 out["attention dropout (math)"] = (_mask_bytes(device, e) + e) * dm.b * dm.hl * dm.t * dm.t
         out["o_proj input (math)"] = a * n * dm.hl * dm.hd
-    if not m.parallel_block:
-        out["mlp_norm"] = _norm_bytes(tr.norm, n_r, d, device)
-    # fp32 and a parallel block: one normed x (or, with sp, its shard) saved for both branches; an MoE layer
-    # gathers its own copy under sp (megaloom.parallel.expert).
-    shares_input = not dm.autocast and m.parallel_block
-    if moe:
-        out.update(_moe_bytes(cfg, dm, device, grouped_mm, selective, shares_input and not dm.sp))
-    else:
-        gated = tr.gated_mlp
-        out["mlp inputs"] = 0 if shares_input else _linear_input_bytes(dm, 2 if gated else 1, lin_in,
-                                                                      region=not fp8)
-        if gated:
-            out["gate, up, silu, product"] = (3 if selective else 4) * a * n * dm.fl
-        else:
-            out["up, gelu"] = 2 * a * n * dm.fl
-    if m.dropout > 0:  # masks of the residual dropouts on o_proj's and down_proj's outputs (MoE: its own)
-        out["dropout masks"] = (1 if moe else 2) * _mask_bytes(device, a) * n_r * d
     return out
 
 
@@ -294,7 +311,7 @@ def _compiled_save_set_known(cfg: Config, dm: _Dims, device: str, recompute: str
             and recompute in ("none", "selective") and not moe and not fp8
             and attention in ("flash", "cudnn", "efficient") and tr.norm == "rmsnorm"
             and tr.gated_mlp and tr.positions == "rope" and not tr.bias and not tr.post_norm
-            and not m.parallel_block and not m.sliding_window and m.dropout == 0)
+            and not m.parallel_block and not m.sliding_window and m.dropout == 0 and not is_mla(m))
 
 
 def _compiled_block_bytes(m: ModelConfig, dm: _Dims, lean: bool, selective: bool = False,
@@ -530,11 +547,15 @@ def analytic_params(cfg: Config, layers: list[int], has_embedding: bool = True, 
     hkvl = max(kv // tp, 1)
     norm = 2 * d if tr.norm == "layernorm" else d  # LayerNorm: weight and bias
     qk_norm = 2 * hd if tr.qk_norm else 0  # q_norm, k_norm: one weight of head_dim each (replicated over tp)
+    from megaloom.models.attention_shapes import attention_norm_params, attention_projections
+
+    qk_norm += attention_norm_params(m)  # latent attention's norms over its latents (replicated over tp)
+    projections = attention_projections(m, tp)
     mm_layers, blocks = {}, {}
     largest = expert = 0
     for i in layers:
-        attn_mm = d * (d // tp) + 2 * d * hkvl * hd + (d // tp) * d
-        attn_b = ((d // tp + 2 * hkvl * hd) if qkv_bias else 0) + (d if bias else 0)
+        attn_mm = sum(p.numel for p in projections)
+        attn_b = ((d // tp + 2 * hkvl * hd) if qkv_bias and not is_mla(m) else 0) + (d if bias else 0)
         if is_moe_layer(m, i):
             mlp_mm = (d * m.n_experts + 3 * (m.n_experts // ep) * d * (fe // tp)
                       + 3 * d * (m.n_shared_experts * fe // tp))
@@ -546,7 +567,8 @@ def analytic_params(cfg: Config, layers: list[int], has_embedding: bool = True, 
         norms = norm * (1 if m.parallel_block else 2)
         mm_layers[i] = attn_mm + mlp_mm
         blocks[i] = attn_mm + mlp_mm + attn_b + mlp_b + norms + qk_norm
-        largest = max(largest, d * (ffn // tp), (m.n_experts // ep) * d * (fe // tp) if is_moe_layer(m, i) else 0)
+        largest = max(largest, d * (ffn // tp), (m.n_experts // ep) * d * (fe // tp) if is_moe_layer(m, i) else 0,
+                      max(p.numel for p in projections))
     vocab = m.vocab_size // tp * d
     root = 0
     if has_embedding:
@@ -1137,10 +1159,12 @@ def _setup(lay: _Layout, rank: _RankModel, acts: _Activations, grad_note: str) -
 def _fp8_linear_params(cfg: Config, tp: int, moe: bool, keep_attention: bool = False) -> int:
     """The linear weights of one block that fp8 converts: attention (unless kept bf16), and the dense MLP (MoE
     stays bf16)."""
+    from megaloom.models.attention_shapes import attention_projections
+
     m = cfg.model
-    kv, ffn, _, hd = _resolved(m)
+    _, ffn, _, _ = _resolved(m)
     d = m.d_model
-    attn = 0 if keep_attention else 2 * d * (d // tp) + 2 * d * max(kv // tp, 1) * hd
+    attn = 0 if keep_attention else sum(p.numel for p in attention_projections(m, tp))
     return attn + (0 if moe else (3 if _traits(m).gated_mlp else 2) * d * (ffn // tp))
 
 
