@@ -77,7 +77,9 @@ class HFMapping:
     ``head_name``: the HF name of the output head's weight (``lm_head.weight`` in causal LMs): written when it is
     not tied to the embedding, ignored on import when it is.
     ``moe``: the mapping of the family's Mixture-of-Experts models (``model.moe_every`` > 0; e.g. llama ->
-    MixtralForCausalLM), another HF class; None: MoE models of the family are refused on export."""
+    MixtralForCausalLM), another HF class; None: MoE models of the family are refused on export.
+    ``mla``: the mapping of the family's models with latent attention (``model.attention=mla``, dense or MoE;
+    llama -> DeepseekV3ForCausalLM); None: such models are refused on export."""
 
     architecture: str
     model_types: tuple[str, ...]
@@ -88,6 +90,7 @@ class HFMapping:
     normalize: Callable[[dict], dict] | None = None
     head_name: str = "lm_head.weight"
     moe: HFMapping | None = None
+    mla: HFMapping | None = None
 
 
 @dataclass(frozen=True)
