@@ -60,6 +60,15 @@ def test_latent_cache_decodes_like_the_full_forward(q_lora):
     assert (torch.cat(parts, 1) - full).abs().max().item() < 1e-5
 
 
+def test_generation_with_the_latent_cache_equals_rerunning_the_prefix():
+    from megaloom.generate import generate
+
+    _, model = build("model.q_lora_rank=20")
+    prompt = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(4))
+    cached = generate(model, prompt, 10, temperature=0.8, top_k=20, seed=3)
+    assert torch.equal(cached, generate(model, prompt, 10, temperature=0.8, top_k=20, seed=3, use_cache=False))
+
+
 def test_softmax_scale_is_deepseeks():
     cfg = mla_config()
     assert mla_softmax_scale(cfg.model) == pytest.approx(24 ** -0.5)
