@@ -147,6 +147,11 @@ class ModelConfig:
     topk_groups: int = _f(1, "With model.n_expert_groups > 1: groups each token may route to (DeepSeek-V3: 4).")
     routed_scaling_factor: float = _f(1.0, "Multiplier of the routed experts' combine weights (after their "
                                            "renormalisation; DeepSeek-V3: 2.5).")
+    mtp_depth: int = _f(0, "Multi-token prediction (DeepSeek-V3: 1): this many sequential modules after the last "
+                           "block, module k predicting the token k+1 places after the next from the previous "
+                           "module's states and the embedding of the token k places ahead, through its own block and "
+                           "the shared head (megaloom/models/mtp.py); trained with train.mtp_loss_weight, not used "
+                           "at inference. 0 = off.")
     # Multimodal families (llava): a ViT image encoder whose patch features, through a 2-layer MLP projector, take
     # the place of the <image> tokens of the text. 0 vision layers = a text-only model (these keys are unused).
     vision_layers: int = _f(0, "ViT blocks of the image encoder (multimodal families such as llava); 0 = text only.")
@@ -270,6 +275,13 @@ class TrainConfig:
                                 "Blackwell, else cudnn on Hopper or newer (both measured fastest there), else "
                                 "torch.",
                         ("auto", "torch", "cudnn", "flash", "efficient", "math", "fa4"))
+    mtp_loss_weight: float = _f(0.3, "With model.mtp_depth: the multi-token-prediction losses' weight beside the "
+                                      "language-model loss (their mean over the depths times this; DeepSeek-V3: 0.3, "
+                                      "then 0.1 late in training: train.mtp_loss_weight_late).")
+    mtp_loss_weight_late: float = _f(-1.0, "With model.mtp_depth: the weight from step train.mtp_late_step on "
+                                           "(DeepSeek-V3 lowers 0.3 to 0.1 for its last 4.8T of 14.8T tokens); < 0 = "
+                                           "train.mtp_loss_weight throughout.")
+    mtp_late_step: int = _f(0, "With train.mtp_loss_weight_late >= 0: the first step that uses it.")
     log_every: int = _f(10, "Steps between metric lines (loss is averaged over the interval).")
     eval_every: int = _f(200, "Steps between evaluations on the validation split; 0 = only at the end.")
     eval_batches: int = _f(4, "Global batches per evaluation.")
@@ -651,6 +663,13 @@ def validate(cfg: Config) -> None:
         _require((m.d_model // m.n_heads) % 2 == 0,
                  f"{m.arch} arch: head dim (d_model/n_heads) must be even for RoPE.")
     _check_mla(m, family.traits)
+    _require(m.mtp_depth >= 0 and t.mtp_loss_weight >= 0,
+             f"model.mtp_depth ({m.mtp_depth}) and train.mtp_loss_weight ({t.mtp_loss_weight}) must be >= 0.")
+    tr = family.traits
+    _require(not m.mtp_depth or (tr.causal and tr.positions == "rope" and family.objective is None
+                                 and not m.vision_layers),
+             f"model.mtp_depth={m.mtp_depth} with model.arch={m.arch}: multi-token prediction continues a causal "
+             "decoder with rotary positions that trains on next tokens (llama, qwen3); set model.mtp_depth=0.")
     _check_rope_scaling(m, family.traits.positions == "rope")
     if family.validate is not None:
         family.validate(m)

@@ -27,6 +27,7 @@ from megaloom.models.init import ONES, ZEROS, InitRule, draw_init_seed, fill_sli
 from megaloom.models.layers import MLP, HeadTransform, Pooler, make_norm, norm_input, rope_scaling_of, rope_tables
 from megaloom.models.mla import MLAttention
 from megaloom.models.moe import MoE, is_moe_block
+from megaloom.models.mtp import MTPModule, mtp_tokens_and_targets
 
 if TYPE_CHECKING:
     from megaloom.models.family import Family
@@ -133,6 +134,15 @@ class Transformer(nn.Module):
                      else make_norm(tr.norm, cfg.d_model, cfg.norm_eps))
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=tr.head_bias)
         self.loss = CrossEntropyLoss()
+        if cfg.mtp_depth:  # multi-token prediction (models/mtp.py): blocks after the last, indexed on from it
+            self.mtp = nn.ModuleDict({str(k): MTPModule(tr.norm, cfg.d_model, cfg.norm_eps,
+                                                        Block(cfg, cfg.n_layers + k, family))
+                                      for k in range(cfg.mtp_depth)})
+        # train.mtp_loss_weight (set by the trainer; DeepSeek-V3's 0.3 until then) and the last MTP loss (logged)
+        self.mtp_loss_weight = 0.3
+        self.last_mtp_loss: torch.Tensor | None = None
+        # A pipeline's last stage without the embedding: the token lookup MTP uses (the head's tied rows)
+        self.mtp_lookup = None
         if cfg.sentence_order:  # BERT's sentence-order prediction (ALBERT): pooled [CLS] -> in order / swapped
             self.pooler = Pooler(cfg.d_model)
             self.order_head = nn.Linear(cfg.d_model, 2)
@@ -151,8 +161,13 @@ class Transformer(nn.Module):
 
     @property
     def plan(self):
-        """The family's parallel plan (what `megaloom.parallel.tensor.parallelize_tensor` applies)."""
-        return self.family.plan
+        """The family's parallel plan (what `megaloom.parallel.tensor.parallelize_tensor` applies); multi-token
+        prediction's blocks are split as the model's blocks, its norms and projection live on the residual stream."""
+        if getattr(self, "mtp", None) is None:
+            return self.family.plan
+        from megaloom.models.plan import with_mtp  # (the plan's styles come from megaloom.parallel)
+
+        return with_mtp(self.family.plan)
 
     def tie_weights(self) -> None:
         """Share the head with the token embedding. Call again after `to_empty()`, which unties them."""
@@ -272,9 +287,11 @@ class Transformer(nn.Module):
             x = self.embed(x, pos, positions) if segments is None else self.embed(x, pos, positions, segments)
         elif seq_len is None:
             raise ValueError("Transformer.forward: a span without the embedding needs seq_len (for RoPE)")
-        x = self.run_layers(x, self.rope(seq_len, pos, positions), span.layers, caches, pos, docs)
+        rope = self.rope(seq_len, pos, positions)
+        x = self.run_layers(x, rope, span.layers, caches, pos, docs)
         if not span.head:
             return x
+        hidden = x  # the last block's states: what multi-token prediction continues from
         pooler = getattr(self, "pooler", None)
         if labels is not None and pooler is not None and order_labels is None:
             raise ValueError("Transformer.forward: a model with the sentence-order head (model.sentence_order) "
@@ -289,7 +306,31 @@ class Transformer(nn.Module):
         # Router auxiliary losses are not added here: each MoE layer attached their gradient to its output
         # (moe.attach_aux_loss), so the value returned is the language-model loss alone.
         loss = self.loss(self.head, x, labels)
+        if getattr(self, "mtp", None) is not None and self.training and torch.is_grad_enabled():
+            loss = loss + self.mtp_term(hidden, labels, rope, docs)
         return loss if order_loss is None else loss + order_loss
+
+    def mtp_term(self, h: torch.Tensor, labels: torch.Tensor, rope, docs: Documents | None) -> torch.Tensor:
+        """Multi-token prediction's part of the training loss: zero in value, ``mtp_loss_weight`` x the mean of the
+        depths' losses in gradient (models/mtp.py); the mean is kept in ``last_mtp_loss``."""
+        losses = []
+        for k, module in enumerate(self.mtp.values(), start=1):
+            tokens, targets = mtp_tokens_and_targets(labels, k)
+            h = module(h, self.mtp_embedding(tokens), rope, docs)
+            losses.append(self.loss(self.head, module.norm(norm_input(h, module.norm)), targets))
+        mean = torch.stack(losses).mean()
+        self.last_mtp_loss = mean.detach()
+        return self.mtp_loss_weight * (mean - mean.detach())
+
+    def mtp_embedding(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token embeddings for multi-token prediction: the embedding's, or on a pipeline's last stage the lookup
+        into the head's tied copy of it (parallel/pipeline/stage.py)."""
+        if self.tok_emb is not None:
+            return self.tok_emb(tokens)
+        if self.mtp_lookup is None:
+            raise RuntimeError("multi-token prediction on a stage without the embedding needs tied embeddings "
+                               "(the head's copy of them)")
+        return self.mtp_lookup(tokens)
 
     def run_layers(self, x: torch.Tensor, rope, layers: Sequence[int], caches: list[KVCache] | None = None,
                    pos: int = 0, docs: Documents | None = None) -> torch.Tensor:

@@ -28,7 +28,8 @@ def flops_per_token(cfg: ModelConfig, n_params_no_embedding: int, seq_len: int, 
     input gradient still runs through them to whatever trains below)."""
     from megaloom.models.attention_shapes import attention_width
 
-    attention = 6 * cfg.n_layers * attention_width(cfg) * seq_len
+    # multi-token prediction's blocks (model.mtp_depth) attend as the model's do
+    attention = 6 * (cfg.n_layers + getattr(cfg, "mtp_depth", 0)) * attention_width(cfg) * seq_len
     return 6 * n_params_no_embedding - 2 * n_frozen + attention
 
 
@@ -71,7 +72,8 @@ def frozen_matmul_params(model: torch.nn.Module) -> int:
 def matmul_params(model: torch.nn.Module, frozen_only: bool = False) -> int:
     """Parameters that take part in a token's matmuls: all but the embedding lookups, plus the output head even
     when it shares its weight with the token embedding (the head's GEMM is real work either way). Routed experts
-    count top_k / n_experts of their weights: MFU of an MoE model is over its active parameters."""
+    count top_k / n_experts of their weights: MFU of an MoE model is over its active parameters. With
+    multi-token prediction the head's GEMM runs once more per depth (the modules' own weights count once)."""
     from megaloom.models.moe import MoE
 
     active_share = {}
@@ -92,4 +94,7 @@ def matmul_params(model: torch.nn.Module, frozen_only: bool = False) -> int:
         if frozen_only and p.requires_grad:
             continue
         n += p.numel() * active_share.get(id(p), 1.0)
+    head, mtp = getattr(model, "head", None), getattr(model, "mtp", None)
+    if mtp is not None and head is not None and not (frozen_only and head.weight.requires_grad):
+        n += head.weight.numel() * len(mtp)
     return int(n)

@@ -82,6 +82,7 @@ and NCCL buffers. fp8 is approximated (converted linears save a 1-byte input, no
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -444,6 +445,35 @@ def head_activation_bytes(cfg: Config, *, tokens: int, tp: int = 1, sp: bool = F
     return out
 
 
+def mtp_activation_bytes(cfg: Config, *, tokens: int, batch: int, tp: int = 1, sp: bool = False,
+                         device: str = "cuda") -> dict[str, int]:
+    """What multi-token prediction (model.mtp_depth, models/mtp.py) saves for backward in one micro-batch, on top
+    of the head's bytes: per depth the token ids looked up, its two input norms (the states' norm shares its input
+    with the norm before the head when that input is already fp32: the model's fp32 residual stream at depth 1, or
+    any depth without autocast), the projection's input (the concatenation, or its bf16 cast), its block (indexed
+    after the model's) and its own head and loss. Weight casts: `ParamCounts.matmul_mtp`."""
+    m, t = cfg.model, cfg.train
+    autocast = compute_precision(cfg, device) != "fp32"
+    n_r = tokens // tp if (sp and tp > 1) else tokens
+    d, norm = m.d_model, _traits(m).norm
+    head = sum(head_activation_bytes(cfg, tokens=tokens, tp=tp, sp=sp, device=device).values())
+    bf16_stream = autocast and getattr(t, "bf16_residual", False) is True
+    eager = dataclasses.replace(cfg, train=dataclasses.replace(t, compile=False))
+    out: dict[str, int] = {}
+    for k in range(m.mtp_depth):
+        shared = not autocast or (k == 0 and not bf16_stream)  # the states are fp32 already: one saved copy
+        # the modules' blocks are neither recomputed nor compiled (train.recompute and train.compile take the
+        # model's blocks): saved as eager blocks without recomputation
+        block = block_activation_bytes(eager, tokens=tokens, batch=batch, layer=m.n_layers + k, tp=tp, sp=sp,
+                                       device=device, recompute="none")
+        out[f"mtp {k + 1}: token ids, norms, projection input"] = (
+            8 * tokens + (tokens if tp > 1 else 0) + 2 * _norm_bytes(norm, n_r, d, device)
+            - (4 * n_r * d if shared else 0) + (2 if autocast else 4) * n_r * 2 * d)
+        out[f"mtp {k + 1}: block"] = sum(block.values())
+        out[f"mtp {k + 1}: head and loss"] = head
+    return out
+
+
 def loss_transients(cfg: Config, *, tokens: int, tp: int = 1, device: str = "cuda") -> dict[str, int]:
     """Bytes live beyond the saved ones while the loss runs: forward (logits in the compute dtype and their
     fp32 copy) and backward (the fp32 gradients), per megaloom.models.transformer.cross_entropy (tp = 1) or
@@ -492,6 +522,7 @@ class ParamCounts:
     embedding: int = 0  # the token embedding's weight on this rank (0 without one)
     expert: int = 0  # of ``local``, the expert-parallel weights (ZeRO shards them over edp, not dp x cp)
     frozen: int = 0  # parameters trained frozen (model.freeze): stored, but no gradient and no optimizer state
+    matmul_mtp: int = 0  # the multi-token-prediction modules' matmul weights (model.mtp_depth; cast under autocast)
 
 
 def _local_numel(p) -> int:
@@ -508,7 +539,7 @@ def count_model_params(model: nn.Module) -> ParamCounts:
     mm_head = head_w.numel() if head_w is not None else 0
     emb_w = getattr(getattr(model, "tok_emb", None), "weight", None)
     embedding = _local_numel(emb_w) if emb_w is not None else 0
-    expert = frozen = 0
+    expert = frozen = mm_mtp = 0
     for name, p in model.named_parameters():
         if id(p) in seen:
             continue
@@ -521,6 +552,8 @@ def count_model_params(model: nn.Module) -> ParamCounts:
         else:  # frozen (model.freeze): stored and cast all the same, but no gradient and no optimizer state
             frozen += nl
         parts = name.split(".")
+        if parts[0] == "mtp" and p.ndim >= 2:
+            mm_mtp += p.numel()
         if parts[0] == "layers" and len(parts) > 1 and parts[1].isdigit():
             i = int(parts[1])
             blocks[i] = blocks.get(i, 0) + p.numel()
@@ -531,7 +564,7 @@ def count_model_params(model: nn.Module) -> ParamCounts:
     for i in blocks:
         mm_layers.setdefault(i, 0)
     return ParamCounts(local, mm_layers, mm_head, blocks, root, largest, exact=True, embedding=embedding,
-                       expert=expert, frozen=frozen)
+                       expert=expert, frozen=frozen, matmul_mtp=mm_mtp)
 
 
 def analytic_params(cfg: Config, layers: list[int], has_embedding: bool = True, has_head: bool = True,
@@ -553,7 +586,9 @@ def analytic_params(cfg: Config, layers: list[int], has_embedding: bool = True, 
     projections = attention_projections(m, tp)
     mm_layers, blocks = {}, {}
     largest = expert = 0
-    for i in layers:
+    # multi-token prediction's blocks go with the head, indexed after the model's (models/mtp.py)
+    mtp_blocks = list(range(m.n_layers, m.n_layers + m.mtp_depth)) if has_head else []
+    for i in [*layers, *mtp_blocks]:
         attn_mm = sum(p.numel for p in projections)
         attn_b = ((d // tp + 2 * hkvl * hd) if qkv_bias and not is_mla(m) else 0) + (d if bias else 0)
         if is_moe_layer(m, i):
@@ -569,8 +604,9 @@ def analytic_params(cfg: Config, layers: list[int], has_embedding: bool = True, 
         blocks[i] = attn_mm + mlp_mm + attn_b + mlp_b + norms + qk_norm
         largest = max(largest, d * (ffn // tp), (m.n_experts // ep) * d * (fe // tp) if is_moe_layer(m, i) else 0,
                       max(p.numel for p in projections))
+    mtp_mm = sum(mm_layers.pop(i) + 2 * d * d for i in mtp_blocks)  # (+ eh_proj)
+    root = sum(blocks.pop(i) + 2 * d * d + 3 * norm for i in mtp_blocks)  # (+ eh_proj and three norms)
     vocab = m.vocab_size // tp * d
-    root = 0
     if has_embedding:
         root += vocab + (m.max_seq_len * d if tr.positions == "learned" else 0)
         root += tr.token_types * d + (norm if tr.embed_norm else 0)  # an encoder's segment embedding and its norm
@@ -585,7 +621,7 @@ def analytic_params(cfg: Config, layers: list[int], has_embedding: bool = True, 
     if has_embedding or has_head:
         largest = max(largest, vocab)
     return ParamCounts(sum(blocks.values()) + root, mm_layers, head_mm, blocks, root, largest, exact=False,
-                       embedding=vocab if has_embedding else 0, expert=expert)
+                       embedding=vocab if has_embedding else 0, expert=expert, matmul_mtp=mtp_mm)
 
 
 # ----------------------------------------------------------------------------------------------- the plan
@@ -906,6 +942,10 @@ def _stage_activations(lay: _Layout, rank: _RankModel, blocks: _Blocks) -> _Acti
                                          device=lay.device).values())
     head = sum(head_activation_bytes(cfg, tokens=lay.tokens, tp=lay.tp, sp=lay.sp, device=lay.device).values())
     head_cast = 2 * rank.counts.matmul_head if (lay.autocast and rank.has_head and not fused_loss(cfg)) else 0
+    if rank.has_head and cfg.model.mtp_depth:  # multi-token prediction runs with the head: its saves and casts
+        head += sum(mtp_activation_bytes(cfg, tokens=lay.tokens, batch=lay.batch, tp=lay.tp, sp=lay.sp,
+                                         device=lay.device).values())
+        head_cast += 2 * rank.counts.matmul_mtp if lay.autocast else 0
     loss = loss_transients(cfg, tokens=lay.tokens, tp=lay.tp, device=lay.device)
     saved, casts, saved_casts, recompute = {}, {}, {}, {}
     # Activation offload: the blocks' saved tensors wait in host memory; one block's come back during its backward.

@@ -45,18 +45,21 @@ MLA_KEYS = ["model.attention=mla", "model.q_lora_rank=16", "model.kv_lora_rank=2
             "model.qk_rope_head_dim=8", "model.v_head_dim=12"]
 
 
+MTP = "mtp"  # a case name: the latent-attention llama with two multi-token-prediction modules
+
+
 def family_arch(arch: str) -> str:
-    return {BERT_SOP: "bert", MLA: "llama"}.get(arch, arch)
+    return {BERT_SOP: "bert", MLA: "llama", MTP: "llama"}.get(arch, arch)
 
 
 def kv_heads(arch: str) -> int:
     """The case's model.n_kv_heads: grouped-query (2) for decoders, all heads for encoders and latent attention."""
-    return 0 if arch == MLA else 4 if is_encoder(arch) else 2
+    return 0 if arch in (MLA, MTP) else 4 if is_encoder(arch) else 2
 
 
 def arch_keys(arch: str) -> list[str]:
-    """Config keys a case name adds to its family's (latent attention's shape)."""
-    return MLA_KEYS if arch == MLA else []
+    """Config keys a case name adds to its family's (latent attention's shape, multi-token prediction)."""
+    return {MLA: MLA_KEYS, MTP: [*MLA_KEYS, "model.mtp_depth=2"]}.get(arch, [])
 
 
 def is_encoder(arch: str) -> bool:
@@ -510,6 +513,8 @@ def suite_world2(rank: int, world: int, device: torch.device) -> dict:
     res["parity-mla-tp2-sp1"] = parity_case(mesh, MLA, True)
     res["parity-mla-tp2-sp0"] = parity_case(mesh, MLA, False, steps=3)
     res["parity-mla-tp2-sp1-async"] = parity_case(mesh, MLA, True, steps=3, async_tp=True)  # ring regions
+    # multi-token prediction: its blocks split as the model's, its norms and projection on the sp stream
+    res["parity-mtp-tp2-sp1"] = parity_case(mesh, MTP, True, steps=3)
     for arch, sp in (("llama", True), ("qwen3", True), ("gpt2", False)):  # compiled blocks, borders traced
         res[f"parity-{arch}-tp2-sp{int(sp)}-compiled"] = parity_case(mesh, arch, sp, steps=3, compiled=True)
     for sp, lean in ((True, False), (True, True), (False, False)):  # the compiled save-set at tp 2

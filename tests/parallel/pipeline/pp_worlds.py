@@ -23,7 +23,7 @@ from megaloom.parallel.pipeline.stage import build_embedding_groups, build_stage
 from megaloom.parallel.tensor import gather_full_grads, parallelize_tensor
 from megaloom.step import micro_batches
 
-from ..worlds import MLA, arch_keys, family_arch, kv_heads, token_rows
+from ..worlds import MLA, MTP, arch_keys, family_arch, kv_heads, token_rows
 
 VOCAB, SEQ, MICRO = 128, 16, 2
 CLIP = 0.5  # below the tiny model's gradient norm, so clipping (and the norm over stages) is exercised
@@ -136,6 +136,8 @@ def suite_pipeline_world4(rank: int, world: int, device: torch.device) -> dict:
     res["pp2-dp2-zb-m2-gpt2"] = pipeline_case(mesh, group, "zb", 2, arch="gpt2", split_data=True)
     res["pp2-1f1b-m4-qwen3"] = pipeline_case(mesh, group, "1f1b", 4, arch="qwen3")
     res["pp2-1f1b-m4-mla"] = pipeline_case(mesh, group, "1f1b", 4, arch=MLA)  # latent attention across stages
+    # multi-token prediction on the last stage, its tokens looked up in the head's tied copy of the embedding
+    res["pp2-1f1b-m4-mtp"] = pipeline_case(mesh, group, "1f1b", 4, arch=MTP)
     # The encoder: its embedding side (segment embedding, embedding norm) stays on the first stage, the MLM head
     # transform and bias on the last; (inputs, labels) rows as its objective makes them.
     res["pp2-dp2-1f1b-m4-bert"] = pipeline_case(mesh, group, "1f1b", 4, arch="bert", split_data=True)
@@ -149,5 +151,6 @@ def suite_pipeline_world4(rank: int, world: int, device: torch.device) -> dict:
     res["pp2-tp2-sp-1f1b-m4-qwen3"] = pipeline_case(mesh, group, "1f1b", 4, sp=True, arch="qwen3")
     res["pp2-tp2-sp-1f1b-m4-bert"] = pipeline_case(mesh, group, "1f1b", 4, sp=True, arch="bert")
     res["pp2-tp2-sp-1f1b-m4-mla"] = pipeline_case(mesh, group, "1f1b", 4, sp=True, arch=MLA)
+    res["pp2-tp2-sp-1f1b-m4-mtp"] = pipeline_case(mesh, group, "1f1b", 4, sp=True, arch=MTP)  # vocab-row lookup
     res["coords"] = dict(pp=mesh.pp_rank, tp=mesh.tp_rank)
     return res
