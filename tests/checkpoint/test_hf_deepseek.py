@@ -172,6 +172,32 @@ def test_trained_deepseek_v3_tiny_run_round_trips(tmp_path):
         assert torch.equal(again.state_dict()[k], v), k
 
 
+def test_mtp_modules_export_in_deepseeks_layout(tmp_path):
+    """A run with multi-token prediction writes each module as DeepSeek's layer num_hidden_layers + k (transformers
+    ignores it: the logits are the main model's); import reads the main model (model.mtp_depth=0)."""
+    from safetensors import safe_open
+
+    run, model = saved_run(tmp_path, "model.preset=deepseek-v3-tiny", "model.n_kv_heads=0", "model.n_layers=2",
+                           "model.n_experts=8", "model.mtp_depth=1", steps=1)
+    to_hf(run, tmp_path / "hf", show_progress=False)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1
+    with safe_open(tmp_path / "hf" / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+        assert torch.equal(f.get_tensor("model.layers.2.eh_proj.weight"), model.mtp["0"].eh_proj.weight)
+    assert {"model.layers.2.enorm.weight", "model.layers.2.hnorm.weight", "model.layers.2.shared_head.norm.weight",
+            "model.layers.2.embed_tokens.weight", "model.layers.2.shared_head.head.weight",
+            "model.layers.2.mlp.gate.e_score_correction_bias", "model.layers.2.self_attn.kv_b_proj.weight"} <= names
+    hf = hf_from(tmp_path / "hf")
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens()).logits, model(tokens()), atol=ATOL, rtol=0)
+    from_hf(tmp_path / "hf", tmp_path / "run2")
+    again, cfg = megaloom_from_run(tmp_path / "run2")
+    assert cfg.model.mtp_depth == 0
+    for k, v in again.state_dict().items():
+        assert torch.equal(v, model.state_dict()[k]), k
+
+
 @pytest.mark.parametrize("cfg,field", [
     ({**SMALL, "num_key_value_heads": 2}, "num_key_value_heads"),
     ({**SMALL, "rope_interleave": False}, "rope_interleave"),

@@ -18,9 +18,13 @@ rope_interleave=true, the layout other DeepSeek tools read (a config.json with r
 refused). YaRN: HF's mscale / mscale_all_dim become model.rope_attention_factor (the cos/sin scale:
 mscale(f, mscale) / mscale(f, mscale_all_dim)) and model.rope_mscale_all_dim (the softmax scale's mscale^2).
 
-Not carried: the multi-token-prediction layers (``model.layers.<num_hidden_layers + k>.*``, which transformers
-does not load either) are skipped on import; training-time fields (aux_loss_alpha, seq_aux, scoring_func /
-topk_method, which transformers ignores: it always routes by sigmoid with the group limit).
+Multi-token prediction (model.mtp_depth): export writes each module in DeepSeek's layout as layer
+``model.layers.<num_hidden_layers + k>`` (its block's tensors, ``enorm``, ``hnorm``, ``eh_proj``,
+``shared_head.norm``, and copies of the shared ``embed_tokens`` and ``shared_head.head``) with
+num_nextn_predict_layers; transformers does not build these layers and ignores them, and import skips them too
+(the imported run has model.mtp_depth=0; set it to train new modules). Not carried: training-time fields
+(aux_loss_alpha, seq_aux, scoring_func / topk_method, which transformers ignores: it always routes by sigmoid with
+the group limit).
 Refused by name: num_key_value_heads != num_attention_heads, attention_bias, an MoE layer in only some blocks after
 the dense ones (model.moe_every > 1), no shared expert, softmax routers.
 """
@@ -86,19 +90,31 @@ def _to_interleaved(m: ModelConfig, name: str, w: torch.Tensor) -> torch.Tensor:
     return w if idx is None else w[torch.argsort(idx)]
 
 
+def _block_to_hf(sd: Tensors, m: ModelConfig, ml: str, i: int, pre: str) -> Tensors:
+    """Block ``ml`` (``layers.i`` or an MTP module's ``mtp.k.block``, as block index ``i``) under HF's ``pre``."""
+    out = {f"{pre}.{hf}": _to_interleaved(m, name, sd[f"{ml}.{name}"]) for name, hf in NORMS + attention_names(m)}
+    if not is_moe_block(m, i):
+        return {**out, **{f"{pre}.{hf}": sd[f"{ml}.{name}"] for name, hf in DENSE}}
+    moe = {k.replace(f"{ml}.", f"layers.{i}.", 1): v for k, v in sd.items() if k.startswith(f"{ml}.mlp.")}
+    bias = f"layers.{i}.mlp.router.expert_bias"  # the selection bias has a name here: not refused, written
+    out.update(moe_layer_to_hf({**moe, bias: torch.zeros_like(moe[bias])}, i, f"{pre}.mlp", EXPERTS))
+    out[f"{pre}.mlp.gate.e_score_correction_bias"] = moe[bias]
+    return {**out, **{f"{pre}.{hf}": sd[f"{ml}.{name}"] for name, hf in SHARED}}
+
+
 def to_hf_names(sd: Tensors, m: ModelConfig) -> Tensors:
     out = {hf: sd[ml] for ml, hf in llama_hf.GLOBAL}
     for i in range(m.n_layers):
+        out.update(_block_to_hf(sd, m, f"layers.{i}", i, f"model.layers.{i}"))
+    for k in range(m.mtp_depth):  # DeepSeek's layout of its MTP layers, after the main ones (module doc)
+        i, ml = m.n_layers + k, f"mtp.{k}"
         pre = f"model.layers.{i}"
-        for ml, hf in NORMS + attention_names(m):
-            out[f"{pre}.{hf}"] = _to_interleaved(m, ml, sd[f"layers.{i}.{ml}"])
-        if not is_moe_block(m, i):
-            out.update({f"{pre}.{hf}": sd[f"layers.{i}.{ml}"] for ml, hf in DENSE})
-            continue
-        bias = f"layers.{i}.mlp.router.expert_bias"  # the selection bias has a name here: not refused, written
-        out.update(moe_layer_to_hf({**sd, bias: torch.zeros_like(sd[bias])}, i, f"{pre}.mlp", EXPERTS))
-        out[f"{pre}.mlp.gate.e_score_correction_bias"] = sd[bias]
-        out.update({f"{pre}.{hf}": sd[f"layers.{i}.{ml}"] for ml, hf in SHARED})
+        out.update(_block_to_hf(sd, m, f"{ml}.block", i, pre))
+        out.update({f"{pre}.{n}.weight": sd[f"{ml}.{n}.weight"] for n in ("enorm", "hnorm", "eh_proj")})
+        out[f"{pre}.shared_head.norm.weight"] = sd[f"{ml}.norm.weight"]
+        # shared with the model, stored again per layer (copies: safetensors refuses tensors sharing memory)
+        out[f"{pre}.embed_tokens.weight"] = sd["tok_emb.weight"].clone()
+        out[f"{pre}.shared_head.head.weight"] = sd["head.weight"].clone()
     return out
 
 
@@ -152,7 +168,7 @@ def to_hf_config(m: ModelConfig) -> dict:
             "n_routed_experts": m.n_experts, "num_experts_per_tok": m.top_k, "moe_intermediate_size": expert_width,
             "n_shared_experts": m.n_shared_experts if moe else 1, "n_group": m.n_expert_groups,
             "topk_group": m.topk_groups, "routed_scaling_factor": m.routed_scaling_factor, "norm_topk_prob": True,
-            "num_nextn_predict_layers": 0, "output_router_logits": False}
+            "num_nextn_predict_layers": m.mtp_depth, "output_router_logits": False}
 
 
 def _mscale(factor: float, mscale: float) -> float:
