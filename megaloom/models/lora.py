@@ -41,6 +41,11 @@ class LoraFactor(nn.Module):
         self.weight = nn.Parameter(torch.empty(rows, cols))
         self.fan_in = fan_in  # the whole layer's in_features: A's init bound, whatever slice a tp rank holds
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Called as a module, never read as a bare weight: per-module forward pre-hooks (ZeRO's wait for the
+        # parameter all-gather of this weight's bucket, the overlapped optimizer's chunk wait) must see it.
+        return F.linear(x, self.weight)
+
     @classmethod
     def holding(cls, weight: nn.Parameter, fan_in: int) -> LoraFactor:
         """A factor around an existing Parameter (a tensor-parallel shard of another factor's)."""
@@ -69,7 +74,7 @@ def lora_delta(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     adapter's partial products with the base's."""
     if module.lora_dropout > 0:
         x = F.dropout(x, module.lora_dropout, module.training)
-    return F.linear(F.linear(x, module.lora_A.weight), module.lora_B.weight) * module.lora_scale
+    return module.lora_B(module.lora_A(x)) * module.lora_scale
 
 
 class LoraLinear(nn.Linear):

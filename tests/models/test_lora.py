@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from torch import nn
 
 from megaloom.config import ConfigError, LoraConfig, load_config
 from megaloom.models.freeze import freeze_for_training
@@ -134,3 +135,18 @@ def test_training_moves_the_adapters_only_and_resumes_exactly(small_corpus, tmp_
     other = load_config(None, tiny_overrides(small_corpus, tmp_path / "b", *base[:3], "model.lora.rank=8"))
     with pytest.raises(Exception, match=r"model.lora: checkpoint rank 4.* vs config rank 8.*convert --to-hf"):
         Trainer(other).build()
+
+
+def test_every_adapter_is_read_through_its_own_module_call() -> None:
+    """ZeRO-1/2 wait for a parameter's all-gather in a forward pre-hook of the module that holds it (and the
+    overlapped optimizer likewise): an adapter weight read without its module being called would race the gather
+    (seen as a nondeterministic pp2 x dp2 ZeRO-1 mismatch before the factors were called as modules)."""
+    cfg = tiny("model.lora.rank=4", f"model.lora.targets={ALL}")
+    model = build(cfg)
+    freeze_for_training(model, cfg.model)
+    owners = {m for m in model.modules() if any(p.requires_grad for p in m.parameters(recurse=False))}
+    called: set[nn.Module] = set()
+    for m in owners:
+        m.register_forward_pre_hook(lambda mod, args: called.add(mod))
+    model(tokens(), tokens())
+    assert owners and called == owners, sorted(type(m).__name__ for m in owners - called)

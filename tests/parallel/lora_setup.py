@@ -21,13 +21,14 @@ def with_lora(cfg: Config, rank: int = 4, alpha: float = 8.0) -> Config:
 
 
 @torch.no_grad()
-def randomize_adapters(model: nn.Module, seed: int = 7) -> None:
-    """B ~ N(0, 0.05) instead of PEFT's zeros, so that A gets a gradient from the first step on (with B = 0 only B
-    would train at step 1, and A's sharding would go untested until step 2)."""
+def randomize_adapters(model: nn.Module, seed: int = 7, std: float = 0.2) -> None:
+    """B ~ N(0, std) instead of PEFT's zeros, so that A gets a gradient from the first step on (with B = 0 only B
+    would train at step 1, and A's sharding would go untested until step 2), and the adapters' gradient norm
+    exceeds the worlds' clipping limits (clipping exercised)."""
     gen = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         if name.endswith(".lora_B.weight"):
-            p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+            p.copy_(torch.randn(p.shape, generator=gen) * std)
 
 
 def freeze_base(model: nn.Module, cfg: Config) -> None:
