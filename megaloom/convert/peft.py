@@ -28,6 +28,7 @@ from megaloom.convert.hf import _model_config, _read_model_tensors, _refuse_exis
 from megaloom.convert.hf_config import DTYPES, hf_config, hf_mapping
 from megaloom.convert.hf_names import to_hf_names
 from megaloom.models.lora import is_adapter_name
+from megaloom.models.registry import get_family
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -44,6 +45,10 @@ def to_peft(run_or_ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "floa
     if m.lora.rank <= 0:
         raise ConversionError(f"{ckpt}: trained without LoRA adapters (model.lora.rank=0), so there is no PEFT "
                               "adapter to write; export the whole model with `megaloom convert --to-hf`.")
+    if m.vision_layers and not {"vision", "projector"} <= set(m.freeze):
+        raise ConversionError(f"{ckpt}: besides its adapters this run trained its image encoder or projector "
+                              f"(model.freeze={','.join(m.freeze) or '[]'}), which a PEFT adapter does not hold; "
+                              "export the whole model with `megaloom convert --to-hf` (adapters merged).")
     hf_config(m, dtype, None)  # the base must be a transformers model: refused here as --to-hf refuses it
     sd = _read_model_tensors(ckpt, m)
     names = _hf_weight_names(m, sd)
@@ -72,9 +77,20 @@ def to_peft(run_or_ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "floa
     return out
 
 
+def _task_type(m: ModelConfig) -> str | None:
+    """PEFT's task_type (which PeftModel subclass wraps the model; the tensor names are the same under all of
+    them): CAUSAL_LM for the families trained on next-token prediction (decoders, LLaVA), SEQ_2_SEQ_LM for an
+    encoder-decoder's span corruption (T5), none for a masked-LM encoder (BERT)."""
+    family = get_family(m.arch)
+    if family.objective is None:
+        return "CAUSAL_LM"
+    return "SEQ_2_SEQ_LM" if hf_mapping(m).architecture.endswith("ForConditionalGeneration") else None
+
+
 def adapter_config(m: ModelConfig, target_modules: list[str]) -> dict:
     """PEFT's LoraConfig fields (the ones every PEFT release since 0.9 reads) for ``m``'s adapters."""
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": m.lora.rank, "lora_alpha": m.lora.alpha,
+    return {"peft_type": "LORA", "task_type": _task_type(m), "r": m.lora.rank,
+            "lora_alpha": m.lora.alpha,
             "lora_dropout": m.lora.dropout, "target_modules": target_modules, "bias": "none",
             "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
             "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},

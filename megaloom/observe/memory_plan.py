@@ -629,7 +629,9 @@ class MemoryPlan:
                 f"{cp}dp={s.get('dp')} zero={s.get('zero')}, attention {self.attention_name()}):")
         layer = sum(self.per_layer.values())
         rows = [
-            ("weights", self.weights, f"fp32 master parameters ({s.get('params_local', 0) / 1e6:.1f}M on this rank)"),
+            ("weights", self.weights, f"fp32 master parameters ({s.get('params_local', 0) / 1e6:.1f}M on this rank"
+                                      + (f" training, {s['params_frozen'] / 1e6:.1f}M frozen)" if s.get("params_frozen")
+                                         else ")")),
             ("gradients", self.gradients, s.get("grad_note", "fp32")),
             ("optimizer", self.optimizer, f"{s.get('optimizer')} exp_avg + exp_avg_sq (fp32)"),
             ("activations", self.activations, f"saved for backward: {self.layers} blocks x {layer / GB:.3f} GB + "
@@ -1155,7 +1157,8 @@ def _setup(lay: _Layout, rank: _RankModel, acts: _Activations, grad_note: str) -
             "n_micro": lay.n_micro, "tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "cp": lay.cp, "dp": lay.dp,
             "sp": lay.sp, "zero": lay.zero, "pp_rank": lay.pp_rank, "world_size": lay.world_size,
             "device": lay.device, "attention": lay.attention, "optimizer": t.optimizer,
-            "params_local": rank.counts.local, "grad_note": grad_note, "update": lay.update,
+            "params_local": rank.counts.local, "params_frozen": rank.counts.frozen, "grad_note": grad_note,
+            "update": lay.update,
             "embedding_head_bytes": (acts.embedding if rank.has_embedding else 0)
             + (acts.head if rank.has_head else 0)}
 

@@ -46,7 +46,7 @@ def assert_parity(world: list[dict], case: str) -> None:
         for step, (got, want) in enumerate(zip(r["loss"], r["loss_ref"], strict=True)):
             assert abs(got - want) <= 1e-5 * abs(want), f"rank {rank} step {step}: loss {got} vs {want}"
         for step, (got, want) in enumerate(zip(r["norm"], r["norm_ref"], strict=True)):
-            assert want > CLIP and abs(got - want) <= 1e-5 * want, f"rank {rank} step {step}: norm {got} vs {want}"
+            assert want > r["clip"] and abs(got - want) <= 1e-5 * want, f"rank {rank} step {step}: norm {got} vs {want}"
         assert r["param_err"] < 2e-5, (rank, r["param_err"])  # seen <= 2e-6 after 4 steps
         assert r["base_changed"] == [], (rank, r["base_changed"])  # LoRA: the frozen base untouched
 

@@ -80,10 +80,10 @@ def batches(mesh: Mesh, m: int, steps: int) -> list[torch.Tensor]:
             for _ in range(steps)]
 
 
-def reference(cfg: Config, kind: str, data: list[torch.Tensor], device, cache: dict) -> dict:
+def reference(cfg: Config, kind: str, data: list[torch.Tensor], device, cache: dict, clip: float = CLIP) -> dict:
     """The single process on the global batches (cached per model / optimizer)."""
     key = (cfg.model.arch, cfg.model.n_layers, cfg.model.tie_embeddings, cfg.model.moe_every, kind, len(data),
-           data[0].shape[0], cfg.model.lora.rank)
+           data[0].shape[0], cfg.model.lora.rank, clip)
     if key not in cache:
         torch.manual_seed(1234)
         ref = Transformer(cfg.model).to(device)
@@ -91,7 +91,7 @@ def reference(cfg: Config, kind: str, data: list[torch.Tensor], device, cache: d
             randomize_adapters(ref)
         base = copy.deepcopy(ref)
         freeze_base(ref, cfg)
-        step = TrainStep(ref, optimizer(ref, None, 0, kind, None), "fp32", device, MICRO, CLIP)
+        step = TrainStep(ref, optimizer(ref, None, 0, kind, None), "fp32", device, MICRO, clip)
         out = [step(b) for b in data]
         cache[key] = dict(base=base, loss=[o.loss.item() for o in out], norm=[o.grad_norm.item() for o in out],
                           params={n: p.detach().clone() for n, p in ref.named_parameters()})
@@ -103,7 +103,7 @@ class Layout:
 
     def __init__(self, base: Transformer, cfg: Config, mesh: Mesh, emb_group, schedule: str, m: int, zero: int,
                  kind: str, bucket_mb: float = BUCKET_MB, gather_dtype: torch.dtype = torch.float32,
-                 compiled: bool = False) -> None:
+                 compiled: bool = False, clip: float = CLIP) -> None:
         """``compiled``: every block compiled as the trainer does with train.compile (dynamo's eager backend:
         the same tracing and hooks, no C++ compiler needed), its parameters waited for by one hook per block."""
         p = cfg.parallel
@@ -119,7 +119,7 @@ class Layout:
         self.grads = build_data_parallel(self.model, mesh, zero, bucket_mb, gather_dtype,
                                          tied=tied_parameter(self.stage), tied_group=emb_group)
         self.opt = optimizer(self.model, self.grads, zero, kind, mesh, whole_modules=self.blocks)
-        self.step = TrainStep(self.model, self.opt, "fp32", mesh.device, MICRO, CLIP, self.grads, pipeline=self.ex)
+        self.step = TrainStep(self.model, self.opt, "fp32", mesh.device, MICRO, clip, self.grads, pipeline=self.ex)
         self.mesh = mesh
 
     def run(self, data: list[torch.Tensor]) -> tuple[list[float], list[float]]:
@@ -142,17 +142,19 @@ class Layout:
 
 
 def zero_pp_case(mesh: Mesh, emb_group, cache: dict, schedule: str = "1f1b", m: int = 4, zero: int = 1,
-                 kind: str = "adamw", steps: int = 4, **model_kw) -> dict:
+                 kind: str = "adamw", steps: int = 4, clip: float = CLIP, **model_kw) -> dict:
+    """``clip``: below the case's gradient norms (an adapters-only norm is smaller than a whole model's)."""
     cfg = config(mesh.pp, mesh.tp, world=mesh.world_size, ep=mesh.ep, **model_kw)
     data = batches(mesh, m, steps)
-    ref = reference(cfg, kind, data, mesh.device, cache)
+    ref = reference(cfg, kind, data, mesh.device, cache, clip)
     names = {mesh.dp_cp_group: "dp", mesh.pp_group: "pp", mesh.tp_group: "tp", emb_group: "emb"}
     if mesh.ep > 1:
         names[mesh.edp_group] = "edp"
     log = Log(names)
     mesh.recorder = log
     try:
-        lay = Layout(ref["base"], cfg, mesh, emb_group if cfg.model.tie_embeddings else None, schedule, m, zero, kind)
+        lay = Layout(ref["base"], cfg, mesh, emb_group if cfg.model.tie_embeddings else None, schedule, m, zero, kind,
+                     clip=clip)
         log.events.clear()
         loss, norm = lay.run(data)
     finally:
@@ -161,7 +163,7 @@ def zero_pp_case(mesh: Mesh, emb_group, cache: dict, schedule: str = "1f1b", m: 
     before = dict(ref["base"].named_parameters())  # LoRA: the frozen base bit-identical after the steps
     base_changed = [n for n, p in lay.model.named_parameters() if cfg.model.lora.rank and not is_adapter_name(n)
                     and not (p.grad is None and torch.equal(p.detach(), before[single_model_name(n, p)]))]
-    return dict(loss=loss, loss_ref=ref["loss"], norm=norm, norm_ref=ref["norm"], base_changed=base_changed,
+    return dict(loss=loss, loss_ref=ref["loss"], norm=norm, norm_ref=ref["norm"], base_changed=base_changed, clip=clip,
                 param_err=lay.param_err(ref["params"]), events=log.events, stats=lay.grads.stats.as_dict(),
                 n_buckets=len(buckets),
                 bucket_bytes=[b.padded * 4 for b in buckets], bucket_ranks=[b.size for b in buckets],
@@ -263,7 +265,8 @@ def suite_zero_pp_world4(rank: int, world: int, device: torch.device, root: str)
     res["pp2dp2-1f1b-z1-lamb"] = zero_pp_case(mesh, emb, cache, "1f1b", zero=1, kind="lamb")
     res["pp2dp2-1f1b-z2-gpt2"] = zero_pp_case(mesh, emb, cache, "1f1b", zero=2, arch="gpt2")
     # LoRA: only the adapters in the buckets and ZeRO-1's shards; the frozen tied embedding has no bucket
-    res["pp2dp2-1f1b-z1-lora"] = zero_pp_case(mesh, emb, cache, "1f1b", zero=1, lora=True)
+    res["pp2dp2-1f1b-z1-lora"] = zero_pp_case(mesh, emb, cache, "1f1b", zero=1, lora=True, clip=0.2,
+                                              steps=3)
     res["ckpt"] = checkpoint_case(rank, mesh, emb, cache, root, world)
     res["gather-fp32"] = gather_bytes_case(mesh, emb, cache, torch.float32)
     res["gather-bf16"] = gather_bytes_case(mesh, emb, cache, torch.bfloat16)
