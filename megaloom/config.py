@@ -57,7 +57,26 @@ def _f(default: Any, help: str, choices: tuple | None = None) -> Any:
     meta = {"help": help, "choices": choices}
     if isinstance(default, list | dict):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    if dataclasses.is_dataclass(default):  # a sub-section (model.lora): a fresh copy per config
+        return field(default_factory=lambda d=default: dataclasses.replace(d), metadata=meta)
     return field(default=default, metadata=meta)
+
+
+@dataclass
+class LoraConfig:
+    """model.lora: low-rank adapters (Hu et al. 2021) on the blocks' linears; the base model trains frozen
+    (megaloom/models/lora.py)."""
+
+    rank: int = _f(0, "LoRA rank r; 0 = off. > 0: every base parameter is frozen (the language model's; other parts "
+                      "follow model.freeze) and only the adapters A (r x in) and B (out x r) train: y = W x + "
+                      "(alpha / r) B A x.")
+    alpha: float = _f(16.0, "LoRA scale numerator: the adapters' output is multiplied by alpha / rank (PEFT's "
+                            "lora_alpha).")
+    targets: list[str] = _f(["q_proj", "k_proj", "v_proj", "o_proj"],
+                            "The blocks' linears that get adapters, by the model's names: q_proj, k_proj, v_proj, "
+                            "o_proj (attention), gate_proj, up_proj, down_proj (dense MLP; gate_proj only in gated "
+                            "MLPs).")
+    dropout: float = _f(0.0, "Dropout on the adapters' input (PEFT's lora_dropout).")
 
 
 @dataclass
@@ -142,6 +161,7 @@ class ModelConfig:
     freeze: list[str] = _f([], "Parts trained frozen (no gradients, no optimizer state, skipped by the gradient "
                                "reduction): any of vision, projector, language; e.g. vision,language = LLaVA's "
                                "projector-only pretraining.")
+    lora: LoraConfig = _f(LoraConfig(), "Low-rank adapters (model.lora.rank, .alpha, .targets, .dropout).")
 
 
 @dataclass
@@ -369,8 +389,34 @@ _SECTION_TYPES = {"model": ModelConfig, "parallel": ParallelConfig, "train": Tra
                   "checkpoint": CheckpointConfig, "run": RunConfig, "resilience": ResilienceConfig}
 
 
+def _keys_of(cls: type, prefix: str) -> list[str]:
+    """The dotted keys of a section's dataclass; a field that is a dataclass itself (a sub-section, model.lora)
+    contributes its own keys one level deeper (model.lora.rank)."""
+    out = []
+    for name, typ in _field_types(cls).items():
+        if dataclasses.is_dataclass(typ):
+            out += _keys_of(typ, f"{prefix}{name}.")
+        else:
+            out.append(f"{prefix}{name}")
+    return out
+
+
 def all_keys() -> list[str]:
-    return [f"{s}.{f.name}" for s, cls in _SECTION_TYPES.items() for f in fields(cls)]
+    return [k for s, cls in _SECTION_TYPES.items() for k in _keys_of(cls, f"{s}.")]
+
+
+def _subsections() -> set[str]:
+    """Keys naming a sub-section (model.lora): in YAML a mapping of its own keys."""
+    return {k.rsplit(".", 1)[0] for k in all_keys() if k.count(".") > 1}
+
+
+def _set_key(cfg: Config, key: str, value: Any) -> None:
+    """Set the (known) dotted ``key`` of ``cfg``, checked against its annotated type."""
+    *path, name = key.split(".")
+    obj: Any = cfg
+    for part in path:
+        obj = getattr(obj, part)
+    setattr(obj, name, _coerce(key, value, _field_types(type(obj))[name]))
 
 
 def _suggest(key: str, options: list[str]) -> str:
@@ -450,8 +496,20 @@ def _flatten(d: dict, where: str) -> dict[str, Any]:
         if not isinstance(body, dict):
             raise ConfigError(f"{where}: section '{section}' must be a mapping of keys to values.")
         for k, v in body.items():
-            out[f"{section}.{k}"] = v
+            _flatten_into(out, f"{section}.{k}", v, where)
     return out
+
+
+def _flatten_into(out: dict[str, Any], key: str, value: Any, where: str) -> None:
+    """``key: value``, or a sub-section's mapping (model: {lora: {rank: 8}}) as its dotted keys."""
+    if key in _subsections():
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: '{key}' is a section of its own: give its keys as a mapping "
+                              f"({key}: {{...}}) or as dotted keys ({key}.<name>).")
+        for k, v in value.items():
+            _flatten_into(out, f"{key}.{k}", v, where)
+    else:
+        out[key] = value
 
 
 def load_yaml(path: Path, what: str) -> Any:
@@ -501,9 +559,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     cfg.model.preset = preset
 
     for k, v in values.items():
-        section, name = k.split(".", 1)
-        obj = getattr(cfg, section)
-        setattr(obj, name, _coerce(k, v, _field_types(type(obj))[name]))
+        _set_key(cfg, k, v)
     _apply_size_defaults(cfg, set(values))
     if "train.micro_batch_size" not in values and cfg.parallel.pp == 1:
         cfg.train.micro_batch_size = 0  # auto: the memory plan picks it for the device (training/resolve.py)
@@ -539,13 +595,11 @@ def config_from_dict(d: dict) -> Config:
     """Rebuild a Config from a resolved config.yaml (as written into a run directory)."""
     flat = _flatten(d, "config.yaml")
     cfg = Config()
+    known = set(all_keys())
     for k, v in flat.items():
-        section, name = k.split(".", 1)
-        obj = getattr(cfg, section)
-        types_ = _field_types(type(obj))
-        if name not in types_:
+        if k not in known:
             raise ConfigError(f"config.yaml: unknown key '{k}'.{_suggest(k, all_keys())}")
-        setattr(obj, name, _coerce(k, v, types_[name]))
+        _set_key(cfg, k, v)
     validate(cfg)
     return cfg
 
@@ -627,6 +681,9 @@ def validate(cfg: Config) -> None:
     _check_rope_scaling(m, family.traits.positions == "rope")
     if family.validate is not None:
         family.validate(m)
+    from megaloom.models.lora import check_targets  # the model's linear names live with the model
+
+    check_targets(m.lora, gated_mlp=family.traits.gated_mlp, dense_mlp=m.moe_every != 1)
     _require(not m.sentence_order or m.arch == "bert",
              f"model.sentence_order=true with model.arch={m.arch}: the sentence-order head is BERT's; set "
              "model.sentence_order=false (or model.arch=bert).")
@@ -743,9 +800,18 @@ def describe_keys() -> str:
     lines = []
     for section, cls in _SECTION_TYPES.items():
         lines.append(f"[{section}]")
-        inst = cls()
-        for f in fields(cls):
-            ch = _choices(f)
-            extra = f" (one of: {', '.join(map(str, ch))})" if ch else ""
-            lines.append(f"  {section}.{f.name} = {getattr(inst, f.name)!r}  # {f.metadata['help']}{extra}")
+        lines += _describe(cls(), f"{section}.")
     return "\n".join(lines)
+
+
+def _describe(inst: Any, prefix: str) -> list[str]:
+    lines = []
+    for f in fields(inst):
+        value = getattr(inst, f.name)
+        if dataclasses.is_dataclass(value):  # a sub-section: its keys, one level deeper
+            lines += _describe(value, f"{prefix}{f.name}.")
+            continue
+        ch = _choices(f)
+        extra = f" (one of: {', '.join(map(str, ch))})" if ch else ""
+        lines.append(f"  {prefix}{f.name} = {value!r}  # {f.metadata['help']}{extra}")
+    return lines

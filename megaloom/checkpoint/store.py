@@ -22,6 +22,7 @@ two-stage saver in async_save.py; see docs/checkpoints.md.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import hashlib
 import io
@@ -275,7 +276,8 @@ def commit_save(ckpt_root: Path, tmp: Path, step: int, run_state: dict, keep: in
     _pause_for_tests()
     name = step_name(step)
     final = ckpt_root / name
-    (tmp / STATE).write_text(json.dumps({**run_state, "step": step, "saved_at": time.time()}, indent=1))
+    (tmp / STATE).write_text(json.dumps({**run_state, "step": step, "saved_at": time.time()}, indent=1,
+                                        default=_jsonable))
     files = sorted(p for p in tmp.iterdir() if p.is_file() and p.name != MANIFEST)
     hashed = hashed or {}
     manifest = {p.name: hashed.get(p.name) or {"sha256": _sha256(p), "bytes": p.stat().st_size} for p in files}
@@ -376,8 +378,16 @@ def find_checkpoints(ckpt_root: Path) -> list[Path]:
     return found
 
 
-def check_compatible(saved: dict, current: dict) -> None:
-    """Refuse to load weights of another shape, naming every field that differs."""
+def _jsonable(obj: object) -> object:
+    """state.json's values: a config sub-section (model.lora, a dataclass) as its mapping."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.asdict(obj)
+    raise TypeError(f"{type(obj).__name__} is not JSON serializable")
+
+
+def check_compatible(saved: dict, current: dict, adapters: bool = True) -> None:
+    """Refuse to load weights of another shape, naming every field that differs. ``adapters``: compare the LoRA
+    adapters too (False: this load leaves them as built, a new LoRA stage on a checkpoint without them)."""
     keys = ["arch", "n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "tie_embeddings",
             "parallel_block", "qkv_bias", "moe_every", "n_experts", "n_shared_experts", "expert_ffn_dim",
             "sentence_order",  # BERT's pooler and order head are parameters of their own
@@ -393,6 +403,26 @@ def check_compatible(saved: dict, current: dict) -> None:
     if diff:
         raise CheckpointError("checkpoint is incompatible with this model: " + "; ".join(diff) +
                               ". Use the checkpoint's model settings, or checkpoint.resume=none to start fresh.")
+    if adapters:
+        _check_adapters(saved, current)
+
+
+def _check_adapters(saved: dict, current: dict) -> None:
+    """The same LoRA adapters (rank, alpha, targets): other ones are another model, not a resume."""
+    from megaloom.models.lora import describe_settings, saved_settings
+
+    old, new = saved_settings(saved), saved_settings(current)
+    if old == new:
+        return
+    if old["rank"]:
+        fix = ("use the checkpoint's model.lora settings to resume it; to go on with other adapters (or none), "
+               "export it merged (`megaloom convert --to-hf RUN OUT`, adapters folded into the weights) and import "
+               "that (`megaloom convert --from-hf OUT NEW_RUN`)")
+    else:
+        fix = ("to train adapters on this checkpoint's weights, name it in checkpoint.resume=<checkpoint dir> with "
+               "a new run.dir (a new training stage: adapters fresh, step 0)")
+    raise CheckpointError(f"checkpoint is incompatible with this model: model.lora: checkpoint "
+                          f"{describe_settings(old)} vs config {describe_settings(new)}; {fix}.")
 
 
 def _learned_positions(model_cfg: dict) -> bool:
@@ -440,24 +470,29 @@ def _load_rng(rng_file: Path) -> dict:
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                     rank: int = 0, model_cfg: dict | None = None, mesh: Mesh | None = None,
                     group: CheckpointGroup | None = None,
-                    check_state: Callable[[Path, dict], None] | None = None) -> dict:
+                    check_state: Callable[[Path, dict], None] | None = None, fresh_adapters: bool = False) -> dict:
     """Verify and load `path` into model (and optimizer); restore this rank's RNG. Returns state.json.
 
     A model-only checkpoint (state.json has_optimizer_state false) leaves the optimizer untouched, i.e. fresh
     for a fine-tune; the RNG is restored only if the checkpoint has a file for this rank. ``check_state(path,
     state)`` runs once the checkpoint verified, before any tensor is read: it raises to refuse the checkpoint
     (e.g. the run's data changed since it was written; an exception other than CheckpointError ends
-    `load_newest`'s fall-back too)."""
+    `load_newest`'s fall-back too). ``fresh_adapters``: the model's LoRA adapters are not read (a checkpoint
+    without them starting a LoRA stage: they stay as built, B zero)."""
     mesh = mesh or Mesh.single()
     state = verify_checkpoint(path, group)
     if model_cfg is not None and "model" in state:
-        check_compatible(state["model"], model_cfg)
+        check_compatible(state["model"], model_cfg, adapters=not fresh_adapters)
     if check_state is not None:
         check_state(path, state)
     with_optim = optimizer is not None and state.get(OPTIMIZER_FLAG, True)
     if with_optim:
         ensure_optimizer_state(model, optimizer)
     sd = sharded_state(model, optimizer if with_optim else None, mesh)  # views of the live tensors
+    if fresh_adapters:
+        from megaloom.models.lora import is_adapter_name
+
+        sd["model"] = {k: v for k, v in sd["model"].items() if not is_adapter_name(k)}
     _read_tensors(path, sd, group)
     after_load(optimizer if with_optim else None, sd)
     if getattr(optimizer, "separate_masters", False):  # ZeRO gathering bf16: replicas from the master shards
@@ -471,7 +506,8 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
 def load_newest(ckpt_root: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, rank: int = 0,
                 model_cfg: dict | None = None, mesh: Mesh | None = None,
                 warn: Callable[[str], None] = print, group: CheckpointGroup | None = None,
-                check_state: Callable[[Path, dict], None] | None = None) -> tuple[Path, dict] | None:
+                check_state: Callable[[Path, dict], None] | None = None,
+                fresh_adapters: bool = False) -> tuple[Path, dict] | None:
     """Load the newest checkpoint under `ckpt_root` that verifies; returns (path, state.json), or None when there is
     no checkpoint at all.
 
@@ -485,7 +521,7 @@ def load_newest(ckpt_root: Path, model: nn.Module, optimizer: torch.optim.Optimi
     for i, path in enumerate(candidates):
         try:
             return path, load_checkpoint(path, model, optimizer, rank=rank, model_cfg=model_cfg, mesh=mesh,
-                                         group=group, check_state=check_state)
+                                         group=group, check_state=check_state, fresh_adapters=fresh_adapters)
         except CheckpointError as e:
             if "incompatible" in str(e):
                 raise

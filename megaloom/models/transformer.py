@@ -24,6 +24,8 @@ from megaloom.models.attention import Attention, KVCache
 from megaloom.models.documents import Documents
 from megaloom.models.init import ONES, ZEROS, InitRule, draw_init_seed, fill_slice
 from megaloom.models.layers import MLP, HeadTransform, Pooler, make_norm, norm_input, rope_scaling_of, rope_tables
+from megaloom.models.lora import add_lora
+from megaloom.models.lora import init_rule as lora_init_rule
 from megaloom.models.moe import MoE
 
 if TYPE_CHECKING:
@@ -140,6 +142,7 @@ class Transformer(nn.Module):
         # Context parallelism (parallel/context) sets this: (local length, device) -> the global positions of this
         # rank's tokens, which are not contiguous under the load-balanced split. None: positions pos .. pos+T-1.
         self.seq_positions = None
+        add_lora(self, cfg.lora)  # model.lora: adapters on the blocks' linears, initialised with the rest
         self.reset_parameters()
 
     @property
@@ -166,6 +169,8 @@ class Transformer(nn.Module):
         (o_proj, down_proj, the experts' w_down) N(0, std / sqrt(2 * n_layers)), norms 1, biases 0."""
         module_name, _, leaf = name.rpartition(".")
         module = dict(self.named_modules()).get(module_name)  # None for a pruned stage's tied embedding copy
+        if (adapter := lora_init_rule(module, name)) is not None:  # LoRA: A as PEFT draws it, B zeros
+            return adapter
         if isinstance(module, nn.LayerNorm | nn.RMSNorm):
             return ONES if leaf == "weight" else ZEROS
         if leaf == "bias":

@@ -85,7 +85,7 @@ from __future__ import annotations
 import functools
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from torch import nn
 
@@ -560,8 +560,36 @@ def analytic_params(cfg: Config, layers: list[int], has_embedding: bool = True, 
             root += vocab  # its own head weight (untied, or the tied copy on the last pipeline stage)
     if has_embedding or has_head:
         largest = max(largest, vocab)
-    return ParamCounts(sum(blocks.values()) + root, mm_layers, head_mm, blocks, root, largest, exact=False,
-                       embedding=vocab if has_embedding else 0, expert=expert)
+    counts = ParamCounts(sum(blocks.values()) + root, mm_layers, head_mm, blocks, root, largest, exact=False,
+                         embedding=vocab if has_embedding else 0, expert=expert)
+    return _with_adapters(counts, m, layers, tp) if m.lora.rank > 0 else counts
+
+
+def _adapter_shapes(m: ModelConfig, tp: int, moe: bool) -> list[tuple[int, int]]:
+    """(A, B) elements on one tp rank of each LoRA adapter of one block: a column-parallel base keeps A whole and
+    its rows of B, a row-parallel one its columns of A and B whole (parallel/tp_lora.py)."""
+    kv, ffn, _, hd = _resolved(m)
+    d, r = m.d_model, m.lora.rank
+    column_out = {"q_proj": d // tp, "k_proj": max(kv // tp, 1) * hd, "v_proj": max(kv // tp, 1) * hd,
+                  "gate_proj": ffn // tp, "up_proj": ffn // tp}
+    row_in = {"o_proj": d // tp, "down_proj": ffn // tp}
+    out = []
+    for t in m.lora.targets:
+        if moe and t in ("gate_proj", "up_proj", "down_proj"):  # an MoE block has no dense MLP to adapt
+            continue
+        out.append((r * d, column_out[t] * r) if t in column_out else (r * row_in[t], d * r))
+    return out
+
+
+def _with_adapters(counts: ParamCounts, m: ModelConfig, layers: list[int], tp: int) -> ParamCounts:
+    """model.lora: every base parameter trains frozen (stored, cast, but no gradient and no optimizer state); the
+    adapters are what trains."""
+    per_layer = {i: _adapter_shapes(m, tp, is_moe_layer(m, i)) for i in layers}
+    sums = {i: sum(a + b for a, b in shapes) for i, shapes in per_layer.items()}
+    largest = max((max(a, b) for shapes in per_layer.values() for a, b in shapes), default=0)
+    return replace(counts, local=sum(sums.values()), frozen=counts.local, expert=0, largest=largest,
+                               matmul_layers={i: n + sums[i] for i, n in counts.matmul_layers.items()},
+                               block_params={i: n + sums[i] for i, n in counts.block_params.items()})
 
 
 # ----------------------------------------------------------------------------------------------- the plan
@@ -601,7 +629,9 @@ class MemoryPlan:
                 f"{cp}dp={s.get('dp')} zero={s.get('zero')}, attention {self.attention_name()}):")
         layer = sum(self.per_layer.values())
         rows = [
-            ("weights", self.weights, f"fp32 master parameters ({s.get('params_local', 0) / 1e6:.1f}M on this rank)"),
+            ("weights", self.weights, f"fp32 master parameters ({s.get('params_local', 0) / 1e6:.1f}M on this rank"
+                                      + (f" training, {s['params_frozen'] / 1e6:.1f}M frozen)" if s.get("params_frozen")
+                                         else ")")),
             ("gradients", self.gradients, s.get("grad_note", "fp32")),
             ("optimizer", self.optimizer, f"{s.get('optimizer')} exp_avg + exp_avg_sq (fp32)"),
             ("activations", self.activations, f"saved for backward: {self.layers} blocks x {layer / GB:.3f} GB + "
@@ -1127,7 +1157,8 @@ def _setup(lay: _Layout, rank: _RankModel, acts: _Activations, grad_note: str) -
             "n_micro": lay.n_micro, "tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "cp": lay.cp, "dp": lay.dp,
             "sp": lay.sp, "zero": lay.zero, "pp_rank": lay.pp_rank, "world_size": lay.world_size,
             "device": lay.device, "attention": lay.attention, "optimizer": t.optimizer,
-            "params_local": rank.counts.local, "grad_note": grad_note, "update": lay.update,
+            "params_local": rank.counts.local, "params_frozen": rank.counts.frozen, "grad_note": grad_note,
+            "update": lay.update,
             "embedding_head_bytes": (acts.embedding if rank.has_embedding else 0)
             + (acts.head if rank.has_head else 0)}
 

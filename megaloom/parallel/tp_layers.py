@@ -19,12 +19,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megaloom.models.lora import has_lora, lora_delta
 from megaloom.parallel import comm
 from megaloom.parallel.collective_matmul import linear_reduce_scatter
 from megaloom.parallel.grad_fusion import fused_linear
 from megaloom.parallel.layout import Layout, set_layout
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.sp_linear import SeqRegion, gathered_linears, lean_path_active, to_compute_dtype
+from megaloom.parallel.tp_lora import split_column_adapter, split_row_adapter
 from megaloom.precision import fp8
 
 INPUT_MODES = ("copy", "gather", "none")
@@ -66,9 +68,16 @@ class ColumnParallelLinear(nn.Module):
         start, length = rows if rows is not None else (mesh.tp_rank * linear.out_features // mesh.tp,
                                                        linear.out_features // mesh.tp)
         bias = _shard(linear.bias, 0, start, length) if linear.bias is not None else None
-        return cls(_shard(linear.weight, 0, start, length), bias, mesh, input_mode, replicas)
+        new = cls(_shard(linear.weight, 0, start, length), bias, mesh, input_mode, replicas)
+        split_column_adapter(linear, new, start, length, replicas)  # model.lora: B's rows with the weight's
+        return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._base(x)
+        # model.lora (inside a region only: x is the region's input, whole on every rank): this rank's rows
+        return y + lora_delta(self, x) if has_lora(self) else y
+
+    def _base(self, x: torch.Tensor) -> torch.Tensor:
         g, rec = self.mesh.tp_group, self.mesh.recorder
         if self.seq_region is not None and (y := self.seq_region.output(self, x)) is not None:
             return y
@@ -115,12 +124,14 @@ class RowParallelLinear(nn.Module):
     def from_linear(cls, linear: nn.Linear, mesh: Mesh, output_mode: str = "reduce") -> RowParallelLinear:
         n = linear.in_features // mesh.tp
         bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
-        return cls(_shard(linear.weight, 1, mesh.tp_rank * n, n), bias, mesh, output_mode)
+        new = cls(_shard(linear.weight, 1, mesh.tp_rank * n, n), bias, mesh, output_mode)
+        split_row_adapter(linear, new, mesh.tp_rank * n, n)  # model.lora: A's columns with the weight's
+        return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g, rec = self.mesh.tp_group, self.mesh.recorder
         if (self.ring and self.output_mode == "reduce_scatter" and self.fp8_recipe is None and lean_path_active()
-                and not self.fused_wgrad):
+                and not self.fused_wgrad and not has_lora(self)):  # (LoRA with async_tp: refused by preflight)
             x = to_compute_dtype(x)
             w = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
             y = linear_reduce_scatter(x, w, g, rec)
@@ -129,6 +140,8 @@ class RowParallelLinear(nn.Module):
             y = fused_linear(x, self.weight, None)
         else:
             y = fp8.linear(x, self.weight, None, self.fp8_recipe, self.fp8_fast_accum)
+        if has_lora(self):  # this rank's partial product of the adapter, summed by the same reduction
+            y = y + lora_delta(self, x)
         if self.output_mode == "reduce":
             y = comm.reduce_from_tp(y, g, rec)
         else:

@@ -246,6 +246,8 @@ def _linears(block: nn.Module) -> list[tuple[str, nn.Module, str | None]]:
             why = "MoE router / experts"
         elif mod.in_features % 16 or mod.out_features % 16:
             why = "features not multiples of 16"
+        elif getattr(mod, "lora_A", None) is not None:  # its conversion would drop the adapter (models/lora.py)
+            why = "LoRA-adapted, model.lora"
         out.append((name, mod, why))
     return out
 

@@ -126,12 +126,27 @@ def refuse_unbuilt(cfg: Config) -> None:
         raise ConfigError(f"model.freeze={','.join(m.freeze)} with parallel.zero=3 is not available yet (the "
                           "checkpoints of FSDP2's frozen parameters do not save); use parallel.zero=1 or 2, whose "
                           "gradient buckets and optimizer leave frozen parameters out too.")
+    if m.lora.rank > 0:
+        refuse_unbuilt_lora(cfg)
     if p.cp > 1 and m.moe_every and (m.aux_loss_weight or m.capacity_factor):
         # Both are functions of the whole sequence's routing statistics, which a cp rank does not see.
         raise ConfigError(f"parallel.cp={p.cp} with an MoE load-balancing loss (model.aux_loss_weight="
                           f"{m.aux_loss_weight}) or capacity dropping (model.capacity_factor={m.capacity_factor}) is "
                           "not available yet: each cp rank sees only its part of the sequence; set both to 0 (the "
                           "aux-loss-free bias, model.aux_free_bias_rate, works with cp).")
+
+
+def refuse_unbuilt_lora(cfg: Config) -> None:
+    """model.lora: the layouts its adapters do not support yet, each named with the fix."""
+    p, r = cfg.parallel, cfg.model.lora.rank
+    if p.zero == 3:  # as model.freeze: FSDP2's frozen (base) parameters do not checkpoint correctly
+        raise ConfigError(f"model.lora.rank={r} with parallel.zero=3 is not available yet (the base weights train "
+                          "frozen, and FSDP2's frozen parameters do not checkpoint); use parallel.zero=1 or 2: with "
+                          "LoRA the optimizer state and gradients are the adapters' only, already small.")
+    if p.async_tp and p.tp > 1:
+        raise ConfigError(f"model.lora.rank={r} with parallel.async_tp=true is not available yet (the ring regions "
+                          "hand their linears a stand-in of the gathered input, which the adapters would read); set "
+                          "parallel.async_tp=false.")
 
 
 def refuse_unbuilt_vision(cfg: Config) -> None:

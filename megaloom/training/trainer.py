@@ -33,7 +33,8 @@ from megaloom.data.objective import ObjectiveDataset
 from megaloom.fa4 import check_fa4
 from megaloom.models import count_params, registry
 from megaloom.models.documents import Documents
-from megaloom.models.freeze import freeze_parts
+from megaloom.models.freeze import freeze_for_training
+from megaloom.models.lora import describe as lora_summary
 from megaloom.models.registry import get_family
 from megaloom.observe.flops import (
     device_peak_flops,
@@ -306,7 +307,7 @@ class Trainer:
         self.n_params = count_params(model)
         # FLOPs on the full (meta) model; freezing here too only for the count (parallelising replaces parameters,
         # so it is applied again below).
-        freeze_parts(model, cfg.model.freeze)
+        freeze_for_training(model, cfg.model)
         self.flops_per_token = flops_per_token(cfg.model, matmul_params(model), t.seq_len,
                                                frozen_matmul_params(model))
         self.image_flops = image_flops(model)  # per image through an image encoder (0 without one)
@@ -316,10 +317,12 @@ class Trainer:
         # Selective recompute re-runs the attention core only where the kernel keeps the scores (math).
         kernel = attention_backend(cfg, self.device.type, cfg.parallel.tp)
         fp8_summary = apply_train_options(model, t, recompute_attention=kernel == "math")  # before stages, compile
-        freeze_parts(model, cfg.model.freeze)  # before the gradient buckets and the optimizer, which skip them
+        freeze_for_training(model, cfg.model)  # before the gradient buckets and the optimizer, which skip them
         if fp8_summary is not None:
             log.info(f"megaloom: {fp8_summary}")
         stage = build_stage(model, checked.partition, mesh) if mesh.pp > 1 else None  # prunes the model
+        if cfg.model.lora.rank > 0:
+            log.info(f"megaloom: {lora_summary(model, cfg.model.lora)}")
         self.build_seconds["model"] = time.perf_counter() - t0
         torch.manual_seed(dropout_seed(t.seed, mesh))  # dropout: equal across tp peers, distinct across data
         return model, stage

@@ -32,6 +32,7 @@ from megaloom.parallel.tensor import (
 )
 
 from .grad_compare import first_step_grads
+from .lora_setup import base_changed, base_params, freeze_base, randomize_adapters, with_lora
 
 VOCAB, SEQ, BATCH = 128, 16, 2
 N_LAYERS = 2
@@ -255,17 +256,26 @@ def check_rng(mesh: Mesh) -> dict:
 
 
 def parity_case(mesh: Mesh, arch: str, sp: bool, tie: bool = True, steps: int = 10, docs: str = "",
-                async_tp: bool = False, compiled: bool = False) -> dict:
+                async_tp: bool = False, compiled: bool = False, lora: bool = False) -> dict:
     """Train the same model in this process (reference) and tensor-parallel for `steps` AdamW steps.
     `docs`: "mask" or "mask+reset": packed documents (token 0 ends one) kept apart, positions restarting.
     `async_tp`: the sp borders as collective matmuls (ring steps); the first step's tp ops are counted.
     `compiled`: every block of the tensor-parallel model compiled as train.compile does (AOTAutograd with the
     eager backend: forward and backward graphs traced and partitioned, no C++ compiler needed); the graph
-    breaks and graphs compiled are counted (the region borders trace as functional collectives)."""
+    breaks and graphs compiled are counted (the region borders trace as functional collectives).
+    `lora`: LoRA adapters on every linear of the blocks (B non-zero), the base frozen as the trainer freezes it;
+    only the adapters train, and the base must stay bit-identical."""
     cfg = tiny_config(arch, tp=mesh.tp, sp=sp, tie=tie, world=mesh.world_size)
+    cfg = with_lora(cfg) if lora else cfg
     torch.manual_seed(1234)
     ref = get_family(cfg.model.arch).build(cfg.model).to(mesh.device)
+    if lora:
+        randomize_adapters(ref)
     model = parallelize_tensor(copy.deepcopy(ref), mesh, sp, async_tp=async_tp)
+    if lora:
+        freeze_base(ref, cfg)
+        freeze_base(model, cfg)  # after the split, as the trainer does (the shards are new Parameters)
+        base_before = base_params(model)
     if compiled:
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
@@ -317,6 +327,10 @@ def parity_case(mesh: Mesh, arch: str, sp: bool, tie: bool = True, steps: int = 
         counters = torch._dynamo.utils.counters
         out["graph_breaks"] = sum(counters["graph_break"].values())
         out["graphs"] = counters["stats"]["unique_graphs"]
+    if lora:
+        out["base_changed"] = base_changed(model, base_before)
+        out["adapters_trained"] = all(not torch.equal(p, base_before.get(n, torch.zeros(0))) for n, p in
+                                      model.named_parameters() if p.requires_grad)
     final = gather_full_params(model, mesh)
     errs = {n: _err(final[n], p) for n, p in ref.named_parameters()}
     out["param_err"], out["param_err_at"] = max((e, n) for n, e in errs.items())
@@ -451,6 +465,8 @@ def suite_world4(rank: int, world: int, device: torch.device) -> dict:
     res["parity-gpt2-tp4-sp1-async-untied"] = parity_case(mesh, "gpt2", True, tie=False, steps=3, async_tp=True)
     # QK-norm with each KV head replicated on two ranks: k_norm's gradient is partial over heads and replicas.
     res["parity-qwen3-tp4-sp1"] = parity_case(mesh, "qwen3", True)
+    # LoRA with each KV head replicated on two ranks: k/v's B rows replicated with their head, summed like it.
+    res["parity-llama-tp4-sp1-lora"] = parity_case(mesh, "llama", True, steps=3, lora=True)
     res["decode"] = {arch: decode_case(mesh, arch) for arch in ("llama", "gpt2")}
     res["gathered_linears"] = check_gathered_linears(mesh)
     for sp in (False, True):
@@ -493,6 +509,8 @@ def suite_world2(rank: int, world: int, device: torch.device) -> dict:
     res["parity-llama-tp2-sp1-docs"] = parity_case(mesh, "llama", True, steps=3, docs="mask")
     res["parity-gpt2-tp2-sp1-docs-reset"] = parity_case(mesh, "gpt2", True, steps=3, docs="mask+reset")
     res["parity-qwen3-tp2-sp1-async"] = parity_case(mesh, "qwen3", True, steps=3, async_tp=True)
+    for sp in (False, True):  # LoRA: adapters split like their base layers, the base frozen
+        res[f"parity-llama-tp2-sp{int(sp)}-lora"] = parity_case(mesh, "llama", sp, steps=3, lora=True)
     for arch, sp in (("llama", True), ("qwen3", True), ("gpt2", False)):  # compiled blocks, borders traced
         res[f"parity-{arch}-tp2-sp{int(sp)}-compiled"] = parity_case(mesh, arch, sp, steps=3, compiled=True)
     for sp, lean in ((True, False), (True, True), (False, False)):  # the compiled save-set at tp 2

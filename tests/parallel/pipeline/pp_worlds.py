@@ -23,6 +23,7 @@ from megaloom.parallel.pipeline.stage import build_embedding_groups, build_stage
 from megaloom.parallel.tensor import gather_full_grads, parallelize_tensor
 from megaloom.step import micro_batches
 
+from ..lora_setup import base_changed, base_params, freeze_base, randomize_adapters, with_lora
 from ..worlds import is_encoder, token_rows
 
 VOCAB, SEQ, MICRO = 128, 16, 2
@@ -47,13 +48,20 @@ def _err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def pipeline_case(mesh: Mesh, emb_group, schedule: str, m: int, vpp: int = 1, n_layers: int = 4,
                   arch: str = "llama", tie: bool = True, sp: bool = False, split_data: bool = False,
-                  steps: int = 5, timing: bool = False) -> dict:
+                  steps: int = 5, timing: bool = False, lora: bool = False, clip: float = CLIP) -> dict:
     """``split_data``: each data-parallel replica gets its own micro-batches (the reference sees them all);
-    otherwise every replica runs the same ones (a pure pipeline check on a world larger than pp * tp)."""
+    otherwise every replica runs the same ones (a pure pipeline check on a world larger than pp * tp).
+    ``lora``: adapters on every linear, the base frozen (then ``clip`` below the adapters' smaller norm)."""
     cfg = pp_config(mesh.pp, mesh.tp, vpp, sp, n_layers, arch, tie, mesh.world_size, schedule)
+    cfg = with_lora(cfg) if lora else cfg
     torch.manual_seed(1234)
     ref = Transformer(cfg.model).to(mesh.device)
+    if lora:
+        randomize_adapters(ref)
     full = parallelize_tensor(copy.deepcopy(ref), mesh, sp)  # tensor parallelism on the full model, then cut
+    freeze_base(ref, cfg)  # model.lora (no-op otherwise), after the split as the trainer does
+    freeze_base(full, cfg)
+    base_before = base_params(full) if lora else {}
     stage = build_stage(full, partition_layers(n_layers, mesh.pp, vpp), mesh)
     ex = PipelineExecutor(stage, build_schedule(schedule, mesh.pp, vpp, m), mesh, MICRO, SEQ, sp=sp, timing=timing)
     sync = PipelineGradientSync(stage, mesh, emb_group if tie else None)
@@ -72,8 +80,8 @@ def pipeline_case(mesh: Mesh, emb_group, schedule: str, m: int, vpp: int = 1, n_
             loss = ref(x, y) / n_micro
             loss.backward()
             total += loss.detach()
-        ref_grads = {n: p.grad.clone() for n, p in ref_names.items()}
-        out["norm_ref"].append(torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP).item())
+        ref_grads = {n: p.grad.clone() for n, p in ref_names.items() if p.grad is not None}  # frozen: none
+        out["norm_ref"].append(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip).item())
 
         feeds = stage.has_embedding or stage.has_head
         loss = ex.run(batch[mine] if feeds else None)
@@ -84,14 +92,17 @@ def pipeline_case(mesh: Mesh, emb_group, schedule: str, m: int, vpp: int = 1, n_
             grads = gather_full_grads(stage.model, mesh)
             out["grad_err"] = {}
             for name, g in grads.items():
-                ref_name = name if name in ref_grads else "tok_emb.weight"  # the tied head's copy
+                ref_name = name if name in ref_names else "tok_emb.weight"  # the tied head's copy
+                if g is None or ref_name not in ref_grads:  # frozen (LoRA's base): no gradient on either side
+                    out["grad_err"][name] = (0.0, 0.0, g is None and ref_name not in ref_grads)
+                    continue
                 r = ref_grads[ref_name]
                 out["grad_err"][name] = (_err(g, r), r.abs().max().item(),
                                          torch.allclose(g, r, rtol=1e-4, atol=1e-5))
             out["names"] = sorted(grads)
-            out["ref_names"] = sorted(ref_grads)
+            out["ref_names"] = sorted(ref_names)
             out["param_names"] = [n for n, _ in stage.model.named_parameters()]
-        out["norm"].append(sync.clip(CLIP).item())
+        out["norm"].append(sync.clip(clip).item())
         out["peak"].append(ex.peak_activations)
         opt_ref.step()
         opt.step()
@@ -99,6 +110,10 @@ def pipeline_case(mesh: Mesh, emb_group, schedule: str, m: int, vpp: int = 1, n_
         opt.zero_grad(set_to_none=True)
         out["loss_ref"].append(total.item())
         out["loss"].append(loss.item())
+    out["clip"] = clip
+    if lora:
+        out["base_changed"] = base_changed(stage.model, {n: base_before[n] for n, _ in
+                                                         stage.model.named_parameters() if n in base_before})
     tied = stage.model.tok_emb.weight if stage.has_embedding else stage.model.head.weight if stage.has_head else None
     out["tied_weight"] = tied.detach().clone() if tie and tied is not None else None
     if timing:
@@ -147,5 +162,6 @@ def suite_pipeline_world4(rank: int, world: int, device: torch.device) -> dict:
                                                              arch="gpt2")
     res["pp2-tp2-sp-1f1b-m4-qwen3"] = pipeline_case(mesh, group, "1f1b", 4, sp=True, arch="qwen3")
     res["pp2-tp2-sp-1f1b-m4-bert"] = pipeline_case(mesh, group, "1f1b", 4, sp=True, arch="bert")
+    res["pp2-tp2-sp-1f1b-m4-lora"] = pipeline_case(mesh, group, "1f1b", 4, sp=True, lora=True, clip=0.2, steps=3)
     res["coords"] = dict(pp=mesh.pp_rank, tp=mesh.tp_rank)
     return res
