@@ -1,0 +1,91 @@
+"""1-bit Adam / LAMB in one process (megaloom/onebit.py): the warm-up equal to plain AdamW / LAMB and the frozen
+state after it, the config's refusals, and the in-place background checkpoint waiting for a compressed step. The
+multi-rank proofs (dp=4 against a simulation, bytes, exact resume; tp, pp, ep) run in the parallel worlds:
+tests/parallel/dp/test_dp_world4.py, pipeline/test_zero_pp_world.py, test_trainer_parallel.py; the exchange
+itself in tests/parallel/test_compressed.py and dp/test_dp_world2.py (1,000 steps against float64)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from megaloom.config import ConfigError, load_config
+from megaloom.lamb import build_lamb
+from megaloom.models import Transformer
+from megaloom.onebit import PAD_MULTIPLE, OnebitOptimizer
+from megaloom.optim import param_groups
+from megaloom.parallel.mesh import Mesh
+from megaloom.parallel.zero import build_data_parallel
+
+SETTINGS = ["model.vocab_size=64", "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "train.seq_len=16",
+            "model.max_seq_len=16"]
+LR, BETAS, WD = 1e-2, (0.9, 0.95), 0.1
+
+
+def _model(seed: int = 0) -> Transformer:
+    cfg = load_config(None, SETTINGS)
+    torch.manual_seed(seed)
+    return Transformer(cfg.model)
+
+
+def _onebit(model: Transformer, kind: str, warmup: int) -> OnebitOptimizer:
+    grads = build_data_parallel(model, Mesh.single(), 0, 0.01, pad_multiple=PAD_MULTIPLE)
+    return OnebitOptimizer(model, grads, kind, lr=LR, betas=BETAS, eps=1e-8 if kind == "adam" else 1e-6,
+                           weight_decay=WD, warmup_steps=warmup)
+
+
+def _step(model, opt, seed: int, grads=None) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 64, (2, 16), generator=gen)
+    if grads is not None:
+        grads.start_last_microbatch()
+    model(x, x).backward()
+    if grads is not None:
+        grads.finish()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("kind", ["adam", "lamb"])
+def test_warmup_is_plain_adamw_or_lamb_then_the_variance_freezes(kind: str) -> None:
+    base = _model()
+    ref = copy.deepcopy(base)
+    plain = torch.optim.AdamW(param_groups(ref, WD), lr=LR, betas=BETAS, eps=1e-8, foreach=True) if kind == "adam" \
+        else build_lamb(ref, WD, LR, BETAS, 1e-6)
+    model = copy.deepcopy(base)
+    opt = _onebit(model, kind, warmup=3)
+    for s in range(3):
+        _step(ref, plain, s)
+        _step(model, opt, s, opt.grads)
+        for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            assert torch.equal(p, q), (s, n)  # the same optimizer code on the same gradient
+    assert opt.compressing() and opt.grads.local
+    frozen = [opt.state[p]["exp_avg_sq"].clone() for p in opt.params]
+    if kind == "lamb":  # the fresh variance starts where the frozen one stops; the ratios' average is frozen
+        assert all(torch.equal(opt.state[p]["exp_avg_sq_fresh"], v) for p, v in zip(opt.params, frozen, strict=True))
+        ratios = opt.frozen_trust_ratios().clone()
+    before = [p.detach().clone() for p in model.parameters()]
+    for s in range(3, 5):
+        _step(model, opt, s, opt.grads)
+    assert all(torch.equal(opt.state[p]["exp_avg_sq"], v) for p, v in zip(opt.params, frozen, strict=True))
+    assert any(not torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    assert float(opt.state[opt.params[0]]["step"]) == 5 and opt.steps == 5
+    if kind == "lamb":
+        assert torch.equal(opt.frozen_trust_ratios(), ratios) and (ratios != 1).any()
+        assert not all(torch.equal(opt.state[p]["exp_avg_sq_fresh"], v)
+                       for p, v in zip(opt.params, frozen, strict=True))
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["train.optimizer=onebit_adam", "parallel.zero=1"], "Set parallel.zero=0, or keep ZeRO with train.optimizer"),
+    (["train.optimizer=onebit_lamb", "parallel.zero=3"], "train.optimizer=onebit_lamb with parallel.zero=3"),
+    (["train.optimizer=onebit_adam", "train.onebit_warmup_steps=0"], "train.onebit_warmup_steps must be >= 1"),
+    (["train.optimizer=onebit"], "train.optimizer: 'onebit' is not one of"),
+])
+def test_config_refusals_name_the_setting_and_the_fix(overrides: list[str], fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        load_config(None, overrides)
+    cfg = load_config(None, ["train.optimizer=onebit_lamb", "train.onebit_warmup_steps=7"])
+    assert cfg.train.optimizer == "onebit_lamb" and cfg.train.onebit_warmup_steps == 7
