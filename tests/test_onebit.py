@@ -7,10 +7,14 @@ itself in tests/parallel/test_compressed.py and dp/test_dp_world2.py (1,000 step
 from __future__ import annotations
 
 import copy
+import time
 
 import pytest
 import torch
 
+from megaloom.checkpoint import async_save as async_mod
+from megaloom.checkpoint import find_checkpoints, load_checkpoint
+from megaloom.checkpoint.async_save import AsyncCheckpointer
 from megaloom.config import ConfigError, load_config
 from megaloom.lamb import build_lamb
 from megaloom.models import Transformer
@@ -89,3 +93,33 @@ def test_config_refusals_name_the_setting_and_the_fix(overrides: list[str], frag
         load_config(None, overrides)
     cfg = load_config(None, ["train.optimizer=onebit_lamb", "train.onebit_warmup_steps=7"])
     assert cfg.train.optimizer == "onebit_lamb" and cfg.train.onebit_warmup_steps == 7
+
+
+def test_an_in_place_background_save_holds_the_state_of_its_step(tmp_path, monkeypatch) -> None:
+    """A compressed step changes the momentum and the weights without its inner torch optimizer's step: the
+    in-place background write must still finish before that step starts (the 1-bit optimizer's own pre-hook)."""
+    model = _model()
+    opt = _onebit(model, "adam", warmup=1)
+    _step(model, opt, 0, opt.grads)
+    real_write, events = async_mod.write_tensors, []
+
+    def slow_write(*args, **kwargs):
+        time.sleep(0.3)
+        real_write(*args, **kwargs)
+        events.append("written")
+
+    monkeypatch.setattr(async_mod, "write_tensors", slow_write)
+    at_save = ({n: p.detach().clone() for n, p in model.named_parameters()},
+               {n: opt.state[p]["exp_avg"].clone() for n, p in model.named_parameters()})
+    ckpt = AsyncCheckpointer()
+    record = ckpt.save(tmp_path, 1, model, opt, {}, keep=2)
+    opt.register_step_pre_hook(lambda *_: events.append("update"))  # runs after the save's own hook
+    _step(model, opt, 1, opt.grads)  # compressed
+    assert events == ["written", "update"] and record.in_place and record.update_wait_s > 0, (events, record)
+    ckpt.wait()
+    fresh = _model(seed=1)
+    opt2 = _onebit(fresh, "adam", warmup=1)
+    load_checkpoint(find_checkpoints(tmp_path)[0], fresh, opt2)
+    assert opt2.steps == 1 and opt2.compressing()
+    for n, p in fresh.named_parameters():
+        assert torch.equal(p, at_save[0][n]) and torch.equal(opt2.state[p]["exp_avg"], at_save[1][n]), n

@@ -14,9 +14,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import shutil
+import tempfile
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
+from megaloom.checkpoint.store import load_checkpoint, save_checkpoint
 from megaloom.data.objective import inputs_and_labels, objective_kwargs
 from megaloom.onebit import COEFF_BETA, FACTOR_MAX, FACTOR_MIN, FACTOR_THRESHOLD, PAD_MULTIPLE, OnebitOptimizer
 from megaloom.optim import param_groups
@@ -24,7 +29,7 @@ from megaloom.parallel import comm
 from megaloom.parallel.compressed import ChunkPlan, CompressedAverage
 from megaloom.parallel.data_parallel import plan_buckets
 from megaloom.parallel.mesh import Mesh
-from megaloom.parallel.tensor import parallelize_tensor, sync_tp_grads
+from megaloom.parallel.tensor import gather_full_tensor, parallelize_tensor, sync_tp_grads
 from megaloom.parallel.zero import build_data_parallel
 
 from .dp_worlds import BETAS, BUCKET_MB, EPS, GLOBAL_BATCH, LR, WD, base_model, global_batches, run_steps
@@ -321,3 +326,54 @@ def bytes_case(mesh: Mesh) -> dict:
         out[kind] = dict(rows=tally.rows(), bytes=buf / 3, sent=sent / 3)
     out["numel"] = sum(p.numel() for p in model.parameters())
     return out
+
+
+def resume_case(mesh: Mesh, kind: str, elsewhere: Mesh) -> dict:
+    """6 steps, a checkpoint (save_checkpoint / load_checkpoint: what a run writes), a fresh model, optimizer and
+    buckets loaded from it, 4 more steps: against 10 uninterrupted steps; the same with the loaded errors cleared,
+    which must differ (the errors are what makes the resume exact); and the checkpoint loaded at another
+    data-parallel size (``elsewhere``, tp2 x dp2): the step and momentum load, the errors start at zero."""
+    base = base_model("llama", mesh)
+    micro = GLOBAL_BATCH // mesh.dp // 2
+    batches = global_batches()
+    model, grads, opt = build_onebit(base, mesh, kind)
+    whole = run_steps(model, grads, opt, mesh, batches, micro, 0.05, None)[0]
+    root = _shared_dir(mesh)
+    model, grads, opt = build_onebit(base, mesh, kind)
+    first = run_steps(model, grads, opt, mesh, batches[:6], micro, 0.05, None)[0]
+    momentum = {n: opt.state[p]["exp_avg"].clone() for n, p in model.named_parameters()}
+    path = save_checkpoint(Path(root), 6, model, opt, {}, keep=2, rank=mesh.rank, barrier=dist.barrier, mesh=mesh)
+    out = dict(whole=whole, first=first)
+    for name, clear in (("resumed", False), ("cleared", True)):
+        model, grads, opt = build_onebit(base, mesh, kind)
+        load_checkpoint(path, model, opt, rank=mesh.rank, mesh=mesh)
+        out[f"{name}_steps"] = opt.steps
+        out[f"{name}_worker_err"] = max(ex.worker_error.abs().max().item() for ex in opt.exchanges if ex)
+        if clear:
+            for ex in opt.exchanges:
+                if ex is not None:
+                    ex.reset()
+        out[name] = run_steps(model, grads, opt, mesh, batches[6:], micro, 0.05, None)[0]
+    model, grads, opt = build_onebit(base_model("llama", elsewhere), elsewhere, kind)
+    for ex in opt.exchanges:  # what a run in progress would hold: the load must clear it
+        if ex is not None:
+            ex.worker_error.fill_(1.0)
+            ex.server_error.fill_(1.0)
+    load_checkpoint(path, model, opt, rank=mesh.rank, mesh=elsewhere)
+    out["elsewhere_steps"] = opt.steps
+    out["elsewhere_errors"] = max(max(ex.worker_error.abs().max().item(), ex.server_error.abs().max().item())
+                                  for ex in opt.exchanges if ex)
+    out["elsewhere_momentum_err"] = max(
+        (gather_full_tensor(opt.state[p]["exp_avg"], p, elsewhere) - momentum[n]).abs().max().item()
+        for n, p in model.named_parameters())
+    dist.barrier()
+    if mesh.rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+def _shared_dir(mesh: Mesh) -> str:
+    """A temporary directory made by rank 0, its name given to every rank."""
+    name = [tempfile.mkdtemp(prefix="megaloom-onebit-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(name, src=0)
+    return name[0]

@@ -1,6 +1,6 @@
 """One world of 4 processes (gloo): dp=4 with ZeRO 0-3, and tp=2 x dp=2 (also with sequence parallelism and
-LAMB), each against the single-process run; 1-bit Adam / LAMB against a simulation of the same algorithm, and their
-bytes per step against AdamW's."""
+LAMB), each against the single-process run; 1-bit Adam / LAMB against a simulation of the same algorithm, their
+bytes per step against AdamW's and an exact resume."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def world() -> list[dict]:
 
 
 def test_every_case_ran(world: list[dict]) -> None:
-    assert sorted(world[0]) == sorted(CASES + ONEBIT + ["dp4-onebit-bytes"])
+    assert sorted(world[0]) == sorted(CASES + ONEBIT + ["dp4-onebit-bytes", "dp4-onebit-resume"])
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -75,3 +75,14 @@ def test_onebit_bytes_per_step_are_16x_below_adamw(world: list[dict]) -> None:
     assert adam["bytes"] / onebit["bytes"] >= 15, (adam, onebit)
     # the signs really are bits: under 1/30 of the fp32 gradient's bytes per direction
     assert max(row["bytes"] for row in onebit["rows"]) / 3 < 4 * r["numel"] / 30
+
+
+def test_onebit_resume_is_exact_with_the_error_buffers(world: list[dict]) -> None:
+    for res in world:
+        r = res["dp4-onebit-resume"]
+        assert r["first"] == r["whole"][:6]
+        assert r["resumed_steps"] == r["cleared_steps"] == 6 and r["resumed_worker_err"] > 0
+        assert r["resumed"] == r["whole"][6:], (r["resumed"], r["whole"][6:])  # bitwise
+        assert r["cleared"] != r["whole"][6:]  # without the errors the run continues otherwise
+        # at another data-parallel size: the step and momentum load (resharded over tp), the errors restart at 0
+        assert r["elsewhere_steps"] == 6 and r["elsewhere_errors"] == 0.0 and r["elsewhere_momentum_err"] == 0.0
