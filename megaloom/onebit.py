@@ -11,7 +11,13 @@ Compression stage, each step:
 - each rank forms its own momentum x_r = b1 m + (1 - b1) g_r in the bucket, and the buckets' momenta are averaged by
   the error-compensated 1-bit exchange (megaloom/parallel/compressed.py: worker and server errors, an all-to-all
   then an all-gather of sign bits, one scale per piece of a parameter per chunk), so every rank ends with the same
-  momentum m, bucket after bucket (the next bucket is compressed while the last one's bits travel);
+  momentum m, bucket after bucket (the next bucket is compressed while the last one's bits travel). What is
+  exchanged is D x_r, D = 1 / (sqrt(v_hat) + eps) the frozen preconditioner (a fixed diagonal: averaging commutes
+  with it), and m = out / D: each piece's scale is then the root mean square of the update it becomes. Compressing
+  x_r itself (DeepSpeed) gives an element whose frozen variance is near zero, the embedding row of a token the
+  warm-up hardly saw, an update of scale / eps; on the 1.8M-parameter CPU run that diverged (NaN at step ~220 of
+  600, clipping off) or, clipped, ended 4.9% above AdamW. DeepSpeed masks known zero rows by hand
+  (``exp_avg_mask``); the preconditioned exchange needs no mask;
 - Adam: the variance is frozen where the warm-up left it, w -= lr (m_hat / (sqrt(v_hat) + eps) + wd w) with
   m_hat = m / (1 - b1^t) and v_hat = v / (1 - b2^T) (T = the warm-up steps; the warm-up's own bias correction,
   kept: DeepSpeed's 1-bit Adam has none);
@@ -41,6 +47,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -186,27 +193,37 @@ class OnebitOptimizer:
     # ---------------------------------------------------------------------------------- compression stage
 
     def _exchange_momentum(self) -> None:
-        """Every bucket's local momentum b1 m + (1 - b1) g averaged by the compressed exchange into ``m``. The
-        buckets hold this rank's own (clipped) gradient and serve as scratch."""
+        """Every bucket's local momentum x = b1 m + (1 - b1) g averaged by the compressed exchange into ``m``,
+        exchanged in the frozen preconditioner's units: D x with D = 1 / (sqrt(v_hat) + eps), then m = out / D.
+        The buckets hold this rank's own (clipped) gradient and serve as scratch."""
         b1, b2 = self.betas
         n = self.grads.size
         buckets = self.grads.buckets
-        for b, m, ex in zip(buckets, self.m, self.exchanges, strict=True):
+        for b, m, v, ex in zip(buckets, self.m, self.v, self.exchanges, strict=True):
             # Expert buckets (edp < dp): their gradient is reduced over edp and divided by dp in the plain path.
             b.data.mul_((1 - b1) * b.size / n).add_(m, alpha=b1)
             if ex is not None:
+                b.data.mul_(self._preconditioner(v))
                 ex.recorder = self.mesh.recorder
                 ex.start(b.data)
         for ex in self.exchanges:
             if ex is not None:
                 ex.serve()
-        for i, (b, m, ex) in enumerate(zip(buckets, self.m, self.exchanges, strict=True)):
+        for i, (b, m, v, ex) in enumerate(zip(buckets, self.m, self.v, self.exchanges, strict=True)):
             if ex is not None:
                 ex.finish(b.data)
+                b.data.div_(self._preconditioner(v))
             if self.kind == "lamb":  # the fresh variance of the gradient the momentum moved by
                 m.mul_(-b1).add_(b.data)
                 self.fresh[i].mul_(b2).addcmul_(m, m, value=(1 - b2) / (1 - b1) ** 2)
             m.copy_(b.data)
+
+    def _preconditioner(self, v: torch.Tensor) -> torch.Tensor:
+        """D = 1 / (sqrt(v / (1 - b2^T)) + eps) of a bucket's frozen variance: what the update multiplies the
+        momentum by. The exchange compresses D x, so a piece's one scale is the root mean square of the update it
+        becomes: an element whose frozen variance is near zero (the row of a token the warm-up hardly saw) gets
+        an update of the size of its piece's, where compressing x itself would send it scale / eps."""
+        return (v / (1 - self.betas[1] ** self.warmup)).sqrt_().add_(self.eps).reciprocal_()
 
     def _adam_update(self) -> None:
         b1, b2 = self.betas
@@ -335,3 +352,69 @@ def build_onebit(model: nn.Module, grads: DataParallelGrads, cfg: TrainConfig) -
     return OnebitOptimizer(model, grads, kind, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                            eps=1e-8 if kind == "adam" else 1e-6, weight_decay=cfg.weight_decay,
                            warmup_steps=cfg.onebit_warmup_steps)
+
+
+# ----------------------------------------------------------------------------------- when it pays (a model)
+
+# Memory traffic of the exchange per element of the buffer (bytes), counted from its ops (megaloom/parallel/
+# compressed.py: the worker's momentum, error and compression passes ~66, the servers' unpacking and averaging ~29,
+# every rank's decoding ~29, the copy into the momentum 8). Counted, not measured on a GPU.
+COMPRESS_BYTES_PER_ELEMENT = 130
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """The data-parallel part of one step's time for AdamW against 1-bit Adam after its warm-up, per rank:
+    ``params`` (this rank's, fp32 gradients), ``ranks`` in the data-parallel group, ``link_gb_s`` the bandwidth one
+    rank gets across the slowest link (GB/s, one direction: a 400 Gb/s NIC per GPU is 50), ``overlap_s`` the
+    backward time an all-reduce can hide under (the buckets reduce during the last micro-batch's backward),
+    ``hbm_gb_s`` the device memory bandwidth (compression passes), ``alpha_s`` the latency of one message and
+    ``buckets`` the number of gradient buckets (each one collective, or two for 1-bit, of ``ranks - 1`` steps).
+
+    AdamW: a ring all-reduce sends 2 (n-1)/n x 4 bytes per parameter, under the backward. 1-bit: an all-to-all and
+    an all-gather of sign bits, (n-1)/n x 1/8 byte each per parameter (plus a scale per parameter piece, left out),
+    after the backward (the clip coefficient needs every rank's norm first), plus the compression's passes over
+    memory. Latency: 2 (n-1) messages per bucket for both."""
+
+    params: float
+    ranks: int
+    link_gb_s: float
+    overlap_s: float = 0.0
+    hbm_gb_s: float = 4800.0
+    alpha_s: float = 5e-6
+    buckets: int = 1
+
+    def _latency(self) -> float:
+        return 2 * (self.ranks - 1) * self.alpha_s * self.buckets
+
+    def adamw_bytes(self) -> float:
+        return 2 * (self.ranks - 1) / self.ranks * 4 * self.params
+
+    def onebit_bytes(self) -> float:
+        return 2 * (self.ranks - 1) / self.ranks * self.params / 8
+
+    def adamw_exposed_s(self) -> float:
+        """AdamW's all-reduce time left over after the backward it overlaps."""
+        return max(0.0, self.adamw_bytes() / (self.link_gb_s * 1e9) + self._latency() - self.overlap_s)
+
+    def onebit_s(self) -> float:
+        """The exchange's time (not overlapped) and its compression passes."""
+        return (self.onebit_bytes() / (self.link_gb_s * 1e9) + self._latency()
+                + COMPRESS_BYTES_PER_ELEMENT * self.params / (self.hbm_gb_s * 1e9))
+
+    def gain_s(self) -> float:
+        """Seconds a 1-bit step saves against an AdamW step (negative: it costs)."""
+        return self.adamw_exposed_s() - self.onebit_s()
+
+    def breakeven_gb_s(self) -> float:
+        """The link bandwidth below which 1-bit Adam's step is faster (latency left out: it is the same for
+        both): 8 P (n-1)/n / B - overlap = P (n-1)/(4n) / B + compression, solved for B."""
+        f = (self.ranks - 1) / self.ranks
+        compress = COMPRESS_BYTES_PER_ELEMENT * self.params / (self.hbm_gb_s * 1e9)
+        return (8 - 0.25) * f * self.params / (self.overlap_s + compress) / 1e9
+
+
+def run_volume_ratio(warmup_fraction: float, per_step_ratio: float = 32.0) -> float:
+    """How many times fewer data-parallel bytes a whole run sends when a fraction of it is the warm-up (full
+    AdamW traffic) and the rest sends ``per_step_ratio`` times fewer: 1 / (w + (1 - w) / r)."""
+    return 1.0 / (warmup_fraction + (1 - warmup_fraction) / per_step_ratio)

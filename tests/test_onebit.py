@@ -123,3 +123,18 @@ def test_an_in_place_background_save_holds_the_state_of_its_step(tmp_path, monke
     assert opt2.steps == 1 and opt2.compressing()
     for n, p in fresh.named_parameters():
         assert torch.equal(p, at_save[0][n]) and torch.equal(opt2.state[p]["exp_avg"], at_save[1][n]), n
+
+
+def test_step_model_against_hand_computed_numbers() -> None:
+    """docs/parallelism.md's when-it-pays model: 1e9 parameters over 2 ranks at 10 GB/s, HBM 1 TB/s, no latency:
+    AdamW's ring all-reduce sends 2 x 1/2 x 4e9 bytes = 0.4 s, 1-bit 2 x 1/2 x 1e9 / 8 = 0.0125 s plus 130 bytes
+    per element of compression passes (0.13 s); with no backward to hide under, 1-bit wins below
+    7.75 x 1/2 x 1e9 / 0.13 s = 29.8 GB/s."""
+    from megaloom.onebit import StepModel, run_volume_ratio
+
+    m = StepModel(params=1e9, ranks=2, link_gb_s=10, hbm_gb_s=1000, alpha_s=0)
+    assert m.adamw_exposed_s() == pytest.approx(0.4) and m.onebit_s() == pytest.approx(0.1425)
+    assert m.gain_s() == pytest.approx(0.2575) and m.breakeven_gb_s() == pytest.approx(29.8077, rel=1e-4)
+    hidden = StepModel(params=1e9, ranks=2, link_gb_s=10, overlap_s=0.5, hbm_gb_s=1000, alpha_s=0)
+    assert hidden.adamw_exposed_s() == 0 and hidden.gain_s() < 0  # fast links: the all-reduce hides under backward
+    assert run_volume_ratio(0.2) == pytest.approx(1 / (0.2 + 0.8 / 32))

@@ -4,8 +4,9 @@ test_dp_world4.py.
 The reference is `simulate`: one process playing every data-parallel worker of the same algorithm, written
 here from the papers (Tang et al. 2021; Li et al. 2021) without megaloom's optimizer or exchange: each worker's
 own gradient on its rows, the warm-up's averaged gradient and plain Adam / LAMB, then per bucket the worker
-momenta with their errors, one scale per piece of a parameter in each server's chunk, the servers' average with
-their errors, and the frozen-variance update (frozen trust ratio times the clamped factor for LAMB). The bucket
+momenta (times the frozen preconditioner 1 / (sqrt(v_hat) + eps)) with their errors, one scale per piece of a
+parameter in each server's chunk, the servers' average with their errors, and the frozen-variance update (frozen
+trust ratio times the clamped factor for LAMB). The bucket
 layout is `plan_buckets`' (a pure function), padded to 8 x the workers.
 """
 
@@ -127,13 +128,16 @@ class Simulation:
             rms = math.sqrt(sum(self.norm(g).item() ** 2 for g in grads) / self.n)
             grads = [[x * min(1.0, self.clip / (rms + 1e-6)) for x in g] for g in grads]
         m_new = {}
+        eps = EPS["adamw" if self.kind == "onebit_adam" else "lamb"]
         for k, (ps, offs, padded, segs) in enumerate(self.buckets):
-            m = torch.zeros(padded)
+            m, v = torch.zeros(padded), torch.zeros(padded)
             for p, o in zip(ps, offs, strict=True):
                 m[o:o + p.numel()] = self.m[p].reshape(-1)
+                v[o:o + p.numel()] = self.v[p].reshape(-1)
+            d = 1 / ((v / (1 - b2 ** WARMUP)).sqrt() + eps)  # the frozen preconditioner: exchanged is d x
             sent = []
             for w in range(self.n):
-                x = grads[w][k] * (1 - b1) + b1 * m + self.worker_err[w][k]
+                x = (grads[w][k] * (1 - b1) + b1 * m) * d + self.worker_err[w][k]
                 c = _one_bit(x, segs)
                 self.worker_err[w][k] = x - c
                 sent.append(c)
@@ -145,6 +149,7 @@ class Simulation:
                 mine = [(a, b) for a, b in segs if lo <= a < hi]
                 out[lo:hi] = _one_bit(y, mine, base=lo)
                 self.server_err[k][lo:hi] = y - out[lo:hi]
+            out = out / d
             for p, o in zip(ps, offs, strict=True):
                 m_new[p] = out[o:o + p.numel()].view_as(p)
         for p in self.params:
