@@ -1,5 +1,5 @@
 """Command-line entry points: `megaloom train | preprocess | tokenizer | generate | plot | doctor | evict | schedule
-| status | convert | memory | config`."""
+| status | convert | memory | plan | config`."""
 
 from __future__ import annotations
 
@@ -100,7 +100,8 @@ def _interrupted_line(args: argparse.Namespace, signal_name: str = "SIGINT") -> 
 def _cmd_preprocess(args: argparse.Namespace) -> int:
     from megaloom.data.preprocess import preprocess
 
-    stats = preprocess(args.inputs, args.tokenizer, args.out, workers=args.workers, json_key=args.json_key)
+    stats = preprocess(args.inputs, args.tokenizer, args.out, workers=args.workers, json_key=args.json_key,
+                       split=args.split)
     print(f"wrote {args.out}.bin/.idx: {stats.n_docs} documents, {stats.n_tokens:,} tokens ({stats.dtype}) "
           f"in {stats.seconds:.1f}s")
     return 0
@@ -111,7 +112,7 @@ def _cmd_tokenizer(args: argparse.Namespace) -> int:
     from megaloom.data.tokenizer import train_bpe_on_texts
 
     # The documents `megaloom preprocess` would tokenize: JSONL's text field (--json-key), not the raw lines.
-    out = train_bpe_on_texts(iter_documents(args.inputs, args.json_key), args.vocab_size, Path(args.out))
+    out = train_bpe_on_texts(iter_documents(args.inputs, args.json_key, args.split), args.vocab_size, Path(args.out))
     print(f"wrote {out}")
     return 0
 
@@ -150,6 +151,10 @@ def _cmd_plot(args: argparse.Namespace) -> int:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
+    if args.calibrate:  # this machine's GPU measured for `megaloom plan` (one process, no collectives)
+        from megaloom.planning.calibrate import calibrate_command
+
+        return calibrate_command(args.out, args.name, args.like, quick=args.quick)
     if "LOCAL_RANK" not in os.environ:  # not under torchrun: start it (one process without --nproc)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                str(args.nproc or 1), "-m", "megaloom", "doctor", "--factor", str(args.factor), "--matmul-n",
@@ -197,6 +202,15 @@ def _cmd_memory(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from megaloom.planning.command import plan_command
+
+    cfg = load_config(args.config, args.overrides)
+    print(plan_command(cfg, args.gpus, args.gpu, args.top, args.out, args.predict, args.gpus_per_node,
+                       args.nic_gbps, args.json))
+    return 0
+
+
 def _cmd_config(args: argparse.Namespace) -> int:
     if args.list:
         print(describe_keys())
@@ -230,13 +244,23 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_preprocess(sub: argparse._SubParsersAction) -> None:
-    pp = sub.add_parser("preprocess", help="text / JSONL files or folders -> memory-mapped token files")
-    pp.add_argument("inputs", nargs="+")
+    pp = sub.add_parser("preprocess", help="text / JSONL / Parquet files, saved HF datasets, or folders -> "
+                                           "memory-mapped token files")
+    pp.add_argument("inputs", nargs="+", help="files or folders: text files (one document each), .jsonl (one per "
+                                              "line), .parquet (one per row; pip install 'megaloom[parquet]'), "
+                                              "folders written by datasets' save_to_disk or .arrow files "
+                                              "(pip install 'megaloom[hf]')")
     pp.add_argument("--tokenizer", required=True, help="tokenizer.json")
     pp.add_argument("--out", required=True, help="output prefix (writes PREFIX.bin and PREFIX.idx)")
     pp.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2)))
-    pp.add_argument("--json-key", default="text")
+    _add_text_column(pp)
     pp.set_defaults(fn=_cmd_preprocess)
+
+
+def _add_text_column(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--text-column", "--json-key", dest="json_key", default="text",
+                   help="the JSONL field / Parquet or datasets column holding the text (default: text)")
+    p.add_argument("--split", default="train", help="the split of a saved DatasetDict (default: train)")
 
 
 def _add_tokenizer(sub: argparse._SubParsersAction) -> None:
@@ -247,7 +271,7 @@ def _add_tokenizer(sub: argparse._SubParsersAction) -> None:
     tt.add_argument("inputs", nargs="+")
     tt.add_argument("--vocab-size", type=int, default=8192)
     tt.add_argument("--out", required=True, help="path of the tokenizer.json to write")
-    tt.add_argument("--json-key", default="text", help="field holding the text in .json/.jsonl inputs (as preprocess)")
+    _add_text_column(tt)
     tt.set_defaults(fn=_cmd_tokenizer)
 
 
@@ -283,6 +307,12 @@ def _add_doctor(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--matmul-n", type=int, default=512)
     d.add_argument("--run-dir", default=None, help="record the nodes of unhealthy ranks in this run directory, "
                                                     "for `megaloom evict` to leave them out of the next restart")
+    d.add_argument("--calibrate", action="store_true",
+                   help="measure this GPU (GEMM, attention, HBM, launch) into a calibration file for megaloom plan")
+    d.add_argument("--out", default=None, help="--calibrate: the file to write (default: megaloom/planning/gpus/)")
+    d.add_argument("--name", default=None, help="--calibrate: the GPU kind's name (default: the device's)")
+    d.add_argument("--like", default=None, help="--calibrate: keep this kind's node and network figures")
+    d.add_argument("--quick", action="store_true", help=argparse.SUPPRESS)  # tiny sizes: tests
     d.set_defaults(fn=_cmd_doctor)
 
 
@@ -326,6 +356,24 @@ def _add_memory(sub: argparse._SubParsersAction) -> None:
     mem.set_defaults(fn=_cmd_memory)
 
 
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    from megaloom.planning.hardware import gpu_kinds
+
+    pl = sub.add_parser("plan", help="the fastest layouts of a model on N GPUs (predicted memory, step, MFU, bubble, "
+                                     "exposed communication), or --predict one layout (nothing runs)")
+    pl.add_argument("--config")
+    pl.add_argument("--gpus", type=int, required=True, help="GPUs of the job")
+    pl.add_argument("--gpu", default="h200", help=f"GPU kind: {', '.join(gpu_kinds())}, or a calibration file")
+    pl.add_argument("--gpus-per-node", type=int, default=None, help="GPUs a node (default: the kind's)")
+    pl.add_argument("--nic-gbps", type=float, default=None, help="GB/s across nodes per GPU (default: the kind's)")
+    pl.add_argument("--top", type=int, default=10, help="layouts listed")
+    pl.add_argument("--out", default=None, help="write the best layout as a config file for megaloom train --config")
+    pl.add_argument("--predict", default=None, metavar="CONFIG", help="predict this config's own layout")
+    pl.add_argument("--json", default=None, help="also write the predictions as JSON")
+    pl.add_argument("overrides", nargs="*")
+    pl.set_defaults(fn=_cmd_plan)
+
+
 def _add_config(sub: argparse._SubParsersAction) -> None:
     c = sub.add_parser("config", help="print the resolved config, or every key with --list")
     c.add_argument("--config")
@@ -336,7 +384,7 @@ def _add_config(sub: argparse._SubParsersAction) -> None:
 
 # The subcommands in the order `megaloom --help` lists them.
 _SUBCOMMANDS = (_add_train, _add_preprocess, _add_tokenizer, _add_generate, _add_plot, _add_doctor, _add_evict,
-                _add_schedule, _add_status, _add_convert, _add_memory, _add_config)
+                _add_schedule, _add_status, _add_convert, _add_memory, _add_plan, _add_config)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -75,6 +75,28 @@ class ModelConfig:
     tie_embeddings: bool = _f(True, "Share the input embedding and the output head weights.")
     norm_eps: float = _f(1e-5, "Epsilon of LayerNorm / RMSNorm.")
     rope_theta: float = _f(10000.0, "RoPE base frequency (families with rotary positions).")
+    rope_scaling: str = _f("none", "RoPE frequency scaling for contexts beyond pretraining, applied to the RoPE tables "
+                                   "in training and generation: none; llama3 (Llama 3.1/3.2/3.3: low frequencies / "
+                                   "model.rope_factor, high ones kept, a smooth ramp between); yarn (YaRN as Qwen "
+                                   "and transformers' rope_type 'yarn' compute it). Set by `megaloom convert "
+                                   "--from-hf` from config.json's rope_scaling / rope_parameters.",
+                           ("none", "llama3", "yarn"))
+    rope_factor: float = _f(1.0, "With model.rope_scaling: the context extension factor (Llama 3.1: 8, Llama 3.2: "
+                                 "32; HF's factor).")
+    rope_original_max_len: int = _f(0, "With model.rope_scaling: the context length of pretraining (HF's "
+                                       "original_max_position_embeddings; Llama 3.1: 8192); must be > 0 then.")
+    rope_low_freq_factor: float = _f(1.0, "With model.rope_scaling=llama3: wavelengths above rope_original_max_len / "
+                                          "this are divided by rope_factor (HF's low_freq_factor).")
+    rope_high_freq_factor: float = _f(4.0, "With model.rope_scaling=llama3: wavelengths below rope_original_max_len "
+                                           "/ this are kept (HF's high_freq_factor).")
+    rope_beta_fast: float = _f(32.0, "With model.rope_scaling=yarn: dimensions turning more often than this within "
+                                     "rope_original_max_len keep their frequency (HF's beta_fast).")
+    rope_beta_slow: float = _f(1.0, "With model.rope_scaling=yarn: dimensions turning less often than this are "
+                                    "interpolated, / rope_factor (HF's beta_slow).")
+    rope_attention_factor: float = _f(0.0, "With model.rope_scaling=yarn: scale of cos/sin (HF's attention_factor); "
+                                           "0 = 0.1 * ln(rope_factor) + 1.")
+    rope_truncate: bool = _f(True, "With model.rope_scaling=yarn: round the interpolation ramp's ends to whole "
+                                   "dimensions (HF's truncate).")
     qkv_bias: bool = _f(False, "Biases on the q/k/v projections only (Qwen style); families with biases everywhere "
                                "(gpt2) have them anyway.")
     dropout: float = _f(0.0, "Dropout on attention probabilities and residual branches.")
@@ -583,6 +605,7 @@ def validate(cfg: Config) -> None:
     if family.traits.positions == "rope":
         _require((m.d_model // m.n_heads) % 2 == 0,
                  f"{m.arch} arch: head dim (d_model/n_heads) must be even for RoPE.")
+    _check_rope_scaling(m, family.traits.positions == "rope")
     if family.validate is not None:
         family.validate(m)
     _require(not m.sentence_order or m.arch == "bert",
@@ -645,6 +668,29 @@ def validate(cfg: Config) -> None:
                  "give one weight per path or none.")
     r = cfg.checkpoint.resume
     _require(r in ("auto", "none") or bool(r), "checkpoint.resume must be auto, none or a checkpoint directory.")
+
+
+def _check_rope_scaling(m: ModelConfig, rope: bool) -> None:
+    """The model.rope_* scaling keys describe a scaling the RoPE tables can compute."""
+    if m.rope_scaling == "none":
+        return
+    _require(rope, f"model.rope_scaling={m.rope_scaling} with model.arch={m.arch}: this family has no rotary "
+                   "positions; set model.rope_scaling=none.")
+    _require(m.rope_factor > 0, f"model.rope_factor must be > 0 with model.rope_scaling={m.rope_scaling}, got "
+                                f"{m.rope_factor} (e.g. 8 for Llama 3.1).")
+    _require(m.rope_original_max_len >= 1,
+             f"model.rope_original_max_len must be >= 1 with model.rope_scaling={m.rope_scaling}, got "
+             f"{m.rope_original_max_len}: set it to the context length of pretraining (e.g. 8192 for Llama 3.1).")
+    if m.rope_scaling == "llama3":
+        _require(0 < m.rope_low_freq_factor < m.rope_high_freq_factor,
+                 f"model.rope_low_freq_factor ({m.rope_low_freq_factor}) must be > 0 and below "
+                 f"model.rope_high_freq_factor ({m.rope_high_freq_factor}) (Llama 3.1: 1 and 4).")
+    else:
+        _require(m.rope_beta_fast > 0 and m.rope_beta_slow > 0,
+                 f"model.rope_beta_fast ({m.rope_beta_fast}) and model.rope_beta_slow ({m.rope_beta_slow}) must be "
+                 "> 0 (YaRN's defaults: 32 and 1).")
+        _require(m.rope_attention_factor >= 0,
+                 f"model.rope_attention_factor must be >= 0 (0 = YaRN's default), got {m.rope_attention_factor}.")
 
 
 def _check_vision(m: ModelConfig, d: DataConfig, seq_len: int) -> None:

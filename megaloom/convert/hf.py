@@ -39,6 +39,10 @@ from megaloom.convert.safetensors_io import DEFAULT_SHARD_BYTES, INDEX, SINGLE, 
 from megaloom.models.presets import PRESETS
 from megaloom.models.registry import get_family
 
+# model.* keys added after checkpoints recorded the model in state.json; their defaults are what those checkpoints
+# computed (plain RoPE), so a state.json without them still describes its model.
+ADDED_LATER = {"rope_scaling", "rope_factor", "rope_original_max_len", "rope_low_freq_factor",
+               "rope_high_freq_factor", "rope_beta_fast", "rope_beta_slow", "rope_attention_factor", "rope_truncate"}
 
 def to_hf(run_or_ckpt_dir: str | Path, out_dir: str | Path, show_progress: bool = True, dtype: str = "float32",
           max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> Path:
@@ -153,7 +157,7 @@ def _model_config(run_dir: Path, state: dict, ckpt: Path) -> ModelConfig:
         return m
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     saved = state.get("model") or {}
-    if set(saved) >= fields - {"preset"}:
+    if set(saved) >= fields - {"preset"} - ADDED_LATER:
         return ModelConfig(**{k: v for k, v in saved.items() if k in fields})
     raise ConversionError(f"{ckpt}: the model settings are unknown: {cfg_file} is missing and state.json has no "
                           "complete 'model' section. Pass the run directory (run_dir/checkpoints/step_N's run_dir "

@@ -23,12 +23,20 @@ def _converting() -> list[Family]:
     return [f for f in FAMILIES.values() if f.hf is not None]
 
 
+def _mappings() -> list[HFMapping]:
+    """Every HF mapping megaloom has: each family's, and its MoE models' where it has one."""
+    return [h for f in _converting() for h in (f.hf, f.hf.moe) if h is not None]
+
+
 def hf_mapping(m: ModelConfig) -> HFMapping:
-    """The HF mapping of ``m``'s family; a ConversionError if it has none."""
+    """The HF mapping of ``m``'s family (its MoE mapping for an MoE model, if it has one); a ConversionError if it
+    has none."""
     family = get_family(m.arch)
     if family.hf is None:
         raise ConversionError(f"model.arch={m.arch!r} has no Hugging Face conversion (no megaloom/models/{m.arch}/"
                               f"hf.py); {', '.join(f.name for f in _converting())} do.")
+    if m.moe_every and family.hf.moe is not None:
+        return family.hf.moe
     return family.hf
 
 
@@ -42,7 +50,7 @@ def check_exportable(m: ModelConfig) -> HFMapping:
     if m.sliding_window:
         raise ConversionError(f"model.sliding_window={m.sliding_window}: Hugging Face's {hf.architecture} attends "
                               "to the full context. Only models trained with model.sliding_window=0 can be exported.")
-    if m.moe_every:
+    if m.moe_every and get_family(m.arch).hf.moe is None:
         raise ConversionError(f"model.moe_every={m.moe_every}: megaloom's Mixture-of-Experts layers have no Hugging "
                               f"Face mapping ({hf.architecture} is a dense model). Only dense models "
                               "(model.moe_every=0) can be exported.")
@@ -60,13 +68,13 @@ def hf_config(m: ModelConfig, dtype: str, eos_id: int | None = None) -> dict:
     return {"architectures": [hf.architecture], "model_type": hf.model_types[0], **hf.to_hf_config(m), **common}
 
 
-def family_of_model_type(hf: dict, where: str) -> Family:
-    """The family that reads config.json's ``model_type``; a ConversionError lists those megaloom reads."""
+def mapping_of_model_type(hf: dict, where: str) -> HFMapping:
+    """The HF mapping that reads config.json's ``model_type``; a ConversionError lists those megaloom reads."""
     kind = hf.get("model_type")
-    for family in _converting():
-        if kind in family.hf.model_types:
-            return family
-    known = [f"{t!r} ({f.hf.architecture})" for f in _converting() for t in f.hf.model_types]
+    for mapping in _mappings():
+        if kind in mapping.model_types:
+            return mapping
+    known = [f"{t!r} ({h.architecture})" for h in _mappings() for t in h.model_types]
     readable = known[0] if len(known) == 1 else ", ".join(known[:-1]) + " and " + known[-1]
     raise ConversionError(f"{where}: model_type={kind!r} (architectures {hf.get('architectures') or []}) cannot be "
                           f"imported; megaloom reads model_type {readable}.")
@@ -74,9 +82,9 @@ def family_of_model_type(hf: dict, where: str) -> Family:
 
 def model_settings(hf: dict, where: str) -> dict:
     """megaloom model.* values (resolved, dropout 0, full attention) for an HF config.json."""
-    family = family_of_model_type(hf, where)
+    mapping = mapping_of_model_type(hf, where)
     try:
-        out = family.hf.from_hf_config(hf, where)
+        out = mapping.from_hf_config(hf, where)
     except KeyError as e:
         raise ConversionError(f"{where}: required field {e.args[0]!r} is missing for model_type "
                               f"{hf.get('model_type')!r}.") from e

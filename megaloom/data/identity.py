@@ -18,7 +18,7 @@ import hashlib
 import os
 from pathlib import Path
 
-from megaloom.data.indexed import HEADER, resolve_prefix
+from megaloom.data.indexed import index_counts, resolve_prefix
 
 WHOLE_INDEX_BYTES = 4 << 20  # an .idx up to this size is hashed whole
 INDEX_BLOCKS, INDEX_BLOCK = 64, 64 << 10  # beyond it: this many blocks of this size, head and tail included
@@ -47,10 +47,7 @@ def dataset_identity(prefix: str | Path) -> dict:
     """The identity of one ``prefix.bin``/``prefix.idx`` pair (the files are validated when the data loads)."""
     prefix = resolve_prefix(prefix)
     bin_path, idx_path = Path(prefix + ".bin"), Path(prefix + ".idx")
-    with open(idx_path, "rb") as f:
-        n_docs = HEADER.unpack(f.read(HEADER.size))[4]
-        f.seek(HEADER.size + 8 * n_docs)  # the last document offset: the token count
-        n_tokens = int.from_bytes(f.read(8), "little", signed=True)
+    n_docs, n_tokens = index_counts(prefix)  # megaloom's or Megatron's .idx
     return {"path": os.path.abspath(prefix), "tokens": n_tokens, "docs": int(n_docs),
             "bin_bytes": bin_path.stat().st_size, "idx_bytes": idx_path.stat().st_size,
             "idx_hash": sampled_hash(idx_path, INDEX_BLOCKS, INDEX_BLOCK, whole_below=WHOLE_INDEX_BYTES),

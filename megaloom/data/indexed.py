@@ -3,6 +3,9 @@
 ``.idx`` layout (little-endian): magic ``b"MLOOMIDX"``, format version (uint32), dtype code (uint8),
 vocab_size (uint64), n_docs (uint64), then n_docs + 1 int64 document offsets counted in tokens.
 Token ids are stored as uint16 whenever the vocabulary fits, halving disk and page-cache use.
+
+Megatron-LM's ``.bin``/``.idx`` pairs (magic ``MMIDIDX``) open through the same class, read in place
+(`megaloom.data.megatron`): data.paths may name either kind, and blends mix them.
 """
 
 from __future__ import annotations
@@ -18,6 +21,10 @@ import numpy as np
 
 from megaloom.data.cache import tmp_name
 from megaloom.data.errors import DataError
+from megaloom.data.megatron import DTYPES as MEGATRON_DTYPES
+from megaloom.data.megatron import FIX as MEGATRON_FIX
+from megaloom.data.megatron import HEADER as MEGATRON_HEADER
+from megaloom.data.megatron import is_megatron_index, read_megatron_index
 
 MAGIC = b"MLOOMIDX"
 VERSION = 1
@@ -90,6 +97,26 @@ def write_indexed(prefix: str | Path, docs: Iterable[Sequence[int] | np.ndarray]
     return IndexStats(n_docs, n_tokens, dtype.name, time.perf_counter() - t0)
 
 
+def index_counts(prefix: str | Path) -> tuple[int, int]:
+    """(documents, tokens) from a ``.idx``'s header and last entries (megaloom's or Megatron's), reading a few bytes;
+    the files are validated when the data loads."""
+    path = Path(resolve_prefix(prefix) + ".idx")
+    with open(path, "rb") as f:
+        if not is_megatron_index(path):
+            n_docs = HEADER.unpack(f.read(HEADER.size))[4]
+            f.seek(HEADER.size + 8 * n_docs)  # the last document offset: the token count
+            return int(n_docs), int.from_bytes(f.read(8), "little", signed=True)
+        _, _, code, n_seq, n_doc_idx = MEGATRON_HEADER.unpack(f.read(MEGATRON_HEADER.size))
+        if n_seq == 0:
+            return max(int(n_doc_idx) - 1, 0), 0
+        f.seek(MEGATRON_HEADER.size + 4 * (n_seq - 1))
+        last_len = int.from_bytes(f.read(4), "little", signed=True)
+        f.seek(MEGATRON_HEADER.size + 4 * n_seq + 8 * (n_seq - 1))
+        last_ptr = int.from_bytes(f.read(8), "little", signed=True)
+        itemsize = np.dtype(MEGATRON_DTYPES.get(code, np.uint8)).itemsize
+        return max(int(n_doc_idx) - 1, 0), last_ptr // itemsize + last_len
+
+
 def _increasing(offsets: np.ndarray, chunk: int = 1 << 22) -> bool:
     """Offsets never decrease, checked a chunk at a time (bounded memory for any index size)."""
     for lo in range(0, len(offsets) - 1, chunk):
@@ -109,18 +136,25 @@ class IndexedTokens:
             if not p.is_file():
                 raise DataError(f"token file {p} does not exist (from data.paths entry {self.prefix!r}); "
                                 f"check the path or {FIX}")
-        self.dtype, self.vocab_size, self.doc_offsets = self._read_index()
+        # "megaloom" or "megatron" (Megatron-LM's MMIDIDX files: no vocabulary in the header, vocab_size 0)
+        self.format = "megatron" if is_megatron_index(self.idx_path) else "megaloom"
+        if self.format == "megatron":
+            self.dtype, self.doc_offsets = read_megatron_index(self.idx_path, self.bin_path)
+            self.vocab_size = 0
+        else:
+            self.dtype, self.vocab_size, self.doc_offsets = self._read_index()
         self.n_docs = len(self.doc_offsets) - 1
         self.n_tokens = int(self.doc_offsets[-1])
+        fix = FIX if self.format == "megaloom" else MEGATRON_FIX
         if self.n_tokens == 0:
             raise DataError(f"token file {self.bin_path} is empty (0 tokens in {self.n_docs} documents); "
-                            f"{FIX} on a corpus that contains text")
+                            f"{fix} on a corpus that contains text")
         expected = self.n_tokens * self.dtype.itemsize
         actual = self.bin_path.stat().st_size
         if actual != expected:
             raise DataError(f"token file {self.bin_path} has {actual} bytes but {self.idx_path} describes "
                             f"{self.n_tokens} {self.dtype.name} tokens ({expected} bytes): it is truncated "
-                            f"or belongs to another index; {FIX}")
+                            f"or belongs to another index; {fix}")
         self.tokens = np.memmap(self.bin_path, dtype=self.dtype, mode="r")
 
     def _read_index(self) -> tuple[np.dtype, int, np.ndarray]:
@@ -148,6 +182,10 @@ class IndexedTokens:
             raise DataError(f"index file {path} has document offsets that do not start at 0 and increase; "
                             f"it is corrupt; {FIX}")
         return DTYPES[code], int(vocab_size), offsets
+
+    def fix(self) -> str:
+        """How to rebuild these files (the end of a DataError about them)."""
+        return FIX if self.format == "megaloom" else MEGATRON_FIX
 
     def doc(self, i: int) -> np.ndarray:
         """Tokens of document ``i`` (a memmap slice; copy it if you keep it)."""

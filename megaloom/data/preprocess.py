@@ -1,4 +1,5 @@
-"""``megaloom preprocess``: text files / JSON-lines -> tokenized, memory-mappable token files."""
+"""``megaloom preprocess``: text files / JSON-lines / Parquet / Hugging Face datasets on disk -> tokenized,
+memory-mappable token files (Parquet and datasets inputs: `megaloom.data.tabular`)."""
 
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ from tqdm import tqdm
 from megaloom.data.errors import DataError
 from megaloom.data.indexed import IndexStats, dtype_for_vocab, write_indexed
 from megaloom.data.provenance import write_provenance
+from megaloom.data.tabular import PARQUET_SUFFIXES, check_source, is_hf_dataset_dir, is_tabular, iter_rows
 from megaloom.data.tokenizer import Tokenizer
 
 JSON_SUFFIXES = (".jsonl", ".json")
-# What a folder contributes; an explicitly named file is read whatever its suffix.
-FOLDER_SUFFIXES = (".txt", ".md", ".py", ".rst", ".jsonl")
+# What a folder contributes; an explicitly named file is read whatever its suffix. (A folder written by datasets'
+# save_to_disk is one dataset, read whole; .arrow files only when named.)
+FOLDER_SUFFIXES = (".txt", ".md", ".py", ".rst", ".jsonl", *PARQUET_SUFFIXES)
 CHUNK_DOCS, CHUNK_CHARS = 1024, 1 << 20
 INFLIGHT_PER_WORKER = 4
 
@@ -28,7 +31,9 @@ INFLIGHT_PER_WORKER = 4
 def _input_files(inputs: list[str]) -> Iterator[Path]:
     for raw in inputs:
         path = Path(raw).expanduser()
-        if path.is_dir():
+        if is_hf_dataset_dir(path):
+            yield path
+        elif path.is_dir():
             # Sorted so the token files (and hence every sample) are identical on every machine.
             yield from sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in FOLDER_SUFFIXES)
         elif path.is_file():
@@ -49,8 +54,8 @@ def _read_jsonl(path: Path, json_key: str) -> Iterator[str]:
                                 "one JSON object per line") from e
             if not isinstance(record, dict) or json_key not in record:
                 found = sorted(record)[:10] if isinstance(record, dict) else type(record).__name__
-                raise DataError(f"{path}:{lineno} has no {json_key!r} field (found {found}); set json_key "
-                                "(--json-key) to the field that holds the text")
+                raise DataError(f"{path}:{lineno} has no {json_key!r} field (found {found}); set --text-column "
+                                "(json_key) to the field that holds the text")
             text = record[json_key]
             if not isinstance(text, str):
                 raise DataError(f"{path}:{lineno} field {json_key!r} is {type(text).__name__}, expected "
@@ -58,15 +63,27 @@ def _read_jsonl(path: Path, json_key: str) -> Iterator[str]:
             yield text
 
 
-def iter_documents(inputs: list[str], json_key: str = "text") -> Iterator[str]:
-    """Yield the non-empty documents of ``inputs`` (files or folders) in a deterministic order.
+def iter_documents(inputs: list[str], json_key: str = "text", split: str = "train") -> Iterator[str]:
+    """The non-empty documents of ``inputs`` (files or folders) in a deterministic order.
 
-    JSON-lines files give one document per line (``json_key``); any other file is one document.
-    Undecodable bytes become U+FFFD rather than aborting a long run over one odd file.
+    JSON-lines files give one document per line, Parquet files and datasets on disk one per row (``json_key``: the
+    field or column holding the text; ``split``: a DatasetDict's split); any other file is one document.
+    Undecodable bytes become U+FFFD rather than aborting a long run over one odd file. The inputs are listed, and
+    the Parquet / datasets ones opened and their column checked, before the first document is returned.
     """
-    for path in _input_files(inputs):
-        if path.suffix in JSON_SUFFIXES:
-            texts: Iterable[str] = _read_jsonl(path, json_key)
+    files = list(_input_files(inputs))
+    for path in files:
+        if is_tabular(path):
+            check_source(path, json_key, split)
+    return _documents(files, json_key, split)
+
+
+def _documents(files: list[Path], json_key: str, split: str) -> Iterator[str]:
+    for path in files:
+        if is_tabular(path):
+            texts: Iterable[str] = iter_rows(path, json_key, split)
+        elif path.suffix in JSON_SUFFIXES:
+            texts = _read_jsonl(path, json_key)
         else:
             texts = [path.read_text(encoding="utf-8", errors="replace")]
         for text in texts:
@@ -150,17 +167,18 @@ def _encode_parallel(chunks: Iterator[list[str]], tokenizer_path: str,
 
 
 def preprocess(inputs: list[str], tokenizer_path: str | Path, out_prefix: str | Path, workers: int = 2,
-               json_key: str = "text", show_progress: bool = True) -> IndexStats:
+               json_key: str = "text", show_progress: bool = True, split: str = "train") -> IndexStats:
     """Tokenize every document of ``inputs`` (EOD appended) into ``out_prefix.bin``/``.idx``, and record the
-    tokenizer in ``out_prefix.tokenizer.json`` (data/provenance.py)."""
+    tokenizer in ``out_prefix.tokenizer.json`` (data/provenance.py). ``json_key``: the JSONL field / Parquet or
+    datasets column holding the text; ``split``: the split of a saved DatasetDict."""
     tokenizer_path = str(tokenizer_path)
     tok = Tokenizer.from_file(tokenizer_path)
     tok.eod_id  # noqa: B018 -- fail now, not inside a worker, if the tokenizer has no EOD token
-    docs = iter_documents(inputs, json_key)
+    docs = iter_documents(inputs, json_key, split)
     first = next(docs, None)
     if first is None:
         raise DataError(f"no documents found in {inputs}: the inputs are empty or (for folders) contain no "
-                        f"{', '.join(FOLDER_SUFFIXES)} files; pass files with text")
+                        f"{', '.join(FOLDER_SUFFIXES)} files or saved datasets; pass files with text")
 
     def all_docs() -> Iterator[str]:
         yield first

@@ -75,7 +75,9 @@ class HFMapping:
     ``normalize``: optional ``tensors -> tensors`` applied on import before reading (drop buffers some exports
     contain, add prefixes old checkpoints lack).
     ``head_name``: the HF name of the output head's weight (``lm_head.weight`` in causal LMs): written when it is
-    not tied to the embedding, ignored on import when it is."""
+    not tied to the embedding, ignored on import when it is.
+    ``moe``: the mapping of the family's Mixture-of-Experts models (``model.moe_every`` > 0; e.g. llama ->
+    MixtralForCausalLM), another HF class; None: MoE models of the family are refused on export."""
 
     architecture: str
     model_types: tuple[str, ...]
@@ -85,6 +87,7 @@ class HFMapping:
     from_hf_names: Callable[..., dict]
     normalize: Callable[[dict], dict] | None = None
     head_name: str = "lm_head.weight"
+    moe: HFMapping | None = None
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -24,12 +27,86 @@ def norm_input(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     return x.to(w.dtype) if w is not None and x.dtype != w.dtype and x.is_floating_point() else x
 
 
-def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [max_len, head_dim] for the rotate-half convention (the Hugging Face Llama layout)."""
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling for contexts longer than pretraining (model.rope_scaling and the rope_* keys).
+
+    ``kind`` "llama3" (Llama 3.1/3.2/3.3): wavelengths longer than original_max_len / low_freq_factor are divided
+    by ``factor``, those shorter than original_max_len / high_freq_factor are kept, and the ones between are
+    interpolated smoothly. ``kind`` "yarn" (YaRN, as Qwen2.5/Qwen3 and transformers' "yarn" compute it): a linear
+    ramp between interpolated (/ factor) and original frequencies over the dimensions whose number of rotations
+    within original_max_len lies between ``beta_slow`` and ``beta_fast`` (the ramp's ends rounded outward when
+    ``truncate``), and cos/sin multiplied by ``attention_factor`` (0: 0.1 ln(factor) + 1)."""
+
+    kind: str
+    factor: float
+    original_max_len: int
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    attention_factor: float = 0.0
+    truncate: bool = True
+
+
+def rope_scaling_of(cfg) -> RopeScaling | None:
+    """The RoPE scaling a ModelConfig asks for (None: plain RoPE)."""
+    kind = getattr(cfg, "rope_scaling", "none")
+    if kind in ("none", "", None):
+        return None
+    return RopeScaling(kind, cfg.rope_factor, cfg.rope_original_max_len, cfg.rope_low_freq_factor,
+                       cfg.rope_high_freq_factor, cfg.rope_beta_fast, cfg.rope_beta_slow, cfg.rope_attention_factor,
+                       cfg.rope_truncate)
+
+
+def yarn_default_attention_factor(factor: float) -> float:
+    """YaRN's cos/sin scale when none is given: 0.1 ln(factor) + 1 (1 for factor <= 1)."""
+    return 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    low_wavelen = s.original_max_len / s.low_freq_factor
+    high_wavelen = s.original_max_len / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, theta: float, s: RopeScaling) -> torch.Tensor:
+    def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times in original_max_len
+        return head_dim * math.log(s.original_max_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # 1: the original frequency, 0: interpolated
+    return inv_freq / s.factor * (1 - extrapolation) + inv_freq * extrapolation
+
+
+def rope_tables(head_dim: int, max_len: int, theta: float,
+                scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables [max_len, head_dim] for the rotate-half convention (the Hugging Face Llama layout), with the
+    frequencies (and, for YaRN, the magnitude) of ``scaling`` if given."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    magnitude = 1.0
+    if scaling is not None:
+        if scaling.kind == "llama3":
+            inv_freq = _llama3_inv_freq(inv_freq, scaling)
+        elif scaling.kind == "yarn":
+            inv_freq = _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
+            magnitude = scaling.attention_factor or yarn_default_attention_factor(scaling.factor)
+        else:
+            raise ValueError(f"unknown RoPE scaling {scaling.kind!r}; one of llama3, yarn")
     angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)
     angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos().float(), angles.sin().float()
+    return (angles.cos() * magnitude).float(), (angles.sin() * magnitude).float()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from megaloom.config import ModelConfig
 from megaloom.models.attention import Attention, KVCache
 from megaloom.models.documents import Documents
 from megaloom.models.init import ONES, ZEROS, InitRule, draw_init_seed, fill_slice
-from megaloom.models.layers import MLP, HeadTransform, Pooler, make_norm, norm_input, rope_tables
+from megaloom.models.layers import MLP, HeadTransform, Pooler, make_norm, norm_input, rope_scaling_of, rope_tables
 from megaloom.models.moe import MoE
 
 if TYPE_CHECKING:
@@ -130,10 +130,10 @@ class Transformer(nn.Module):
             self.pooler = Pooler(cfg.d_model)
             self.order_head = nn.Linear(cfg.d_model, 2)
         self.tie_weights()
-        if tr.positions == "rope":
-            cos, sin = rope_tables(cfg.d_model // cfg.n_heads, cfg.max_seq_len, cfg.rope_theta)
-            self.register_buffer("rope_cos", cos, persistent=False)
-            self.register_buffer("rope_sin", sin, persistent=False)
+        if tr.positions == "rope":  # filled by reset_buffers (below, through reset_parameters): computed once
+            shape = (cfg.max_seq_len, cfg.d_model // cfg.n_heads)
+            self.register_buffer("rope_cos", torch.empty(shape, dtype=torch.float32), persistent=False)
+            self.register_buffer("rope_sin", torch.empty(shape, dtype=torch.float32), persistent=False)
         self.recompute_layers = 0  # full recomputation of the first N blocks of each span (apply_recompute)
         # The residual stream's dtype under autocast (train.bf16_residual: bf16); None keeps the embedding's (fp32).
         self.residual_dtype: torch.dtype | None = None
@@ -190,7 +190,8 @@ class Transformer(nn.Module):
             if b.device.type != "meta" and name not in ("rope_cos", "rope_sin"):
                 b.zero_()
         if hasattr(self, "rope_cos") and self.rope_cos.device.type != "meta":
-            cos, sin = rope_tables(self.cfg.d_model // self.cfg.n_heads, self.cfg.max_seq_len, self.cfg.rope_theta)
+            c = self.cfg
+            cos, sin = rope_tables(c.d_model // c.n_heads, c.max_seq_len, c.rope_theta, rope_scaling_of(c))
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 

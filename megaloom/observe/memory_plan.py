@@ -85,6 +85,7 @@ and NCCL buffers. fp8 is approximated (converted linears save a 1-byte input, no
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -655,11 +656,17 @@ def _rank_events(cfg: Config, pp: int, vpp: int, pp_rank: int, n_micro: int) -> 
     """This rank's compute actions as (kind, micro-batch, virtual stage), and the last virtual stage."""
     if pp == 1:
         return [e for i in range(n_micro) for e in (("F", i, 0), ("B", i, 0))], 0
+    return list(_schedule_events(cfg.parallel.schedule, pp, vpp, n_micro, pp_rank)), pp * vpp - 1
+
+
+@functools.lru_cache(maxsize=512)
+def _schedule_events(name: str, pp: int, vpp: int, n_micro: int, pp_rank: int) -> tuple[tuple[str, int, int], ...]:
+    """A schedule's compute actions of one rank (built once per shape: a layout search plans many layouts that share
+    their pipeline, megaloom/planning/search.py)."""
     from megaloom.parallel.pipeline.schedules import build_schedule
 
-    schedule = build_schedule(cfg.parallel.schedule, pp, vpp, n_micro)
-    events = [(a.kind.value, a.microbatch, a.stage) for a in schedule.ranks[pp_rank] if not a.is_comm]
-    return events, pp * vpp - 1
+    schedule = build_schedule(name, pp, vpp, n_micro)
+    return tuple((a.kind.value, a.microbatch, a.stage) for a in schedule.ranks[pp_rank] if not a.is_comm)
 
 
 def plan_memory(cfg: Config, model: nn.Module | None = None, *, world_size: int = 1, device: str = "cuda",

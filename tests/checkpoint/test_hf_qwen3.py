@@ -135,7 +135,7 @@ QWEN3 = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_s
     ({**QWEN3, "layer_types": ["sliding_attention"]}, "layer_types"),
     ({k: v for k, v in QWEN3.items() if k != "head_dim"}, "head_dim"),  # Qwen3Config's default 128 != 64 / 4
     ({**QWEN3, "hidden_act": "gelu"}, "hidden_act"),
-    ({**QWEN3, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling"),
+    ({**QWEN3, "rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope_scaling"),
 ])
 def test_unsupported_qwen3_configs_name_the_field(tmp_path, cfg, field):
     with pytest.raises(ConversionError, match=field):

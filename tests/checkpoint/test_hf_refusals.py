@@ -27,8 +27,14 @@ def hf_dir(tmp_path, cfg: dict):
 
 
 @pytest.mark.parametrize("cfg,field", [
-    ({**LLAMA, "rope_scaling": {"rope_type": "llama3", "factor": 32.0}}, "rope_scaling"),
-    ({**LLAMA, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, "rope_parameters.rope_type"),
+    ({**LLAMA, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling"),
+    ({**LLAMA, "rope_parameters": {"rope_type": "dynamic", "rope_theta": 5e5, "factor": 2.0}},
+     "rope_parameters.rope_type"),
+    ({**LLAMA, "rope_scaling": {"rope_type": "llama3", "original_max_position_embeddings": 16}}, "factor"),
+    ({**LLAMA, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0}},
+     "mscale"),  # DeepSeek's YaRN variant
+    ({**LLAMA, "rope_scaling": {"rope_type": "yarn", "factor": 4.0},  # two layouts that disagree
+      "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}}, "rope_scaling"),
     ({**LLAMA, "attention_bias": True}, "attention_bias"),
     ({**LLAMA, "mlp_bias": True}, "mlp_bias"),
     ({**LLAMA, "hidden_act": "gelu"}, "hidden_act"),
@@ -62,12 +68,13 @@ def saved_run(tmp_path, *overrides: str):
     return run
 
 
-@pytest.mark.parametrize("override,field", [("model.parallel_block=true", "model.parallel_block"),
-                                            ("model.sliding_window=8", "model.sliding_window"),
-                                            ("model.moe_every=1", "model.moe_every"),
-                                            ("model.qkv_bias=true", "model.qkv_bias")])  # Llama's bias is on o too
-def test_models_hf_cannot_express_are_refused(tmp_path, override, field):
-    run = saved_run(tmp_path, override)
+@pytest.mark.parametrize("overrides,field", [(["model.parallel_block=true"], "model.parallel_block"),
+                                             (["model.sliding_window=8"], "model.sliding_window"),
+                                             # a family without an MoE mapping (llama's and qwen3's have one)
+                                             (["model.preset=tiny-gpt2", "model.moe_every=1"], "model.moe_every"),
+                                             (["model.qkv_bias=true"], "model.qkv_bias")])  # Llama's is on o too
+def test_models_hf_cannot_express_are_refused(tmp_path, overrides, field):
+    run = saved_run(tmp_path, *overrides)
     with pytest.raises(ConversionError, match=field):
         to_hf(run, tmp_path / "out", show_progress=False)
     assert not (tmp_path / "out").exists()  # refused before anything is written
@@ -119,3 +126,15 @@ def test_convert_command_round_trip(tmp_path, capsys):
     load_checkpoint(run / "checkpoints" / "step_00000001", original, None)
     for k, v in original.state_dict().items():
         assert torch.equal(model.state_dict()[k], v), k
+
+
+def test_checkpoint_recorded_before_the_rope_scaling_keys_exports_from_state_json(tmp_path):
+    """A checkpoint without its run's config.yaml is described by state.json's model section; one written before
+    the model.rope_* scaling keys existed lacks them and still exports (as plain RoPE, what it trained with)."""
+    cfg = load_config(None, ["model.vocab_size=64", "model.d_model=32", "model.n_layers=1", "model.n_heads=2",
+                             "model.max_seq_len=32", "train.seq_len=32"])
+    old = {k: v for k, v in cfg.model.__dict__.items() if not k.startswith("rope_") or k == "rope_theta"}
+    ckpt = save_checkpoint(tmp_path / "run" / "checkpoints", 1, Transformer(cfg.model), None, {"model": old}, keep=1)
+    to_hf(ckpt, tmp_path / "out", show_progress=False)
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written["rope_parameters"]["rope_type"] == "default" and "rope_scaling" not in written

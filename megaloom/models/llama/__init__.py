@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from megaloom.models.family import Family, Traits
+from megaloom.models.llama import hf_mixtral
 from megaloom.models.llama.hf import HF
 from megaloom.models.llama.presets import PRESETS
 from megaloom.models.plan import DECODER_PLAN
@@ -19,4 +21,5 @@ def llama_ffn_dim(d_model: int) -> int:
 TRAITS = Traits(norm="rmsnorm", gated_mlp=True, bias=False, positions="rope", default_ffn_dim=llama_ffn_dim)
 
 FAMILY = Family(name="llama", description="RMSNorm, SwiGLU, RoPE, GQA (Llama 2/3; MoE presets: Mixtral, DeepSeek-V3)",
-                traits=TRAITS, plan=DECODER_PLAN, presets=PRESETS, hf=HF)
+                traits=TRAITS, plan=DECODER_PLAN, presets=PRESETS,
+                hf=dataclasses.replace(HF, moe=hf_mixtral.HF))  # MoE llama models are Mixtrals

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from megaloom.config import ModelConfig
 from megaloom.convert.errors import ConversionError
-from megaloom.convert.hf_common import HFTensors, Tensors, refuse, rope_config, rope_theta
+from megaloom.convert.hf_common import HFTensors, Tensors, refuse, rope_config, rope_settings
 from megaloom.models.family import HFMapping
 from megaloom.models.transformer import resolved_ffn_dim
 
@@ -46,7 +46,7 @@ def decoder_config(m: ModelConfig) -> dict:
     """The config.json fields Llama-style decoders (Llama, Qwen3) spell alike."""
     return {"hidden_size": m.d_model, "intermediate_size": resolved_ffn_dim(m), "num_attention_heads": m.n_heads,
             "num_key_value_heads": m.n_kv_heads or m.n_heads, "num_hidden_layers": m.n_layers,
-            "head_dim": m.d_model // m.n_heads, "rms_norm_eps": m.norm_eps, **rope_config(m.rope_theta),
+            "head_dim": m.d_model // m.n_heads, "rms_norm_eps": m.norm_eps, **rope_config(m),
             "max_position_embeddings": m.max_seq_len, "hidden_act": "silu", "attention_bias": False,
             "attention_dropout": 0.0}
 
@@ -75,8 +75,8 @@ def decoder_settings(hf: dict, where: str, head_dim_default: int | None = None) 
                 n_kv_heads=hf.get("num_key_value_heads") or heads, ffn_dim=hf["intermediate_size"],
                 vocab_size=hf["vocab_size"], max_seq_len=hf.get("max_position_embeddings", 2048),
                 tie_embeddings=bool(hf.get("tie_word_embeddings", False)),  # LlamaConfig's and Qwen3Config's default
-                norm_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=rope_theta(hf, where),
-                init_std=float(hf.get("initializer_range", 0.02)))
+                norm_eps=float(hf.get("rms_norm_eps", 1e-6)), init_std=float(hf.get("initializer_range", 0.02)),
+                **rope_settings(hf, where))
 
 
 def from_hf_config(hf: dict, where: str) -> dict:

@@ -28,7 +28,9 @@ PRESETS: dict[str, dict] = {
                          vocab_size=32000, max_seq_len=8192, tie_embeddings=False, rope_theta=1e6, norm_eps=1e-5,
                          moe_every=1, n_experts=8, top_k=2, n_shared_experts=0, expert_ffn_dim=14336,
                          router_score="softmax", aux_loss_weight=0.01),
-    # Llama-3.2-1B shape (tied embeddings). RoPE frequency scaling of the 3.2 release is not applied.
+    # Llama-3.2-1B shape (tied embeddings). The 3.2 release's RoPE frequency scaling is not set here (the benchmarks
+    # train this shape from scratch at 8k); model.rope_scaling=llama3 model.rope_factor=32
+    # model.rope_original_max_len=8192 adds it, and an imported checkpoint has it.
     "llama3-1b": LLAMA3_1B,
     # The same shape untied: what TorchTitan's "1B" flavour in ../shared/bench trains (1,498,482,688 params).
     "llama3-1b-untied": {**LLAMA3_1B, "tie_embeddings": False},

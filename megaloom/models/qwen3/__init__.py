@@ -11,10 +11,12 @@ presets, and their checkpoints are refused on import, naming head_dim (see prese
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from megaloom.models.family import Family, Traits
 from megaloom.models.plan import DECODER_PLAN
+from megaloom.models.qwen3 import hf_moe
 from megaloom.models.qwen3.hf import HF
 from megaloom.models.qwen3.model import Qwen3Attention
 from megaloom.models.qwen3.presets import PRESETS
@@ -33,4 +35,5 @@ TRAITS = Traits(norm="rmsnorm", gated_mlp=True, bias=False, positions="rope", de
 PLAN = {**DECODER_PLAN, "layers.*.attn.q_norm": PartialGrad(), "layers.*.attn.k_norm": PartialGrad()}
 
 FAMILY = Family(name="qwen3", description="Llama's decoder with QK-norm (Qwen3 dense: 1.7B, 8B, 14B shapes)",
-                traits=TRAITS, plan=PLAN, presets=PRESETS, hf=HF)
+                traits=TRAITS, plan=PLAN, presets=PRESETS,
+                hf=dataclasses.replace(HF, moe=hf_moe.HF))  # MoE qwen3 models are Qwen3-MoE

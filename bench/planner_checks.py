@@ -1,0 +1,89 @@
+"""The planner's two checks (docs/planner.md), reproducible on any machine (nothing runs on a GPU):
+
+    python bench/planner_checks.py dry-run      # its dry-run prediction vs the H200 dry runs in bench/results.jsonl
+    python bench/planner_checks.py megatron     # Narayanan et al. 2021, Table 1, typed in as published
+    python bench/planner_checks.py megatron --weight-bytes 12   # with Megatron's per-micro-batch weight traffic
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+from megaloom.config import load_config  # noqa: E402
+from megaloom.planning import compute  # noqa: E402
+from megaloom.planning.command import _shaped  # noqa: E402
+from megaloom.planning.hardware import load_gpu  # noqa: E402
+from megaloom.planning.search import resolved  # noqa: E402
+from megaloom.planning.step import predict  # noqa: E402
+
+# Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM" (SC'21,
+# arXiv 2104.04473), Table 1, as transcribed here: parameters (billion), attention heads, hidden size, layers,
+# tensor-parallel size, pipeline-parallel size, GPUs (A100 80 GB, Selene), batch size, achieved TFLOP/s per GPU.
+# Vocabulary 51,200, sequence 2,048, mixed precision, activation recomputation; their FLOPs count the
+# recomputation: 96 B s l h^2 (1 + s / 6h + V / 16 l h) per step.
+TABLE_1 = [(1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
+           (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
+           (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
+           (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
+           (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163), (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163)]
+
+
+def dry_run_check() -> None:
+    gpu = load_gpu("h200")
+    rows = [json.loads(x) for x in (ROOT / "bench" / "results.jsonl").read_text().splitlines() if '"dry_run"' in x]
+    seen = set()
+    print("| layout (rank) | seq | measured step | predicted | error |\n|---|---:|---:|---:|---:|")
+    for r in rows[::-1]:
+        key = (r["layout"], r["seq_len"], r["rank"])
+        if key in seen:
+            continue
+        seen.add(key)
+        cfg = resolved(_shaped(load_config(None, r["overrides"])))
+        from megaloom.parallel.mesh import rank_coords
+        from megaloom.training.preflight import preflight
+
+        pp_rank = rank_coords(r["rank"], preflight(cfg, r["world"]).sizes)["pp"]
+        p = predict(cfg, r["world"], gpu, mode="dry-run", memory=False, pp_rank=pp_rank)
+        err = 100 * (1e3 * p.step_s - r["step_ms"]) / r["step_ms"]
+        print(f"| {r['preset']} {r['layout']} ({r['rank']}) | {r['seq_len']} | {r['step_ms']:.0f} ms | "
+              f"{1e3 * p.step_s:.0f} ms | {err:+.1f}% |")
+
+
+def megatron_check() -> None:
+    gpu = load_gpu("a100-80gb")
+    print("| model | layout | GPUs | batch | published TFLOP/s/GPU | predicted | error |\n"
+          "|---|---|---:|---:|---:|---:|---:|")
+    for size, heads, h, layers, tp, pp, n, batch, published in TABLE_1:
+        over = ["model.arch=gpt2", f"model.d_model={h}", f"model.n_heads={heads}", f"model.n_kv_heads={heads}",
+                f"model.ffn_dim={4 * h}", f"model.n_layers={layers}", "model.vocab_size=51200",
+                "model.max_seq_len=2048", "train.seq_len=2048", f"train.global_batch_size={batch}",
+                "train.micro_batch_size=1", f"parallel.tp={tp}", f"parallel.pp={pp}", "parallel.sp=false",
+                "parallel.zero=0", "train.recompute=full", "train.precision=bf16"]
+        cfg = resolved(_shaped(load_config(None, over)))
+        p = predict(cfg, n, gpu, memory=False)
+        s, v = 2048, 51200
+        flops = 96 * batch * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
+        got = flops / p.step_s / n / 1e12
+        print(f"| {size:g}B | tp{tp} pp{pp} | {n} | {batch} | {published} | {got:.0f} | "
+              f"{100 * (got - published) / published:+.0f}% |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("check", choices=("dry-run", "megatron"))
+    ap.add_argument("--weight-bytes", type=float, default=None,
+                    help="bytes moved per weight per micro-batch (planning/compute.py WEIGHT_BYTES)")
+    args = ap.parse_args()
+    if args.weight_bytes is not None:
+        compute.WEIGHT_BYTES = args.weight_bytes
+    dry_run_check() if args.check == "dry-run" else megatron_check()
+
+
+if __name__ == "__main__":
+    main()

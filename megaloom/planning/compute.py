@@ -1,0 +1,183 @@
+"""One rank's compute for one micro-batch, chunk by chunk, from the kernels its blocks run.
+
+The inventory is the one the dry run executes (compiled pre-norm decoder blocks under tp/sp, cp and ep), counted
+from the config alone:
+
+- GEMMs: each linear of a block on this rank's shard, forward (M = tokens, N = local output width, K = input width)
+  and backward (the input gradient and the weight gradient: two more of the same FLOPs); a recomputed block runs
+  its forward again in backward. Each GEMM at the calibrated rate for its smallest dimension
+  (`GpuKind.gemm_tflops`). MoE experts: the rows routed to this rank's experts (balanced routing), top_k per token.
+- attention: the causal score and value FLOPs of this rank's heads and tokens (cp: 1/cp of the pairs), at the
+  calibrated rate for the sequence length and head size, 1/3.5 of it in forward and 2.5/3.5 in backward (the
+  convention the calibration's rates are counted in).
+- everything else on the GPU (norms, RoPE, SwiGLU, residual adds, weight and gradient casts, the data-parallel
+  bucket adds, copies): memory-bound kernels, modelled as bytes at the calibrated HBM bandwidth. Their count is
+  not derived kernel by kernel: ``ACT_BYTES`` per byte of the block's main activations and ``WEIGHT_BYTES`` per
+  local weight were fitted to the H200 dry runs of 2026-12-04 (docs/planner.md lists them and the residuals),
+  ``HEAD_BYTES`` per local logit of the vocabulary-parallel loss to the last stage's rank of one of them.
+- the host: a kernel launch costs the host ``GpuKind.launch_us`` (calibrated as every host cost per kernel of a
+  compiled block, Python included); a chunk's time is the larger of its GPU time and its host time (the host runs
+  ahead of the GPU when it can, and the GPU waits for it when it cannot).
+
+The optimizer is apart (`optimizer_seconds`): AdamW moves ~32 bytes per parameter it updates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megaloom.config import Config
+from megaloom.observe.memory_plan import _resolved, is_moe_layer
+from megaloom.planning.hardware import GpuKind
+
+ACT_BYTES = 10.9  # bytes moved per byte of a block's main activations (fitted, module doc)
+WEIGHT_BYTES = 42.6  # bytes moved per local weight per micro-batch: casts, gradient casts and bucket adds (fitted)
+FUSED_SAVING = 18.0  # of those, what train.grad_accum_fusion removes: the gradient's fp32 copy (6) and add (12); an
+#                      estimate from the bytes, not measured (no GPU run of the lever yet)
+HEAD_BYTES = 300.0  # bytes moved per local logit by the vocabulary-parallel loss, forward and backward (fitted)
+EMBEDDING_BYTES = 16.0  # per local embedding element: the dense gradient's fill and scatter, per micro-batch
+KERNELS_PER_BLOCK = 70  # kernels of one compiled dense block, forward + backward (the H200 dry runs: 70-78)
+RING_KERNELS = 35  # more with context parallelism: ring attention runs eagerly between the block's graphs (105)
+BACKWARD_SHARE = 2.0 / 3.0  # of a block's memory-bound work, the share that runs in backward
+ATTENTION_FORWARD = 1.0 / 3.5  # of fused attention's time, the forward's share (FLOPs 1 : 2.5)
+OPTIMIZER_BYTES = 32.0  # AdamW per updated parameter: weight, gradient, two moments read and written
+
+
+@dataclass(frozen=True)
+class Work:
+    """Seconds of one micro-batch's forward or backward on one chunk, by kind, and its kernel count."""
+
+    gemm: float = 0.0
+    attention: float = 0.0
+    memory: float = 0.0  # memory-bound kernels
+    kernels: int = 0
+
+    @property
+    def gpu(self) -> float:
+        return self.gemm + self.attention + self.memory
+
+    def __add__(self, o: Work) -> Work:
+        return Work(self.gemm + o.gemm, self.attention + o.attention, self.memory + o.memory,
+                    self.kernels + o.kernels)
+
+
+@dataclass(frozen=True)
+class ChunkWork:
+    """One virtual stage of this rank, one micro-batch: forward and backward work, and the FLOPs the model
+    counts for them (6 x matmul parameters x tokens + attention, as observe/flops.py)."""
+
+    stage: int
+    layers: int
+    forward: Work
+    backward: Work
+    model_flops: float
+
+    def seconds(self, gpu: GpuKind, part: str) -> float:
+        """GPU time, or the host's if longer (module doc)."""
+        w = self.forward if part == "F" else self.backward
+        return max(w.gpu, w.kernels * gpu.launch_us * 1e-6)
+
+
+def _gemm(gpu: GpuKind, m: int, n: int, k: int, recompute: bool) -> tuple[float, float]:
+    """(forward, backward) seconds of one linear: y[m, n] = x[m, k] W^T."""
+    f = gpu.gemm_seconds(m, n, k)
+    b = gpu.gemm_seconds(m, k, n) + gpu.gemm_seconds(n, k, m) + (f if recompute else 0.0)
+    return f, b
+
+
+def block_work(cfg: Config, gpu: GpuKind, layer: int, tokens: int, recompute: bool) -> tuple[Work, Work, float]:
+    """(forward, backward, model FLOPs) of block ``layer`` for ``tokens`` tokens on this rank (micro-batch x
+    seq_len / cp), on its tp shard."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    tp, cp = p.tp, p.cp
+    kv, ffn, fe, hd = _resolved(m)
+    d = m.d_model
+    hl, hkvl = m.n_heads // tp, max(kv // tp, 1)
+    sp = p.sp and tp > 1
+    n, n_r = tokens, tokens // tp if sp else tokens
+    linears = [(hl * hd, d), (hkvl * hd, d), (hkvl * hd, d), (d, hl * hd)]  # (out, in): q, k, v, o
+    params = sum(o * i for o, i in linears)
+    moe = is_moe_layer(m, layer)
+    if moe:  # balanced routing: this rank's experts see top_k rows per token of its ep group's share
+        e_local = m.n_experts // p.ep
+        rows = max(1, n * m.top_k // max(1, e_local))
+        expert = [(fe // tp, d), (fe // tp, d), (d, fe // tp)]
+        fs = m.n_shared_experts * fe // tp
+        shared = [(fs, d), (fs, d), (d, fs)] if m.n_shared_experts else []
+        params += e_local * sum(o * i for o, i in expert) + sum(o * i for o, i in shared) + m.n_experts * d
+        width = fe // tp
+    else:
+        mlp = [(ffn // tp, d), (ffn // tp, d), (d, ffn // tp)]
+        linears += mlp
+        params += sum(o * i for o, i in mlp)
+        width = ffn // tp
+    fwd = bwd = 0.0
+    for o, i in linears:
+        f, b = _gemm(gpu, n, o, i, recompute)
+        fwd, bwd = fwd + f, bwd + b
+    mm_flops = 2.0 * n * sum(o * i for o, i in linears)
+    if moe:
+        for o, i in expert:
+            f, b = _gemm(gpu, rows, o, i, recompute)
+            fwd, bwd = fwd + f * e_local, bwd + b * e_local
+        for o, i in shared:
+            f, b = _gemm(gpu, n, o, i, recompute)
+            fwd, bwd = fwd + f, bwd + b
+        mm_flops += 2.0 * n * m.top_k * sum(o * i for o, i in expert) + 2.0 * n * sum(o * i for o, i in shared)
+    # Causal attention of this rank's heads: its tokens' queries against the sequence (cp: 1/cp of the pairs).
+    attn_fwd_flops = 2.0 * (tokens * cp) * t.seq_len * hl * hd / cp  # QK^T and PV, half the pairs, x2 FLOPs
+    attn = 3.5 * attn_fwd_flops / (gpu.attention_tflops(t.seq_len, hd) * 1e12)
+    act = n_r * d * 4 + n * width * 2 + n * (hl + 2 * hkvl) * hd * 2 + n * d * 2
+    weight_bytes = WEIGHT_BYTES - (FUSED_SAVING if t.grad_accum_fusion is True and not moe else 0.0)
+    memory = gpu.memory_seconds(ACT_BYTES * act + weight_bytes * params)
+    kernels = KERNELS_PER_BLOCK + (RING_KERNELS if cp > 1 else 0)
+    forward = Work(fwd, attn * ATTENTION_FORWARD, memory * (1 - BACKWARD_SHARE), kernels // 3)
+    backward = Work(bwd, attn * (1 - ATTENTION_FORWARD), memory * BACKWARD_SHARE, kernels - kernels // 3)
+    # model FLOPs (MFU's count): 3 passes of the matmuls + the full (not causal-halved) attention, as flops.py
+    model = 3.0 * mm_flops + 3.0 * 2.0 * attn_fwd_flops
+    return forward, backward, model
+
+
+def chunk_work(cfg: Config, gpu: GpuKind, stage: int, layers: range | list[int], last_stage: int) -> ChunkWork:
+    """One micro-batch through virtual stage ``stage`` (its blocks, plus the embedding on stage 0 and the head
+    and loss on the last)."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    tokens = t.micro_batch_size * t.seq_len // p.cp
+    full = t.recompute == "full"
+    per_stage = t.recompute_layers or len(layers)
+    fwd, bwd, flops = Work(), Work(), 0.0
+    seen: dict[tuple[bool, bool], tuple[Work, Work, float]] = {}  # dense blocks are alike: one per kind
+    for j, i in enumerate(layers):
+        key = (is_moe_layer(m, i), full and j < per_stage)
+        if key not in seen:
+            seen[key] = block_work(cfg, gpu, i, tokens, key[1])
+        f, b, fl = seen[key]
+        fwd, bwd, flops = fwd + f, bwd + b, flops + fl
+    tp = p.tp
+    vocab_local = m.vocab_size // tp
+    if stage == 0:  # the embedding's backward: a dense gradient of the local rows
+        bwd = bwd + Work(memory=gpu.memory_seconds(EMBEDDING_BYTES * vocab_local * m.d_model), kernels=4)
+    if stage == last_stage:  # head GEMM (+ its backward) and the loss
+        f, b = _gemm(gpu, tokens, vocab_local, m.d_model, False)
+        loss = gpu.memory_seconds(HEAD_BYTES * tokens * vocab_local)
+        fwd = fwd + Work(gemm=f, memory=loss / 3, kernels=10)
+        bwd = bwd + Work(gemm=b, memory=2 * loss / 3, kernels=20)
+        flops += 6.0 * tokens * vocab_local * m.d_model
+    return ChunkWork(stage, len(layers), fwd, bwd, flops)
+
+
+def rank_chunks(cfg: Config, gpu: GpuKind, pp_rank: int) -> list[ChunkWork]:
+    """This rank's virtual stages (one without a pipeline), each for one micro-batch."""
+    p = cfg.parallel
+    if p.pp > 1:
+        from megaloom.parallel.pipeline.partition import partition_layers
+
+        part = partition_layers(cfg.model.n_layers, p.pp, p.vpp, p.pp_first_stage_layers or None,
+                                p.pp_last_stage_layers or None)
+        last = part.n_stages - 1
+        return [chunk_work(cfg, gpu, s, part.layers(s), last) for s in part.stages_of_rank(pp_rank)]
+    return [chunk_work(cfg, gpu, 0, range(cfg.model.n_layers), 0)]
+
+
+def optimizer_seconds(gpu: GpuKind, updated_params: int) -> float:
+    return gpu.memory_seconds(OPTIMIZER_BYTES * updated_params)

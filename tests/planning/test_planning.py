@@ -1,0 +1,134 @@
+"""The planner's pieces against hand-computed cases, its search against the config rules and the memory plan, and
+its dry-run prediction against the H200 dry runs recorded in bench/results.jsonl."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from megaloom.config import ConfigError, load_config
+from megaloom.observe.memory_plan import GB, plan_memory
+from megaloom.parallel.pipeline.checker import simulate
+from megaloom.parallel.pipeline.schedules import build_schedule
+from megaloom.planning import comm
+from megaloom.planning.command import _shaped, plan_command
+from megaloom.planning.compute import block_work
+from megaloom.planning.hardware import load_gpu
+from megaloom.planning.search import accepted, resolved, search
+from megaloom.planning.step import _makespan, predict
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def flat_gpu(**over):
+    """The H200 calibration with flat rates: hand-computable times."""
+    g = load_gpu("h200")
+    return dataclasses.replace(g, gemm=((1, 500.0), (10**6, 500.0)), attention=((1, 128, 250.0), (10**6, 128, 250.0)),
+                               **over)
+
+
+def test_ring_collectives_and_links_by_hand() -> None:
+    link = comm.Link(bw=100e9, alpha=10e-6, inter_node=False)
+    assert comm.all_gather(800e6, 8, link) == pytest.approx(7 * (10e-6 + 100e6 / 100e9))
+    assert comm.all_reduce(800e6, 8, link) == pytest.approx(2 * 7 * (10e-6 + 100e6 / 100e9))  # ring wins here
+    tiny = comm.all_reduce(8.0, 1024, link)  # latency-bound: the tree's 2 log2(n) steps
+    assert tiny == pytest.approx(2 * 10 * (10e-6 + 8 / 100e9))
+    assert comm.all_gather(1.0, 1, link) == 0.0
+    g = load_gpu("h200")  # 8 GPUs a node; tp fastest in the mesh order
+    sizes = {"tp": 8, "cp": 1, "dp": 16, "pp": 8}
+    assert not comm.link_of(g, sizes, "tp").inter_node
+    assert comm.link_of(g, sizes, "dp").inter_node and comm.link_of(g, sizes, "dp").bw == g.nic_gbps * 1e9
+    assert not comm.link_of(g, {"tp": 2, "cp": 1, "dp": 4, "pp": 1}, "dp").inter_node  # 2 x 4 ranks: one node
+
+
+def test_calibration_interpolates_and_unknown_kinds_are_named() -> None:
+    g = load_gpu("h200")
+    lo, hi = g.gemm_tflops(512, 10**5, 10**5), g.gemm_tflops(1024, 10**5, 10**5)
+    assert lo < g.gemm_tflops(724, 10**5, 10**5) < hi  # between two calibration points
+    assert g.gemm_tflops(64, 10**5, 10**5) == pytest.approx(g.gemm[0][1] * 64 / g.gemm[0][0])  # thinner: slower
+    assert g.attention_tflops(8192, 128) > g.attention_tflops(4096, 128)
+    with pytest.raises(ConfigError, match="--gpu tpu-v9: no calibration"):
+        load_gpu("tpu-v9")
+
+
+def test_a_block_costs_its_gemm_flops_at_the_calibrated_rate() -> None:
+    cfg = _shaped(load_config(None, ["model.preset=llama3-8b", "parallel.tp=4", "parallel.sp=true",
+                                     "train.seq_len=4096", "train.micro_batch_size=1"]))
+    g = flat_gpu()
+    n, d, hd, tp = 4096, 4096, 128, 4
+    params = d * 32 // tp * hd + 2 * d * 8 // tp * hd + 32 // tp * hd * d + 3 * d * 14336 // tp
+    fwd, bwd, flops = block_work(cfg, g, 0, n, recompute=False)
+    assert fwd.gemm == pytest.approx(2 * n * params / 500e12)  # forward: 2 N P at 500 TFLOP/s
+    assert bwd.gemm == pytest.approx(2 * fwd.gemm)  # input and weight gradients
+    _, bwd_recomputed, _ = block_work(cfg, g, 0, n, recompute=True)
+    assert bwd_recomputed.gemm == pytest.approx(3 * fwd.gemm)  # full recompute: the forward again
+    attn = 2.0 * n * 4096 * (32 // tp) * hd  # causal QK^T and PV of this rank's heads
+    assert fwd.attention + bwd.attention == pytest.approx(3.5 * attn / 250e12)
+    assert flops == pytest.approx(6 * n * params + 6 * attn)  # MFU's count: 3 passes, attention in full
+
+
+def test_long_pipelines_extrapolate_the_simulated_steady_state_exactly() -> None:
+    for name, pp, vpp, m in (("1f1b", 8, 1, 64), ("interleaved", 4, 2, 40), ("zb", 4, 1, 32)):
+        full = simulate(build_schedule(name, pp, vpp, m), {"F": 1.0, "B": 2.1, "BI": 1.05, "BW": 1.05,
+                                                           "COMM": 0.03}).makespan
+        assert _makespan(name, pp, vpp, m, 2.1, 0.03) == pytest.approx(full, rel=1e-9)
+    # Megatron's 1F1B bubble with free messages: (pp - 1) (F + B)
+    assert _makespan("1f1b", 4, 1, 16, 2.0, 0.0) == pytest.approx((16 + 3) * 3.0)
+
+
+def test_the_search_proposes_only_accepted_layouts_whose_memory_is_the_plans() -> None:
+    cfg = _shaped(load_config(None, ["model.preset=llama3-8b", "train.seq_len=4096", "train.global_batch_size=64"]))
+    g = load_gpu("h100-sxm")
+    options, counts = search(cfg, 64, g, top=6)
+    assert options and counts["refused"] > 0 and counts["predicted"] >= len(options)
+    speeds = [o.prediction.tokens_per_s for o in options]
+    assert speeds == sorted(speeds, reverse=True)
+    for o in options:
+        assert accepted(o.cfg, 64)  # what megaloom train would accept
+        worst = max(plan_memory(o.cfg, world_size=64, device="cuda", pp_rank=r).peak
+                    for r in {0, o.cfg.parallel.pp - 1})
+        assert o.prediction.memory_gb == pytest.approx(worst / GB, rel=1e-6)  # = `megaloom memory`'s plan
+        assert o.prediction.memory_gb <= 0.95 * g.memory_gb
+
+
+def test_plan_writes_a_config_that_train_accepts_and_predict_reads_it(tmp_path: Path) -> None:
+    out = tmp_path / "plan.yaml"
+    cfg = load_config(None, ["model.preset=llama3-8b", "train.seq_len=4096", "train.global_batch_size=64"])
+    text = plan_command(cfg, 64, "h100-sxm", top=3, out=str(out))
+    assert "megaloom train --config" in text
+    chosen = load_config(out, [])
+    assert chosen.model.vocab_size == cfg.model.vocab_size  # the user's model, only the layout changed
+    assert accepted(resolved(_shaped(chosen)), 64)
+    described = plan_command(cfg, 64, "h100-sxm", predict_config=str(out))
+    assert "step" in described and "fits" in described
+
+
+def test_the_dry_run_prediction_meets_the_h200_rows() -> None:
+    """bench/results.jsonl's H200 dry runs (2026-12-04): predicted within 10% where the model covers the step;
+    the two it does not (named in docs/planner.md: llama3-8b's host time, cp's eager ring attention) within 16%."""
+    rows = [json.loads(x) for x in (ROOT / "bench" / "results.jsonl").read_text().splitlines()
+            if '"dry_run"' in x and '"run_id": "20261204T210552"' in x]
+    assert len(rows) >= 5
+    g = load_gpu("h200")
+    for r in rows:
+        cfg = resolved(_shaped(load_config(None, r["overrides"])))
+        pred = predict(cfg, r["world"], g, mode="dry-run", memory=False, pp_rank=0)
+        err = abs(1e3 * pred.step_s - r["step_ms"]) / r["step_ms"]
+        bound = 0.16 if ("tp4-pp2" in r["layout"] or "cp2" in r["layout"]) else 0.10
+        assert err <= bound, (r["layout"], r["seq_len"], 1e3 * pred.step_s, r["step_ms"])
+    assert math.isfinite(pred.mfu)
+
+
+def test_doctor_calibrate_writes_a_file_plan_reads(tmp_path: Path) -> None:
+    """The command's code path on whatever device there is (on CPU a smoke test: its numbers mean nothing)."""
+    from megaloom.cli import main
+
+    out = tmp_path / "cal.json"
+    assert main(["doctor", "--calibrate", "--quick", "--out", str(out), "--like", "h200"]) == 0
+    g = load_gpu(str(out))
+    assert g.gemm and g.attention and g.hbm_tbps > 0 and g.launch_us > 0
+    assert g.gpus_per_node == load_gpu("h200").gpus_per_node  # kept from --like
