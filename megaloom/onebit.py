@@ -61,6 +61,7 @@ from megaloom.parallel import comm
 from megaloom.parallel.compressed import ChunkPlan, CompressedAverage
 from megaloom.parallel.data_parallel import DataParallelGrads
 from megaloom.parallel.expert import is_expert_param
+from megaloom.planning.comm import COMPRESS_BYTES_PER_ELEMENT  # the planner's number, one place
 
 log = get_logger(__name__)
 
@@ -355,12 +356,6 @@ def build_onebit(model: nn.Module, grads: DataParallelGrads, cfg: TrainConfig) -
 
 
 # ----------------------------------------------------------------------------------- when it pays (a model)
-
-# Memory traffic of the exchange per element of the buffer (bytes), counted from its ops (megaloom/parallel/
-# compressed.py: the worker's momentum, error and compression passes ~66, the servers' unpacking and averaging ~29,
-# every rank's decoding ~29, the copy into the momentum 8). Counted, not measured on a GPU.
-COMPRESS_BYTES_PER_ELEMENT = 130
-
 
 @dataclass(frozen=True)
 class StepModel:

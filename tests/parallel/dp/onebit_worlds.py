@@ -232,15 +232,18 @@ class DpLog(comm.OpRecorder):
             self.ops.append((self.step, name))
 
 
-def onebit_case(mesh: Mesh, kind: str, clip: float = math.inf, sp: bool = False) -> dict:
-    """10 steps at this layout against the simulation of ``mesh.dp`` workers (tp, if any, real in both)."""
+def onebit_case(mesh: Mesh, kind: str, clip: float = math.inf, sp: bool = False, bf16: bool = False) -> dict:
+    """10 steps at this layout against the simulation of ``mesh.dp`` workers (tp, if any, real in both);
+    ``bf16``: both under bf16 autocast, as `train.precision=bf16` runs the model (fp32 weights and gradients)."""
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
     base = base_model("llama", mesh)
     micro = GLOBAL_BATCH // mesh.dp // 2
     batches = global_batches()
     tp_only = dataclasses.replace(mesh, dp=1, dp_rank=0, dp_group=None, dp_cp_group=None, edp_group=None,
                                   recorder=comm.NullRecorder())
     sim = Simulation(base, tp_only, mesh.dp, kind, clip, sp)
-    ref = [sim.step(b, micro) for b in batches]
+    with autocast:
+        ref = [sim.step(b, micro) for b in batches]
     model, grads, opt = build_onebit(base, mesh, kind, sp)
     log = DpLog(mesh.dp_cp_group)
     mesh.recorder = log
@@ -248,7 +251,8 @@ def onebit_case(mesh: Mesh, kind: str, clip: float = math.inf, sp: bool = False)
     try:
         for step, batch in enumerate(batches):
             log.step = step
-            losses += run_steps(model, grads, opt, mesh, [batch], micro, clip, None)[0]
+            with autocast:
+                losses += run_steps(model, grads, opt, mesh, [batch], micro, clip, None)[0]
     finally:
         mesh.recorder = comm.NullRecorder()
     sim_params = dict(sim.model.named_parameters())

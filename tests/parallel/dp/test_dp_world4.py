@@ -16,7 +16,7 @@ from .dp_worlds import suite_dp4
 CASES = ["dp4-z0", "dp4-z1", "dp4-z2", "dp4-z3", "dp4-z2-clip", "dp4-z1-lamb", "tp2dp2-z0", "tp2dp2-z1",
          "tp2dp2-z2", "tp2dp2-z3", "tp2dp2-z1-sp", "tp2dp2-z0-lamb", "tp2dp2-z2-lamb", "tp2dp2-z1-roundtrip",
          "tp2dp2-z1-sp-fused"]
-ONEBIT = ["dp4-onebit_adam", "dp4-onebit_lamb-clip", "tp2dp2-onebit_adam-sp"]
+ONEBIT = ["dp4-onebit_adam", "dp4-onebit_lamb-clip", "tp2dp2-onebit_adam-sp", "dp4-onebit_adam-bf16"]
 
 
 @pytest.fixture(scope="module")
@@ -40,11 +40,19 @@ def test_onebit_matches_a_simulation_of_the_algorithm(world: list[dict], case: s
     (onebit_worlds.Simulation): the loss of every step within 1e-5, the weights within 1e-5; the replicas hold
     bitwise the same weights; the data-parallel group all-reduces the buckets during the warm-up, then moves
     only the compressed exchange (an all-to-all and an all-gather per bucket) and the clip norm's scalar."""
+    # bf16 autocast: the ranks' and the simulation's gradient sums differ in the last fp32 bit, which flips bf16
+    # roundings of the next forward (4e-4 of the loss after one plain AdamW update, 1.4e-3 after two: Adam's first
+    # steps move near-zero gradients by +-lr), and once compressing, the signs of near-zero elements flip with them
+    # (1% apart after 6 compressed steps): bf16's resolution, not the
+    # algorithm's, which the fp32 cases pin to 1e-5. This case shows the optimizer runs and tracks under autocast.
+    bf16 = case.endswith("bf16")
     for res in world:
         r = res[case]
         for step, (got, want) in enumerate(zip(r["loss"], r["ref_loss"], strict=True)):
-            assert abs(got - want) <= 1e-5 * abs(want), f"step {step}: loss {got} vs simulation {want}"
-        assert r["param_err"] < 1e-5 and r["replica_err"] == 0.0, (r["param_err"], r["replica_err"])
+            tol = (1e-2 if step < r["warmup"] else 3e-2) if bf16 else 1e-5
+            assert abs(got - want) <= tol * abs(want), f"step {step}: loss {got} vs simulation {want}"
+        assert r["param_err"] < (5e-2 if bf16 else 1e-5) and r["replica_err"] == 0.0, (r["param_err"],
+                                                                                       r["replica_err"])
         warm, n = r["warmup"], r["n_buckets"]
         for step in range(len(r["loss"])):
             ops = sorted(name for s, name in r["ops"] if s == step)
