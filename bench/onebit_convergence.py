@@ -28,6 +28,9 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's megaloom, also in the spawned ranks (they inherit sys.path)
+
 PEERS = {"adam": ("adamw", "onebit_adam"), "lamb": ("lamb", "onebit_lamb")}
 
 
@@ -48,7 +51,7 @@ def train(out: Path, optimizer: str, seed: int, args) -> float:
     t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "megaloom", "train", "--nproc", str(args.nproc), f"run.dir={d}",
            f"train.optimizer={optimizer}", f"train.seed={seed}", *common(args.steps, args.warmup)]
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=ROOT)  # this checkout's megaloom
     return time.perf_counter() - t0
 
 
@@ -157,6 +160,7 @@ def main() -> None:
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--summary", action="store_true", help="only report the runs on disk")
     args = ap.parse_args()
+    args.out = args.out.resolve()  # the runs start in the checkout (cwd=ROOT)
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     summary = {"date": time.strftime("%Y-%m-%d"), "args": {k: str(v) for k, v in vars(args).items()},
