@@ -208,8 +208,16 @@ class TrainConfig:
     warmup_steps: int = _f(50, "Linear warmup steps from 0 to lr (models wider than 256: 700 or 2000 by width, at most "
                                "a tenth of train.steps).")
     lr_decay_steps: int = _f(0, "Steps of cosine decay after which lr stays at min_lr; 0 = train.steps.")
-    optimizer: str = _f("adamw", "adamw, or lamb (layer-wise trust ratio: MegaScale's choice for large batches).",
-                        ("adamw", "lamb"))
+    optimizer: str = _f("adamw", "adamw, lamb (layer-wise trust ratio: MegaScale's choice for large batches), or "
+                                 "onebit_adam / onebit_lamb: after train.onebit_warmup_steps of plain AdamW / LAMB, "
+                                 "the variance (and LAMB's trust ratio) frozen and the data-parallel traffic cut to "
+                                 "the momentum's sign bits with error feedback (1-bit Adam / 1-bit LAMB; "
+                                 "megaloom/onebit.py; parallel.zero=0).",
+                        ("adamw", "lamb", "onebit_adam", "onebit_lamb"))
+    onebit_warmup_steps: int = _f(100, "With train.optimizer=onebit_adam / onebit_lamb: steps of uncompressed AdamW / "
+                                       "LAMB before the variance freezes and compression starts. The papers warm up "
+                                       "for 15-25% of training (DeepSpeed's BERT runs: 23k of 152k steps); too short "
+                                       "a warm-up freezes a variance that is still moving.")
     weight_decay: float = _f(0.1, "Decoupled weight decay (not applied to biases and norm weights).")
     beta1: float = _f(0.9, "AdamW beta1.")
     beta2: float = _f(0.95, "AdamW beta2.")
@@ -698,6 +706,16 @@ def validate(cfg: Config) -> None:
                        "the GEMMs; set parallel.sp=true (or parallel.async_tp=false).")
         _require(t.compile is not True, "parallel.async_tp=true runs its ring steps in eager mode, which compiled "
                                         "blocks bypass; set train.compile=false or auto (or parallel.async_tp=false).")
+    if t.optimizer.startswith("onebit"):
+        _require(t.onebit_warmup_steps >= 1,
+                 f"train.onebit_warmup_steps must be >= 1 (the variance is frozen where the warm-up leaves it), got "
+                 f"{t.onebit_warmup_steps}; e.g. train.onebit_warmup_steps={max(1, t.steps // 5)}.")
+        _require(p.zero == 0,
+                 f"train.optimizer={t.optimizer} with parallel.zero={p.zero}: 1-bit compression keeps the momentum and "
+                 "the frozen variance of every parameter on every data-parallel rank (each rank updates the whole "
+                 "momentum from its own gradient and applies the same decompressed momentum to all its weights), so "
+                 "ZeRO would have to all-gather the parameters every step, the traffic 1-bit compression removes. Set "
+                 "parallel.zero=0, or keep ZeRO with train.optimizer=adamw or lamb.")
     if t.overlap_optimizer:
         _require(p.pp == 1 and p.zero == 0 and t.optimizer == "adamw",
                  f"train.overlap_optimizer=true needs one model replica's whole AdamW per rank (parallel.pp=1, "

@@ -69,6 +69,7 @@ class Lamb(torch.optim.Optimizer):
                              f"weight_decay={weight_decay}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.norm_sync = norm_sync
+        self.last_ratios: torch.Tensor | None = None  # the last step's trust ratios, one per tensor (1-bit LAMB)
 
     def init_state(self, p: torch.Tensor) -> dict:
         st = self.state[p]
@@ -108,7 +109,7 @@ class Lamb(torch.optim.Optimizer):
         sq = torch.stack(partial)
         if self.norm_sync is not None:
             sq = self.norm_sync(sq)
-        ratios = trust_ratio(sq[:, 0], sq[:, 1])
+        ratios = self.last_ratios = trust_ratio(sq[:, 0], sq[:, 1])
         for i, (group, p, u) in enumerate(rows):
             p.add_(u.mul_(ratios[i].to(u.dtype)), alpha=-group["lr"])  # the ratio stays on the device: no sync
         return loss

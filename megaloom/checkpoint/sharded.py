@@ -231,6 +231,33 @@ def sharded_optim_state(model: nn.Module, optimizer: torch.optim.Optimizer, mesh
     return {"state": state}
 
 
+def error_feedback_state(optimizer, mesh: Mesh) -> dict:
+    """A 1-bit optimizer's error-feedback buffers (megaloom/onebit.py) as this rank holds them, under
+    ``optim_local``: per parameter (single-model name), ``worker_error`` shaped [group size, *parameter] (each
+    data-parallel rank its own row: the ranks' errors differ) and ``server_error`` shaped like the parameter (each
+    rank the flat range of it that its chunk of the bucket holds, as a ZeRO segment). Layout-free in the bucket size
+    and tp; the worker rows need the same data-parallel size to load (`local_state_fits`)."""
+    out: dict[str, dict] = {}
+    for p, size, rank, worker, server in optimizer.error_buffers():
+        name = single_model_name(optimizer.names[id(p)], p)
+        full, starts = layout_of(p).box(list(p.shape), mesh.tp_rank, mesh.tp, mesh.ep_rank, mesh.ep)
+        rows = Slices(torch.Size([size, *full]), [(torch.Size([rank, *starts]), _alias(worker.unsqueeze(0)))])
+        served = _param_slices(p, mesh, server) if server is not None else Slices(torch.Size(full), [])
+        out[name] = {"worker_error": rows, "server_error": served}
+    return out
+
+
+def local_state_fits(state: dict, saved: dict) -> bool:
+    """Whether a checkpoint's tensors (``saved``: DCP metadata, flat name -> its metadata) hold every tensor of
+    ``state["optim_local"]`` at the same size."""
+    for name, entry in state.get("optim_local", {}).items():
+        for key, value in entry.items():
+            md = saved.get(f"optim_local.{name}.{key}")
+            if md is None or tuple(getattr(md, "size", ())) != tuple(value.size()):
+                return False
+    return True
+
+
 def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: Mesh, save: bool = False) -> dict:
     """{'model': ..., 'optim': ...} as this rank holds it (no collective): what a checkpoint writes and loads.
 
@@ -250,6 +277,8 @@ def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, mes
     state: dict = {"model": sharded_model_state(model, mesh, segments)}
     if optimizer is not None:
         state["optim"] = sharded_optim_state(model, optimizer, mesh)
+        if hasattr(optimizer, "error_buffers"):  # 1-bit optimizers: each rank's own error-feedback buffers
+            state["optim_local"] = error_feedback_state(optimizer, mesh)
     return state
 
 
@@ -258,6 +287,8 @@ def after_load(optimizer: torch.optim.Optimizer | None, loaded: dict) -> None:
     the state dict named one of them per parameter."""
     if optimizer is None or "optim" not in loaded:
         return
+    if hasattr(optimizer, "state_loaded"):
+        optimizer.state_loaded()
     saved = loaded["optim"]["state"]
     if hasattr(optimizer, "segments"):
         for t, seg in zip(optimizer.tensors, optimizer.segments, strict=True):

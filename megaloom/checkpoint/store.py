@@ -41,8 +41,14 @@ from torch import nn
 from torch.distributed.checkpoint import CheckpointException
 
 from megaloom.checkpoint.group import CheckpointGroup
-from megaloom.checkpoint.safe_metadata import safe_load
-from megaloom.checkpoint.sharded import SlicesLoadPlanner, SlicesSavePlanner, after_load, sharded_state
+from megaloom.checkpoint.safe_metadata import check_metadata, safe_load
+from megaloom.checkpoint.sharded import (
+    SlicesLoadPlanner,
+    SlicesSavePlanner,
+    after_load,
+    local_state_fits,
+    sharded_state,
+)
 from megaloom.errors import RunStopped
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.state import ensure_optimizer_state
@@ -493,6 +499,10 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         from megaloom.models.lora import is_adapter_name
 
         sd["model"] = {k: v for k, v in sd["model"].items() if not is_adapter_name(k)}
+    if "optim_local" in sd and not local_state_fits(sd, check_metadata(path).state_dict_metadata):
+        # 1-bit error feedback saved at another data-parallel size (or not at all): it starts at zero
+        del sd["optim_local"]
+        optimizer.reset_errors()
     _read_tensors(path, sd, group)
     after_load(optimizer if with_optim else None, sd)
     if getattr(optimizer, "separate_masters", False):  # ZeRO gathering bf16: replicas from the master shards

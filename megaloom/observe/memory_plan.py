@@ -13,7 +13,10 @@ Persistent state (megaloom keeps fp32 parameters and runs bf16/fp16 under autoca
                flat fp32 buckets, persistent with zero 0/1 (zero 1 reduce-scatters in place: its reduced 1/dp
                chunk is part of the bucket); zero 2 keeps the reduced 1/dp ``grad_shard`` apart and frees the
                buckets after their reduction; zero 3 (FSDP2) keeps 1/dp sharded gradients
-  optimizer    AdamW / LAMB: exp_avg + exp_avg_sq, 8 bytes per parameter (divided by dp under zero>=1)
+  optimizer    AdamW / LAMB: exp_avg + exp_avg_sq, 8 bytes per parameter (divided by dp under zero>=1); 1-bit
+               Adam / LAMB (zero 0, buckets even in one process): the same, LAMB's fresh variance (4 more), and
+               where a bucket's group has several ranks the exchange's errors: the worker error of every element
+               (4) and the server error of this rank's chunk (4 / the group's size)
   ckpt (host)  checkpoint.async_save: on a GPU, the pinned host copy of what this rank's checkpoint writes (its
                parameters, with ZeRO-1/2 its own 1/dp segment of them, and its optimizer state), reused by every
                save: host memory, reported beside the device's peak, not in it. On CPU nothing: the state is
@@ -633,7 +636,8 @@ class MemoryPlan:
                                       + (f" training, {s['params_frozen'] / 1e6:.1f}M frozen)" if s.get("params_frozen")
                                          else ")")),
             ("gradients", self.gradients, s.get("grad_note", "fp32")),
-            ("optimizer", self.optimizer, f"{s.get('optimizer')} exp_avg + exp_avg_sq (fp32)"),
+            ("optimizer", self.optimizer, f"{s.get('optimizer')} exp_avg + exp_avg_sq (fp32)"
+             + (" + 1-bit error feedback" if str(s.get("optimizer")).startswith("onebit") else "")),
             ("activations", self.activations, f"saved for backward: {self.layers} blocks x {layer / GB:.3f} GB + "
                                               f"embedding/head {s.get('embedding_head_bytes', 0) / GB:.3f} GB per "
                                               f"micro-batch, {self.in_flight} in flight"),
@@ -970,7 +974,8 @@ def master_shards(cfg: Config, precision: str) -> bool:
 def _persistent_state(lay: _Layout, counts: ParamCounts) -> _State:
     zero, dp, p_local = lay.zero, lay.dp, counts.local
     fsdp = zero == 3 and lay.world_size > 1
-    buckets = lay.world_size > 1 and not fsdp  # pipelines too: each stage's gradients in buckets
+    onebit = lay.cfg.train.optimizer.startswith("onebit")  # on the buckets, in one process too (megaloom/onebit.py)
+    buckets = (lay.world_size > 1 or onebit) and not fsdp  # pipelines too: each stage's gradients in buckets
     weights = 4 * (p_local + counts.frozen)  # frozen parameters are stored, fp32, whole on every replica
     # ZeRO shards dense parameters over dp x cp, expert weights over edp (the dp ranks holding the same experts)
     ep = lay.cfg.parallel.ep
@@ -998,6 +1003,12 @@ def _persistent_state(lay: _Layout, counts: ParamCounts) -> _State:
         blocks_sorted = sorted(counts.block_params.values(), reverse=True)
         fsdp_gather = 4 * (counts.root_params + sum(blocks_sorted[:2]))
     optimizer = 8 * p_opt
+    if onebit:
+        optimizer += 4 * p_opt if lay.cfg.train.optimizer == "onebit_lamb" else 0  # the fresh variance
+        dense, expert = p_local - counts.expert, counts.expert
+        for n, group in ((dense, dp * lay.cp), (expert, max(1, dp // ep * lay.cp))):
+            if group > 1:  # compressed: worker error of every element, server error of this rank's chunk
+                optimizer += 4 * n + 4 * n // group
     masters = buckets and zero in (1, 2) and dp > 1 and master_shards(lay.cfg, lay.precision)
     if masters:
         optimizer += 4 * p_opt  # fp32 master shard beside the bf16-rounded weights that the all-gather publishes
@@ -1181,8 +1192,12 @@ def _step_transient(cfg: Config, device: str, p_opt: int, largest: int, tp: int,
     sharded = buckets and zero >= 1  # megaloom.parallel.zero.ShardedOptimizer over the buckets' 1/dp chunks
     if not update:
         opt = 0
-    elif t.optimizer == "lamb":
+    elif t.optimizer in ("lamb", "onebit_lamb"):
         opt = 4 * p_opt + 4 * largest  # every parameter's update u is kept until the trust ratios are known
+        if t.optimizer == "onebit_lamb":
+            opt += 4 * largest  # after the warm-up: a parameter's frozen and fresh denominators at once
+    elif t.optimizer == "onebit_adam":
+        opt = 4 * p_opt  # after the warm-up: every parameter's sqrt of the frozen variance (foreach)
     elif device == "cuda":
         opt = 0  # fused AdamW: none
     elif sharded:  # foreach: sqrt(exp_avg_sq) of one parameter group, groups of STEP_GROUP_ELEMENTS + a segment

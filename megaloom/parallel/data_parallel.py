@@ -43,6 +43,13 @@ summing over the two stages commute, so this equals the single model's gradient,
 embedding crosses between the stages. The norm counts the last stage's copy (``tied_copy``) zero times.
 The data-parallel group is ``mesh.dp_cp_group`` (context parallelism also splits the batch).
 
+Local steps (1-bit Adam / LAMB after their warm-up, megaloom/onebit.py): while ``local_steps()`` says so, buckets
+are not reduced at all. Each rank keeps its own gradient (tp fix-ups and the tied-embedding sum still run: they
+are sums over other groups), the optimizer exchanges its compressed momentum instead, and `clip` takes the
+root-mean-square over the data-parallel ranks of each rank's own gradient norm (one scalar all-reduce) as the norm,
+so every rank scales its gradient by the same coefficient. ``pad_multiple``: buckets are padded to a multiple of
+the group size times it (8 for the compressed exchange, whose chunks are whole bytes of sign bits).
+
 Parameter all-gathers (zero>=1) move ``param_gather_dtype``: float32 by default; bfloat16 when training in bf16
 halves their bytes. Then each replica holds the bf16-rounded weights (what autocast feeds the matmuls anyway,
 and what Megatron's bf16 parameters are) and the optimizer keeps separate fp32 master shards
@@ -235,10 +242,11 @@ class DataParallelGrads:
 
     def __init__(self, model: nn.Module, mesh: Mesh, zero: int = 0, bucket_mb: float = DEFAULT_BUCKET_MB,
                  tied: nn.Parameter | None = None, tied_group: comm.Group = None,
-                 param_gather_dtype: torch.dtype = torch.float32) -> None:
+                 param_gather_dtype: torch.dtype = torch.float32, pad_multiple: int = 1) -> None:
         """``tied``/``tied_group``: with pp > 1, this stage's copy of the embedding tied to the head and the
         {first, last stage} group its gradient is summed over (pipeline.stage.tied_parameter and
-        build_embedding_groups). ``param_gather_dtype``: what the zero>=1 parameter all-gathers move."""
+        build_embedding_groups). ``param_gather_dtype``: what the zero>=1 parameter all-gathers move.
+        ``pad_multiple``: each bucket is padded to a multiple of its group's size times this."""
         if zero not in (0, 1, 2):
             raise ConfigError(f"parallel.zero={zero}: DataParallelGrads handles 0, 1 and 2; stage 3 is "
                               "megaloom.parallel.zero.FullyShardedGrads (use zero.build_data_parallel).")
@@ -271,7 +279,7 @@ class DataParallelGrads:
         groups = {"dense": dense, "tied": dense,
                   "expert": (mesh.edp_group, comm.group_size(mesh.edp_group), comm.group_rank(mesh.edp_group))}
         plan = plan_grouped_buckets([p.numel() for p in self.params], kinds, self.bucket_numel,
-                                    {k: g[1] for k, g in groups.items()})
+                                    {k: g[1] * pad_multiple for k, g in groups.items()})
         self.buckets: list[Bucket] = []
         shard_offset = 0
         for i, (idx, offs, padded, kind) in enumerate(plan):
@@ -294,6 +302,8 @@ class DataParallelGrads:
         self._armed_ids: set[int] | None = None  # armed parameters (None: all) when chunks are armed one by one
         self._needs_zero = False
         self.fused = False  # set by enable_fusion: weight gradients added into the buckets by their GEMMs
+        # Set by a 1-bit optimizer (megaloom/onebit.py): True while steps keep their gradients local (no reduction).
+        self.local_steps: Callable[[], bool] | None = None
         self._shard_views = GradViews([GradView(s.grad, self.params[s.owner]) for s in self.shard_segments()]) \
             if zero else None
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
@@ -397,9 +407,19 @@ class DataParallelGrads:
     def _name(self, p: nn.Parameter) -> str:
         return next(n for n, q in self.named_params if q is p)
 
+    @property
+    def local(self) -> bool:
+        """Whether this step's gradients stay local (1-bit optimizers after their warm-up): no bucket reduction."""
+        return self.local_steps is not None and self.local_steps()
+
     def _issue(self, b: Bucket, in_backward: bool) -> None:
         if not self._armed:
             self.stats.issued_unarmed += 1
+        if self.local:  # the bucket is complete; the optimizer exchanges its compressed momentum instead
+            b.work = comm.Pending()
+            b.reductions += 1
+            (self.stats.in_backward if in_backward else self.stats.in_finish)[-1] += 1
+            return
         # Average over the data-parallel size (pre-divided, as Megatron does: no overflow in sums). Expert buckets
         # too: summed over edp, their gradients already hold every ep peer's tokens (the all-to-all backward).
         b.data.div_(self.size)
@@ -498,12 +518,19 @@ class DataParallelGrads:
         exceeds ``max_norm``. Returns the norm before clipping."""
         if self.zero == 0:
             if self.mesh.tp == 1 and self.mesh.pp == 1 and self.mesh.ep == 1:
-                return torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
-            if self.mesh.pp > 1:  # counts the tied head copy once
+                if not self.local:
+                    return torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
+                total = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None],
+                                                      foreach=True)
+            elif self.mesh.pp > 1:  # counts the tied head copy once
                 from megaloom.parallel.pipeline.grads import pipeline_grad_norm
                 total = pipeline_grad_norm(self.model, self.mesh)
             else:
                 total = tp_grad_norm(self.model, self.mesh)
+            if self.local:  # each rank's own gradient: the root-mean-square of their norms, the same on every rank
+                sq = total.float().pow(2).reshape(1)
+                comm.all_reduce(sq, self.group, recorder=self.mesh.recorder)
+                total = (sq / self.size).sqrt().reshape(())
         else:
             total = sharded_grad_norm(self._shard_views.views, self.mesh, self.constants)
         local = self.local_grads()

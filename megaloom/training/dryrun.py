@@ -230,6 +230,8 @@ def _tensor_bytes(tensors) -> int:
 
 
 def optimizer_state_bytes(optimizer) -> int:
+    if hasattr(optimizer, "error_buffers"):  # 1-bit optimizers: their flat buffers and the exchange's errors
+        return optimizer.state_bytes()
     inner = getattr(optimizer, "inner", optimizer)  # ZeRO's ShardedOptimizer wraps a torch optimizer
     return _tensor_bytes(v for st in inner.state.values() for v in st.values() if torch.is_tensor(v) and v.ndim)
 

@@ -47,6 +47,9 @@ from megaloom.observe.log import get_logger
 from megaloom.observe.memory import peak_memory_gb
 from megaloom.observe.memory_plan import MemoryReport, attention_backend
 from megaloom.observe.metrics import MetricsSink, console_line, format_eta
+from megaloom.onebit import KINDS as ONEBIT_KINDS
+from megaloom.onebit import PAD_MULTIPLE as ONEBIT_PAD
+from megaloom.onebit import build_onebit
 from megaloom.optim import build_optimizer, lr_at, set_lr
 from megaloom.parallel.context import SequenceShard, parallelize_context
 from megaloom.parallel.materialize import materialize
@@ -230,6 +233,10 @@ class Trainer:
         pipe = eval_pipe = None
         fsdp = stage is None and rt.world_size > 1 and cfg.parallel.zero == 3
         gather_dtype = param_gather_dtype(self.precision) if cfg.parallel.param_gather == "auto" else torch.float32
+        # 1-bit optimizers run on the buckets (one process too: frozen variance, nothing to compress); their
+        # chunks are whole bytes of sign bits.
+        onebit = t.optimizer in ONEBIT_KINDS
+        pad = ONEBIT_PAD if onebit else 1
         if not fsdp:
             self._materialize(model)
         if stage is not None:  # a schedule executor runs the micro-batches across stages
@@ -246,11 +253,12 @@ class Trainer:
             # Gradient buckets of the stage, reduced (zero 0) or reduce-scattered (zero 1/2) over dp as each chunk
             # finishes its last backward; the tied embedding's bucket then summed over the first and last stage.
             grads = build_data_parallel(model, mesh, cfg.parallel.zero, cfg.parallel.bucket_mb, gather_dtype,
-                                        tied=tied_parameter(stage), tied_group=emb_group)
+                                        tied=tied_parameter(stage), tied_group=emb_group, pad_multiple=pad)
         # Data parallelism: gradient buckets reduced during the last backward (zero 0), reduce-scattered into a
         # sharded optimizer (zero 1/2), or FSDP2-sharded parameters (zero 3). Built before compile: FSDP2 wraps blocks.
-        elif rt.world_size > 1:
-            grads = build_data_parallel(model, mesh, cfg.parallel.zero, cfg.parallel.bucket_mb, gather_dtype)
+        elif rt.world_size > 1 or onebit:
+            grads = build_data_parallel(model, mesh, cfg.parallel.zero, cfg.parallel.bucket_mb, gather_dtype,
+                                        pad_multiple=pad)
             if fsdp:  # FSDP2 wrapped the meta model: each rank allocates its dim-0 share of its tp shard only
                 self._materialize(model)
         else:
@@ -267,7 +275,9 @@ class Trainer:
                 layer.compile()  # in place: parameter names (and so checkpoints) stay the same
         t1 = time.perf_counter()
         self.build_seconds["wrappers"] = t1 - t0 - self.build_seconds["materialize"]
-        if cfg.parallel.zero >= 1:
+        if onebit:
+            optimizer = build_onebit(model, grads, t)
+        elif cfg.parallel.zero >= 1:
             optimizer = ShardedOptimizer(grads, t.optimizer, lr=t.lr, betas=(t.beta1, t.beta2),
                                          eps=1e-8 if t.optimizer == "adamw" else 1e-6, weight_decay=t.weight_decay,
                                          whole_modules=list(model.layers.values()) if t.compile else ())

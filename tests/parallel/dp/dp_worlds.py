@@ -243,6 +243,8 @@ def state_error(got: dict, ref: dict) -> float:
 
 
 def suite_dp2(rank: int, world: int, device: torch.device) -> dict:
+    from . import onebit_worlds  # it builds on this module
+
     mesh = Mesh.build(tiny_config(world=world), world, rank, device)
     cache: dict = {}
     res: dict = {}
@@ -265,6 +267,7 @@ def suite_dp2(rank: int, world: int, device: torch.device) -> dict:
     res["z2-lamb-roundtrip"] = dp_case(mesh, 2, "lamb", roundtrip=True, cache=cache)
     res["z1-llava"] = llava_dp_case(mesh, 1)  # images through a ViT and projector, ZeRO-1
     res["z1-llava-frozen"] = llava_dp_case(mesh, 1, freeze="vision,language")  # projector-only pretraining
+    res["onebit-collective"] = onebit_worlds.collective_case(mesh)  # 1-bit exchange, 1,000 steps vs float64
     res["rs-copy"] = reduce_scatter_copy(mesh)  # last: it tells malloc to return freed blocks from then on
     return res
 
@@ -301,6 +304,8 @@ def reduce_scatter_copy(mesh: Mesh) -> dict | None:
 
 
 def suite_dp4(rank: int, world: int, device: torch.device) -> dict:
+    from . import onebit_worlds  # it builds on this module
+
     cache: dict = {}
     res: dict = {}
     mesh = Mesh.build(tiny_config(world=world), world, rank, device)
@@ -316,4 +321,11 @@ def suite_dp4(rank: int, world: int, device: torch.device) -> dict:
     res["tp2dp2-z0-lamb"] = dp_case(tp, 0, "lamb", cache=cache)
     res["tp2dp2-z2-lamb"] = dp_case(tp, 2, "lamb", cache=cache)
     res["tp2dp2-z1-roundtrip"] = dp_case(tp, 1, roundtrip=True, cache=cache)
+    # 1-bit Adam / LAMB (megaloom/onebit.py) against a simulation of the same algorithm
+    res["dp4-onebit_adam"] = onebit_worlds.onebit_case(mesh, "onebit_adam")
+    res["dp4-onebit_lamb-clip"] = onebit_worlds.onebit_case(mesh, "onebit_lamb", clip=0.05)
+    res["tp2dp2-onebit_adam-sp"] = onebit_worlds.onebit_case(tp, "onebit_adam", sp=True)
+    res["dp4-onebit_adam-bf16"] = onebit_worlds.onebit_case(mesh, "onebit_adam", bf16=True)
+    res["dp4-onebit-bytes"] = onebit_worlds.bytes_case(mesh)
+    res["dp4-onebit-resume"] = onebit_worlds.resume_case(mesh, "onebit_lamb", elsewhere=tp)
     return res

@@ -21,8 +21,10 @@ from megaloom.config import Config, load_config
 from megaloom.lamb import build_lamb
 from megaloom.models import Transformer
 from megaloom.models.lora import is_adapter_name
+from megaloom.onebit import KINDS, PAD_MULTIPLE, OnebitOptimizer
 from megaloom.optim import param_groups
 from megaloom.parallel import comm
+from megaloom.parallel.expert import is_expert_param
 from megaloom.parallel.layout import single_model_name
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.pipeline.executor import PipelineExecutor
@@ -37,7 +39,8 @@ from ..lora_setup import freeze_base, randomize_adapters, with_lora
 
 VOCAB, SEQ, MICRO = 128, 16, 2
 CLIP, LR, WD, BETAS = 0.5, 3e-3, 0.1, (0.9, 0.95)
-EPS = {"adamw": 1e-8, "lamb": 1e-6}
+EPS = {"adamw": 1e-8, "lamb": 1e-6, "onebit_adam": 1e-8, "onebit_lamb": 1e-6}
+ONEBIT_WARMUP = 2
 BUCKET_MB = 0.02  # ~5k fp32 elements: the tiny stage spreads over several buckets
 
 
@@ -66,6 +69,9 @@ class Log(comm.OpRecorder):
 
 
 def optimizer(model, grads, zero: int, kind: str, mesh: Mesh | None, whole_modules=()):
+    if kind in KINDS:  # 1-bit Adam / LAMB over the buckets (zero 0)
+        return OnebitOptimizer(model, grads, KINDS[kind], lr=LR, betas=BETAS, eps=EPS[kind], weight_decay=WD,
+                               warmup_steps=ONEBIT_WARMUP)
     if zero:
         return ShardedOptimizer(grads, kind, lr=LR, betas=BETAS, eps=EPS[kind], weight_decay=WD,
                                 whole_modules=whole_modules)
@@ -117,7 +123,8 @@ class Layout:
         self.ex = PipelineExecutor(self.stage, build_schedule(schedule, mesh.pp, p.vpp, m), mesh, MICRO, SEQ,
                                    sp=p.sp)
         self.grads = build_data_parallel(self.model, mesh, zero, bucket_mb, gather_dtype,
-                                         tied=tied_parameter(self.stage), tied_group=emb_group)
+                                         tied=tied_parameter(self.stage), tied_group=emb_group,
+                                         pad_multiple=PAD_MULTIPLE if kind in KINDS else 1)
         self.opt = optimizer(self.model, self.grads, zero, kind, mesh, whole_modules=self.blocks)
         self.step = TrainStep(self.model, self.opt, "fp32", mesh.device, MICRO, clip, self.grads, pipeline=self.ex)
         self.mesh = mesh
@@ -170,6 +177,45 @@ def zero_pp_case(mesh: Mesh, emb_group, cache: dict, schedule: str = "1f1b", m: 
                 tied_bucket=[b.tied for b in buckets],
                 model_bytes=sum(p.numel() * 4 for p in lay.model.parameters()),
                 shard_numel=lay.grads.shard_numel(), numel=sum(p.numel() for p in lay.model.parameters()))
+
+
+def onebit_case(mesh: Mesh, emb_group, cache: dict, kind: str = "onebit_adam", steps: int = 6, **model_kw) -> dict:
+    """1-bit Adam / LAMB through the pipeline executor and TrainStep at pp2 x dp2 (MoE: ep2 too): the collectives
+    on the data-parallel group per step, whether the dp replicas (and the tied embedding's two copies) hold the
+    same weights, and the loss next to plain AdamW's single process."""
+    cfg = config(mesh.pp, mesh.tp, world=mesh.world_size, ep=mesh.ep, **model_kw)
+    data = batches(mesh, 4, steps)
+    ref = reference(cfg, "adamw", data, mesh.device, cache)
+    names = {mesh.dp_cp_group: "dp", mesh.pp_group: "pp", mesh.tp_group: "tp", emb_group: "emb"}
+    if mesh.ep > 1:
+        names[mesh.edp_group] = "edp"
+    lay = Layout(ref["base"], cfg, mesh, emb_group, "1f1b", 4, 0, kind)
+    ops: list[list[str]] = []
+
+    class Ops(comm.OpRecorder):
+        def enter(self, name, group, nbytes=0):
+            if names.get(group) in ("dp", "edp") and not name.startswith("wait "):
+                ops[-1].append(name)
+
+    mesh.recorder = Ops()
+    losses = []
+    try:
+        for b in data:
+            ops.append([])
+            losses += lay.run([b])[0]
+    finally:
+        mesh.recorder = comm.NullRecorder()
+    dense = [p for p in lay.model.parameters() if not is_expert_param(p)]
+    mine = torch.cat([p.detach().reshape(-1) for p in dense])
+    replica = (comm.all_reduce(mine.clone(), mesh.dp_cp_group, op="max") - mine).abs().max().item()
+    tied = tied_parameter(lay.stage)
+    tied_err = None
+    if tied is not None:  # the embedding on the first stage, the head's copy on the last: the same after the steps
+        other = comm.all_reduce(tied.detach().clone(), emb_group, op="max")
+        tied_err = (other - tied.detach()).abs().max().item()
+    return dict(loss=losses, loss_ref=ref["loss"], ops=ops, replica_err=replica, tied_err=tied_err,
+                warmup=ONEBIT_WARMUP, compressed=[ex is not None for ex in lay.opt.exchanges],
+                bucket_ranks=[b.size for b in lay.grads.buckets], finite=is_finite(losses))
 
 
 def checkpoint_case(rank: int, mesh: Mesh, emb_group, cache: dict, root: str, world: int) -> dict:
@@ -271,11 +317,14 @@ def suite_zero_pp_world4(rank: int, world: int, device: torch.device, root: str)
     res["gather-fp32"] = gather_bytes_case(mesh, emb, cache, torch.float32)
     res["gather-bf16"] = gather_bytes_case(mesh, emb, cache, torch.bfloat16)
     res["gather-bf16-compiled"] = gather_bytes_case(mesh, emb, cache, torch.bfloat16, compiled=True)
+    res["pp2dp2-onebit_adam"] = onebit_case(mesh, emb, cache)
+    res["pp2dp2-onebit_lamb"] = onebit_case(mesh, emb, cache, "onebit_lamb")
     mesh = Mesh.build(config(pp=2, ep=2, world=world, moe=True), world, rank, device)  # pp2 x dp2 (ep2)
     emb = build_embedding_groups(mesh)
     for zero in (0, 1, 2):
         res[f"pp2dp2ep2-moe-z{zero}"] = zero_pp_case(mesh, emb, cache, "1f1b", zero=zero, moe=True)
     res["pp2dp2ep2-moe-vpp2-z1"] = zero_pp_case(mesh, emb, cache, "interleaved", zero=1, moe=True, vpp=2)
+    res["pp2dp2ep2-moe-onebit_adam"] = onebit_case(mesh, emb, cache, moe=True)
     return res
 
 
