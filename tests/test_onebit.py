@@ -7,6 +7,7 @@ itself in tests/parallel/test_compressed.py and dp/test_dp_world2.py (1,000 step
 from __future__ import annotations
 
 import copy
+import threading
 import time
 
 import pytest
@@ -101,10 +102,12 @@ def test_an_in_place_background_save_holds_the_state_of_its_step(tmp_path, monke
     model = _model()
     opt = _onebit(model, "adam", warmup=1)
     _step(model, opt, 0, opt.grads)
-    real_write, events = async_mod.write_tensors, []
+    real_write, events, stepping = async_mod.write_tensors, [], threading.Event()
+    opt.register_step_pre_hook(lambda *_: stepping.set())  # runs before the save's hook (registered first)
 
-    def slow_write(*args, **kwargs):
-        time.sleep(0.3)
+    def slow_write(*args, **kwargs):  # still writing when the next update starts, however loaded the machine
+        stepping.wait(30)
+        time.sleep(0.05)
         real_write(*args, **kwargs)
         events.append("written")
 
