@@ -13,12 +13,13 @@ from .dp_worlds import suite_dp2
 CASES = ["z0-adamw", "z1-adamw", "z2-adamw", "z3-adamw", "z1-adamw-clip", "z2-adamw-clip", "z3-adamw-clip",
          "z0-lamb", "z1-lamb", "z2-lamb", "z3-lamb", "z1-gpt2", "z1-qwen3", "z1-bert", "z1-bert-sop", "z1-t5",
          "z1-roundtrip", "z3-roundtrip", "z2-lamb-roundtrip",
+         "z1-model-only", "z3-model-only",
          "z0-fused", "z1-fused-clip"]
 
 
 @pytest.fixture(scope="module")
-def world() -> list[dict]:
-    return run_world(2, suite_dp2)
+def world(tmp_path_factory) -> list[dict]:
+    return run_world(2, suite_dp2, str(tmp_path_factory.mktemp("suite_dp2")))
 
 
 LLAVA = ["z1-llava", "z1-llava-frozen"]
