@@ -72,8 +72,8 @@ class RunCheckpoints:
             if not path.is_dir():
                 raise CheckpointError(f"checkpoint.resume: directory '{choice}' not found.")
             if self._another_stage(path):  # e.g. LLaVA: projector-only pretraining -> full fine-tuning
-                load_checkpoint(path, model, None, rank=rt.rank, model_cfg=cfg.model.__dict__, mesh=mesh,
-                                group=self.group)
+                load_checkpoint(path, model, optimizer, rank=rt.rank, model_cfg=cfg.model.__dict__, mesh=mesh,
+                                group=self.group, model_only=True)
                 log.info(f"checkpoint.resume={path}: saved with another model.freeze (a new training stage): this "
                          f"run starts from its weights at step 0 with a fresh optimizer")
                 return 0, {}

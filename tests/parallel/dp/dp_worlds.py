@@ -26,7 +26,7 @@ from megaloom.models.registry import get_family
 from megaloom.optim import param_groups
 from megaloom.parallel import comm
 from megaloom.parallel.mesh import Mesh
-from megaloom.parallel.state import full_optim_state
+from megaloom.parallel.state import ensure_optimizer_state, full_optim_state
 from megaloom.parallel.tensor import gather_full_params, parallelize_tensor
 from megaloom.parallel.zero import (
     ShardedOptimizer,
@@ -215,6 +215,36 @@ def imported_check(path: Path, model: nn.Module, grads, opt, mesh: Mesh, zero: i
     return {"imported_equal": equal, "fresh_optimizer": fresh}
 
 
+def stage_case(mesh: Mesh, root: str) -> dict:
+    """checkpoint.resume of a checkpoint saved with another model.freeze (a new training stage: its weights only,
+    step 0) into ZeRO-1 with bf16 parameter gathers, through the trainer's RunCheckpoints: the optimizer's fp32
+    master shards must take the loaded weights (else its first step publishes the masters it was built with over
+    them), the replicas their bf16 rounding, and the optimizer state stays fresh."""
+    from megaloom.runtime import Runtime
+    from megaloom.training.checkpoints import RunCheckpoints
+
+    written = base_model("llama", Mesh.single(mesh.device))
+    stage1 = torch.optim.AdamW(written.parameters(), lr=LR)
+    ensure_optimizer_state(written, stage1)
+    path = save_checkpoint(Path(root) / "stage1" / "checkpoints", 2, written, stage1,
+                           {"model": {**tiny_config().model.__dict__, "freeze": ["language"]}}, keep=1,
+                           rank=mesh.rank, barrier=dist.barrier)
+    cfg = tiny_config(world=mesh.world_size)
+    cfg.checkpoint.resume = str(path)
+    model = parallelize_tensor(scrambled(written), mesh, False)
+    grads = build_data_parallel(model, mesh, 1, BUCKET_MB, torch.bfloat16)
+    opt = ShardedOptimizer(grads, "adamw", lr=LR, betas=BETAS, eps=EPS["adamw"], weight_decay=WD)
+    rt = Runtime(mesh.device, mesh.rank, mesh.world_size, mesh.rank)
+    step, _ = RunCheckpoints(cfg, Path(root) / "stage2", rt, mesh).resume(model, opt)
+    want = {n: p.detach() for n, p in written.named_parameters()}
+    masters = all(torch.equal(t.detach().reshape(-1), want[opt.named_params[s.owner][0]].reshape(-1)[
+        s.start:s.start + t.numel()]) for t, s in zip(opt.tensors, opt.segments, strict=True))
+    grads.wait_params()
+    replicas = all(torch.equal(p.detach(), want[n].bfloat16().float()) for n, p in model.named_parameters())
+    fresh = all(float(st["step"]) == 0 and not st["exp_avg"].any() for st in opt.inner.state.values())
+    return {"step": step, "masters": masters, "replicas": replicas, "fresh": fresh, "separate": opt.separate_masters}
+
+
 def dp_case(mesh: Mesh, zero: int, kind: str = "adamw", clip: float = math.inf, arch: str = "llama",
             sp: bool = False, cache: dict | None = None, roundtrip: bool = False, fused: bool = False,
             imported: Path | None = None) -> dict:
@@ -313,6 +343,7 @@ def suite_dp2(rank: int, world: int, device: torch.device, root: str) -> dict:
     imported = write_imported(root, rank, device)  # a model-only checkpoint (convert --from-hf) at ZeRO-1 and 3
     res["z1-model-only"] = dp_case(mesh, 1, cache=cache, imported=imported)
     res["z3-model-only"] = dp_case(mesh, 3, cache=cache, imported=imported)
+    res["z1-bf16-new-stage"] = stage_case(mesh, root)  # the weights of another model.freeze stage's checkpoint
     res["z1-llava"] = llava_dp_case(mesh, 1)  # images through a ViT and projector, ZeRO-1
     res["z1-llava-frozen"] = llava_dp_case(mesh, 1, freeze="vision,language")  # projector-only pretraining
     res["rs-copy"] = reduce_scatter_copy(mesh)  # last: it tells malloc to return freed blocks from then on

@@ -26,7 +26,16 @@ LLAVA = ["z1-llava", "z1-llava-frozen"]
 
 
 def test_every_case_ran(world: list[dict]) -> None:
-    assert sorted(world[0]) == sorted(CASES + LLAVA + ["rs-copy"])
+    assert sorted(world[0]) == sorted(CASES + LLAVA + ["rs-copy", "z1-bf16-new-stage"])
+
+
+def test_a_new_stage_loads_its_weights_into_the_fp32_masters(world: list[dict]) -> None:
+    """checkpoint.resume of another model.freeze stage's checkpoint at ZeRO-1 gathering bf16: the master shards hold
+    the loaded weights exactly (the first step updates them), the replicas their bf16 rounding, a fresh optimizer."""
+    for res in world:
+        r = res["z1-bf16-new-stage"]
+        assert r["separate"] and r["step"] == 0 and r["fresh"], r
+        assert r["masters"] and r["replicas"], r
 
 
 def test_a_bucket_is_reduce_scattered_and_gathered_without_a_copy(world: list[dict]) -> None:
