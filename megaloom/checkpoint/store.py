@@ -476,11 +476,15 @@ def _load_rng(rng_file: Path) -> dict:
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                     rank: int = 0, model_cfg: dict | None = None, mesh: Mesh | None = None,
                     group: CheckpointGroup | None = None,
-                    check_state: Callable[[Path, dict], None] | None = None, fresh_adapters: bool = False) -> dict:
+                    check_state: Callable[[Path, dict], None] | None = None, fresh_adapters: bool = False,
+                    model_only: bool = False) -> dict:
     """Verify and load `path` into model (and optimizer); restore this rank's RNG. Returns state.json.
 
-    A model-only checkpoint (state.json has_optimizer_state false) leaves the optimizer untouched, i.e. fresh
-    for a fine-tune; the RNG is restored only if the checkpoint has a file for this rank. ``check_state(path,
+    A model-only checkpoint (state.json has_optimizer_state false), or ``model_only=True`` (the weights of any
+    checkpoint, e.g. another training stage's), loads the weights and leaves the optimizer's state untouched, i.e.
+    fresh for a fine-tune; pass the optimizer anyway: with ZeRO-1/2 gathering bf16 its fp32 master shards must take
+    the loaded weights. The RNG is restored only if the checkpoint has a file for this rank. The weights load at
+    any parallel layout (ZeRO 0-3, tp, pp, ep). ``check_state(path,
     state)`` runs once the checkpoint verified, before any tensor is read: it raises to refuse the checkpoint
     (e.g. the run's data changed since it was written; an exception other than CheckpointError ends
     `load_newest`'s fall-back too). ``fresh_adapters``: the model's LoRA adapters are not read (a checkpoint
@@ -491,7 +495,7 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         check_compatible(state["model"], model_cfg, adapters=not fresh_adapters)
     if check_state is not None:
         check_state(path, state)
-    with_optim = optimizer is not None and state.get(OPTIMIZER_FLAG, True)
+    with_optim = optimizer is not None and state.get(OPTIMIZER_FLAG, True) and not model_only
     if with_optim:
         ensure_optimizer_state(model, optimizer)
     sd = sharded_state(model, optimizer if with_optim else None, mesh)  # views of the live tensors

@@ -85,8 +85,8 @@ class RunCheckpoints:
                 raise CheckpointError(f"checkpoint.resume: directory '{choice}' not found.")
             if self._another_stage(path):  # e.g. LLaVA: projector-only pretraining -> full fine-tuning
                 fresh = self._new_adapters(path)
-                load_checkpoint(path, model, None, rank=rt.rank, model_cfg=cfg.model.__dict__, mesh=mesh,
-                                group=self.group, fresh_adapters=fresh)
+                load_checkpoint(path, model, optimizer, rank=rt.rank, model_cfg=cfg.model.__dict__, mesh=mesh,
+                                group=self.group, fresh_adapters=fresh, model_only=True)
                 what = "no LoRA adapters (new ones train on its weights)" if fresh else "another model.freeze"
                 log.info(f"checkpoint.resume={path}: saved with {what}, a new training stage: this run starts from "
                          "its weights at step 0 with a fresh optimizer")

@@ -15,13 +15,13 @@ from .dp_worlds import suite_dp4
 
 CASES = ["dp4-z0", "dp4-z1", "dp4-z2", "dp4-z3", "dp4-z2-clip", "dp4-z1-lamb", "tp2dp2-z0", "tp2dp2-z1",
          "tp2dp2-z2", "tp2dp2-z3", "tp2dp2-z1-sp", "tp2dp2-z0-lamb", "tp2dp2-z2-lamb", "tp2dp2-z1-roundtrip",
-         "tp2dp2-z1-sp-fused"]
+         "tp2dp2-z1-sp-fused", "tp2dp2-z3-model-only"]
 ONEBIT = ["dp4-onebit_adam", "dp4-onebit_lamb-clip", "tp2dp2-onebit_adam-sp", "dp4-onebit_adam-bf16"]
 
 
 @pytest.fixture(scope="module")
-def world() -> list[dict]:
-    return run_world(4, suite_dp4)
+def world(tmp_path_factory) -> list[dict]:
+    return run_world(4, suite_dp4, str(tmp_path_factory.mktemp("suite_dp4")))
 
 
 def test_every_case_ran(world: list[dict]) -> None:
