@@ -18,11 +18,14 @@ from typing import Any
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A user-facing configuration error: names the key, what was found and what would work."""
+from megaloom.errors import ConfigError
 
 
+# The config is the vocabulary every layer speaks, the model families included (each is built from a ModelConfig),
+# so config.py sits below them and imports none of them when it loads. Validating a config and resolving its preset
+# do ask the families (their names, rules, presets, size defaults): those lookups import megaloom.models when they
+# are called. At load time they would be an import cycle, and would make every command (`megaloom status`, `plot`)
+# import torch and every family. tests/test_house.py lists them as the config's one way up.
 def _families() -> tuple[str, ...]:
     from megaloom.models.registry import FAMILIES
 
@@ -449,7 +452,7 @@ def load_yaml(path: Path, what: str) -> Any:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Defaults <- model preset <- YAML file <- command-line overrides, then validation."""
-    from megaloom.models.presets import PRESETS
+    from megaloom.models.presets import PRESETS  # at call time: see _families
 
     values: dict[str, Any] = {}
     if path is not None:
@@ -493,7 +496,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 def _apply_size_defaults(cfg: Config, given: set[str]) -> None:
     """Learning rate, warm-up, min_lr and init std by the model's width (megaloom/models/recipes.py), for each key
     the user did not give."""
-    from megaloom.models.recipes import train_defaults
+    from megaloom.models.recipes import train_defaults  # at call time: see _families
 
     defaults = train_defaults(cfg.model)
     if not defaults:

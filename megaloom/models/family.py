@@ -12,6 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+# The shared decoder, which every family builds on (it reads a family's traits but imports none at load time).
+from megaloom.models.transformer import Transformer
+
 if TYPE_CHECKING:
     from torch import nn
 
@@ -110,6 +113,4 @@ class Family:
 
     def build(self, cfg: ModelConfig) -> nn.Module:
         """The family's module on the current default device (use ``torch.device("meta")`` to build no storage)."""
-        from megaloom.models.transformer import Transformer
-
         return (self.module or Transformer)(cfg, self)

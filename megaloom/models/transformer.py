@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 
 
 def family_of(cfg: ModelConfig) -> Family:
+    """The family named by ``cfg.arch``. The registry is imported when asked: it imports every family, and every
+    family imports this module (its shared decoder), so the lookup by name can only happen at call time."""
     from megaloom.models.registry import get_family
 
     return get_family(cfg.arch)

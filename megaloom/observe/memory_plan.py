@@ -92,6 +92,7 @@ from torch import nn
 from megaloom.config import Config, ModelConfig
 from megaloom.observe.log import get_logger
 from megaloom.parallel.layout import layout_of
+from megaloom.training.levers import compute_precision, resolve_levers
 
 log = get_logger(__name__)
 GB = 1e9  # the report's unit, as megaloom.observe.memory.peak_memory_gb
@@ -120,12 +121,6 @@ def _resolved(m: ModelConfig) -> tuple[int, int, int, int]:
 
 def is_moe_layer(m: ModelConfig, index: int) -> bool:
     return bool(m.moe_every) and (index + 1) % m.moe_every == 0
-
-
-def compute_precision(cfg: Config, device: str) -> str:
-    """train.precision with "auto" resolved as megaloom.runtime does (bf16 on GPU, fp32 on CPU)."""
-    p = cfg.train.precision
-    return ("bf16" if device == "cuda" else "fp32") if p == "auto" else p
 
 
 def attention_backend(cfg: Config, device: str, tp: int = 1) -> str:
@@ -752,9 +747,7 @@ def _layout(cfg: Config, world_size: int, device: str, pp_rank: int, n_micro: in
     precision = compute_precision(cfg, device)
     if precision != t.precision:
         cfg = _with_precision(cfg, precision)
-    from megaloom.training.levers import resolve_levers  # compile / fused loss "auto": as training on `device`
-
-    cfg = resolve_levers(cfg, device)[0]
+    cfg = resolve_levers(cfg, device)[0]  # compile / fused loss "auto": as training on `device`
     return _Layout(cfg=cfg, device=device, world_size=world_size, tp=tp, pp=pp, vpp=p.vpp, cp=cp, dp=dp,
                    zero=p.zero, pp_rank=pp_rank, n_micro=n_micro, precision=precision,
                    tokens=t.micro_batch_size * t.seq_len // cp, batch=t.micro_batch_size, sp=p.sp and tp > 1,

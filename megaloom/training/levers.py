@@ -38,7 +38,14 @@ from dataclasses import dataclass
 from megaloom.config import Config
 from megaloom.fa4 import fa4_importable
 from megaloom.models.registry import get_family
-from megaloom.observe.memory_plan import compute_precision
+
+
+def compute_precision(cfg: Config, device: str) -> str:
+    """train.precision with "auto" resolved as megaloom.runtime does (bf16 on GPU, fp32 on CPU). Here, with the
+    other "auto" choices, rather than in the memory plan that reads it: the plan asks the levers for the whole
+    resolved config (the levers used to ask the plan for this, an import circle, issue 37)."""
+    p = cfg.train.precision
+    return ("bf16" if device == "cuda" else "fp32") if p == "auto" else p
 
 
 @dataclass(frozen=True)

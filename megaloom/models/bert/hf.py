@@ -16,9 +16,9 @@ activations other than the exact ``gelu``, relative position embeddings, decoder
 from __future__ import annotations
 
 from megaloom.config import ModelConfig
-from megaloom.convert.errors import ConversionError
-from megaloom.convert.hf_common import HFTensors, Tensors, refuse
+from megaloom.errors import ConversionError
 from megaloom.models.family import HFMapping
+from megaloom.models.hf_common import HFTensors, Tensors, refuse
 from megaloom.models.transformer import resolved_ffn_dim
 
 TYPE_VOCAB = 2

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 
 from megaloom.config import ModelConfig
-from megaloom.convert.errors import ConversionError
-from megaloom.convert.hf_common import HFTensors, Tensors, refuse
+from megaloom.errors import ConversionError
 from megaloom.models.family import HFMapping
+from megaloom.models.hf_common import HFTensors, Tensors, refuse
 from megaloom.models.transformer import resolved_ffn_dim
 
 # (megaloom, HF inside transformer.h.{i}., transposed?) for everything except the fused q/k/v.

@@ -8,9 +8,9 @@ is refused with the field's name.
 from __future__ import annotations
 
 from megaloom.config import ModelConfig
-from megaloom.convert.errors import ConversionError
-from megaloom.convert.hf_common import HFTensors, Tensors, refuse, rope_config, rope_settings
+from megaloom.errors import ConversionError
 from megaloom.models.family import HFMapping
+from megaloom.models.hf_common import HFTensors, Tensors, refuse, rope_config, rope_settings
 from megaloom.models.transformer import resolved_ffn_dim
 
 # (megaloom name inside layers.{i}., HF name inside model.layers.{i}.)

@@ -11,9 +11,9 @@ model cannot be exported either), sliding-window layers, and head_dim != hidden_
 from __future__ import annotations
 
 from megaloom.config import ModelConfig
-from megaloom.convert.errors import ConversionError
-from megaloom.convert.hf_common import HFTensors, Tensors, refuse
+from megaloom.errors import ConversionError
 from megaloom.models.family import HFMapping
+from megaloom.models.hf_common import HFTensors, Tensors, refuse
 from megaloom.models.llama import hf as llama_hf
 
 LAYER = [*llama_hf.LAYER, ("attn.q_norm.weight", "self_attn.q_norm.weight"),

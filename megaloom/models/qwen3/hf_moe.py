@@ -15,9 +15,9 @@ num_attention_heads, which megaloom's attention cannot hold yet: they are refuse
 from __future__ import annotations
 
 from megaloom.config import ModelConfig
-from megaloom.convert.hf_common import HFTensors, Tensors, refuse
-from megaloom.convert.hf_moe import moe_layer_from_hf, moe_layer_to_hf
 from megaloom.models.family import HFMapping
+from megaloom.models.hf_common import HFTensors, Tensors, refuse
+from megaloom.models.hf_moe import moe_layer_from_hf, moe_layer_to_hf
 from megaloom.models.llama import hf as llama_hf
 from megaloom.models.llama.hf_mixtral import check_moe_exportable, expert_width
 from megaloom.models.qwen3 import hf as qwen3_hf
