@@ -32,6 +32,12 @@ def _families() -> tuple[str, ...]:
     return tuple(FAMILIES)
 
 
+def _all_families() -> list:
+    from megaloom.models.registry import FAMILIES
+
+    return list(FAMILIES.values())
+
+
 def _family(name: str):
     from megaloom.models.registry import get_family
 
@@ -603,9 +609,10 @@ def validate(cfg: Config) -> None:
     _check_rope_scaling(m, family.traits.positions == "rope")
     if family.validate is not None:
         family.validate(m)
-    _require(not m.sentence_order or m.arch == "bert",
-             f"model.sentence_order=true with model.arch={m.arch}: the sentence-order head is BERT's; set "
-             "model.sentence_order=false (or model.arch=bert).")
+    if m.sentence_order and not family.traits.sentence_order:
+        owners = " or ".join(f"model.arch={f.name}" for f in _all_families() if f.traits.sentence_order)
+        raise ConfigError(f"model.sentence_order=true with model.arch={m.arch}: this family has no sentence-order "
+                          f"head; set model.sentence_order=false (or {owners}).")
     if m.moe_every:
         _require(1 <= m.top_k <= m.n_experts, f"model.top_k ({m.top_k}) must be between 1 and model.n_experts "
                                               f"({m.n_experts}).")

@@ -1,6 +1,7 @@
 """The house rules of megaloom's structure (issue 37), checked on the source text so that they hold for every
 contributor: no import cycle between megaloom's modules, at load time and, but for the few
-lookups listed in CALL_TIME_UP, at call time too.
+lookups listed in CALL_TIME_UP, at call time too; errors in one light module; and no family named outside
+megaloom/models/ (FAMILY_NAMES_ALLOWED).
 
 Import graph. Every ``megaloom/**/*.py`` is parsed with `ast`; an ``import`` / ``from ... import`` (relative ones
 resolved against the importing module's package) that names a megaloom module is an edge. ``from P import n``
@@ -279,3 +280,89 @@ def test_old_error_names_are_the_same_classes():
     for cls in (CheckpointError, NoUsableCheckpoint, SaveFailed, ConfigError, ConversionError, DataError,
                 ScheduleError, PeerLost, Diverged, RunDirLocked, RunDirUnwritable, DataChanged):
         assert getattr(errors, cls.__name__) is cls
+
+
+# ------------------------------------------------------------------------------------- family names
+
+# Code outside megaloom/models/ never names a model family: it asks the family (`get_family(arch)`: its traits,
+# its Family fields) or the built module, so a new family is its folder and its registry line, and a lever or a
+# rule never silently skips it. Checked on string literals (a name is how code outside models/ could test
+# `model.arch`), case-insensitive, as whole words. Not checked: docstrings and comments, and the help texts of
+# config keys (`_f(default, help)`), which are documentation a person reads (`megaloom config --list`); preset
+# names (`llava-tiny`), which name a shape, not a family. convert/ is no exception: each family's Hugging Face
+# mapping lives in its folder (`models/<family>/hf.py`) and convert/ finds it through the registry.
+# (path under megaloom/, the literal's text) -> why that literal is not a reference to a family.
+FAMILY_NAMES_ALLOWED = {
+    ("config.py", "llama"):
+        "model.arch's default value (the default preset, tiny, is a llama too): a value, not a branch on a family",
+    ("config.py", " (e.g. 8 for Llama 3.1)."):
+        "an example value of the llama3 RoPE scaling (model.rope_scaling=llama3), named after the release that "
+        "defined it",
+    ("config.py", ": set it to the context length of pretraining (e.g. 8192 for Llama 3.1)."):
+        "the same: an example value of the llama3 RoPE scaling",
+    ("config.py", ") (Llama 3.1: 1 and 4)."):
+        "the same: an example value of the llama3 RoPE scaling",
+}
+
+
+def _documentation(tree: ast.Module) -> set[int]:
+    """ids of the string nodes that are documentation: docstrings, and config fields' help (``_f(default, help)``)."""
+    out = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and body and \
+                isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+            out.add(id(body[0].value))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "_f":
+            out.update(id(a) for a in node.args[1:2])
+            out.update(id(k.value) for k in node.keywords if k.arg == "help")
+    return out
+
+
+def family_names_outside_models() -> list[tuple[str, int, str, str]]:
+    """(path under megaloom/, line, family name, literal) for every string literal outside megaloom/models/ that
+    names a registered family, but for documentation and preset names (see above)."""
+    import re
+
+    from megaloom.models.presets import PRESETS
+    from megaloom.models.registry import FAMILIES
+
+    word = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith("models/"):
+            continue
+        tree = _tree(path)
+        docs = _documentation(tree)
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Constant) and isinstance(node.value, str)) or id(node) in docs:
+                continue
+            for token in word.findall(node.value):
+                if token.rstrip(".") in PRESETS:
+                    continue
+                for part in re.split(r"[._-]", token.lower()):
+                    if part in FAMILIES:
+                        found.append((rel, node.lineno, part, node.value))
+    return sorted(set(found))
+
+
+def test_no_family_is_named_outside_models():
+    found = [f for f in family_names_outside_models() if (f[0], f[3]) not in FAMILY_NAMES_ALLOWED]
+    assert not found, ("family names outside megaloom/models/ (ask the family's traits or fields instead; see "
+                       "FAMILY_NAMES_ALLOWED for what is not a family reference):\n"
+                       + "\n".join(f"megaloom/{rel}:{line}: {name!r} in {text!r}" for rel, line, name, text in found))
+
+
+def test_family_name_allowances_are_still_needed():
+    seen = {(rel, text) for rel, _, _, text in family_names_outside_models()}
+    stale = [key for key in FAMILY_NAMES_ALLOWED if key not in seen]
+    assert not stale, f"FAMILY_NAMES_ALLOWED entries that no literal needs any more (remove them): {stale}"
+
+
+def test_the_family_check_sees_a_family_name():
+    tree = ast.parse('x = cfg.model.arch == "bert"\nhelp = _f(1, "bert only")\ny = "model.preset=llava-tiny"')
+    docs = _documentation(tree)
+    literals = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                and id(n) not in docs}
+    assert literals == {"bert", "model.preset=llava-tiny"}

@@ -35,5 +35,5 @@ TRAITS = Traits(norm="rmsnorm", gated_mlp=True, bias=False, positions="rope", de
 PLAN = {**DECODER_PLAN, "layers.*.attn.q_norm": PartialGrad(), "layers.*.attn.k_norm": PartialGrad()}
 
 FAMILY = Family(name="qwen3", description="Llama's decoder with QK-norm (Qwen3 dense: 1.7B, 8B, 14B shapes)",
-                traits=TRAITS, plan=PLAN, presets=PRESETS,
+                traits=TRAITS, dense_decoder=True, plan=PLAN, presets=PRESETS,
                 hf=dataclasses.replace(HF, moe=hf_moe.HF))  # MoE qwen3 models are Qwen3-MoE
