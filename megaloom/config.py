@@ -78,6 +78,9 @@ class ModelConfig:
     d_model: int = _f(128, "Hidden size.")
     n_heads: int = _f(4, "Attention (query) heads.")
     n_kv_heads: int = _f(0, "Key/value heads for grouped-query attention; 0 = n_heads (multi-head attention).")
+    head_dim: int = _f(0, "Width of one attention head; 0 = d_model / n_heads. Set it where a model's heads are "
+                          "wider or narrower than that (Qwen3-0.6B/4B/32B: 128): q/k/v project d_model to "
+                          "heads x head_dim, o_proj back to d_model.")
     ffn_dim: int = _f(0, "MLP hidden size; 0 = 4*d_model (gpt2) or the Llama rule 8/3*d_model rounded to 256.")
     vocab_size: int = _f(0, "Embedding rows; 0 = the tokenizer's vocabulary padded to a multiple of 64.")
     max_seq_len: int = _f(1024, "Longest sequence the position embedding / RoPE tables cover.")
@@ -149,6 +152,12 @@ class ModelConfig:
     freeze: list[str] = _f([], "Parts trained frozen (no gradients, no optimizer state, skipped by the gradient "
                                "reduction): any of vision, projector, language; e.g. vision,language = LLaVA's "
                                "projector-only pretraining.")
+
+
+def resolved_head_dim(m: ModelConfig) -> int:
+    """The attention head width: model.head_dim, or d_model / n_heads when it is 0 (every layer that sizes heads,
+    q/k/v/o, RoPE tables, KV caches, the memory plan and FLOP counts asks this, never d_model / n_heads)."""
+    return m.head_dim or m.d_model // m.n_heads
 
 
 @dataclass
@@ -595,17 +604,19 @@ def validate(cfg: Config) -> None:
     _require(0 <= m.dropout < 1, f"model.dropout must be in [0, 1), got {m.dropout}.")
     _require(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1 and train.beta2 must be in [0, 1).")
     _check_vision(m, cfg.data, t.seq_len)
-    _require(m.d_model % m.n_heads == 0,
+    _require(m.head_dim >= 0, f"model.head_dim must be >= 0 (0 = d_model / n_heads), got {m.head_dim}.")
+    _require(m.head_dim or m.d_model % m.n_heads == 0,
              f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads}); "
-             f"head counts that would work: {_divisors(m.d_model, m.n_heads)}.")
+             f"head counts that would work: {_divisors(m.d_model, m.n_heads)} (or set model.head_dim).")
     kv = m.n_kv_heads or m.n_heads
     _require(m.n_heads % kv == 0,
              f"model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({kv}); "
              f"n_kv_heads that would work: {_divisors(m.n_heads)}.")
     family = _family(m.arch)
     if family.traits.positions == "rope":
-        _require((m.d_model // m.n_heads) % 2 == 0,
-                 f"{m.arch} arch: head dim (d_model/n_heads) must be even for RoPE.")
+        _require(resolved_head_dim(m) % 2 == 0,
+                 f"{m.arch} arch: head dim ({'model.head_dim' if m.head_dim else 'd_model/n_heads'}) must be even "
+                 "for RoPE.")
     _check_rope_scaling(m, family.traits.positions == "rope")
     if family.validate is not None:
         family.validate(m)

@@ -368,9 +368,9 @@ def find_checkpoints(ckpt_root: Path) -> list[Path]:
 
 def check_compatible(saved: dict, current: dict) -> None:
     """Refuse to load weights of another shape, naming every field that differs."""
-    keys = ["arch", "n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "tie_embeddings",
-            "parallel_block", "qkv_bias", "moe_every", "n_experts", "n_shared_experts", "expert_ffn_dim",
-            "sentence_order",  # BERT's pooler and order head are parameters of their own
+    keys = ["arch", "n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size",
+            "tie_embeddings", "parallel_block", "qkv_bias", "moe_every", "n_experts", "n_shared_experts",
+            "expert_ffn_dim", "sentence_order",  # BERT's pooler and order head are parameters of their own
             # an image encoder's shape (multimodal families; absent from text models' checkpoints)
             "vision_layers", "vision_d_model", "vision_heads", "vision_ffn_dim", "vision_cls", "image_size",
             "patch_size"]

@@ -47,6 +47,15 @@ def refuse(where: str, field: str, found: object, works: str) -> None:
     raise ConversionError(f"{where}: {field}={found!r} is not supported by megaloom's model ({works}).")
 
 
+def refuse_head_dim(m, architecture: str) -> None:
+    """Export refusal for HF classes whose heads are always hidden_size / num_attention_heads wide (GPT-2, BERT):
+    a model.head_dim other than that cannot be expressed."""
+    if m.head_dim and m.head_dim * m.n_heads != m.d_model:
+        raise ConversionError(f"model.head_dim={m.head_dim}: {architecture}'s attention heads are hidden_size / "
+                              f"num_attention_heads = {m.d_model / m.n_heads:g} wide; only models with model.head_dim="
+                              f"0 (or d_model / n_heads) can be exported as it.")
+
+
 def _kind(params: dict) -> str:
     return params.get("rope_type", params.get("type")) or "default"
 

@@ -89,7 +89,7 @@ from dataclasses import asdict, dataclass, field
 
 from torch import nn
 
-from megaloom.config import Config, ModelConfig
+from megaloom.config import Config, ModelConfig, resolved_head_dim
 from megaloom.observe.log import get_logger
 from megaloom.parallel.layout import layout_of
 from megaloom.training.levers import compute_precision, resolve_levers
@@ -116,7 +116,7 @@ def _resolved(m: ModelConfig) -> tuple[int, int, int, int]:
 
     kv = m.n_kv_heads or m.n_heads
     ffn = resolved_ffn_dim(m)
-    return kv, ffn, m.expert_ffn_dim or ffn, m.d_model // m.n_heads
+    return kv, ffn, m.expert_ffn_dim or ffn, resolved_head_dim(m)
 
 
 def is_moe_layer(m: ModelConfig, index: int) -> bool:
@@ -318,7 +318,7 @@ def _compiled_block_bytes(m: ModelConfig, dm: _Dims, lean: bool, selective: bool
         out["o_proj output shard (bf16)"] = a * n_r * d
     elif lean:
         out["o_proj output"] = a * n * d
-    else:
+    else:  # [n, d] all three, also with model.head_dim (heads x head_dim != d): tests/test_compile_saves.py
         out["[n, d] bf16 (normed inputs, o_proj input)"] = 3 * a * n * d
     out.update({
         "q, k, v": q + 2 * kv,
@@ -520,14 +520,14 @@ def analytic_params(cfg: Config, layers: list[int], has_embedding: bool = True, 
     tr = _traits(m)
     d, bias = m.d_model, tr.bias
     qkv_bias = tr.bias or m.qkv_bias  # q/k/v biases (model.qkv_bias) without the others
-    hkvl = max(kv // tp, 1)
+    hkvl, q = max(kv // tp, 1), m.n_heads // tp * hd  # q: this rank's query heads x head width (d / tp by default)
     norm = 2 * d if tr.norm == "layernorm" else d  # LayerNorm: weight and bias
     qk_norm = 2 * hd if tr.qk_norm else 0  # q_norm, k_norm: one weight of head_dim each (replicated over tp)
     mm_layers, blocks = {}, {}
     largest = expert = 0
     for i in layers:
-        attn_mm = d * (d // tp) + 2 * d * hkvl * hd + (d // tp) * d
-        attn_b = ((d // tp + 2 * hkvl * hd) if qkv_bias else 0) + (d if bias else 0)
+        attn_mm = d * q + 2 * d * hkvl * hd + q * d
+        attn_b = ((q + 2 * hkvl * hd) if qkv_bias else 0) + (d if bias else 0)
         if is_moe_layer(m, i):
             mlp_mm = (d * m.n_experts + 3 * (m.n_experts // ep) * d * (fe // tp)
                       + 3 * d * (m.n_shared_experts * fe // tp))
@@ -1131,7 +1131,7 @@ def _fp8_linear_params(cfg: Config, tp: int, moe: bool, keep_attention: bool = F
     m = cfg.model
     kv, ffn, _, hd = _resolved(m)
     d = m.d_model
-    attn = 0 if keep_attention else 2 * d * (d // tp) + 2 * d * max(kv // tp, 1) * hd
+    attn = 0 if keep_attention else 2 * d * (m.n_heads // tp * hd) + 2 * d * max(kv // tp, 1) * hd
     return attn + (0 if moe else (3 if _traits(m).gated_mlp else 2) * d * (ffn // tp))
 
 

@@ -1,9 +1,10 @@
 """The resolved config: every "auto" value filled in, as a new object, before run.dir/config.yaml is written.
 
-Resolved here: model.vocab_size (0: the tokenizer's, padded), model.n_kv_heads (0: n_heads), model.ffn_dim
-(0: the architecture's rule), train.precision (auto: by device), data.tokenizer (empty: the default
-tokenizer's path) and train.micro_batch_size (0: the largest that the memory plan fits). The config given to
-`megaloom.train.train` is never changed, and nothing changes the resolved one after config.yaml is written.
+Resolved here: model.vocab_size (0: the tokenizer's, padded), model.n_kv_heads (0: n_heads), model.head_dim
+(0: d_model / n_heads), model.ffn_dim (0: the architecture's rule), train.precision (auto: by device),
+data.tokenizer (empty: the default tokenizer's path) and train.micro_batch_size (0: the largest that the memory
+plan fits). The config given to `megaloom.train.train` is never changed, and nothing changes the resolved one
+after config.yaml is written.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from megaloom.config import Config, ModelConfig
+from megaloom.config import Config, ModelConfig, resolved_head_dim
 from megaloom.models.transformer import resolved_ffn_dim
 from megaloom.training.preflight import preflight_vocab
 
@@ -24,7 +24,7 @@ def resolved_model(m: ModelConfig, tokenizer_vocab: int, pad_multiple: int = 64)
     """A copy of `m` with the sizes left at 0 ("auto") filled in; refuses a vocabulary the tokenizer overflows."""
     preflight_vocab(m, tokenizer_vocab)
     vocab = m.vocab_size or pad_multiple * math.ceil(tokenizer_vocab / pad_multiple)
-    m = dataclasses.replace(m, vocab_size=vocab, n_kv_heads=m.n_kv_heads or m.n_heads)
+    m = dataclasses.replace(m, vocab_size=vocab, n_kv_heads=m.n_kv_heads or m.n_heads, head_dim=resolved_head_dim(m))
     return dataclasses.replace(m, ffn_dim=resolved_ffn_dim(m))
 
 

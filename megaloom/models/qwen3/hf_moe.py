@@ -9,7 +9,7 @@ Hub's layout; transformers 5's stacked experts are read too, `megaloom.convert.h
 ``norm_topk_prob=false`` (megaloom's softmax router renormalises the chosen weights), ``mlp_only_layers`` (dense
 blocks outside the decoder_sparse_step rule), shared experts, sigmoid routers and a trained aux-loss-free bias
 (export), and what Qwen3 refuses. The released Qwen3-30B-A3B and -235B-A22B have head_dim 128 != hidden_size /
-num_attention_heads, which megaloom's attention cannot hold yet: they are refused on import, naming head_dim.
+num_attention_heads: it is read into model.head_dim, as for the dense models.
 """
 
 from __future__ import annotations
