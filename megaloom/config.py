@@ -14,11 +14,14 @@ import types
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from megaloom.errors import ConfigError
+
+if TYPE_CHECKING:
+    from megaloom.models.family import Family
 
 
 # The config is the vocabulary every layer speaks, the model families included (each is built from a ModelConfig),
@@ -32,13 +35,13 @@ def _families() -> tuple[str, ...]:
     return tuple(FAMILIES)
 
 
-def _all_families() -> list:
+def _all_families() -> list[Family]:
     from megaloom.models.registry import FAMILIES
 
     return list(FAMILIES.values())
 
 
-def _family(name: str):
+def _family(name: str) -> Family:
     from megaloom.models.registry import get_family
 
     try:

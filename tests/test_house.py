@@ -5,9 +5,9 @@ megaloom/models/ (FAMILY_NAMES_ALLOWED).
 
 Import graph. Every ``megaloom/**/*.py`` is parsed with `ast`; an ``import`` / ``from ... import`` (relative ones
 resolved against the importing module's package) that names a megaloom module is an edge. ``from P import n``
-is an edge to ``P.n`` when that is a module, else to ``P`` (a name P's ``__init__`` defines). Importing
-``a.b.c`` also runs the ``__init__`` of ``a`` and ``a.b``, so those are edges too, except the importer's own
-enclosing packages (Python is already importing them when the importer runs).
+is an edge to ``P.n`` when that is a module, else to ``P`` (a name P's ``__init__`` defines, even when P encloses
+the importer). Importing ``a.b.c`` also runs the ``__init__`` of ``a`` and ``a.b``, so those are edges too,
+except the importer's own enclosing packages (Python is already importing them when the importer runs).
 
 Which imports count:
 - Module-level imports, including those under a module-level ``if`` / ``try`` / ``with`` and in class bodies:
@@ -62,7 +62,7 @@ def _imports(body: list[ast.stmt], functions: bool):
             yield node
         elif isinstance(node, ast.If) and _is_type_checking(node):
             yield from _imports(node.orelse, functions)
-        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
             if functions:
                 yield from _imports(node.body, functions)
         else:
@@ -90,26 +90,25 @@ def import_graph(functions: bool = False) -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for mod, (path, is_pkg) in mods.items():
         package = mod if is_pkg else mod.rpartition(".")[0]
-        targets: set[str] = set()
+        named: set[str | None] = set()  # what the statements name: a module, or the package defining a name
         for node in _imports(_tree(path).body, functions):
             if isinstance(node, ast.Import):
-                targets.update(t for a in node.names if (t := owner(a.name)))
+                named.update(owner(a.name) for a in node.names)
                 continue
             if node.level:
                 base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
                 source = ".".join(base + ([node.module] if node.module else []))
             else:
                 source = node.module or ""
-            if not source.startswith("megaloom"):
-                continue
-            for a in node.names:
-                sub = f"{source}.{a.name}"
-                targets.add(sub if sub in mods else owner(source))
-        ancestors = {".".join(mod.split(".")[:i]) for i in range(1, mod.count(".") + 1)} | {mod}
-        for t in list(targets):  # importing a.b.c runs a/__init__ and a/b/__init__ first
-            parts = t.split(".")
-            targets.update(p for i in range(1, len(parts)) if (p := ".".join(parts[:i])) in mods)
-        graph[mod] = targets - ancestors  # an enclosing package is already being imported when ``mod`` runs
+            if source.startswith("megaloom"):
+                named.update(f"{source}.{a.name}" if f"{source}.{a.name}" in mods else owner(source)
+                             for a in node.names)
+        named.discard(None)
+        ancestors = {".".join(mod.split(".")[:i]) for i in range(1, mod.count(".") + 1)}
+        parents = {p for t in named for i in range(1, t.count(".") + 1)  # a.b.c runs a/ and a/b/__init__ first
+                   if (p := ".".join(t.split(".")[:i])) in mods}
+        # an enclosing package is already being imported when ``mod`` runs: not a new edge unless named
+        graph[mod] = (named | (parents - ancestors)) - {mod}
     return graph
 
 
