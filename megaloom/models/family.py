@@ -84,7 +84,10 @@ class HFMapping:
     ``head_name``: the HF name of the output head's weight (``lm_head.weight`` in causal LMs): written when it is
     not tied to the embedding, ignored on import when it is.
     ``moe``: the mapping of the family's Mixture-of-Experts models (``model.moe_every`` > 0; e.g. llama ->
-    MixtralForCausalLM), another HF class; None: MoE models of the family are refused on export."""
+    MixtralForCausalLM), another HF class; None: MoE models of the family are refused on export.
+    ``sliding_window``: the HF class expresses ``model.sliding_window`` (in the family's own layer pattern, which
+    ``to_hf_config`` / ``from_hf_config`` spell); False: a windowed model is refused on export and an import has
+    none."""
 
     architecture: str
     model_types: tuple[str, ...]
@@ -95,6 +98,7 @@ class HFMapping:
     normalize: Callable[[dict], dict] | None = None
     head_name: str = "lm_head.weight"
     moe: HFMapping | None = None
+    sliding_window: bool = False
 
 
 @dataclass(frozen=True)

@@ -319,7 +319,7 @@ def build_on_device(cfg: ModelConfig, device: torch.device | str) -> Transformer
     device's RNG, so they differ from a CPU build with the same seed: the benchmarks use this, the trainer
     builds on CPU and moves, so that every rank and every layout starts from identical weights."""
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = family_of(cfg).build(cfg)  # the family's module (t5, llava, gemma build their own)
     model = model.to_empty(device=device)
     model.tie_weights()
     model.reset_parameters()

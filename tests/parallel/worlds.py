@@ -500,6 +500,9 @@ def suite_world2(rank: int, world: int, device: torch.device) -> dict:
     res["parity-qwen3-tp2-sp1-hd24"] = parity_case(mesh, "qwen3", True, steps=3, extra=("model.head_dim=24",))
     res["parity-llama-tp2-sp0-hd24-kv1"] = parity_case(mesh, "llama", False, steps=3,
                                                        extra=("model.head_dim=24", "model.n_kv_heads=1"))
+    for sp in (False, True):  # gemma: sandwich norms (the post-norms on the residual stream too), windows of 5
+        res[f"parity-gemma-tp2-sp{int(sp)}"] = parity_case(mesh, "gemma", sp, steps=5,
+                                                           extra=("model.head_dim=24", "model.sliding_window=5"))
     for arch, sp in (("llama", True), ("qwen3", True), ("gpt2", False)):  # compiled blocks, borders traced
         res[f"parity-{arch}-tp2-sp{int(sp)}-compiled"] = parity_case(mesh, arch, sp, steps=3, compiled=True)
     for sp, lean in ((True, False), (True, True), (False, False)):  # the compiled save-set at tp 2
