@@ -14,22 +14,34 @@ import types
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from megaloom.errors import ConfigError
 
-class ConfigError(ValueError):
-    """A user-facing configuration error: names the key, what was found and what would work."""
+if TYPE_CHECKING:
+    from megaloom.models.family import Family
 
 
+# The config is the vocabulary every layer speaks, the model families included (each is built from a ModelConfig),
+# so config.py sits below them and imports none of them when it loads. Validating a config and resolving its preset
+# do ask the families (their names, rules, presets, size defaults): those lookups import megaloom.models when they
+# are called. At load time they would be an import cycle, and would make every command (`megaloom status`, `plot`)
+# import torch and every family. tests/test_house.py lists them as the config's one way up.
 def _families() -> tuple[str, ...]:
     from megaloom.models.registry import FAMILIES
 
     return tuple(FAMILIES)
 
 
-def _family(name: str):
+def _all_families() -> list[Family]:
+    from megaloom.models.registry import FAMILIES
+
+    return list(FAMILIES.values())
+
+
+def _family(name: str) -> Family:
     from megaloom.models.registry import get_family
 
     try:
@@ -90,6 +102,9 @@ class ModelConfig:
     d_model: int = _f(128, "Hidden size.")
     n_heads: int = _f(4, "Attention (query) heads.")
     n_kv_heads: int = _f(0, "Key/value heads for grouped-query attention; 0 = n_heads (multi-head attention).")
+    head_dim: int = _f(0, "Width of one attention head; 0 = d_model / n_heads. Set it where a model's heads are "
+                          "wider or narrower than that (Qwen3-0.6B/4B/32B: 128): q/k/v project d_model to "
+                          "heads x head_dim, o_proj back to d_model.")
     ffn_dim: int = _f(0, "MLP hidden size; 0 = 4*d_model (gpt2) or the Llama rule 8/3*d_model rounded to 256.")
     vocab_size: int = _f(0, "Embedding rows; 0 = the tokenizer's vocabulary padded to a multiple of 64.")
     max_seq_len: int = _f(1024, "Longest sequence the position embedding / RoPE tables cover.")
@@ -162,6 +177,12 @@ class ModelConfig:
                                "reduction): any of vision, projector, language; e.g. vision,language = LLaVA's "
                                "projector-only pretraining.")
     lora: LoraConfig = _f(LoraConfig(), "Low-rank adapters (model.lora.rank, .alpha, .targets, .dropout).")
+
+
+def resolved_head_dim(m: ModelConfig) -> int:
+    """The attention head width: model.head_dim, or d_model / n_heads when it is 0 (every layer that sizes heads,
+    q/k/v/o, RoPE tables, KV caches, the memory plan and FLOP counts asks this, never d_model / n_heads)."""
+    return m.head_dim or m.d_model // m.n_heads
 
 
 @dataclass
@@ -536,7 +557,7 @@ def load_yaml(path: Path, what: str) -> Any:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Defaults <- model preset <- YAML file <- command-line overrides, then validation."""
-    from megaloom.models.presets import PRESETS
+    from megaloom.models.presets import PRESETS  # at call time: see _families
 
     values: dict[str, Any] = {}
     if path is not None:
@@ -584,7 +605,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 def _apply_size_defaults(cfg: Config, given: set[str]) -> None:
     """Learning rate, warm-up, min_lr and init std by the model's width (megaloom/models/recipes.py), for each key
     the user did not give."""
-    from megaloom.models.recipes import train_defaults
+    from megaloom.models.recipes import train_defaults  # at call time: see _families
 
     defaults = train_defaults(cfg.model)
     if not defaults:
@@ -675,26 +696,29 @@ def validate(cfg: Config) -> None:
     _require(0 <= m.dropout < 1, f"model.dropout must be in [0, 1), got {m.dropout}.")
     _require(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1 and train.beta2 must be in [0, 1).")
     _check_vision(m, cfg.data, t.seq_len)
-    _require(m.d_model % m.n_heads == 0,
+    _require(m.head_dim >= 0, f"model.head_dim must be >= 0 (0 = d_model / n_heads), got {m.head_dim}.")
+    _require(m.head_dim or m.d_model % m.n_heads == 0,
              f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads}); "
-             f"head counts that would work: {_divisors(m.d_model, m.n_heads)}.")
+             f"head counts that would work: {_divisors(m.d_model, m.n_heads)} (or set model.head_dim).")
     kv = m.n_kv_heads or m.n_heads
     _require(m.n_heads % kv == 0,
              f"model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({kv}); "
              f"n_kv_heads that would work: {_divisors(m.n_heads)}.")
     family = _family(m.arch)
     if family.traits.positions == "rope":
-        _require((m.d_model // m.n_heads) % 2 == 0,
-                 f"{m.arch} arch: head dim (d_model/n_heads) must be even for RoPE.")
+        _require(resolved_head_dim(m) % 2 == 0,
+                 f"{m.arch} arch: head dim ({'model.head_dim' if m.head_dim else 'd_model/n_heads'}) must be even "
+                 "for RoPE.")
     _check_rope_scaling(m, family.traits.positions == "rope")
     if family.validate is not None:
         family.validate(m)
     from megaloom.models.lora import check_targets  # the model's linear names live with the model
 
     check_targets(m.lora, gated_mlp=family.traits.gated_mlp, dense_mlp=m.moe_every != 1)
-    _require(not m.sentence_order or m.arch == "bert",
-             f"model.sentence_order=true with model.arch={m.arch}: the sentence-order head is BERT's; set "
-             "model.sentence_order=false (or model.arch=bert).")
+    if m.sentence_order and not family.traits.sentence_order:
+        owners = " or ".join(f"model.arch={f.name}" for f in _all_families() if f.traits.sentence_order)
+        raise ConfigError(f"model.sentence_order=true with model.arch={m.arch}: this family has no sentence-order "
+                          f"head; set model.sentence_order=false (or {owners}).")
     if m.moe_every:
         _require(1 <= m.top_k <= m.n_experts, f"model.top_k ({m.top_k}) must be between 1 and model.n_experts "
                                               f"({m.n_experts}).")

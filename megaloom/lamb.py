@@ -24,6 +24,7 @@ from megaloom.parallel import comm
 from megaloom.parallel.data_parallel import DeviceConstants, tp_weight
 from megaloom.parallel.expert import is_expert_param
 from megaloom.parallel.mesh import Mesh
+from megaloom.param_groups import param_groups
 
 NormSync = Callable[[torch.Tensor], torch.Tensor]  # [n_tensors, 2] partial (||w||^2, ||u||^2) -> full per row
 
@@ -118,8 +119,6 @@ class Lamb(torch.optim.Optimizer):
 def build_lamb(model: torch.nn.Module, weight_decay: float, lr: float, betas: tuple[float, float],
                eps: float = 1e-6, mesh: Mesh | None = None) -> Lamb:
     """LAMB over ``model`` with megaloom's decay rule (none on 1-D tensors), tensor-parallel aware."""
-    from megaloom.optim import param_groups
-
     groups = param_groups(model, weight_decay)
     params = [p for g in groups for p in g["params"]]
     return Lamb(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,

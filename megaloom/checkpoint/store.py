@@ -49,7 +49,7 @@ from megaloom.checkpoint.sharded import (
     local_state_fits,
     sharded_state,
 )
-from megaloom.errors import RunStopped
+from megaloom.errors import CheckpointError, NoUsableCheckpoint, SaveFailed
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.state import ensure_optimizer_state
 
@@ -57,10 +57,6 @@ MANIFEST = "manifest.json"
 STATE = "state.json"
 OPTIMIZER_FLAG = "has_optimizer_state"  # in state.json; absent in older checkpoints, which always had it
 PAUSE_ENV = "MEGALOOM_CHECKPOINT_TEST_PAUSE_S"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used: missing, partial, corrupt or incompatible."""
 
 
 def _sha256(path: Path) -> str:
@@ -107,12 +103,6 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-
-
-class SaveFailed(RunStopped, CheckpointError):
-    """A checkpoint could not be written (a full disk, most often). Its partial files are gone; the newest
-    checkpoint on disk is unchanged. The run stops rather than train on with nothing saved (docs/resilience.md).
-    A CheckpointError too, as the asynchronous saver's failures always were."""
 
 
 def _os_errors(e: BaseException | None, seen: set[int] | None = None):
@@ -394,9 +384,9 @@ def _jsonable(obj: object) -> object:
 def check_compatible(saved: dict, current: dict, adapters: bool = True) -> None:
     """Refuse to load weights of another shape, naming every field that differs. ``adapters``: compare the LoRA
     adapters too (False: this load leaves them as built, a new LoRA stage on a checkpoint without them)."""
-    keys = ["arch", "n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "tie_embeddings",
-            "parallel_block", "qkv_bias", "moe_every", "n_experts", "n_shared_experts", "expert_ffn_dim",
-            "sentence_order",  # BERT's pooler and order head are parameters of their own
+    keys = ["arch", "n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size",
+            "tie_embeddings", "parallel_block", "qkv_bias", "moe_every", "n_experts", "n_shared_experts",
+            "expert_ffn_dim", "sentence_order",  # BERT's pooler and order head are parameters of their own
             # an image encoder's shape (multimodal families; absent from text models' checkpoints)
             "vision_layers", "vision_d_model", "vision_heads", "vision_ffn_dim", "vision_cls", "image_size",
             "patch_size"]
@@ -546,15 +536,3 @@ def load_newest(ckpt_root: Path, model: nn.Module, optimizer: torch.optim.Optimi
         raise NoUsableCheckpoint(ckpt_root, problems)
     return None
 
-
-class NoUsableCheckpoint(CheckpointError):
-    """Checkpoints exist but none verifies: starting from step 0 would silently discard the run and overwrite its
-    checkpoints, so the caller must refuse (the person decides what to do with the damaged ones)."""
-
-    def __init__(self, ckpt_root: Path, problems: list[str]) -> None:
-        self.ckpt_root, self.problems = ckpt_root, problems
-        super().__init__(
-            f"none of the {len(problems)} checkpoint(s) in {ckpt_root} verifies (newest: {problems[0]}); refusing "
-            f"to start from step 0 over them. Move the damaged ones aside (e.g. `mv {ckpt_root} "
-            f"{ckpt_root}.damaged`) to start fresh in this run.dir, or start elsewhere with "
-            "checkpoint.resume=none run.dir=<a new directory>.")

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from megaloom.config import ModelConfig
+from megaloom.config import ModelConfig, resolved_head_dim
 from megaloom.models.attention import Attention, KVCache
 from megaloom.models.documents import Documents
 from megaloom.models.init import ONES, ZEROS, InitRule, draw_init_seed, fill_slice
@@ -33,6 +33,8 @@ if TYPE_CHECKING:
 
 
 def family_of(cfg: ModelConfig) -> Family:
+    """The family named by ``cfg.arch``. The registry is imported when asked: it imports every family, and every
+    family imports this module (its shared decoder), so the lookup by name can only happen at call time."""
     from megaloom.models.registry import get_family
 
     return get_family(cfg.arch)
@@ -51,7 +53,8 @@ class Block(nn.Module):
         self.attn_norm = make_norm(tr.norm, cfg.d_model, cfg.norm_eps)
         attention = tr.attention or Attention
         self.attn = attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads, tr.bias, cfg.dropout,
-                              cfg.sliding_window, qkv_bias=tr.bias or cfg.qkv_bias, norm_eps=cfg.norm_eps)
+                              cfg.sliding_window, qkv_bias=tr.bias or cfg.qkv_bias, norm_eps=cfg.norm_eps,
+                              head_dim=resolved_head_dim(cfg))
         self.attn.causal = tr.causal
         if not self.parallel:  # the parallel block reads one normed input for both branches
             self.mlp_norm = make_norm(tr.norm, cfg.d_model, cfg.norm_eps)
@@ -133,7 +136,7 @@ class Transformer(nn.Module):
             self.order_head = nn.Linear(cfg.d_model, 2)
         self.tie_weights()
         if tr.positions == "rope":  # filled by reset_buffers (below, through reset_parameters): computed once
-            shape = (cfg.max_seq_len, cfg.d_model // cfg.n_heads)
+            shape = (cfg.max_seq_len, resolved_head_dim(cfg))
             self.register_buffer("rope_cos", torch.empty(shape, dtype=torch.float32), persistent=False)
             self.register_buffer("rope_sin", torch.empty(shape, dtype=torch.float32), persistent=False)
         self.recompute_layers = 0  # full recomputation of the first N blocks of each span (apply_recompute)
@@ -196,7 +199,7 @@ class Transformer(nn.Module):
                 b.zero_()
         if hasattr(self, "rope_cos") and self.rope_cos.device.type != "meta":
             c = self.cfg
-            cos, sin = rope_tables(c.d_model // c.n_heads, c.max_seq_len, c.rope_theta, rope_scaling_of(c))
+            cos, sin = rope_tables(resolved_head_dim(c), c.max_seq_len, c.rope_theta, rope_scaling_of(c))
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
@@ -310,7 +313,7 @@ class Transformer(nn.Module):
     def new_caches(self, batch: int, max_len: int, dtype=None) -> list[KVCache]:
         first = next(iter(self.layers.values()))
         w = first.attn.k_proj.weight
-        hd = self.cfg.d_model // self.cfg.n_heads
+        hd = resolved_head_dim(self.cfg)
         return [KVCache(batch, layer.attn.k_proj.out_features // hd, max_len, hd, dtype or w.dtype, w.device)
                 for layer in self.layers.values()]
 
@@ -321,7 +324,7 @@ def build_on_device(cfg: ModelConfig, device: torch.device | str) -> Transformer
     device's RNG, so they differ from a CPU build with the same seed: the benchmarks use this, the trainer
     builds on CPU and moves, so that every rank and every layout starts from identical weights."""
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = family_of(cfg).build(cfg)  # the family's module (t5, llava, gemma build their own)
     model = model.to_empty(device=device)
     model.tie_weights()
     model.reset_parameters()

@@ -2,7 +2,8 @@
 
 The count is the standard one (Kaplan et al.; PaLM appendix B; TorchTitan's `get_num_flop_per_token`):
 6 x N non-embedding parameters (forward 2N, backward 4N) plus the attention score and value matmuls,
-6 x 2 x n_layers x d_model x seq_len per token counted in full (not halved for the causal mask), so our
+6 x 2 x n_layers x (n_heads x head_dim: d_model unless model.head_dim says otherwise) x seq_len per token counted
+in full (not halved for the causal mask), so our
 MFU is directly comparable with TorchTitan's. Recomputation is not counted (MFU, not HFU). Frozen parameters
 (`model.freeze`) count 4N (no weight gradient); a multimodal model's image encoder and projector are counted per
 image (`image_flops`) and added for the images each step holds.
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from megaloom.config import ModelConfig
+from megaloom.config import ModelConfig, resolved_head_dim
 
 # Dense bf16 tensor-core peaks in FLOP/s (no sparsity), by substring of the device name.
 PEAK_BF16 = {
@@ -24,7 +25,7 @@ PEAK_BF16 = {
 def flops_per_token(cfg: ModelConfig, n_params_no_embedding: int, seq_len: int, n_frozen: int = 0) -> float:
     """``n_frozen``: of the parameters, those trained frozen (`model.freeze`): no weight gradient, 4N not 6N (the
     input gradient still runs through them to whatever trains below)."""
-    attention = 12 * cfg.n_layers * cfg.d_model * seq_len
+    attention = 12 * cfg.n_layers * cfg.n_heads * resolved_head_dim(cfg) * seq_len  # heads x head width
     return 6 * n_params_no_embedding - 2 * n_frozen + attention
 
 

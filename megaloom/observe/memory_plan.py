@@ -92,9 +92,10 @@ from dataclasses import asdict, dataclass, field, replace
 
 from torch import nn
 
-from megaloom.config import Config, ModelConfig
+from megaloom.config import Config, ModelConfig, resolved_head_dim
 from megaloom.observe.log import get_logger
 from megaloom.parallel.layout import layout_of
+from megaloom.training.levers import compute_precision, resolve_levers
 
 log = get_logger(__name__)
 GB = 1e9  # the report's unit, as megaloom.observe.memory.peak_memory_gb
@@ -118,17 +119,11 @@ def _resolved(m: ModelConfig) -> tuple[int, int, int, int]:
 
     kv = m.n_kv_heads or m.n_heads
     ffn = resolved_ffn_dim(m)
-    return kv, ffn, m.expert_ffn_dim or ffn, m.d_model // m.n_heads
+    return kv, ffn, m.expert_ffn_dim or ffn, resolved_head_dim(m)
 
 
 def is_moe_layer(m: ModelConfig, index: int) -> bool:
     return bool(m.moe_every) and (index + 1) % m.moe_every == 0
-
-
-def compute_precision(cfg: Config, device: str) -> str:
-    """train.precision with "auto" resolved as megaloom.runtime does (bf16 on GPU, fp32 on CPU)."""
-    p = cfg.train.precision
-    return ("bf16" if device == "cuda" else "fp32") if p == "auto" else p
 
 
 def attention_backend(cfg: Config, device: str, tp: int = 1) -> str:
@@ -326,7 +321,7 @@ def _compiled_block_bytes(m: ModelConfig, dm: _Dims, lean: bool, selective: bool
         out["o_proj output shard (bf16)"] = a * n_r * d
     elif lean:
         out["o_proj output"] = a * n * d
-    else:
+    else:  # [n, d] all three, also with model.head_dim (heads x head_dim != d): tests/test_compile_saves.py
         out["[n, d] bf16 (normed inputs, o_proj input)"] = 3 * a * n * d
     out.update({
         "q, k, v": q + 2 * kv,
@@ -528,14 +523,14 @@ def analytic_params(cfg: Config, layers: list[int], has_embedding: bool = True, 
     tr = _traits(m)
     d, bias = m.d_model, tr.bias
     qkv_bias = tr.bias or m.qkv_bias  # q/k/v biases (model.qkv_bias) without the others
-    hkvl = max(kv // tp, 1)
+    hkvl, q = max(kv // tp, 1), m.n_heads // tp * hd  # q: this rank's query heads x head width (d / tp by default)
     norm = 2 * d if tr.norm == "layernorm" else d  # LayerNorm: weight and bias
     qk_norm = 2 * hd if tr.qk_norm else 0  # q_norm, k_norm: one weight of head_dim each (replicated over tp)
     mm_layers, blocks = {}, {}
     largest = expert = 0
     for i in layers:
-        attn_mm = d * (d // tp) + 2 * d * hkvl * hd + (d // tp) * d
-        attn_b = ((d // tp + 2 * hkvl * hd) if qkv_bias else 0) + (d if bias else 0)
+        attn_mm = d * q + 2 * d * hkvl * hd + q * d
+        attn_b = ((q + 2 * hkvl * hd) if qkv_bias else 0) + (d if bias else 0)
         if is_moe_layer(m, i):
             mlp_mm = (d * m.n_experts + 3 * (m.n_experts // ep) * d * (fe // tp)
                       + 3 * d * (m.n_shared_experts * fe // tp))
@@ -786,9 +781,7 @@ def _layout(cfg: Config, world_size: int, device: str, pp_rank: int, n_micro: in
     precision = compute_precision(cfg, device)
     if precision != t.precision:
         cfg = _with_precision(cfg, precision)
-    from megaloom.training.levers import resolve_levers  # compile / fused loss "auto": as training on `device`
-
-    cfg = resolve_levers(cfg, device)[0]
+    cfg = resolve_levers(cfg, device)[0]  # compile / fused loss "auto": as training on `device`
     return _Layout(cfg=cfg, device=device, world_size=world_size, tp=tp, pp=pp, vpp=p.vpp, cp=cp, dp=dp,
                    zero=p.zero, pp_rank=pp_rank, n_micro=n_micro, precision=precision,
                    tokens=t.micro_batch_size * t.seq_len // cp, batch=t.micro_batch_size, sp=p.sp and tp > 1,
@@ -1180,7 +1173,7 @@ def _fp8_linear_params(cfg: Config, tp: int, moe: bool, keep_attention: bool = F
     m = cfg.model
     kv, ffn, _, hd = _resolved(m)
     d = m.d_model
-    attn = 0 if keep_attention else 2 * d * (d // tp) + 2 * d * max(kv // tp, 1) * hd
+    attn = 0 if keep_attention else 2 * d * (m.n_heads // tp * hd) + 2 * d * max(kv // tp, 1) * hd
     return attn + (0 if moe else (3 if _traits(m).gated_mlp else 2) * d * (ffn // tp))
 
 

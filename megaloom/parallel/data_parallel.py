@@ -68,11 +68,14 @@ import torch
 from torch import nn
 
 from megaloom.config import ConfigError
+from megaloom.models.moe import MoE
 from megaloom.parallel import comm
 from megaloom.parallel.expert import is_expert_param
+from megaloom.parallel.grad_fusion import FusedLinear
 from megaloom.parallel.layout import copy_layout, layout_of
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.tensor import sync_tp_grads, tp_grad_norm
+from megaloom.parallel.tp_layers import ColumnParallelLinear, RowParallelLinear
 
 DEFAULT_BUCKET_MB = 25.0
 
@@ -312,8 +315,6 @@ class DataParallelGrads:
     def enable_fusion(self, model: nn.Module) -> int:
         """train.grad_accum_fusion: the blocks' linears add their weight gradients into ``main_grad`` themselves
         (megaloom/parallel/grad_fusion.py); returns how many weights. zero 0/1 only (zero 2 frees the buckets)."""
-        from megaloom.parallel.grad_fusion import enable_grad_accum_fusion
-
         if self.zero not in (0, 1):
             raise ConfigError(f"train.grad_accum_fusion=true needs gradient buckets that live across steps "
                               f"(parallel.zero 0 or 1); got zero={self.zero}.")
@@ -595,3 +596,49 @@ class DataParallelGrads:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+# ------------------------------------------------------------------ fused weight gradients (grad_fusion.py)
+# Here, not in grad_fusion.py: the tensor-parallel linears run their matmul through grad_fusion.fused_linear, so the
+# pass that finds them in a model sits above them (both in grad_fusion.py was an import circle, issue 37).
+
+
+def fusable_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The blocks' attention and dense-MLP linears whose weight gradient can be fused: plain or tensor-parallel
+    linears with a trainable fp32 weight, not in float8, outside Mixture-of-Experts layers."""
+    layers = getattr(model, "layers", None)
+    if layers is None:
+        return []
+    out = []
+    for bname, block in layers.items():
+        moe = [name for name, m in block.named_modules() if isinstance(m, MoE)]
+        for name, m in block.named_modules():
+            if any(name == x or name.startswith(x + ".") for x in moe):
+                continue
+            if isinstance(m, ColumnParallelLinear | RowParallelLinear):
+                if m.fp8_recipe is not None:
+                    continue
+            elif type(m) is not nn.Linear:
+                continue
+            w = m.weight
+            if w.requires_grad and w.dtype == torch.float32:
+                out.append((f"layers.{bname}.{name}", m))
+    return out
+
+
+def enable_grad_accum_fusion(model: nn.Module) -> list[nn.Parameter]:
+    """Route the weight gradients of `fusable_linears` into their ``main_grad`` (which the data-parallel buckets
+    have given them); returns the parameters concerned. Call after the buckets are built, before compile."""
+    fused = []
+    for name, m in fusable_linears(model):
+        if getattr(m.weight, "main_grad", None) is None:
+            raise RuntimeError(f"train.grad_accum_fusion: {name}.weight has no main_grad (data-parallel buckets "
+                               "with parallel.zero 0 or 1 give every parameter one)")
+        if isinstance(m, ColumnParallelLinear | RowParallelLinear):
+            m.fused_wgrad = True
+        else:
+            parent_name, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent_name), leaf, FusedLinear.from_linear(m))
+        m.weight.fused_wgrad = True
+        fused.append(m.weight)
+    return fused

@@ -30,7 +30,7 @@ from fnmatch import fnmatchcase
 import torch
 from torch import nn
 
-from megaloom.config import ModelConfig
+from megaloom.config import ModelConfig, resolved_head_dim
 from megaloom.models.moe import MoE
 from megaloom.parallel import comm
 from megaloom.parallel import styles as st
@@ -114,7 +114,7 @@ class _Context:
         n_kv = self.cfg.n_kv_heads or self.cfg.n_heads
         if self.mesh.tp <= n_kv:
             return None, 1
-        reps, head_dim = self.mesh.tp // n_kv, self.cfg.d_model // self.cfg.n_heads
+        reps, head_dim = self.mesh.tp // n_kv, resolved_head_dim(self.cfg)
         return ((self.mesh.tp_rank // reps) * head_dim, head_dim), reps
 
 

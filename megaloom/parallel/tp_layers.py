@@ -54,7 +54,7 @@ class ColumnParallelLinear(nn.Module):
         self.out_features, self.in_features = weight.shape  # local: what the attention reads head counts from
         self.weight = set_layout(weight, Layout(tp_dim=0, tp_replicas=replicas))
         self.bias = set_layout(bias, Layout(tp_dim=0, tp_replicas=replicas)) if bias is not None else None
-        self.fp8_recipe: str | None = None  # set by precision.fp8.convert_to_float8: the local matmul in fp8
+        self.fp8_recipe: str | None = None  # set by precision.fp8_convert.convert_to_float8: the matmul in fp8
         self.fp8_fast_accum = True
         self.seq_region: SeqRegion | None = None  # set by the enclosing sp region: outputs come from it
         self.ring = False  # input "gather" as ring steps under the GEMM (parallel.async_tp, collective_matmul)
@@ -115,7 +115,7 @@ class RowParallelLinear(nn.Module):
         self.weight = set_layout(weight, Layout(tp_dim=1))
         sp = output_mode == "reduce_scatter"
         self.bias = set_layout(bias, Layout(tp_partial=sp)) if bias is not None else None
-        self.fp8_recipe: str | None = None  # set by precision.fp8.convert_to_float8: the local matmul in fp8
+        self.fp8_recipe: str | None = None  # set by precision.fp8_convert.convert_to_float8: the matmul in fp8
         self.fp8_fast_accum = True
         self.ring = False  # "reduce_scatter" as ring steps under the GEMM (parallel.async_tp, collective_matmul)
         self.fused_wgrad = False  # weight gradient into weight.main_grad (train.grad_accum_fusion, grad_fusion)

@@ -18,9 +18,8 @@ from megaloom.checkpoint import (
 from megaloom.checkpoint.group import CheckpointGroup
 from megaloom.checkpoint.store import STATE, step_name
 from megaloom.config import Config
-from megaloom.data.errors import DataError
 from megaloom.data.identity import data_changes
-from megaloom.errors import RunStopped
+from megaloom.errors import DataChanged, RunStopped
 from megaloom.models.lora import saved_settings
 from megaloom.observe.log import get_logger
 from megaloom.parallel.mesh import Mesh
@@ -28,10 +27,6 @@ from megaloom.runtime import Runtime
 from megaloom.step import TrainStep
 
 log = get_logger(__name__)
-
-
-class DataChanged(DataError):
-    """The checkpoint to resume from was trained on other token files than the run's data.paths hold now."""
 
 
 class RunCheckpoints:

@@ -85,7 +85,8 @@ def token_rows(gen: torch.Generator, rows: int, arch: str = "llama") -> torch.Te
 
 
 def tiny_config(arch: str = "llama", tp: int = 1, pp: int = 1, ep: int = 1, sp: bool = False,
-                tie: bool = True, dropout: float = 0.0, world: int = 1) -> Config:
+                tie: bool = True, dropout: float = 0.0, world: int = 1, extra: tuple[str, ...] = ()) -> Config:
+    """``extra``: more overrides, last (e.g. model.head_dim)."""
     dp = world // (tp * pp)
     return load_config(None, [
         f"model.arch={family_arch(arch)}", f"model.sentence_order={arch == BERT_SOP}", f"model.vocab_size={VOCAB}",
@@ -93,7 +94,7 @@ def tiny_config(arch: str = "llama", tp: int = 1, pp: int = 1, ep: int = 1, sp: 
         "model.n_heads=4", f"model.n_kv_heads={4 if is_encoder(arch) else 2}", "model.ffn_dim=128",
         f"model.max_seq_len={SEQ}", f"model.tie_embeddings={tie}", f"model.dropout={dropout}", f"train.seq_len={SEQ}",
         f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.ep={ep}", f"parallel.sp={sp}",
-        "train.micro_batch_size=1", f"train.global_batch_size={max(dp, 1)}"])
+        "train.micro_batch_size=1", f"train.global_batch_size={max(dp, 1)}", *extra])
 
 
 def _err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -256,7 +257,8 @@ def check_rng(mesh: Mesh) -> dict:
 
 
 def parity_case(mesh: Mesh, arch: str, sp: bool, tie: bool = True, steps: int = 10, docs: str = "",
-                async_tp: bool = False, compiled: bool = False, lora: bool = False) -> dict:
+                async_tp: bool = False, compiled: bool = False, lora: bool = False,
+                extra: tuple[str, ...] = ()) -> dict:
     """Train the same model in this process (reference) and tensor-parallel for `steps` AdamW steps.
     `docs`: "mask" or "mask+reset": packed documents (token 0 ends one) kept apart, positions restarting.
     `async_tp`: the sp borders as collective matmuls (ring steps); the first step's tp ops are counted.
@@ -264,8 +266,9 @@ def parity_case(mesh: Mesh, arch: str, sp: bool, tie: bool = True, steps: int = 
     eager backend: forward and backward graphs traced and partitioned, no C++ compiler needed); the graph
     breaks and graphs compiled are counted (the region borders trace as functional collectives).
     `lora`: LoRA adapters on every linear of the blocks (B non-zero), the base frozen as the trainer freezes it;
-    only the adapters train, and the base must stay bit-identical."""
-    cfg = tiny_config(arch, tp=mesh.tp, sp=sp, tie=tie, world=mesh.world_size)
+    only the adapters train, and the base must stay bit-identical. `extra`: more config overrides (model.head_dim:
+    heads wider than d_model / n_heads)."""
+    cfg = tiny_config(arch, tp=mesh.tp, sp=sp, tie=tie, world=mesh.world_size, extra=extra)
     cfg = with_lora(cfg) if lora else cfg
     torch.manual_seed(1234)
     ref = get_family(cfg.model.arch).build(cfg.model).to(mesh.device)
@@ -511,6 +514,14 @@ def suite_world2(rank: int, world: int, device: torch.device) -> dict:
     res["parity-qwen3-tp2-sp1-async"] = parity_case(mesh, "qwen3", True, steps=3, async_tp=True)
     for sp in (False, True):  # LoRA: adapters split like their base layers, the base frozen
         res[f"parity-llama-tp2-sp{int(sp)}-lora"] = parity_case(mesh, "llama", sp, steps=3, lora=True)
+    # model.head_dim: 4 heads of 24 over d_model 64 (Qwen3-0.6B's kind), the q/k/v/o shards and QK-norm of 24; and
+    # one KV head replicated over both tp ranks (its rows picked by head_dim)
+    res["parity-qwen3-tp2-sp1-hd24"] = parity_case(mesh, "qwen3", True, steps=3, extra=("model.head_dim=24",))
+    res["parity-llama-tp2-sp0-hd24-kv1"] = parity_case(mesh, "llama", False, steps=3,
+                                                       extra=("model.head_dim=24", "model.n_kv_heads=1"))
+    for sp in (False, True):  # gemma: sandwich norms (the post-norms on the residual stream too), windows of 5
+        res[f"parity-gemma-tp2-sp{int(sp)}"] = parity_case(mesh, "gemma", sp, steps=5,
+                                                           extra=("model.head_dim=24", "model.sliding_window=5"))
     for arch, sp in (("llama", True), ("qwen3", True), ("gpt2", False)):  # compiled blocks, borders traced
         res[f"parity-{arch}-tp2-sp{int(sp)}-compiled"] = parity_case(mesh, arch, sp, steps=3, compiled=True)
     for sp, lean in ((True, False), (True, True), (False, False)):  # the compiled save-set at tp 2

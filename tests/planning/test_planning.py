@@ -71,6 +71,20 @@ def test_a_block_costs_its_gemm_flops_at_the_calibrated_rate() -> None:
     assert flops == pytest.approx(6 * n * params + 6 * attn)  # MFU's count: 3 passes, attention in full
 
 
+def test_a_block_with_wide_heads_costs_heads_times_head_dim() -> None:
+    """model.head_dim (Qwen3-32B: 64 heads of 128 over d_model 5120): q/o are d x 8192, k/v d x 1024 per rank
+    group, and attention runs over heads x head_dim."""
+    cfg = _shaped(load_config(None, ["model.preset=qwen3-32b", "parallel.tp=8", "parallel.sp=true",
+                                     "train.seq_len=4096", "train.micro_batch_size=1"]))
+    g = flat_gpu()
+    n, d, hd, tp = 4096, 5120, 128, 8
+    params = d * 64 // tp * hd + 2 * d * 8 // tp * hd + 64 // tp * hd * d + 3 * d * 25600 // tp
+    fwd, _, flops = block_work(cfg, g, 0, n, recompute=False)
+    assert fwd.gemm == pytest.approx(2 * n * params / 500e12)
+    attn = 2.0 * n * 4096 * (64 // tp) * hd
+    assert flops == pytest.approx(6 * n * params + 6 * attn)
+
+
 def test_long_pipelines_extrapolate_the_simulated_steady_state_exactly() -> None:
     for name, pp, vpp, m in (("1f1b", 8, 1, 64), ("interleaved", 4, 2, 40), ("zb", 4, 1, 32)):
         full = simulate(build_schedule(name, pp, vpp, m), {"F": 1.0, "B": 2.1, "BI": 1.05, "BW": 1.05,

@@ -21,5 +21,5 @@ def llama_ffn_dim(d_model: int) -> int:
 TRAITS = Traits(norm="rmsnorm", gated_mlp=True, bias=False, positions="rope", default_ffn_dim=llama_ffn_dim)
 
 FAMILY = Family(name="llama", description="RMSNorm, SwiGLU, RoPE, GQA (Llama 2/3; MoE presets: Mixtral, DeepSeek-V3)",
-                traits=TRAITS, plan=DECODER_PLAN, presets=PRESETS,
+                traits=TRAITS, dense_decoder=True, plan=DECODER_PLAN, presets=PRESETS,
                 hf=dataclasses.replace(HF, moe=hf_mixtral.HF))  # MoE llama models are Mixtrals

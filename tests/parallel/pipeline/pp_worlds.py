@@ -12,7 +12,7 @@ import copy
 import torch
 
 from megaloom.config import Config, load_config
-from megaloom.models import Transformer
+from megaloom.models.registry import get_family
 from megaloom.parallel import comm
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.pipeline.executor import PipelineExecutor
@@ -27,6 +27,7 @@ from ..lora_setup import base_changed, base_params, freeze_base, randomize_adapt
 from ..worlds import is_encoder, token_rows
 
 VOCAB, SEQ, MICRO = 128, 16, 2
+GEMMA = ("model.head_dim=24", "model.sliding_window=5")  # wide heads, windows shorter than the sequence
 CLIP = 0.5  # below the tiny model's gradient norm, so clipping (and the norm over stages) is exercised
 
 
@@ -39,7 +40,8 @@ def pp_config(pp: int, tp: int = 1, vpp: int = 1, sp: bool = False, n_layers: in
         f"model.max_seq_len={SEQ}",
         f"model.tie_embeddings={tie}", f"train.seq_len={SEQ}", f"parallel.tp={tp}", f"parallel.pp={pp}",
         f"parallel.vpp={vpp}", f"parallel.sp={sp}", f"parallel.schedule={schedule}",
-        f"train.micro_batch_size={MICRO}", f"train.global_batch_size={MICRO * dp}"])
+        f"train.micro_batch_size={MICRO}", f"train.global_batch_size={MICRO * dp}",
+        *(GEMMA if arch == "gemma" else ())])
 
 
 def _err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -55,7 +57,7 @@ def pipeline_case(mesh: Mesh, emb_group, schedule: str, m: int, vpp: int = 1, n_
     cfg = pp_config(mesh.pp, mesh.tp, vpp, sp, n_layers, arch, tie, mesh.world_size, schedule)
     cfg = with_lora(cfg) if lora else cfg
     torch.manual_seed(1234)
-    ref = Transformer(cfg.model).to(mesh.device)
+    ref = get_family(cfg.model.arch).build(cfg.model).to(mesh.device)
     if lora:
         randomize_adapters(ref)
     full = parallelize_tensor(copy.deepcopy(ref), mesh, sp)  # tensor parallelism on the full model, then cut
@@ -150,6 +152,8 @@ def suite_pipeline_world4(rank: int, world: int, device: torch.device) -> dict:
     res["pp2-dp2-1f1b-m4"] = pipeline_case(mesh, group, "1f1b", 4, split_data=True)
     res["pp2-dp2-zb-m2-gpt2"] = pipeline_case(mesh, group, "zb", 2, arch="gpt2", split_data=True)
     res["pp2-1f1b-m4-qwen3"] = pipeline_case(mesh, group, "1f1b", 4, arch="qwen3")
+    # gemma: its own module (sandwich norms, scaled embedding on the first stage, alternating windows of 5)
+    res["pp2-1f1b-m4-gemma"] = pipeline_case(mesh, group, "1f1b", 4, arch="gemma")
     # The encoder: its embedding side (segment embedding, embedding norm) stays on the first stage, the MLM head
     # transform and bias on the last; (inputs, labels) rows as its objective makes them.
     res["pp2-dp2-1f1b-m4-bert"] = pipeline_case(mesh, group, "1f1b", 4, arch="bert", split_data=True)
@@ -163,5 +167,6 @@ def suite_pipeline_world4(rank: int, world: int, device: torch.device) -> dict:
     res["pp2-tp2-sp-1f1b-m4-qwen3"] = pipeline_case(mesh, group, "1f1b", 4, sp=True, arch="qwen3")
     res["pp2-tp2-sp-1f1b-m4-bert"] = pipeline_case(mesh, group, "1f1b", 4, sp=True, arch="bert")
     res["pp2-tp2-sp-1f1b-m4-lora"] = pipeline_case(mesh, group, "1f1b", 4, sp=True, lora=True, clip=0.2, steps=3)
+    res["pp2-tp2-sp-1f1b-m4-gemma"] = pipeline_case(mesh, group, "1f1b", 4, sp=True, arch="gemma")
     res["coords"] = dict(pp=mesh.pp_rank, tp=mesh.tp_rank)
     return res
