@@ -14,22 +14,34 @@ import types
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from megaloom.errors import ConfigError
 
-class ConfigError(ValueError):
-    """A user-facing configuration error: names the key, what was found and what would work."""
+if TYPE_CHECKING:
+    from megaloom.models.family import Family
 
 
+# The config is the vocabulary every layer speaks, the model families included (each is built from a ModelConfig),
+# so config.py sits below them and imports none of them when it loads. Validating a config and resolving its preset
+# do ask the families (their names, rules, presets, size defaults): those lookups import megaloom.models when they
+# are called. At load time they would be an import cycle, and would make every command (`megaloom status`, `plot`)
+# import torch and every family. tests/test_house.py lists them as the config's one way up.
 def _families() -> tuple[str, ...]:
     from megaloom.models.registry import FAMILIES
 
     return tuple(FAMILIES)
 
 
-def _family(name: str):
+def _all_families() -> list[Family]:
+    from megaloom.models.registry import FAMILIES
+
+    return list(FAMILIES.values())
+
+
+def _family(name: str) -> Family:
     from megaloom.models.registry import get_family
 
     try:
@@ -57,7 +69,26 @@ def _f(default: Any, help: str, choices: tuple | None = None) -> Any:
     meta = {"help": help, "choices": choices}
     if isinstance(default, list | dict):
         return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
+    if dataclasses.is_dataclass(default):  # a sub-section (model.lora): a fresh copy per config
+        return field(default_factory=lambda d=default: dataclasses.replace(d), metadata=meta)
     return field(default=default, metadata=meta)
+
+
+@dataclass
+class LoraConfig:
+    """model.lora: low-rank adapters (Hu et al. 2021) on the blocks' linears; the base model trains frozen
+    (megaloom/models/lora.py)."""
+
+    rank: int = _f(0, "LoRA rank r; 0 = off. > 0: every base parameter is frozen (the language model's; other parts "
+                      "follow model.freeze) and only the adapters A (r x in) and B (out x r) train: y = W x + "
+                      "(alpha / r) B A x.")
+    alpha: float = _f(16.0, "LoRA scale numerator: the adapters' output is multiplied by alpha / rank (PEFT's "
+                            "lora_alpha).")
+    targets: list[str] = _f(["q_proj", "k_proj", "v_proj", "o_proj"],
+                            "The blocks' linears that get adapters, by the model's names: q_proj, k_proj, v_proj, "
+                            "o_proj (attention), gate_proj, up_proj, down_proj (dense MLP; gate_proj only in gated "
+                            "MLPs).")
+    dropout: float = _f(0.0, "Dropout on the adapters' input (PEFT's lora_dropout).")
 
 
 @dataclass
@@ -71,6 +102,9 @@ class ModelConfig:
     d_model: int = _f(128, "Hidden size.")
     n_heads: int = _f(4, "Attention (query) heads.")
     n_kv_heads: int = _f(0, "Key/value heads for grouped-query attention; 0 = n_heads (multi-head attention).")
+    head_dim: int = _f(0, "Width of one attention head; 0 = d_model / n_heads. Set it where a model's heads are "
+                          "wider or narrower than that (Qwen3-0.6B/4B/32B: 128): q/k/v project d_model to "
+                          "heads x head_dim, o_proj back to d_model.")
     ffn_dim: int = _f(0, "MLP hidden size; 0 = 4*d_model (gpt2) or the Llama rule 8/3*d_model rounded to 256.")
     vocab_size: int = _f(0, "Embedding rows; 0 = the tokenizer's vocabulary padded to a multiple of 64.")
     max_seq_len: int = _f(1024, "Longest sequence the position embedding / RoPE tables cover.")
@@ -173,6 +207,13 @@ class ModelConfig:
     freeze: list[str] = _f([], "Parts trained frozen (no gradients, no optimizer state, skipped by the gradient "
                                "reduction): any of vision, projector, language; e.g. vision,language = LLaVA's "
                                "projector-only pretraining.")
+    lora: LoraConfig = _f(LoraConfig(), "Low-rank adapters (model.lora.rank, .alpha, .targets, .dropout).")
+
+
+def resolved_head_dim(m: ModelConfig) -> int:
+    """The attention head width: model.head_dim, or d_model / n_heads when it is 0 (every layer that sizes heads,
+    q/k/v/o, RoPE tables, KV caches, the memory plan and FLOP counts asks this, never d_model / n_heads)."""
+    return m.head_dim or m.d_model // m.n_heads
 
 
 @dataclass
@@ -219,8 +260,16 @@ class TrainConfig:
     warmup_steps: int = _f(50, "Linear warmup steps from 0 to lr (models wider than 256: 700 or 2000 by width, at most "
                                "a tenth of train.steps).")
     lr_decay_steps: int = _f(0, "Steps of cosine decay after which lr stays at min_lr; 0 = train.steps.")
-    optimizer: str = _f("adamw", "adamw, or lamb (layer-wise trust ratio: MegaScale's choice for large batches).",
-                        ("adamw", "lamb"))
+    optimizer: str = _f("adamw", "adamw, lamb (layer-wise trust ratio: MegaScale's choice for large batches), or "
+                                 "onebit_adam / onebit_lamb: after train.onebit_warmup_steps of plain AdamW / LAMB, "
+                                 "the variance (and LAMB's trust ratio) frozen and the data-parallel traffic cut to "
+                                 "the momentum's sign bits with error feedback (1-bit Adam / 1-bit LAMB; "
+                                 "megaloom/onebit.py; parallel.zero=0).",
+                        ("adamw", "lamb", "onebit_adam", "onebit_lamb"))
+    onebit_warmup_steps: int = _f(100, "With train.optimizer=onebit_adam / onebit_lamb: steps of uncompressed AdamW / "
+                                       "LAMB before the variance freezes and compression starts. The papers warm up "
+                                       "for 15-25% of training (DeepSpeed's BERT runs: 23k of 152k steps); too short "
+                                       "a warm-up freezes a variance that is still moving.")
     weight_decay: float = _f(0.1, "Decoupled weight decay (not applied to biases and norm weights).")
     beta1: float = _f(0.9, "AdamW beta1.")
     beta2: float = _f(0.95, "AdamW beta2.")
@@ -407,8 +456,34 @@ _SECTION_TYPES = {"model": ModelConfig, "parallel": ParallelConfig, "train": Tra
                   "checkpoint": CheckpointConfig, "run": RunConfig, "resilience": ResilienceConfig}
 
 
+def _keys_of(cls: type, prefix: str) -> list[str]:
+    """The dotted keys of a section's dataclass; a field that is a dataclass itself (a sub-section, model.lora)
+    contributes its own keys one level deeper (model.lora.rank)."""
+    out = []
+    for name, typ in _field_types(cls).items():
+        if dataclasses.is_dataclass(typ):
+            out += _keys_of(typ, f"{prefix}{name}.")
+        else:
+            out.append(f"{prefix}{name}")
+    return out
+
+
 def all_keys() -> list[str]:
-    return [f"{s}.{f.name}" for s, cls in _SECTION_TYPES.items() for f in fields(cls)]
+    return [k for s, cls in _SECTION_TYPES.items() for k in _keys_of(cls, f"{s}.")]
+
+
+def _subsections() -> set[str]:
+    """Keys naming a sub-section (model.lora): in YAML a mapping of its own keys."""
+    return {k.rsplit(".", 1)[0] for k in all_keys() if k.count(".") > 1}
+
+
+def _set_key(cfg: Config, key: str, value: Any) -> None:
+    """Set the (known) dotted ``key`` of ``cfg``, checked against its annotated type."""
+    *path, name = key.split(".")
+    obj: Any = cfg
+    for part in path:
+        obj = getattr(obj, part)
+    setattr(obj, name, _coerce(key, value, _field_types(type(obj))[name]))
 
 
 def _suggest(key: str, options: list[str]) -> str:
@@ -488,8 +563,20 @@ def _flatten(d: dict, where: str) -> dict[str, Any]:
         if not isinstance(body, dict):
             raise ConfigError(f"{where}: section '{section}' must be a mapping of keys to values.")
         for k, v in body.items():
-            out[f"{section}.{k}"] = v
+            _flatten_into(out, f"{section}.{k}", v, where)
     return out
+
+
+def _flatten_into(out: dict[str, Any], key: str, value: Any, where: str) -> None:
+    """``key: value``, or a sub-section's mapping (model: {lora: {rank: 8}}) as its dotted keys."""
+    if key in _subsections():
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: '{key}' is a section of its own: give its keys as a mapping "
+                              f"({key}: {{...}}) or as dotted keys ({key}.<name>).")
+        for k, v in value.items():
+            _flatten_into(out, f"{key}.{k}", v, where)
+    else:
+        out[key] = value
 
 
 def load_yaml(path: Path, what: str) -> Any:
@@ -508,7 +595,7 @@ def load_yaml(path: Path, what: str) -> Any:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Defaults <- model preset <- YAML file <- command-line overrides, then validation."""
-    from megaloom.models.presets import PRESETS
+    from megaloom.models.presets import PRESETS  # at call time: see _families
 
     values: dict[str, Any] = {}
     if path is not None:
@@ -539,9 +626,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     cfg.model.preset = preset
 
     for k, v in values.items():
-        section, name = k.split(".", 1)
-        obj = getattr(cfg, section)
-        setattr(obj, name, _coerce(k, v, _field_types(type(obj))[name]))
+        _set_key(cfg, k, v)
     _apply_size_defaults(cfg, set(values))
     if "train.micro_batch_size" not in values and cfg.parallel.pp == 1:
         cfg.train.micro_batch_size = 0  # auto: the memory plan picks it for the device (training/resolve.py)
@@ -558,7 +643,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 def _apply_size_defaults(cfg: Config, given: set[str]) -> None:
     """Learning rate, warm-up, min_lr and init std by the model's width (megaloom/models/recipes.py), for each key
     the user did not give."""
-    from megaloom.models.recipes import train_defaults
+    from megaloom.models.recipes import train_defaults  # at call time: see _families
 
     defaults = train_defaults(cfg.model)
     if not defaults:
@@ -577,13 +662,11 @@ def config_from_dict(d: dict) -> Config:
     """Rebuild a Config from a resolved config.yaml (as written into a run directory)."""
     flat = _flatten(d, "config.yaml")
     cfg = Config()
+    known = set(all_keys())
     for k, v in flat.items():
-        section, name = k.split(".", 1)
-        obj = getattr(cfg, section)
-        types_ = _field_types(type(obj))
-        if name not in types_:
+        if k not in known:
             raise ConfigError(f"config.yaml: unknown key '{k}'.{_suggest(k, all_keys())}")
-        setattr(obj, name, _coerce(k, v, types_[name]))
+        _set_key(cfg, k, v)
     validate(cfg)
     return cfg
 
@@ -651,17 +734,19 @@ def validate(cfg: Config) -> None:
     _require(0 <= m.dropout < 1, f"model.dropout must be in [0, 1), got {m.dropout}.")
     _require(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1 and train.beta2 must be in [0, 1).")
     _check_vision(m, cfg.data, t.seq_len)
-    _require(m.d_model % m.n_heads == 0,
+    _require(m.head_dim >= 0, f"model.head_dim must be >= 0 (0 = d_model / n_heads), got {m.head_dim}.")
+    _require(m.head_dim or m.d_model % m.n_heads == 0,
              f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads}); "
-             f"head counts that would work: {_divisors(m.d_model, m.n_heads)}.")
+             f"head counts that would work: {_divisors(m.d_model, m.n_heads)} (or set model.head_dim).")
     kv = m.n_kv_heads or m.n_heads
     _require(m.n_heads % kv == 0,
              f"model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({kv}); "
              f"n_kv_heads that would work: {_divisors(m.n_heads)}.")
     family = _family(m.arch)
     if family.traits.positions == "rope" and m.attention != "mla":  # MLA rotates qk_rope_head_dim (_check_mla)
-        _require((m.d_model // m.n_heads) % 2 == 0,
-                 f"{m.arch} arch: head dim (d_model/n_heads) must be even for RoPE.")
+        _require(resolved_head_dim(m) % 2 == 0,
+                 f"{m.arch} arch: head dim ({'model.head_dim' if m.head_dim else 'd_model/n_heads'}) must be even "
+                 "for RoPE.")
     _check_mla(m, family.traits)
     _require(m.mtp_depth >= 0 and t.mtp_loss_weight >= 0,
              f"model.mtp_depth ({m.mtp_depth}) and train.mtp_loss_weight ({t.mtp_loss_weight}) must be >= 0.")
@@ -669,13 +754,17 @@ def validate(cfg: Config) -> None:
     _require(not m.mtp_depth or (tr.causal and tr.positions == "rope" and family.objective is None
                                  and not m.vision_layers),
              f"model.mtp_depth={m.mtp_depth} with model.arch={m.arch}: multi-token prediction continues a causal "
-             "decoder with rotary positions that trains on next tokens (llama, qwen3); set model.mtp_depth=0.")
+             "decoder with rotary positions that trains on next tokens; set model.mtp_depth=0.")
     _check_rope_scaling(m, family.traits.positions == "rope")
     if family.validate is not None:
         family.validate(m)
-    _require(not m.sentence_order or m.arch == "bert",
-             f"model.sentence_order=true with model.arch={m.arch}: the sentence-order head is BERT's; set "
-             "model.sentence_order=false (or model.arch=bert).")
+    from megaloom.models.lora import check_targets  # the model's linear names live with the model
+
+    check_targets(m.lora, gated_mlp=family.traits.gated_mlp, dense_mlp=m.moe_every != 1)
+    if m.sentence_order and not family.traits.sentence_order:
+        owners = " or ".join(f"model.arch={f.name}" for f in _all_families() if f.traits.sentence_order)
+        raise ConfigError(f"model.sentence_order=true with model.arch={m.arch}: this family has no sentence-order "
+                          f"head; set model.sentence_order=false (or {owners}).")
     if m.moe_every:
         _require(1 <= m.top_k <= m.n_experts, f"model.top_k ({m.top_k}) must be between 1 and model.n_experts "
                                               f"({m.n_experts}).")
@@ -688,6 +777,16 @@ def validate(cfg: Config) -> None:
                        "the GEMMs; set parallel.sp=true (or parallel.async_tp=false).")
         _require(t.compile is not True, "parallel.async_tp=true runs its ring steps in eager mode, which compiled "
                                         "blocks bypass; set train.compile=false or auto (or parallel.async_tp=false).")
+    if t.optimizer.startswith("onebit"):
+        _require(t.onebit_warmup_steps >= 1,
+                 f"train.onebit_warmup_steps must be >= 1 (the variance is frozen where the warm-up leaves it), got "
+                 f"{t.onebit_warmup_steps}; e.g. train.onebit_warmup_steps={max(1, t.steps // 5)}.")
+        _require(p.zero == 0,
+                 f"train.optimizer={t.optimizer} with parallel.zero={p.zero}: 1-bit compression keeps the momentum and "
+                 "the frozen variance of every parameter on every data-parallel rank (each rank updates the whole "
+                 "momentum from its own gradient and applies the same decompressed momentum to all its weights), so "
+                 "ZeRO would have to all-gather the parameters every step, the traffic 1-bit compression removes. Set "
+                 "parallel.zero=0, or keep ZeRO with train.optimizer=adamw or lamb.")
     if t.overlap_optimizer:
         _require(p.pp == 1 and p.zero == 0 and t.optimizer == "adamw",
                  f"train.overlap_optimizer=true needs one model replica's whole AdamW per rank (parallel.pp=1, "
@@ -740,7 +839,7 @@ def _check_mla(m: ModelConfig, traits) -> None:
         return
     _require(traits.positions == "rope" and traits.attention is None and traits.causal,
              f"model.attention=mla with model.arch={m.arch}: latent attention replaces a causal decoder's plain "
-             "attention with rotary positions (llama, llava); this family's attention is its own. Set "
+             "attention with rotary positions; this family has its own attention or no rotary positions. Set "
              "model.attention=gqa.")
     for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
         _require(getattr(m, key) >= 1, f"model.attention=mla needs model.{key} >= 1, got {getattr(m, key)} "
@@ -752,6 +851,9 @@ def _check_mla(m: ModelConfig, traits) -> None:
              f"model.n_kv_heads={m.n_kv_heads} with model.attention=mla: every head reads keys and values from the "
              "one shared latent, so there are no key/value head groups; set model.n_kv_heads=0.")
     _require(m.rope_mscale_all_dim >= 0, f"model.rope_mscale_all_dim must be >= 0, got {m.rope_mscale_all_dim}.")
+    _require(not m.head_dim, f"model.head_dim={m.head_dim} with model.attention=mla: latent attention's heads are "
+                             "model.qk_nope_head_dim + model.qk_rope_head_dim wide (queries, keys) and "
+                             "model.v_head_dim (values); set model.head_dim=0.")
 
 
 def _check_expert_groups(m: ModelConfig) -> None:
@@ -830,9 +932,18 @@ def describe_keys() -> str:
     lines = []
     for section, cls in _SECTION_TYPES.items():
         lines.append(f"[{section}]")
-        inst = cls()
-        for f in fields(cls):
-            ch = _choices(f)
-            extra = f" (one of: {', '.join(map(str, ch))})" if ch else ""
-            lines.append(f"  {section}.{f.name} = {getattr(inst, f.name)!r}  # {f.metadata['help']}{extra}")
+        lines += _describe(cls(), f"{section}.")
     return "\n".join(lines)
+
+
+def _describe(inst: Any, prefix: str) -> list[str]:
+    lines = []
+    for f in fields(inst):
+        value = getattr(inst, f.name)
+        if dataclasses.is_dataclass(value):  # a sub-section: its keys, one level deeper
+            lines += _describe(value, f"{prefix}{f.name}.")
+            continue
+        ch = _choices(f)
+        extra = f" (one of: {', '.join(map(str, ch))})" if ch else ""
+        lines.append(f"  {prefix}{f.name} = {value!r}  # {f.metadata['help']}{extra}")
+    return lines

@@ -20,6 +20,8 @@ import functools
 
 import torch
 
+from megaloom.errors import ConfigError
+
 
 def _interface():
     """FA4's Python interface (imported on first use: the package is optional)."""
@@ -109,8 +111,6 @@ def fa4_problem(device: torch.device) -> str | None:
 
 def check_fa4(device: torch.device) -> None:
     """Refuse train.attention=fa4 where it cannot run, naming the fix (before any heavy work)."""
-    from megaloom.config import ConfigError  # here: the models import this module, and the config the models
-
     problem = fa4_problem(device)
     if problem is not None:
         raise ConfigError(f"train.attention=fa4: {problem}. Use train.attention=cudnn (or auto).")

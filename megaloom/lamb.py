@@ -24,6 +24,7 @@ from megaloom.parallel import comm
 from megaloom.parallel.data_parallel import DeviceConstants, tp_weight
 from megaloom.parallel.expert import is_expert_param
 from megaloom.parallel.mesh import Mesh
+from megaloom.param_groups import param_groups
 
 NormSync = Callable[[torch.Tensor], torch.Tensor]  # [n_tensors, 2] partial (||w||^2, ||u||^2) -> full per row
 
@@ -69,6 +70,7 @@ class Lamb(torch.optim.Optimizer):
                              f"weight_decay={weight_decay}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         self.norm_sync = norm_sync
+        self.last_ratios: torch.Tensor | None = None  # the last step's trust ratios, one per tensor (1-bit LAMB)
 
     def init_state(self, p: torch.Tensor) -> dict:
         st = self.state[p]
@@ -108,7 +110,7 @@ class Lamb(torch.optim.Optimizer):
         sq = torch.stack(partial)
         if self.norm_sync is not None:
             sq = self.norm_sync(sq)
-        ratios = trust_ratio(sq[:, 0], sq[:, 1])
+        ratios = self.last_ratios = trust_ratio(sq[:, 0], sq[:, 1])
         for i, (group, p, u) in enumerate(rows):
             p.add_(u.mul_(ratios[i].to(u.dtype)), alpha=-group["lr"])  # the ratio stays on the device: no sync
         return loss
@@ -117,8 +119,6 @@ class Lamb(torch.optim.Optimizer):
 def build_lamb(model: torch.nn.Module, weight_decay: float, lr: float, betas: tuple[float, float],
                eps: float = 1e-6, mesh: Mesh | None = None) -> Lamb:
     """LAMB over ``model`` with megaloom's decay rule (none on 1-D tensors), tensor-parallel aware."""
-    from megaloom.optim import param_groups
-
     groups = param_groups(model, weight_decay)
     params = [p for g in groups for p in g["params"]]
     return Lamb(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,

@@ -8,24 +8,13 @@ import torch
 from torch import nn
 
 from megaloom.config import TrainConfig
-
-
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Megatron's rule: no weight decay on biases and norm weights (1-D tensors); decay everything else."""
-    decay, no_decay, seen = [], [], set()
-    for _, p in model.named_parameters():
-        if not p.requires_grad or id(p) in seen:
-            continue
-        seen.add(id(p))
-        (decay if p.ndim >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+from megaloom.lamb import build_lamb
+from megaloom.param_groups import param_groups
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device, mesh=None) -> torch.optim.Optimizer:
     """AdamW or LAMB over whole (possibly tensor-parallel) parameters; ZeRO uses parallel.zero's optimizer."""
     if cfg.optimizer == "lamb":
-        from megaloom.lamb import build_lamb
-
         return build_lamb(model, cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), eps=1e-6, mesh=mesh)
     # The fused kernel on GPU (one launch for all parameters); foreach (multi-tensor) on CPU.
     fused = device.type == "cuda"

@@ -37,9 +37,10 @@ def _saved_and_grads(block, x, rope, lean: bool):
         torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("preset", ["mixtral-tiny", "qwen3-tiny"])  # llama-style; qwen3 adds QK-norm
-def test_lean_saves_drop_the_weight_copies_and_keep_the_gradients(preset: str) -> None:
-    cfg = load_config(None, [f"model.preset={preset}", "model.vocab_size=512", "model.moe_every=0"])
+@pytest.mark.parametrize("preset,extra", [("mixtral-tiny", ()), ("qwen3-tiny", ()),  # qwen3 adds QK-norm
+                                          ("qwen3-tiny", ("model.head_dim=48",))])  # heads wider than d / h
+def test_lean_saves_drop_the_weight_copies_and_keep_the_gradients(preset: str, extra: tuple) -> None:
+    cfg = load_config(None, [f"model.preset={preset}", "model.vocab_size=512", "model.moe_every=0", *extra])
     torch.manual_seed(0)
     model = build_on_device(cfg.model, torch.device("cpu"))
     block = model.layers["0"]
@@ -65,7 +66,7 @@ def test_lean_saves_drop_the_weight_copies_and_keep_the_gradients(preset: str) -
     assert activation_bytes(lean_saved) < activation_bytes(default_saved)
     # the memory plan's compiled save-set (planned for CUDA's fused attention, which saves what CPU flash does)
     for lean, saved in ((False, default_saved), (True, lean_saved)):
-        plan_cfg = load_config(None, [f"model.preset={preset}", "model.vocab_size=512", "model.moe_every=0",
+        plan_cfg = load_config(None, [f"model.preset={preset}", "model.vocab_size=512", "model.moe_every=0", *extra,
                                       "train.compile=true", f"train.recompute_casts={str(lean).lower()}",
                                       "train.precision=bf16"])
         planned = block_activation_bytes(plan_cfg, tokens=150, batch=3, device="cuda", attention="flash")

@@ -38,10 +38,21 @@ def test_yaml_file_then_cli(tmp_path):
     ("train.seq_len=4096", "exceeds model.max_seq_len"),
     ("parallel.sp=maybe", "expected true or false"),
     ("noequals", "key=value"),
+    ("model.head_dim=-1", "model.head_dim must be >= 0"),
+    ("model.head_dim=33", "head dim (model.head_dim) must be even for RoPE"),
 ])
 def test_bad_input_names_the_key(override, fragment):
-    with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace("'", "'")):
+    with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace("'", "'").replace(")", r"\)")):
         load_config(None, [override])
+
+
+def test_head_dim_frees_d_model_from_dividing_by_the_heads():
+    """With model.head_dim the heads need not tile d_model (q/k/v project to heads x head_dim)."""
+    from megaloom.config import resolved_head_dim
+
+    cfg = load_config(None, ["model.n_heads=5", "model.n_kv_heads=5", "model.head_dim=32"])
+    assert resolved_head_dim(cfg.model) == 32
+    assert resolved_head_dim(load_config(None, []).model) == 128 // 4  # 0: d_model / n_heads
 
 
 def test_unknown_yaml_section(tmp_path):

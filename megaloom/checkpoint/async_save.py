@@ -113,7 +113,10 @@ class _HostBuffers:
 
 
 def _updater(optimizer) -> torch.optim.Optimizer | None:
-    """The torch optimizer whose step changes the saved state (a ZeRO ShardedOptimizer's inner one), or None."""
+    """The optimizer whose step changes the saved state (a ZeRO ShardedOptimizer's inner one; a 1-bit optimizer
+    itself, whose compressed steps do not run its inner one), or None."""
+    if hasattr(optimizer, "error_buffers"):
+        return optimizer
     inner = getattr(optimizer, "inner", optimizer)
     return inner if isinstance(inner, torch.optim.Optimizer) else None
 

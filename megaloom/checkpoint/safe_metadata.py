@@ -32,6 +32,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
+from megaloom.errors import CheckpointError
+
 METADATA_FILE = ".metadata"
 
 # (module, name) pairs the unpickler may resolve: the classes a DCP .metadata file is made of (torch 2.11-2.13),
@@ -50,8 +52,6 @@ _TORCH_VALUE_TYPES = (torch.dtype, torch.layout, torch.memory_format)
 
 
 def _error(msg: str) -> Exception:
-    from megaloom.checkpoint.store import CheckpointError  # store imports this module
-
     return CheckpointError(msg)
 
 

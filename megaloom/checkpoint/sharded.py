@@ -4,7 +4,8 @@ Every tensor of a checkpoint is stored under its single-model name (``model.laye
 ``optim.state.<name>.exp_avg``) with its full shape, as chunks at global offsets. A rank contributes the boxes it
 holds and nothing else: a tensor-parallel shard (its `Layout` gives the box), an expert-parallel rank's experts,
 a pipeline stage's layers, a ZeRO rank's flat segment of the optimizer state (a flat range of a row-major tensor
-is a few boxes: a partial row, whole rows, a partial row), an FSDP2 (ZeRO-3) parameter shard likewise. Copies
+is a few boxes: a partial row, whole rows, a partial row), an FSDP2 (ZeRO-3) parameter's dim-0 shard (one box, at
+the offset its DTensor placement gives, with or without an optimizer). Copies
 held by several ranks (data-parallel replicas, replicated KV heads) are the same box: DCP's planner writes each
 once, and checks that the boxes of all ranks tile every tensor exactly. Loading asks for this rank's boxes of
 the new layout and DCP reads the overlapping parts of whatever chunks were saved, so a checkpoint written at
@@ -27,6 +28,8 @@ from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from megaloom.checkpoint.safe_metadata import SafeLoadPlanner
 from megaloom.parallel.layout import layout_of, single_model_name
@@ -152,30 +155,49 @@ def _flat_pieces(local: torch.Tensor, local_shape: Sequence[int], start: int, ba
     return out
 
 
+def _own_part(t: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+    """The part of a (tp-local) tensor this rank holds: (offsets inside it, local tensor). An FSDP2 (ZeRO-3)
+    parameter is a DTensor over the data-parallel ranks whose local tensor is one box of it (its dim-0 shard), at
+    the offset its own placement gives; a plain tensor is all of it. DCP must be handed the local tensor: copying
+    a checkpoint's chunk into the DTensor itself fails ("mixed torch.Tensor and DTensor")."""
+    if isinstance(t, DTensor):
+        _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+        return list(offset), t.to_local()
+    return [0] * t.dim(), t
+
+
 def _param_slices(p: nn.Parameter, mesh: Mesh, segment: tuple[int, torch.Tensor] | None = None,
                   local: torch.Tensor | None = None) -> Slices:
-    """``p``'s box (tp / ep slice), or with ``segment`` (flat start, data) only that flat range of it; ``local``:
-    the tensor standing for ``p``'s values (an optimizer state tensor shaped like it)."""
+    """``p``'s box (tp / ep slice; under ZeRO-3 this rank's shard of it), or with ``segment`` (flat start, data)
+    only that flat range of it; ``local``: the tensor standing for ``p``'s values (an optimizer state tensor
+    shaped like it)."""
     tp_local_shape = list(p.shape)  # FSDP2: the DTensor's shape is the tp-local tensor's
     full, starts = layout_of(p).box(tp_local_shape, mesh.tp_rank, mesh.tp, mesh.ep_rank, mesh.ep)
     if segment is not None:
         start, data = segment
         return Slices(torch.Size(full), _flat_pieces(data, tp_local_shape, start, starts))
-    t = _alias(local if local is not None else p.detach())
-    return Slices(torch.Size(full), [(torch.Size(starts), t)] if t.numel() else [])
+    offset, t = _own_part(local if local is not None else p.detach())
+    t = _alias(t)
+    return Slices(torch.Size(full), [(torch.Size([s + o for s, o in zip(starts, offset, strict=True)]), t)]
+                  if t.numel() else [])
 
 
 def sharded_model_state(model: nn.Module, mesh: Mesh,
                         segments: dict[str, tuple[int, torch.Tensor] | None] | None = None) -> dict[str, object]:
     """The model's state as this rank holds it. ``segments``: parameter name -> (flat start, local data) of the
-    flat shard of it that this rank stands for (ZeRO-3's parameters; ZeRO-1/2's fp32 master shards, or their own
-    segments of the replicated weights when saving), or None where it holds no shard of that parameter. A
-    parameter not named in ``segments`` (frozen, so in no ZeRO shard) is its whole (tp / ep) box."""
+    flat shard of it that this rank stands for (ZeRO-1/2's fp32 master shards, or their own segments of the
+    replicated weights when saving), or None where it holds no shard of that parameter. A parameter not named in
+    ``segments`` (frozen, so in no ZeRO shard; every parameter without an optimizer) is the part of its (tp / ep)
+    box that the parameter itself holds: all of it, or under ZeRO-3 its FSDP2 shard, which needs no optimizer to
+    be found (a model-only checkpoint loads into a ZeRO-3 model like any other)."""
+    # state_dict first: FSDP2's pre-hooks put ZeRO-3 parameters left gathered (after an evaluation's forward, say)
+    # back to their shards, the DTensors whose local tensors the optimizer updates.
+    state = model.state_dict(keep_vars=True)
     params = dict(model.named_parameters(remove_duplicate=False))
     aliases = model.tied_aliases() if hasattr(model, "tied_aliases") else {}
     segments = segments or {}
     out: dict[str, object] = {}
-    for key, value in model.state_dict(keep_vars=True).items():
+    for key, value in state.items():
         if key in aliases:
             continue
         p = params.get(key)
@@ -231,6 +253,33 @@ def sharded_optim_state(model: nn.Module, optimizer: torch.optim.Optimizer, mesh
     return {"state": state}
 
 
+def error_feedback_state(optimizer, mesh: Mesh) -> dict:
+    """A 1-bit optimizer's error-feedback buffers (megaloom/onebit.py) as this rank holds them, under
+    ``optim_local``: per parameter (single-model name), ``worker_error`` shaped [group size, *parameter] (each
+    data-parallel rank its own row: the ranks' errors differ) and ``server_error`` shaped like the parameter (each
+    rank the flat range of it that its chunk of the bucket holds, as a ZeRO segment). Layout-free in the bucket size
+    and tp; the worker rows need the same data-parallel size to load (`local_state_fits`)."""
+    out: dict[str, dict] = {}
+    for p, size, rank, worker, server in optimizer.error_buffers():
+        name = single_model_name(optimizer.names[id(p)], p)
+        full, starts = layout_of(p).box(list(p.shape), mesh.tp_rank, mesh.tp, mesh.ep_rank, mesh.ep)
+        rows = Slices(torch.Size([size, *full]), [(torch.Size([rank, *starts]), _alias(worker.unsqueeze(0)))])
+        served = _param_slices(p, mesh, server) if server is not None else Slices(torch.Size(full), [])
+        out[name] = {"worker_error": rows, "server_error": served}
+    return out
+
+
+def local_state_fits(state: dict, saved: dict) -> bool:
+    """Whether a checkpoint's tensors (``saved``: DCP metadata, flat name -> its metadata) hold every tensor of
+    ``state["optim_local"]`` at the same size."""
+    for name, entry in state.get("optim_local", {}).items():
+        for key, value in entry.items():
+            md = saved.get(f"optim_local.{name}.{key}")
+            if md is None or tuple(getattr(md, "size", ())) != tuple(value.size()):
+                return False
+    return True
+
+
 def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: Mesh, save: bool = False) -> dict:
     """{'model': ..., 'optim': ...} as this rank holds it (no collective): what a checkpoint writes and loads.
 
@@ -240,9 +289,8 @@ def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, mes
     duplicate. Loading (``save=False``) reads every replica's whole box into its parameters."""
     segments = None
     layout = type(getattr(optimizer, "layout", None)).__name__
-    if optimizer is not None and layout == "FullyShardedGrads":
-        segments = _segments(optimizer, [s.data for s in optimizer.segments])  # ZeRO-3: parameters are shards
-    elif optimizer is not None and getattr(optimizer, "separate_masters", False):
+    # ZeRO-3's parameters are their own shards (FSDP2 DTensors; `_own_part`): described by the model alone.
+    if optimizer is not None and getattr(optimizer, "separate_masters", False):
         # ZeRO-1/2 gathering bf16: the exact weights are the fp32 master shards, not the rounded replicas.
         segments = _segments(optimizer, [t.detach() for t in optimizer.tensors])
     elif save and optimizer is not None and layout == "DataParallelGrads":
@@ -250,6 +298,8 @@ def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, mes
     state: dict = {"model": sharded_model_state(model, mesh, segments)}
     if optimizer is not None:
         state["optim"] = sharded_optim_state(model, optimizer, mesh)
+        if hasattr(optimizer, "error_buffers"):  # 1-bit optimizers: each rank's own error-feedback buffers
+            state["optim_local"] = error_feedback_state(optimizer, mesh)
     return state
 
 
@@ -258,6 +308,8 @@ def after_load(optimizer: torch.optim.Optimizer | None, loaded: dict) -> None:
     the state dict named one of them per parameter."""
     if optimizer is None or "optim" not in loaded:
         return
+    if hasattr(optimizer, "state_loaded"):
+        optimizer.state_loaded()
     saved = loaded["optim"]["state"]
     if hasattr(optimizer, "segments"):
         for t, seg in zip(optimizer.tensors, optimizer.segments, strict=True):

@@ -22,6 +22,7 @@ two-stage saver in async_save.py; see docs/checkpoints.md.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import hashlib
 import io
@@ -40,9 +41,15 @@ from torch import nn
 from torch.distributed.checkpoint import CheckpointException
 
 from megaloom.checkpoint.group import CheckpointGroup
-from megaloom.checkpoint.safe_metadata import safe_load
-from megaloom.checkpoint.sharded import SlicesLoadPlanner, SlicesSavePlanner, after_load, sharded_state
-from megaloom.errors import RunStopped
+from megaloom.checkpoint.safe_metadata import check_metadata, safe_load
+from megaloom.checkpoint.sharded import (
+    SlicesLoadPlanner,
+    SlicesSavePlanner,
+    after_load,
+    local_state_fits,
+    sharded_state,
+)
+from megaloom.errors import CheckpointError, NoUsableCheckpoint, SaveFailed
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.state import ensure_optimizer_state
 
@@ -50,10 +57,6 @@ MANIFEST = "manifest.json"
 STATE = "state.json"
 OPTIMIZER_FLAG = "has_optimizer_state"  # in state.json; absent in older checkpoints, which always had it
 PAUSE_ENV = "MEGALOOM_CHECKPOINT_TEST_PAUSE_S"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used: missing, partial, corrupt or incompatible."""
 
 
 def _sha256(path: Path) -> str:
@@ -100,12 +103,6 @@ def set_rng_state(state: dict[str, torch.Tensor]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
-
-
-class SaveFailed(RunStopped, CheckpointError):
-    """A checkpoint could not be written (a full disk, most often). Its partial files are gone; the newest
-    checkpoint on disk is unchanged. The run stops rather than train on with nothing saved (docs/resilience.md).
-    A CheckpointError too, as the asynchronous saver's failures always were."""
 
 
 def _os_errors(e: BaseException | None, seen: set[int] | None = None):
@@ -275,7 +272,8 @@ def commit_save(ckpt_root: Path, tmp: Path, step: int, run_state: dict, keep: in
     _pause_for_tests()
     name = step_name(step)
     final = ckpt_root / name
-    (tmp / STATE).write_text(json.dumps({**run_state, "step": step, "saved_at": time.time()}, indent=1))
+    (tmp / STATE).write_text(json.dumps({**run_state, "step": step, "saved_at": time.time()}, indent=1,
+                                        default=_jsonable))
     files = sorted(p for p in tmp.iterdir() if p.is_file() and p.name != MANIFEST)
     hashed = hashed or {}
     manifest = {p.name: hashed.get(p.name) or {"sha256": _sha256(p), "bytes": p.stat().st_size} for p in files}
@@ -376,14 +374,22 @@ def find_checkpoints(ckpt_root: Path) -> list[Path]:
     return found
 
 
-def check_compatible(saved: dict, current: dict) -> None:
-    """Refuse to load weights of another shape, naming every field that differs."""
-    keys = ["arch", "n_layers", "d_model", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "tie_embeddings",
-            "parallel_block", "qkv_bias", "moe_every", "n_experts", "n_shared_experts", "expert_ffn_dim",
-            "sentence_order",  # BERT's pooler and order head are parameters of their own
-            # latent attention's projections and the dense blocks before the MoE ones
+def _jsonable(obj: object) -> object:
+    """state.json's values: a config sub-section (model.lora, a dataclass) as its mapping."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.asdict(obj)
+    raise TypeError(f"{type(obj).__name__} is not JSON serializable")
+
+
+def check_compatible(saved: dict, current: dict, adapters: bool = True) -> None:
+    """Refuse to load weights of another shape, naming every field that differs. ``adapters``: compare the LoRA
+    adapters too (False: this load leaves them as built, a new LoRA stage on a checkpoint without them)."""
+    keys = ["arch", "n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size",
+            "tie_embeddings", "parallel_block", "qkv_bias", "moe_every", "n_experts", "n_shared_experts",
+            "expert_ffn_dim", "sentence_order",  # BERT's pooler and order head are parameters of their own
+            # latent attention's projections, the dense blocks before the MoE ones, multi-token prediction
             "attention", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-            "first_dense_layers",
+            "first_dense_layers", "mtp_depth",
             # an image encoder's shape (multimodal families; absent from text models' checkpoints)
             "vision_layers", "vision_d_model", "vision_heads", "vision_ffn_dim", "vision_cls", "image_size",
             "patch_size"]
@@ -396,6 +402,26 @@ def check_compatible(saved: dict, current: dict) -> None:
     if diff:
         raise CheckpointError("checkpoint is incompatible with this model: " + "; ".join(diff) +
                               ". Use the checkpoint's model settings, or checkpoint.resume=none to start fresh.")
+    if adapters:
+        _check_adapters(saved, current)
+
+
+def _check_adapters(saved: dict, current: dict) -> None:
+    """The same LoRA adapters (rank, alpha, targets): other ones are another model, not a resume."""
+    from megaloom.models.lora import describe_settings, saved_settings
+
+    old, new = saved_settings(saved), saved_settings(current)
+    if old == new:
+        return
+    if old["rank"]:
+        fix = ("use the checkpoint's model.lora settings to resume it; to go on with other adapters (or none), "
+               "export it merged (`megaloom convert --to-hf RUN OUT`, adapters folded into the weights) and import "
+               "that (`megaloom convert --from-hf OUT NEW_RUN`)")
+    else:
+        fix = ("to train adapters on this checkpoint's weights, name it in checkpoint.resume=<checkpoint dir> with "
+               "a new run.dir (a new training stage: adapters fresh, step 0)")
+    raise CheckpointError(f"checkpoint is incompatible with this model: model.lora: checkpoint "
+                          f"{describe_settings(old)} vs config {describe_settings(new)}; {fix}.")
 
 
 def _learned_positions(model_cfg: dict) -> bool:
@@ -443,24 +469,37 @@ def _load_rng(rng_file: Path) -> dict:
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                     rank: int = 0, model_cfg: dict | None = None, mesh: Mesh | None = None,
                     group: CheckpointGroup | None = None,
-                    check_state: Callable[[Path, dict], None] | None = None) -> dict:
+                    check_state: Callable[[Path, dict], None] | None = None, fresh_adapters: bool = False,
+                    model_only: bool = False) -> dict:
     """Verify and load `path` into model (and optimizer); restore this rank's RNG. Returns state.json.
 
-    A model-only checkpoint (state.json has_optimizer_state false) leaves the optimizer untouched, i.e. fresh
-    for a fine-tune; the RNG is restored only if the checkpoint has a file for this rank. ``check_state(path,
+    A model-only checkpoint (state.json has_optimizer_state false), or ``model_only=True`` (the weights of any
+    checkpoint, e.g. another training stage's), loads the weights and leaves the optimizer's state untouched, i.e.
+    fresh for a fine-tune; pass the optimizer anyway: with ZeRO-1/2 gathering bf16 its fp32 master shards must take
+    the loaded weights. The RNG is restored only if the checkpoint has a file for this rank. The weights load at
+    any parallel layout (ZeRO 0-3, tp, pp, ep). ``check_state(path,
     state)`` runs once the checkpoint verified, before any tensor is read: it raises to refuse the checkpoint
     (e.g. the run's data changed since it was written; an exception other than CheckpointError ends
-    `load_newest`'s fall-back too)."""
+    `load_newest`'s fall-back too). ``fresh_adapters``: the model's LoRA adapters are not read (a checkpoint
+    without them starting a LoRA stage: they stay as built, B zero)."""
     mesh = mesh or Mesh.single()
     state = verify_checkpoint(path, group)
     if model_cfg is not None and "model" in state:
-        check_compatible(state["model"], model_cfg)
+        check_compatible(state["model"], model_cfg, adapters=not fresh_adapters)
     if check_state is not None:
         check_state(path, state)
-    with_optim = optimizer is not None and state.get(OPTIMIZER_FLAG, True)
+    with_optim = optimizer is not None and state.get(OPTIMIZER_FLAG, True) and not model_only
     if with_optim:
         ensure_optimizer_state(model, optimizer)
     sd = sharded_state(model, optimizer if with_optim else None, mesh)  # views of the live tensors
+    if fresh_adapters:
+        from megaloom.models.lora import is_adapter_name
+
+        sd["model"] = {k: v for k, v in sd["model"].items() if not is_adapter_name(k)}
+    if "optim_local" in sd and not local_state_fits(sd, check_metadata(path).state_dict_metadata):
+        # 1-bit error feedback saved at another data-parallel size (or not at all): it starts at zero
+        del sd["optim_local"]
+        optimizer.reset_errors()
     _read_tensors(path, sd, group)
     after_load(optimizer if with_optim else None, sd)
     if getattr(optimizer, "separate_masters", False):  # ZeRO gathering bf16: replicas from the master shards
@@ -474,7 +513,8 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
 def load_newest(ckpt_root: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, rank: int = 0,
                 model_cfg: dict | None = None, mesh: Mesh | None = None,
                 warn: Callable[[str], None] = print, group: CheckpointGroup | None = None,
-                check_state: Callable[[Path, dict], None] | None = None) -> tuple[Path, dict] | None:
+                check_state: Callable[[Path, dict], None] | None = None,
+                fresh_adapters: bool = False) -> tuple[Path, dict] | None:
     """Load the newest checkpoint under `ckpt_root` that verifies; returns (path, state.json), or None when there is
     no checkpoint at all.
 
@@ -488,7 +528,7 @@ def load_newest(ckpt_root: Path, model: nn.Module, optimizer: torch.optim.Optimi
     for i, path in enumerate(candidates):
         try:
             return path, load_checkpoint(path, model, optimizer, rank=rank, model_cfg=model_cfg, mesh=mesh,
-                                         group=group, check_state=check_state)
+                                         group=group, check_state=check_state, fresh_adapters=fresh_adapters)
         except CheckpointError as e:
             if "incompatible" in str(e):
                 raise
@@ -499,15 +539,3 @@ def load_newest(ckpt_root: Path, model: nn.Module, optimizer: torch.optim.Optimi
         raise NoUsableCheckpoint(ckpt_root, problems)
     return None
 
-
-class NoUsableCheckpoint(CheckpointError):
-    """Checkpoints exist but none verifies: starting from step 0 would silently discard the run and overwrite its
-    checkpoints, so the caller must refuse (the person decides what to do with the damaged ones)."""
-
-    def __init__(self, ckpt_root: Path, problems: list[str]) -> None:
-        self.ckpt_root, self.problems = ckpt_root, problems
-        super().__init__(
-            f"none of the {len(problems)} checkpoint(s) in {ckpt_root} verifies (newest: {problems[0]}); refusing "
-            f"to start from step 0 over them. Move the damaged ones aside (e.g. `mv {ckpt_root} "
-            f"{ckpt_root}.damaged`) to start fresh in this run.dir, or start elsewhere with "
-            "checkpoint.resume=none run.dir=<a new directory>.")

@@ -1,7 +1,8 @@
 """Model interchange with other ecosystems: Hugging Face `transformers` directories (safetensors).
 
-`from_hf` / `to_hf` are imported on first use: the model families import this package's helpers
-(`hf_common`) while the registry is built, and `convert.hf` itself needs the registry.
+`from_hf` / `to_hf` are imported on first use: every `megaloom` command builds its argument parser, which imports
+`convert.cli` (and so this package), and only `megaloom convert` needs `convert.hf`'s checkpoint store and DCP.
+(The families' helpers that used to live here, and made this a cycle, are in `megaloom.models.hf_common`.)
 """
 
 from megaloom.convert.errors import ConversionError

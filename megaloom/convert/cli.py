@@ -1,4 +1,4 @@
-"""`megaloom convert --to-hf RUN_OR_CKPT OUT` / `megaloom convert --from-hf HF_DIR OUT_RUN`.
+"""`megaloom convert --to-hf RUN_OR_CKPT OUT` / `--from-hf HF_DIR OUT_RUN` / `--to-peft RUN_OR_CKPT OUT`.
 
 megaloom/cli.py adds the sub-command with `add_convert_parser(sub)`; the handler is `run_convert`.
 """
@@ -17,7 +17,10 @@ def add_convert_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
                      help="run directory (its newest good checkpoint) or run/checkpoints/step_N -> HF directory")
     way.add_argument("--from-hf", nargs=2, metavar=("HF_DIR", "OUT_RUN"),
                      help="HF directory (config.json + safetensors) -> new megaloom run directory")
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="with --to-hf: weight dtype")
+    way.add_argument("--to-peft", nargs=2, metavar=("RUN_OR_CKPT", "OUT"),
+                     help="a LoRA run (model.lora) or its checkpoint -> PEFT adapter directory "
+                          "(adapter_config.json + adapter_model.safetensors); --to-hf merges the adapters instead")
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="with --to-hf / --to-peft: weight dtype")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="with --to-hf: shard size limit (GiB)")
     p.add_argument("--no-progress", action="store_true", help="with --to-hf: no progress bar")
     p.set_defaults(fn=run_convert)
@@ -27,7 +30,13 @@ def add_convert_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
 def run_convert(args: argparse.Namespace) -> int:
     from megaloom.convert.hf import from_hf, to_hf
 
-    if args.to_hf:
+    if args.to_peft:
+        from megaloom.convert.peft import to_peft
+
+        out = to_peft(args.to_peft[0], args.to_peft[1], dtype=args.dtype)
+        print(f"wrote {out} (load with peft's PeftModel.from_pretrained on the base model, e.g. the --to-hf export "
+              "of the checkpoint it was trained from)")
+    elif args.to_hf:
         out = to_hf(args.to_hf[0], args.to_hf[1], show_progress=not args.no_progress, dtype=args.dtype,
                     max_shard_bytes=int(args.max_shard_gb * 2**30))
         print(f"wrote {out} (load with transformers' AutoModelForCausalLM.from_pretrained)")

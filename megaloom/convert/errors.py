@@ -1,8 +1,5 @@
 """The one error type of conversions: a ValueError (user error), and a CheckpointError so callers that
-already handle unusable checkpoints handle these too."""
+already handle unusable checkpoints handle these too (defined in megaloom/errors.py with every other; this name
+stays for the modules and users that import it from here)."""
 
-from megaloom.checkpoint.store import CheckpointError
-
-
-class ConversionError(CheckpointError):
-    """A model that cannot be converted: names the setting or file, what was found and what would work."""
+from megaloom.errors import ConversionError as ConversionError

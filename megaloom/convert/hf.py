@@ -2,7 +2,8 @@
 
     to_hf(run_or_ckpt_dir, out_dir)   config.json + model.safetensors (+ tokenizer.json) for transformers'
                                       AutoModelForCausalLM.from_pretrained (the family's class, e.g.
-                                      LlamaForCausalLM, GPT2LMHeadModel, Qwen3ForCausalLM)
+                                      LlamaForCausalLM, GPT2LMHeadModel, Qwen3ForCausalLM); a LoRA run's
+                                      adapters merged into the weights (convert/peft.py writes them apart)
     from_hf(hf_dir, out_run_dir)      run_dir/config.yaml + checkpoints/step_00000000 (model only), so
                                       `megaloom train --config out_run_dir/config.yaml` fine-tunes it
 
@@ -31,21 +32,23 @@ from megaloom.checkpoint.store import (
     save_checkpoint,
     verify_checkpoint,
 )
-from megaloom.config import Config, ConfigError, ModelConfig, config_from_dict, validate
+from megaloom.config import Config, ConfigError, LoraConfig, ModelConfig, config_from_dict, validate
 from megaloom.convert.errors import ConversionError
 from megaloom.convert.hf_config import DTYPES, hf_config, model_settings
 from megaloom.convert.hf_names import from_hf_names, to_hf_names
 from megaloom.convert.safetensors_io import DEFAULT_SHARD_BYTES, INDEX, SINGLE, load_weights, save_weights
+from megaloom.models.lora import merge_lora
 from megaloom.models.presets import PRESETS
 from megaloom.models.registry import get_family
 
 # model.* keys added after checkpoints recorded the model in state.json; their defaults are what those checkpoints
-# computed (plain RoPE, grouped-query attention, MoE routing without groups or scaling, no dense first blocks), so a
-# state.json without them still describes its model.
-ADDED_LATER = {"rope_scaling", "rope_factor", "rope_original_max_len", "rope_low_freq_factor",
+# computed (plain RoPE, grouped-query attention, MoE routing without groups or scaling, no dense first blocks, no
+# multi-token prediction), so a state.json without them still describes its model.
+ADDED_LATER = {"lora", "rope_scaling", "rope_factor", "rope_original_max_len", "rope_low_freq_factor",
                "rope_high_freq_factor", "rope_beta_fast", "rope_beta_slow", "rope_attention_factor", "rope_truncate",
                "attention", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-               "rope_mscale_all_dim", "first_dense_layers", "n_expert_groups", "topk_groups", "routed_scaling_factor"}
+               "rope_mscale_all_dim", "first_dense_layers", "n_expert_groups", "topk_groups", "routed_scaling_factor",
+               "mtp_depth"}
 
 # Files beside an HF tokenizer.json that `from_hf` copies into the run with it.
 TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
@@ -62,6 +65,8 @@ def to_hf(run_or_ckpt_dir: str | Path, out_dir: str | Path, show_progress: bool 
     tokenizer, eos_id = _tokenizer_of_run(run_dir)
     config_json = hf_config(model_cfg, dtype, eos_id)  # refuses what the family's HF class cannot express
     sd = _read_model_tensors(ckpt, model_cfg)
+    if model_cfg.lora.rank > 0:  # a LoRA run: the adapters folded into the weights (`--to-peft` writes them apart)
+        sd = merge_lora(sd, model_cfg.lora)
     tensors = to_hf_names(model_cfg, sd)
     tensors = {k: v.to(DTYPES[dtype]) for k, v in tensors.items()}
 
@@ -172,7 +177,10 @@ def _model_config(run_dir: Path, state: dict, ckpt: Path) -> ModelConfig:
     fields = {f.name for f in dataclasses.fields(ModelConfig)}
     saved = state.get("model") or {}
     if set(saved) >= fields - {"preset"} - ADDED_LATER:
-        return ModelConfig(**{k: v for k, v in saved.items() if k in fields})
+        values = {k: v for k, v in saved.items() if k in fields}
+        if isinstance(values.get("lora"), dict):  # state.json spells the sub-section as a mapping
+            values["lora"] = LoraConfig(**values["lora"])
+        return ModelConfig(**values)
     raise ConversionError(f"{ckpt}: the model settings are unknown: {cfg_file} is missing and state.json has no "
                           "complete 'model' section. Pass the run directory (run_dir/checkpoints/step_N's run_dir "
                           "must hold config.yaml).")

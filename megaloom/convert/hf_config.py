@@ -38,8 +38,8 @@ def hf_mapping(m: ModelConfig) -> HFMapping:
     if getattr(m, "attention", "gqa") == "mla":
         if family.hf.mla is None:
             raise ConversionError(f"model.attention=mla: model.arch={m.arch!r} has no Hugging Face class with latent "
-                                  "attention (llama's is DeepseekV3ForCausalLM). Only model.attention=gqa models of "
-                                  "this family can be exported.")
+                                  "attention (HFMapping.mla). Only model.attention=gqa models of this family can be "
+                                  "exported.")
         return family.hf.mla
     if m.moe_every and family.hf.moe is not None:
         return family.hf.moe
@@ -53,7 +53,7 @@ def check_exportable(m: ModelConfig) -> HFMapping:
         raise ConversionError(f"model.parallel_block=true: Hugging Face's {hf.architecture} has no parallel block, "
                               "so the exported model would compute something else. Only models trained with "
                               "model.parallel_block=false can be exported.")
-    if m.sliding_window:
+    if m.sliding_window and not hf.sliding_window:
         raise ConversionError(f"model.sliding_window={m.sliding_window}: Hugging Face's {hf.architecture} attends "
                               "to the full context. Only models trained with model.sliding_window=0 can be exported.")
     if m.moe_every and hf is get_family(m.arch).hf:  # neither an MoE nor a latent-attention mapping took it
@@ -94,5 +94,6 @@ def model_settings(hf: dict, where: str) -> dict:
     except KeyError as e:
         raise ConversionError(f"{where}: required field {e.args[0]!r} is missing for model_type "
                               f"{hf.get('model_type')!r}.") from e
-    out.update(dropout=0.0, parallel_block=False, sliding_window=0)
+    out.update(dropout=0.0, parallel_block=False)
+    out.setdefault("sliding_window", 0)  # full attention, unless the family's mapping read a window
     return out

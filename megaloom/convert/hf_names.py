@@ -9,8 +9,8 @@ exports contain (dropped), and the refusal, by name, of missing or unexpected te
 from __future__ import annotations
 
 from megaloom.config import ModelConfig
-from megaloom.convert.hf_common import HFTensors, Tensors
 from megaloom.convert.hf_config import hf_mapping
+from megaloom.models.hf_common import HFTensors, Tensors
 
 
 def to_hf_names(m: ModelConfig, sd: Tensors) -> Tensors:

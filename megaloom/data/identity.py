@@ -14,33 +14,15 @@ moved or copied elsewhere are the same data); a difference stops the resume with
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
+from megaloom.data.file_hash import INDEX_BLOCK, INDEX_BLOCKS, WHOLE_INDEX_BYTES, sampled_hash
 from megaloom.data.indexed import index_counts, resolve_prefix
 
-WHOLE_INDEX_BYTES = 4 << 20  # an .idx up to this size is hashed whole
-INDEX_BLOCKS, INDEX_BLOCK = 64, 64 << 10  # beyond it: this many blocks of this size, head and tail included
 TOKEN_BLOCKS, TOKEN_BLOCK = 16, 4 << 10  # the .bin: always sampled
 # Fields compared on resume (the path is shown, not compared).
 COMPARED = ("tokens", "docs", "bin_bytes", "idx_bytes", "idx_hash", "bin_sample_hash")
-
-
-def sampled_hash(path: Path, blocks: int, block: int, whole_below: int = 0) -> str:
-    """SHA-256 of the whole file when it is smaller than ``whole_below`` bytes, else of its size and ``blocks``
-    blocks of ``block`` bytes at evenly spaced offsets from the first byte to the last block."""
-    size = path.stat().st_size
-    h = hashlib.sha256(str(size).encode())
-    with open(path, "rb") as f:
-        if size < whole_below or size <= blocks * block:
-            h.update(f.read())
-        else:
-            last = size - block
-            for i in range(blocks):
-                f.seek(last * i // (blocks - 1))
-                h.update(f.read(block))
-    return h.hexdigest()[:16]
 
 
 def dataset_identity(prefix: str | Path) -> dict:

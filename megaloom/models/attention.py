@@ -1,7 +1,8 @@
 """Causal self-attention with grouped-query heads, RoPE, an optional sliding window and a KV cache.
 
 The core is `scaled_dot_product_attention`, so GPUs use the flash / cuDNN kernels. Head counts are read
-from the projection shapes at run time, so tensor parallelism only has to swap the four linear layers.
+from the projection shapes at run time (their width, ``head_dim``, is fixed: model.head_dim or d_model / n_heads),
+so tensor parallelism only has to swap the four linear layers.
 """
 
 from __future__ import annotations
@@ -57,11 +58,13 @@ class Attention(nn.Module):
     causal = True
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, bias: bool, dropout: float, window: int,
-                 qkv_bias: bool | None = None, norm_eps: float = 1e-5):
+                 qkv_bias: bool | None = None, norm_eps: float = 1e-5, head_dim: int = 0):
         """``bias``: biases on all four projections; ``qkv_bias``: on q/k/v only (Qwen2/3 style; default
-        ``bias``). ``norm_eps`` is for subclasses with norms inside attention (QK-norm)."""
+        ``bias``). ``norm_eps`` is for subclasses with norms inside attention (QK-norm). ``head_dim``: the width
+        of one head (model.head_dim; 0: d_model / n_heads): q/k/v project d_model to heads x head_dim and o_proj
+        projects heads x head_dim back to d_model, so heads may be wider or narrower than d_model / n_heads."""
         super().__init__()
-        self.head_dim = d_model // n_heads
+        self.head_dim = head_dim or d_model // n_heads
         qkv_bias = bias if qkv_bias is None else qkv_bias
         self.q_proj = nn.Linear(d_model, n_heads * self.head_dim, bias=qkv_bias)
         self.k_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=qkv_bias)

@@ -1,7 +1,8 @@
 """The attention's shapes from the config alone, for the code that counts without a module (memory plan, FLOP
 counter, planner): head sizes and this rank's projection matrices, for grouped-query and latent attention.
 
-Grouped-query attention (`attention.Attention`): q/k/v/o with one head size d_model / n_heads. Multi-head latent
+Grouped-query attention (`attention.Attention`): q/k/v/o with one head size (`config.resolved_head_dim`:
+model.head_dim, or d_model / n_heads). Multi-head latent
 attention (`mla.MLAttention`, ``model.attention=mla``): queries through a low-rank latent (or one projection),
 keys and values through a shared latent (``kv_a_proj``, which also makes the RoPE key shared by all heads),
 up-projected per head; q/k heads are qk_nope_head_dim + qk_rope_head_dim wide, values v_head_dim. Under tensor
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megaloom.config import ModelConfig
+from megaloom.config import ModelConfig, resolved_head_dim
 
 
 def is_mla(m: ModelConfig) -> bool:
@@ -21,15 +22,15 @@ def is_mla(m: ModelConfig) -> bool:
 
 def rope_dim(m: ModelConfig) -> int:
     """Width of the RoPE tables: the rotated part of each head (all of it, or MLA's qk_rope_head_dim)."""
-    return m.qk_rope_head_dim if is_mla(m) else m.d_model // m.n_heads
+    return m.qk_rope_head_dim if is_mla(m) else resolved_head_dim(m)
 
 
 def qk_head_dim(m: ModelConfig) -> int:
-    return m.qk_nope_head_dim + m.qk_rope_head_dim if is_mla(m) else m.d_model // m.n_heads
+    return m.qk_nope_head_dim + m.qk_rope_head_dim if is_mla(m) else resolved_head_dim(m)
 
 
 def v_head_dim(m: ModelConfig) -> int:
-    return m.v_head_dim if is_mla(m) else m.d_model // m.n_heads
+    return m.v_head_dim if is_mla(m) else resolved_head_dim(m)
 
 
 def core_head_dim(m: ModelConfig) -> int:
@@ -38,8 +39,8 @@ def core_head_dim(m: ModelConfig) -> int:
 
 
 def attention_width(m: ModelConfig) -> int:
-    """n_heads x (q/k head + v head): the per-token, per-key multiply-adds of scores and values (2 x d_model for
-    grouped-query attention, whatever n_kv_heads)."""
+    """n_heads x (q/k head + v head): the per-token, per-key multiply-adds of scores and values (2 x n_heads x
+    head_dim for grouped-query attention, whatever n_kv_heads)."""
     return m.n_heads * (qk_head_dim(m) + v_head_dim(m))
 
 
@@ -63,7 +64,7 @@ def attention_projections(m: ModelConfig, tp: int = 1) -> list[Projection]:
     """The attention's linears on one of ``tp`` ranks, in the order the forward calls them."""
     d, h = m.d_model, m.n_heads // tp
     if not is_mla(m):
-        hd = d // m.n_heads
+        hd = resolved_head_dim(m)
         hkv = max((m.n_kv_heads or m.n_heads) // tp, 1)
         return [Projection("q_proj", h * hd, d, "heads"), Projection("k_proj", hkv * hd, d, "kv"),
                 Projection("v_proj", hkv * hd, d, "kv"), Projection("o_proj", d, h * hd, "rows")]
@@ -85,7 +86,7 @@ def core_widths(m: ModelConfig, tp: int = 1) -> tuple[int, int, int]:
     if is_mla(m):
         w = core_head_dim(m)
         return h * w, h * w, h * w
-    hd = m.d_model // m.n_heads
+    hd = resolved_head_dim(m)
     hkv = max((m.n_kv_heads or m.n_heads) // tp, 1)
     return h * hd, hkv * hd, hkv * hd
 

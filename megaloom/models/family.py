@@ -12,6 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+# The shared decoder, which every family builds on (it reads a family's traits but imports none at load time).
+from megaloom.models.transformer import Transformer
+
 if TYPE_CHECKING:
     from torch import nn
 
@@ -36,7 +39,10 @@ class Traits:
     HF's "gelu"). ``token_types``: rows of a segment embedding ``type_emb`` added to the input (segment 0 for
     every token of a packed row). ``embed_norm``: a norm ``emb_norm`` after the summed embeddings.
     ``head_transform``: the final-norm slot ``norm`` holds the masked-LM transform (dense, GeLU, norm: its
-    ``dense`` and ``norm``) instead of a bare norm. ``head_bias``: a bias on the vocabulary projection."""
+    ``dense`` and ``norm``) instead of a bare norm. ``head_bias``: a bias on the vocabulary projection.
+    ``sentence_order``: the family may carry ALBERT's sentence-order head (model.sentence_order: a pooler over the
+    first token and a 2-way head; its objective builds the sentence pairs); config validation refuses the key
+    for the others."""
 
     norm: str
     gated_mlp: bool
@@ -52,6 +58,7 @@ class Traits:
     embed_norm: bool = False
     head_transform: bool = False
     head_bias: bool = False
+    sentence_order: bool = False
 
 
 @dataclass(frozen=True)
@@ -78,6 +85,9 @@ class HFMapping:
     not tied to the embedding, ignored on import when it is.
     ``moe``: the mapping of the family's Mixture-of-Experts models (``model.moe_every`` > 0; e.g. llama ->
     MixtralForCausalLM), another HF class; None: MoE models of the family are refused on export.
+    ``sliding_window``: the HF class expresses ``model.sliding_window`` (in the family's own layer pattern, which
+    ``to_hf_config`` / ``from_hf_config`` spell); False: a windowed model is refused on export and an import has
+    none.
     ``mla``: the mapping of the family's models with latent attention (``model.attention=mla``, dense or MoE;
     llama -> DeepseekV3ForCausalLM); None: such models are refused on export."""
 
@@ -90,6 +100,7 @@ class HFMapping:
     normalize: Callable[[dict], dict] | None = None
     head_name: str = "lm_head.weight"
     moe: HFMapping | None = None
+    sliding_window: bool = False
     mla: HFMapping | None = None
 
 
@@ -110,9 +121,11 @@ class Family:
     # `megaloom.data.objective.Objective` that turns each packed token row into (inputs, labels). None: the
     # token rows are shifted by one (causal LM).
     objective: Callable[..., Any] | None = None
+    # True: the family's model is the shared causal pre-norm decoder alone (no module of its own: no image
+    # encoder, no second stack, not an encoder), the code the measured fast paths ran on; training/levers.py turns
+    # those on at "auto" for it (train.bf16_residual). False (the default) keeps them off, as "not measured".
+    dense_decoder: bool = False
 
     def build(self, cfg: ModelConfig) -> nn.Module:
         """The family's module on the current default device (use ``torch.device("meta")`` to build no storage)."""
-        from megaloom.models.transformer import Transformer
-
         return (self.module or Transformer)(cfg, self)

@@ -27,7 +27,8 @@ COLUMN_BLOCK = 512  # columns per tile of wider rows: tp's column slices of publ
 
 @dataclass(frozen=True)
 class InitRule:
-    """``normal`` (mean 0, ``std``), ``zeros`` or ``ones``."""
+    """``normal`` (mean 0, ``std``), ``uniform`` (on [-std, std]: LoRA's A, models/lora.py), ``zeros`` or
+    ``ones``."""
 
     kind: str
     std: float = 0.0
@@ -61,8 +62,10 @@ def fill_slice(out: torch.Tensor, full_shape: Sequence[int], starts: Sequence[in
     if rule.kind == "ones":
         out.fill_(1.0)
         return 0
-    if rule.kind != "normal":
+    if rule.kind not in ("normal", "uniform"):
         raise ValueError(f"unknown init rule {rule.kind!r} for {name}")
+    # The same tiles either way: a uniform tile is drawn where a normal one would be, so slices stay exact.
+    draw = torch.randn if rule.kind == "normal" else _symmetric_uniform
     full = list(full_shape) if full_shape else [1]
     lead, cols = full[:-1], full[-1]
     c0, nc = (starts[-1] if starts else 0), (out.shape[-1] if out.dim() else 1)
@@ -89,8 +92,13 @@ def fill_slice(out: torch.Tensor, full_shape: Sequence[int], starts: Sequence[in
             b0 = c * block
             width = min(block, cols - b0)
             gen.manual_seed(_tile_seed(seed, name, t * n_blocks + c))
-            tile = torch.randn(t_rows, width, generator=gen, device=out.device, dtype=torch.float32)
+            tile = draw(t_rows, width, generator=gen, device=out.device, dtype=torch.float32)
             drawn += tile.numel()
             a, e = max(c0, b0), min(c0 + nc, b0 + width)
             dest[lo:hi, a - c0:e - c0] = (tile[local, a - b0:e - b0] * rule.std).to(out.dtype)
     return drawn
+
+
+def _symmetric_uniform(*size: int, generator: torch.Generator, device, dtype) -> torch.Tensor:
+    """U(-1, 1), drawn as torch.rand draws (scaled by the rule's bound like a normal tile by its std)."""
+    return torch.rand(*size, generator=generator, device=device, dtype=dtype).mul_(2).sub_(1)

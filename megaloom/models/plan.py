@@ -60,11 +60,3 @@ DECODER_PLAN: Plan = {
     "loss": VocabLoss(),
 }
 
-
-def with_mtp(plan: Plan) -> Plan:
-    """``plan`` for a model with multi-token prediction (models/mtp.py): each module's block split as the model's
-    blocks are (the family's own entries included), its norms and input projection replicated on the residual
-    stream (with sp they see this rank's tokens: partial gradients)."""
-    blocks = {"mtp.*.block." + k[len("layers.*."):]: v for k, v in plan.items() if k.startswith("layers.*.")}
-    stream = {f"mtp.*.{n}": SequenceParallel() for n in ("enorm", "hnorm", "eh_proj", "norm")}
-    return {**plan, **blocks, **stream}

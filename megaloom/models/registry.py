@@ -3,7 +3,7 @@ its line here; nothing else in megaloom names a family."""
 
 from __future__ import annotations
 
-from megaloom.models import bert, gpt2, llama, llava, qwen3, t5
+from megaloom.models import bert, gemma, gpt2, llama, llava, qwen3, t5
 from megaloom.models.family import Family
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
@@ -13,6 +13,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     llava.FAMILY,
     bert.FAMILY,
     t5.FAMILY,
+    gemma.FAMILY,
 )}
 
 

@@ -19,12 +19,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from megaloom.config import ModelConfig
+from megaloom.config import ModelConfig, resolved_head_dim
 from megaloom.models.attention import Attention, KVCache
 from megaloom.models.attention_shapes import is_mla, rope_dim
 from megaloom.models.documents import Documents
 from megaloom.models.init import ONES, ZEROS, InitRule, draw_init_seed, fill_slice
 from megaloom.models.layers import MLP, HeadTransform, Pooler, make_norm, norm_input, rope_scaling_of, rope_tables
+from megaloom.models.lora import add_lora
+from megaloom.models.lora import init_rule as lora_init_rule
 from megaloom.models.mla import MLAttention
 from megaloom.models.moe import MoE, is_moe_block
 from megaloom.models.mtp import MTPModule, mtp_tokens_and_targets
@@ -34,6 +36,8 @@ if TYPE_CHECKING:
 
 
 def family_of(cfg: ModelConfig) -> Family:
+    """The family named by ``cfg.arch``. The registry is imported when asked: it imports every family, and every
+    family imports this module (its shared decoder), so the lookup by name can only happen at call time."""
     from megaloom.models.registry import get_family
 
     return get_family(cfg.arch)
@@ -55,7 +59,8 @@ class Block(nn.Module):
         else:
             attention = tr.attention or Attention
             self.attn = attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads, tr.bias, cfg.dropout,
-                                  cfg.sliding_window, qkv_bias=tr.bias or cfg.qkv_bias, norm_eps=cfg.norm_eps)
+                                  cfg.sliding_window, qkv_bias=tr.bias or cfg.qkv_bias, norm_eps=cfg.norm_eps,
+                                  head_dim=resolved_head_dim(cfg))
         self.attn.causal = tr.causal
         if not self.parallel:  # the parallel block reads one normed input for both branches
             self.mlp_norm = make_norm(tr.norm, cfg.d_model, cfg.norm_eps)
@@ -157,17 +162,14 @@ class Transformer(nn.Module):
         # Context parallelism (parallel/context) sets this: (local length, device) -> the global positions of this
         # rank's tokens, which are not contiguous under the load-balanced split. None: positions pos .. pos+T-1.
         self.seq_positions = None
+        add_lora(self, cfg.lora)  # model.lora: adapters on the blocks' linears, initialised with the rest
         self.reset_parameters()
 
     @property
     def plan(self):
-        """The family's parallel plan (what `megaloom.parallel.tensor.parallelize_tensor` applies); multi-token
-        prediction's blocks are split as the model's blocks, its norms and projection live on the residual stream."""
-        if getattr(self, "mtp", None) is None:
-            return self.family.plan
-        from megaloom.models.plan import with_mtp  # (the plan's styles come from megaloom.parallel)
-
-        return with_mtp(self.family.plan)
+        """The family's parallel plan (what `megaloom.parallel.tensor.parallelize_tensor` applies; it adds the
+        multi-token-prediction modules' entries, `tensor.with_mtp`)."""
+        return self.family.plan
 
     def tie_weights(self) -> None:
         """Share the head with the token embedding. Call again after `to_empty()`, which unties them."""
@@ -188,6 +190,8 @@ class Transformer(nn.Module):
         (o_proj, down_proj, the experts' w_down) N(0, std / sqrt(2 * n_layers)), norms 1, biases 0."""
         module_name, _, leaf = name.rpartition(".")
         module = dict(self.named_modules()).get(module_name)  # None for a pruned stage's tied embedding copy
+        if (adapter := lora_init_rule(module, name)) is not None:  # LoRA: A as PEFT draws it, B zeros
+            return adapter
         if isinstance(module, nn.LayerNorm | nn.RMSNorm):
             return ONES if leaf == "weight" else ZEROS
         if leaf == "bias":
@@ -355,7 +359,7 @@ class Transformer(nn.Module):
         if isinstance(first.attn, MLAttention):  # the compressed latent and the shared RoPE key
             return [layer.attn.new_cache(batch, max_len, dtype) for layer in self.layers.values()]
         w = first.attn.k_proj.weight
-        hd = self.cfg.d_model // self.cfg.n_heads
+        hd = resolved_head_dim(self.cfg)
         return [KVCache(batch, layer.attn.k_proj.out_features // hd, max_len, hd, dtype or w.dtype, w.device)
                 for layer in self.layers.values()]
 
@@ -366,7 +370,7 @@ def build_on_device(cfg: ModelConfig, device: torch.device | str) -> Transformer
     device's RNG, so they differ from a CPU build with the same seed: the benchmarks use this, the trainer
     builds on CPU and moves, so that every rank and every layout starts from identical weights."""
     with torch.device("meta"):
-        model = Transformer(cfg)
+        model = family_of(cfg).build(cfg)  # the family's module (t5, llava, gemma build their own)
     model = model.to_empty(device=device)
     model.tie_weights()
     model.reset_parameters()

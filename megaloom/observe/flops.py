@@ -2,10 +2,11 @@
 
 The count is the standard one (Kaplan et al.; PaLM appendix B; TorchTitan's `get_num_flop_per_token`):
 6 x N non-embedding parameters (forward 2N, backward 4N) plus the attention score and value matmuls,
-6 x 2 x n_layers x d_model x seq_len per token counted in full (not halved for the causal mask), so our
-MFU is directly comparable with TorchTitan's. With latent attention the scores and values are
-6 x n_layers x n_heads x (q/k head + v head) x seq_len (the 2 x d_model generalised; the padding of v to the
-q/k head size that the kernels run at is not model work). Recomputation is not counted (MFU, not HFU). Frozen parameters
+6 x 2 x n_layers x (n_heads x head_dim: d_model unless model.head_dim says otherwise) x seq_len per token counted
+in full (not halved for the causal mask), so our MFU is directly comparable with TorchTitan's. With latent
+attention the scores and values are 6 x n_layers x n_heads x (q/k head + v head) x seq_len (the 2 x head_dim
+generalised; the padding of v to the q/k head size that the kernels run at is not model work). Recomputation is
+not counted (MFU, not HFU). Frozen parameters
 (`model.freeze`) count 4N (no weight gradient); a multimodal model's image encoder and projector are counted per
 image (`image_flops`) and added for the images each step holds.
 """
@@ -28,7 +29,7 @@ def flops_per_token(cfg: ModelConfig, n_params_no_embedding: int, seq_len: int, 
     input gradient still runs through them to whatever trains below)."""
     from megaloom.models.attention_shapes import attention_width
 
-    # multi-token prediction's blocks (model.mtp_depth) attend as the model's do
+    # heads x (q/k width + v width); multi-token prediction's blocks (model.mtp_depth) attend as the model's do
     attention = 6 * (cfg.n_layers + getattr(cfg, "mtp_depth", 0)) * attention_width(cfg) * seq_len
     return 6 * n_params_no_embedding - 2 * n_frozen + attention
 

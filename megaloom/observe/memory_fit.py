@@ -15,6 +15,8 @@ from megaloom.config import Config, ConfigError
 from megaloom.observe.memory_plan import GB, MemoryPlan, plan_memory
 from megaloom.parallel.context import check_context
 from megaloom.parallel.mesh import validate_layout
+from megaloom.training.levers import resolve_levers
+from megaloom.training.shape import resolve_model_shape
 
 HEADROOM = 0.95  # the caching allocator's fragmentation: keep 5% of the budget free
 NO_BUDGET_MICRO = 8  # train.micro_batch_size auto without a device memory limit (CPU): at most this
@@ -23,9 +25,6 @@ NO_BUDGET_MICRO = 8  # train.micro_batch_size auto without a device memory limit
 def resolve_for_planning(cfg: Config) -> Config:
     """A copy with the sizes that follow the tokenizer filled in as `megaloom train` would (the default
     tokenizer's vocabulary when model.vocab_size = 0)."""
-    from megaloom.training.levers import resolve_levers
-    from megaloom.training.resolve import resolve_model_shape
-
     cfg = copy.deepcopy(cfg)
     resolve_model_shape(cfg, cfg.data.default_vocab_size, pad_multiple=math.lcm(64, cfg.parallel.tp))
     return resolve_levers(cfg, "cuda")[0]  # the levers left at auto, as a GPU run would choose them

@@ -13,7 +13,10 @@ Persistent state (megaloom keeps fp32 parameters and runs bf16/fp16 under autoca
                flat fp32 buckets, persistent with zero 0/1 (zero 1 reduce-scatters in place: its reduced 1/dp
                chunk is part of the bucket); zero 2 keeps the reduced 1/dp ``grad_shard`` apart and frees the
                buckets after their reduction; zero 3 (FSDP2) keeps 1/dp sharded gradients
-  optimizer    AdamW / LAMB: exp_avg + exp_avg_sq, 8 bytes per parameter (divided by dp under zero>=1)
+  optimizer    AdamW / LAMB: exp_avg + exp_avg_sq, 8 bytes per parameter (divided by dp under zero>=1); 1-bit
+               Adam / LAMB (zero 0, buckets even in one process): the same, LAMB's fresh variance (4 more), and
+               where a bucket's group has several ranks the exchange's errors: the worker error of every element
+               (4) and the server error of this rank's chunk (4 / the group's size)
   ckpt (host)  checkpoint.async_save: on a GPU, the pinned host copy of what this rank's checkpoint writes (its
                parameters, with ZeRO-1/2 its own 1/dp segment of them, and its optimizer state), reused by every
                save: host memory, reported beside the device's peak, not in it. On CPU nothing: the state is
@@ -86,14 +89,15 @@ import dataclasses
 import functools
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from torch import nn
 
-from megaloom.config import Config, ModelConfig
+from megaloom.config import Config, ModelConfig, resolved_head_dim
 from megaloom.observe.log import get_logger
 from megaloom.observe.memory_mla import is_mla, mla_attention_bytes
 from megaloom.parallel.layout import layout_of
+from megaloom.training.levers import compute_precision, resolve_levers
 
 log = get_logger(__name__)
 GB = 1e9  # the report's unit, as megaloom.observe.memory.peak_memory_gb
@@ -117,19 +121,13 @@ def _resolved(m: ModelConfig) -> tuple[int, int, int, int]:
 
     kv = m.n_kv_heads or m.n_heads
     ffn = resolved_ffn_dim(m)
-    return kv, ffn, m.expert_ffn_dim or ffn, m.d_model // m.n_heads
+    return kv, ffn, m.expert_ffn_dim or ffn, resolved_head_dim(m)
 
 
 def is_moe_layer(m: ModelConfig, index: int) -> bool:
     from megaloom.models.moe import is_moe_block
 
     return is_moe_block(m, index)
-
-
-def compute_precision(cfg: Config, device: str) -> str:
-    """train.precision with "auto" resolved as megaloom.runtime does (bf16 on GPU, fp32 on CPU)."""
-    p = cfg.train.precision
-    return ("bf16" if device == "cuda" else "fp32") if p == "auto" else p
 
 
 def attention_backend(cfg: Config, device: str, tp: int = 1) -> str:
@@ -343,7 +341,7 @@ def _compiled_block_bytes(m: ModelConfig, dm: _Dims, lean: bool, selective: bool
         out["o_proj output shard (bf16)"] = a * n_r * d
     elif lean:
         out["o_proj output"] = a * n * d
-    else:
+    else:  # [n, d] all three, also with model.head_dim (heads x head_dim != d): tests/test_compile_saves.py
         out["[n, d] bf16 (normed inputs, o_proj input)"] = 3 * a * n * d
     out.update({
         "q, k, v": q + 2 * kv,
@@ -577,7 +575,7 @@ def analytic_params(cfg: Config, layers: list[int], has_embedding: bool = True, 
     tr = _traits(m)
     d, bias = m.d_model, tr.bias
     qkv_bias = tr.bias or m.qkv_bias  # q/k/v biases (model.qkv_bias) without the others
-    hkvl = max(kv // tp, 1)
+    hkvl, q = max(kv // tp, 1), m.n_heads // tp * hd  # q: this rank's query heads x head width (d / tp by default)
     norm = 2 * d if tr.norm == "layernorm" else d  # LayerNorm: weight and bias
     qk_norm = 2 * hd if tr.qk_norm else 0  # q_norm, k_norm: one weight of head_dim each (replicated over tp)
     from megaloom.models.attention_shapes import attention_norm_params, attention_projections
@@ -590,7 +588,7 @@ def analytic_params(cfg: Config, layers: list[int], has_embedding: bool = True, 
     mtp_blocks = list(range(m.n_layers, m.n_layers + m.mtp_depth)) if has_head else []
     for i in [*layers, *mtp_blocks]:
         attn_mm = sum(p.numel for p in projections)
-        attn_b = ((d // tp + 2 * hkvl * hd) if qkv_bias and not is_mla(m) else 0) + (d if bias else 0)
+        attn_b = ((q + 2 * hkvl * hd) if qkv_bias and not is_mla(m) else 0) + (d if bias else 0)
         if is_moe_layer(m, i):
             mlp_mm = (d * m.n_experts + 3 * (m.n_experts // ep) * d * (fe // tp)
                       + 3 * d * (m.n_shared_experts * fe // tp))
@@ -620,8 +618,36 @@ def analytic_params(cfg: Config, layers: list[int], has_embedding: bool = True, 
             root += vocab  # its own head weight (untied, or the tied copy on the last pipeline stage)
     if has_embedding or has_head:
         largest = max(largest, vocab)
-    return ParamCounts(sum(blocks.values()) + root, mm_layers, head_mm, blocks, root, largest, exact=False,
-                       embedding=vocab if has_embedding else 0, expert=expert, matmul_mtp=mtp_mm)
+    counts = ParamCounts(sum(blocks.values()) + root, mm_layers, head_mm, blocks, root, largest, exact=False,
+                         embedding=vocab if has_embedding else 0, expert=expert, matmul_mtp=mtp_mm)
+    return _with_adapters(counts, m, layers, tp) if m.lora.rank > 0 else counts
+
+
+def _adapter_shapes(m: ModelConfig, tp: int, moe: bool) -> list[tuple[int, int]]:
+    """(A, B) elements on one tp rank of each LoRA adapter of one block: a column-parallel base keeps A whole and
+    its rows of B, a row-parallel one its columns of A and B whole (parallel/tp_lora.py)."""
+    kv, ffn, _, hd = _resolved(m)
+    d, r = m.d_model, m.lora.rank
+    column_out = {"q_proj": d // tp, "k_proj": max(kv // tp, 1) * hd, "v_proj": max(kv // tp, 1) * hd,
+                  "gate_proj": ffn // tp, "up_proj": ffn // tp}
+    row_in = {"o_proj": d // tp, "down_proj": ffn // tp}
+    out = []
+    for t in m.lora.targets:
+        if moe and t in ("gate_proj", "up_proj", "down_proj"):  # an MoE block has no dense MLP to adapt
+            continue
+        out.append((r * d, column_out[t] * r) if t in column_out else (r * row_in[t], d * r))
+    return out
+
+
+def _with_adapters(counts: ParamCounts, m: ModelConfig, layers: list[int], tp: int) -> ParamCounts:
+    """model.lora: every base parameter trains frozen (stored, cast, but no gradient and no optimizer state); the
+    adapters are what trains."""
+    per_layer = {i: _adapter_shapes(m, tp, is_moe_layer(m, i)) for i in layers}
+    sums = {i: sum(a + b for a, b in shapes) for i, shapes in per_layer.items()}
+    largest = max((max(a, b) for shapes in per_layer.values() for a, b in shapes), default=0)
+    return replace(counts, local=sum(sums.values()), frozen=counts.local, expert=0, largest=largest,
+                               matmul_layers={i: n + sums[i] for i, n in counts.matmul_layers.items()},
+                               block_params={i: n + sums[i] for i, n in counts.block_params.items()})
 
 
 # ----------------------------------------------------------------------------------------------- the plan
@@ -661,9 +687,12 @@ class MemoryPlan:
                 f"{cp}dp={s.get('dp')} zero={s.get('zero')}, attention {self.attention_name()}):")
         layer = sum(self.per_layer.values())
         rows = [
-            ("weights", self.weights, f"fp32 master parameters ({s.get('params_local', 0) / 1e6:.1f}M on this rank)"),
+            ("weights", self.weights, f"fp32 master parameters ({s.get('params_local', 0) / 1e6:.1f}M on this rank"
+                                      + (f" training, {s['params_frozen'] / 1e6:.1f}M frozen)" if s.get("params_frozen")
+                                         else ")")),
             ("gradients", self.gradients, s.get("grad_note", "fp32")),
-            ("optimizer", self.optimizer, f"{s.get('optimizer')} exp_avg + exp_avg_sq (fp32)"),
+            ("optimizer", self.optimizer, f"{s.get('optimizer')} exp_avg + exp_avg_sq (fp32)"
+             + (" + 1-bit error feedback" if str(s.get("optimizer")).startswith("onebit") else "")),
             ("activations", self.activations, f"saved for backward: {self.layers} blocks x {layer / GB:.3f} GB + "
                                               f"embedding/head {s.get('embedding_head_bytes', 0) / GB:.3f} GB per "
                                               f"micro-batch, {self.in_flight} in flight"),
@@ -812,9 +841,7 @@ def _layout(cfg: Config, world_size: int, device: str, pp_rank: int, n_micro: in
     precision = compute_precision(cfg, device)
     if precision != t.precision:
         cfg = _with_precision(cfg, precision)
-    from megaloom.training.levers import resolve_levers  # compile / fused loss "auto": as training on `device`
-
-    cfg = resolve_levers(cfg, device)[0]
+    cfg = resolve_levers(cfg, device)[0]  # compile / fused loss "auto": as training on `device`
     return _Layout(cfg=cfg, device=device, world_size=world_size, tp=tp, pp=pp, vpp=p.vpp, cp=cp, dp=dp,
                    zero=p.zero, pp_rank=pp_rank, n_micro=n_micro, precision=precision,
                    tokens=t.micro_batch_size * t.seq_len // cp, batch=t.micro_batch_size, sp=p.sp and tp > 1,
@@ -1004,7 +1031,8 @@ def master_shards(cfg: Config, precision: str) -> bool:
 def _persistent_state(lay: _Layout, counts: ParamCounts) -> _State:
     zero, dp, p_local = lay.zero, lay.dp, counts.local
     fsdp = zero == 3 and lay.world_size > 1
-    buckets = lay.world_size > 1 and not fsdp  # pipelines too: each stage's gradients in buckets
+    onebit = lay.cfg.train.optimizer.startswith("onebit")  # on the buckets, in one process too (megaloom/onebit.py)
+    buckets = (lay.world_size > 1 or onebit) and not fsdp  # pipelines too: each stage's gradients in buckets
     weights = 4 * (p_local + counts.frozen)  # frozen parameters are stored, fp32, whole on every replica
     # ZeRO shards dense parameters over dp x cp, expert weights over edp (the dp ranks holding the same experts)
     ep = lay.cfg.parallel.ep
@@ -1032,6 +1060,12 @@ def _persistent_state(lay: _Layout, counts: ParamCounts) -> _State:
         blocks_sorted = sorted(counts.block_params.values(), reverse=True)
         fsdp_gather = 4 * (counts.root_params + sum(blocks_sorted[:2]))
     optimizer = 8 * p_opt
+    if onebit:
+        optimizer += 4 * p_opt if lay.cfg.train.optimizer == "onebit_lamb" else 0  # the fresh variance
+        dense, expert = p_local - counts.expert, counts.expert
+        for n, group in ((dense, dp * lay.cp), (expert, max(1, dp // ep * lay.cp))):
+            if group > 1:  # compressed: worker error of every element, server error of this rank's chunk
+                optimizer += 4 * n + 4 * n // group
     masters = buckets and zero in (1, 2) and dp > 1 and master_shards(lay.cfg, lay.precision)
     if masters:
         optimizer += 4 * p_opt  # fp32 master shard beside the bf16-rounded weights that the all-gather publishes
@@ -1191,7 +1225,8 @@ def _setup(lay: _Layout, rank: _RankModel, acts: _Activations, grad_note: str) -
             "n_micro": lay.n_micro, "tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "cp": lay.cp, "dp": lay.dp,
             "sp": lay.sp, "zero": lay.zero, "pp_rank": lay.pp_rank, "world_size": lay.world_size,
             "device": lay.device, "attention": lay.attention, "optimizer": t.optimizer,
-            "params_local": rank.counts.local, "grad_note": grad_note, "update": lay.update,
+            "params_local": rank.counts.local, "params_frozen": rank.counts.frozen, "grad_note": grad_note,
+            "update": lay.update,
             "embedding_head_bytes": (acts.embedding if rank.has_embedding else 0)
             + (acts.head if rank.has_head else 0)}
 
@@ -1216,8 +1251,12 @@ def _step_transient(cfg: Config, device: str, p_opt: int, largest: int, tp: int,
     sharded = buckets and zero >= 1  # megaloom.parallel.zero.ShardedOptimizer over the buckets' 1/dp chunks
     if not update:
         opt = 0
-    elif t.optimizer == "lamb":
+    elif t.optimizer in ("lamb", "onebit_lamb"):
         opt = 4 * p_opt + 4 * largest  # every parameter's update u is kept until the trust ratios are known
+        if t.optimizer == "onebit_lamb":
+            opt += 4 * largest  # after the warm-up: a parameter's frozen and fresh denominators at once
+    elif t.optimizer == "onebit_adam":
+        opt = 4 * p_opt  # after the warm-up: every parameter's sqrt of the frozen variance (foreach)
     elif device == "cuda":
         opt = 0  # fused AdamW: none
     elif sharded:  # foreach: sqrt(exp_avg_sq) of one parameter group, groups of STEP_GROUP_ELEMENTS + a segment

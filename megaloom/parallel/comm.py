@@ -4,7 +4,9 @@ Every function takes its process group explicitly (megaloom never relies on the 
 reports the op, with its size in bytes, to an optional recorder: a watchdog says which collective a hung rank is
 stuck in (`LastOpRecorder`), a dry run tallies calls and bytes per group (`CommTally`). The size is the op's
 buffer as nccl-tests counts it: the tensor of an all-reduce or broadcast, the gathered output of an all-gather,
-the input of a reduce-scatter or all-to-all, each message of a batch of sends and receives.
+the input of a reduce-scatter or all-to-all, each message of a batch of sends and receives. `CommTally` also
+estimates the bytes a rank puts on its links for each op (`sent_bytes`: what the bandwidth-optimal ring and
+pairwise algorithms send), the quantity a link's speed divides.
 A group of None means "no peers" (`Mesh.single()` or a size-1 dimension): every op is then the identity,
 so single-process runs go through exactly the same code.
 
@@ -96,17 +98,33 @@ class LastOpRecorder(OpRecorder):
         return f"collective #{self.count} {self.name} over ranks {shown}: {state}"
 
 
+def sent_bytes(op: str, ranks: int, nbytes: int) -> float:
+    """Bytes one rank sends over its links for a collective of buffer size ``nbytes`` (the module doc's size)
+    over ``ranks`` ranks, by the bandwidth-optimal algorithms (nccl-tests' "bus bandwidth" factors): a ring
+    all-reduce sends 2(n-1)/n of the buffer, an all-gather (n-1)/n of its output, a reduce-scatter and an all-to-all
+    (n-1)/n of their input (their own chunk stays), a broadcast the buffer, a send its message, a receive nothing."""
+    if ranks <= 1 or op in ("recv", "send_recv batch", "barrier", "all_gather_object"):
+        return 0.0
+    if op == "send" or op == "broadcast":
+        return float(nbytes)
+    if op.startswith("all_reduce"):
+        return 2.0 * (ranks - 1) / ranks * nbytes
+    return (ranks - 1) / ranks * nbytes  # all_gather, reduce_scatter, all_to_all
+
+
 class CommTally(OpRecorder):
     """Counts calls and bytes per (group name, op), e.g. for a dry run; forwards everything to ``inner`` (the
     watchdog's recorder) when given. ``names`` maps a process group to the name it is reported under (`Mesh.
     group_names`); other groups are "N ranks". Point-to-point messages are counted one by one ("send", "recv");
-    their batches as "send_recv batch" with no bytes (they are the messages' bytes)."""
+    their batches as "send_recv batch" with no bytes (they are the messages' bytes). ``sent`` holds, per key, the
+    bytes this rank put on its links (`sent_bytes`)."""
 
     def __init__(self, names: dict[Any, str] | None = None, inner: OpRecorder | None = None) -> None:
         self.names = dict(names or {})
         self.inner = inner
         self.calls: dict[tuple[str, str], int] = {}
         self.bytes: dict[tuple[str, str], int] = {}
+        self.sent: dict[tuple[str, str], float] = {}
 
     def name_of(self, group: Group) -> str:
         if group in self.names:
@@ -117,6 +135,7 @@ class CommTally(OpRecorder):
         key = (self.name_of(group), op)
         self.calls[key] = self.calls.get(key, 0) + 1
         self.bytes[key] = self.bytes.get(key, 0) + nbytes
+        self.sent[key] = self.sent.get(key, 0.0) + sent_bytes(op, group_size(group), nbytes)
 
     def enter(self, name: str, group: Group, nbytes: int = 0) -> None:
         if not name.startswith("wait "):
@@ -135,12 +154,17 @@ class CommTally(OpRecorder):
             self.inner.message(kind, group, nbytes)
 
     def reset(self) -> None:
-        self.calls, self.bytes = {}, {}
+        self.calls, self.bytes, self.sent = {}, {}, {}
 
     def rows(self) -> list[dict]:
-        """[{group, op, calls, bytes}] sorted by group, then op."""
-        return [{"group": g, "op": op, "calls": self.calls[(g, op)], "bytes": self.bytes[(g, op)]}
-                for g, op in sorted(self.calls)]
+        """[{group, op, calls, bytes, sent}] sorted by group, then op."""
+        return [{"group": g, "op": op, "calls": self.calls[(g, op)], "bytes": self.bytes[(g, op)],
+                 "sent": self.sent[(g, op)]} for g, op in sorted(self.calls)]
+
+    def group_bytes(self, group_name: str) -> tuple[int, float]:
+        """(buffer bytes, bytes sent) of every op counted on the group reported as ``group_name``."""
+        keys = [k for k in self.calls if k[0] == group_name]
+        return sum(self.bytes[k] for k in keys), sum(self.sent[k] for k in keys)
 
 
 def buffer_bytes(t: torch.Tensor) -> int:
@@ -338,6 +362,21 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: Group,
     with _recording(recorder, "all_to_all", group, buffer_bytes(input)):
         dist.all_to_all_single(output, input.contiguous(), output_split_sizes, input_split_sizes, group=group)
     return output
+
+
+def all_to_all_single_async(output: torch.Tensor, input: torch.Tensor, group: Group,
+                            recorder: OpRecorder | None = None) -> Pending:
+    """`all_to_all_single` with equal chunks, issued without waiting: rank i's chunk j of ``input`` (dim 0) lands
+    as chunk i of rank j's ``output`` once ``wait()`` returns. Both contiguous; keep ``input`` alive until then."""
+    if not (input.is_contiguous() and output.is_contiguous()):
+        raise ValueError("all_to_all_single_async needs contiguous tensors (a copy made here would be freed while "
+                         "the backend still reads it)")
+    if group_size(group) == 1:
+        output.copy_(input)
+        return Pending()
+    with _recording(recorder, "all_to_all_async", group, buffer_bytes(input)):
+        return Pending(dist.all_to_all_single(output, input, group=group, async_op=True), None, recorder,
+                       "all_to_all", group)
 
 
 def all_gather_objects(obj: Any, group: Group, recorder: OpRecorder | None = None) -> list[Any]:

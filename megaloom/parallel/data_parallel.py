@@ -43,6 +43,13 @@ summing over the two stages commute, so this equals the single model's gradient,
 embedding crosses between the stages. The norm counts the last stage's copy (``tied_copy``) zero times.
 The data-parallel group is ``mesh.dp_cp_group`` (context parallelism also splits the batch).
 
+Local steps (1-bit Adam / LAMB after their warm-up, megaloom/onebit.py): while ``local_steps()`` says so, buckets
+are not reduced at all. Each rank keeps its own gradient (tp fix-ups and the tied-embedding sum still run: they
+are sums over other groups), the optimizer exchanges its compressed momentum instead, and `clip` takes the
+root-mean-square over the data-parallel ranks of each rank's own gradient norm (one scalar all-reduce) as the norm,
+so every rank scales its gradient by the same coefficient. ``pad_multiple``: buckets are padded to a multiple of
+the group size times it (8 for the compressed exchange, whose chunks are whole bytes of sign bits).
+
 Parameter all-gathers (zero>=1) move ``param_gather_dtype``: float32 by default; bfloat16 when training in bf16
 halves their bytes. Then each replica holds the bf16-rounded weights (what autocast feeds the matmuls anyway,
 and what Megatron's bf16 parameters are) and the optimizer keeps separate fp32 master shards
@@ -61,11 +68,14 @@ import torch
 from torch import nn
 
 from megaloom.config import ConfigError
+from megaloom.models.moe import MoE
 from megaloom.parallel import comm
 from megaloom.parallel.expert import is_expert_param
+from megaloom.parallel.grad_fusion import FusedLinear
 from megaloom.parallel.layout import copy_layout, layout_of
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.tensor import sync_tp_grads, tp_grad_norm
+from megaloom.parallel.tp_layers import ColumnParallelLinear, RowParallelLinear
 
 DEFAULT_BUCKET_MB = 25.0
 
@@ -235,10 +245,11 @@ class DataParallelGrads:
 
     def __init__(self, model: nn.Module, mesh: Mesh, zero: int = 0, bucket_mb: float = DEFAULT_BUCKET_MB,
                  tied: nn.Parameter | None = None, tied_group: comm.Group = None,
-                 param_gather_dtype: torch.dtype = torch.float32) -> None:
+                 param_gather_dtype: torch.dtype = torch.float32, pad_multiple: int = 1) -> None:
         """``tied``/``tied_group``: with pp > 1, this stage's copy of the embedding tied to the head and the
         {first, last stage} group its gradient is summed over (pipeline.stage.tied_parameter and
-        build_embedding_groups). ``param_gather_dtype``: what the zero>=1 parameter all-gathers move."""
+        build_embedding_groups). ``param_gather_dtype``: what the zero>=1 parameter all-gathers move.
+        ``pad_multiple``: each bucket is padded to a multiple of its group's size times this."""
         if zero not in (0, 1, 2):
             raise ConfigError(f"parallel.zero={zero}: DataParallelGrads handles 0, 1 and 2; stage 3 is "
                               "megaloom.parallel.zero.FullyShardedGrads (use zero.build_data_parallel).")
@@ -271,7 +282,7 @@ class DataParallelGrads:
         groups = {"dense": dense, "tied": dense,
                   "expert": (mesh.edp_group, comm.group_size(mesh.edp_group), comm.group_rank(mesh.edp_group))}
         plan = plan_grouped_buckets([p.numel() for p in self.params], kinds, self.bucket_numel,
-                                    {k: g[1] for k, g in groups.items()})
+                                    {k: g[1] * pad_multiple for k, g in groups.items()})
         self.buckets: list[Bucket] = []
         shard_offset = 0
         for i, (idx, offs, padded, kind) in enumerate(plan):
@@ -294,6 +305,8 @@ class DataParallelGrads:
         self._armed_ids: set[int] | None = None  # armed parameters (None: all) when chunks are armed one by one
         self._needs_zero = False
         self.fused = False  # set by enable_fusion: weight gradients added into the buckets by their GEMMs
+        # Set by a 1-bit optimizer (megaloom/onebit.py): True while steps keep their gradients local (no reduction).
+        self.local_steps: Callable[[], bool] | None = None
         self._shard_views = GradViews([GradView(s.grad, self.params[s.owner]) for s in self.shard_segments()]) \
             if zero else None
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
@@ -302,8 +315,6 @@ class DataParallelGrads:
     def enable_fusion(self, model: nn.Module) -> int:
         """train.grad_accum_fusion: the blocks' linears add their weight gradients into ``main_grad`` themselves
         (megaloom/parallel/grad_fusion.py); returns how many weights. zero 0/1 only (zero 2 frees the buckets)."""
-        from megaloom.parallel.grad_fusion import enable_grad_accum_fusion
-
         if self.zero not in (0, 1):
             raise ConfigError(f"train.grad_accum_fusion=true needs gradient buckets that live across steps "
                               f"(parallel.zero 0 or 1); got zero={self.zero}.")
@@ -397,9 +408,19 @@ class DataParallelGrads:
     def _name(self, p: nn.Parameter) -> str:
         return next(n for n, q in self.named_params if q is p)
 
+    @property
+    def local(self) -> bool:
+        """Whether this step's gradients stay local (1-bit optimizers after their warm-up): no bucket reduction."""
+        return self.local_steps is not None and self.local_steps()
+
     def _issue(self, b: Bucket, in_backward: bool) -> None:
         if not self._armed:
             self.stats.issued_unarmed += 1
+        if self.local:  # the bucket is complete; the optimizer exchanges its compressed momentum instead
+            b.work = comm.Pending()
+            b.reductions += 1
+            (self.stats.in_backward if in_backward else self.stats.in_finish)[-1] += 1
+            return
         # Average over the data-parallel size (pre-divided, as Megatron does: no overflow in sums). Expert buckets
         # too: summed over edp, their gradients already hold every ep peer's tokens (the all-to-all backward).
         b.data.div_(self.size)
@@ -498,12 +519,19 @@ class DataParallelGrads:
         exceeds ``max_norm``. Returns the norm before clipping."""
         if self.zero == 0:
             if self.mesh.tp == 1 and self.mesh.pp == 1 and self.mesh.ep == 1:
-                return torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
-            if self.mesh.pp > 1:  # counts the tied head copy once
+                if not self.local:
+                    return torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
+                total = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None],
+                                                      foreach=True)
+            elif self.mesh.pp > 1:  # counts the tied head copy once
                 from megaloom.parallel.pipeline.grads import pipeline_grad_norm
                 total = pipeline_grad_norm(self.model, self.mesh)
             else:
                 total = tp_grad_norm(self.model, self.mesh)
+            if self.local:  # each rank's own gradient: the root-mean-square of their norms, the same on every rank
+                sq = total.float().pow(2).reshape(1)
+                comm.all_reduce(sq, self.group, recorder=self.mesh.recorder)
+                total = (sq / self.size).sqrt().reshape(())
         else:
             total = sharded_grad_norm(self._shard_views.views, self.mesh, self.constants)
         local = self.local_grads()
@@ -568,3 +596,49 @@ class DataParallelGrads:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+# ------------------------------------------------------------------ fused weight gradients (grad_fusion.py)
+# Here, not in grad_fusion.py: the tensor-parallel linears run their matmul through grad_fusion.fused_linear, so the
+# pass that finds them in a model sits above them (both in grad_fusion.py was an import circle, issue 37).
+
+
+def fusable_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The blocks' attention and dense-MLP linears whose weight gradient can be fused: plain or tensor-parallel
+    linears with a trainable fp32 weight, not in float8, outside Mixture-of-Experts layers."""
+    layers = getattr(model, "layers", None)
+    if layers is None:
+        return []
+    out = []
+    for bname, block in layers.items():
+        moe = [name for name, m in block.named_modules() if isinstance(m, MoE)]
+        for name, m in block.named_modules():
+            if any(name == x or name.startswith(x + ".") for x in moe):
+                continue
+            if isinstance(m, ColumnParallelLinear | RowParallelLinear):
+                if m.fp8_recipe is not None:
+                    continue
+            elif type(m) is not nn.Linear:
+                continue
+            w = m.weight
+            if w.requires_grad and w.dtype == torch.float32:
+                out.append((f"layers.{bname}.{name}", m))
+    return out
+
+
+def enable_grad_accum_fusion(model: nn.Module) -> list[nn.Parameter]:
+    """Route the weight gradients of `fusable_linears` into their ``main_grad`` (which the data-parallel buckets
+    have given them); returns the parameters concerned. Call after the buckets are built, before compile."""
+    fused = []
+    for name, m in fusable_linears(model):
+        if getattr(m.weight, "main_grad", None) is None:
+            raise RuntimeError(f"train.grad_accum_fusion: {name}.weight has no main_grad (data-parallel buckets "
+                               "with parallel.zero 0 or 1 give every parameter one)")
+        if isinstance(m, ColumnParallelLinear | RowParallelLinear):
+            m.fused_wgrad = True
+        else:
+            parent_name, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(parent_name), leaf, FusedLinear.from_linear(m))
+        m.weight.fused_wgrad = True
+        fused.append(m.weight)
+    return fused

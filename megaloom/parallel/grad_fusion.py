@@ -26,7 +26,9 @@ How it fits in:
 Where: the linears of the blocks (attention q/k/v/o and the dense MLP, plain or tensor-parallel), with data
 parallelism's buckets (world > 1, parallel.zero 0 or 1: zero 2 frees the buckets between steps). Not fp8 linears
 (their own weight-gradient path), not the embedding or the head, not expert weights, and not with the
-zero-bubble schedule (whose deferred weight pass reads the weights' gradients from autograd).
+zero-bubble schedule (whose deferred weight pass reads the weights' gradients from autograd). The pass that finds
+and switches them is `data_parallel.enable_grad_accum_fusion`, above the tensor-parallel layers that call
+`fused_linear` here.
 """
 
 from __future__ import annotations
@@ -112,49 +114,3 @@ class FusedLinear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         return fused_linear(x, self.weight, self.bias)
-
-
-def fusable_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The blocks' attention and dense-MLP linears whose weight gradient can be fused: plain or tensor-parallel
-    linears with a trainable fp32 weight, not in float8, outside Mixture-of-Experts layers."""
-    from megaloom.models.moe import MoE
-    from megaloom.parallel.tp_layers import ColumnParallelLinear, RowParallelLinear
-
-    layers = getattr(model, "layers", None)
-    if layers is None:
-        return []
-    out = []
-    for bname, block in layers.items():
-        moe = [name for name, m in block.named_modules() if isinstance(m, MoE)]
-        for name, m in block.named_modules():
-            if any(name == x or name.startswith(x + ".") for x in moe):
-                continue
-            if isinstance(m, ColumnParallelLinear | RowParallelLinear):
-                if m.fp8_recipe is not None:
-                    continue
-            elif type(m) is not nn.Linear:
-                continue
-            w = m.weight
-            if w.requires_grad and w.dtype == torch.float32:
-                out.append((f"layers.{bname}.{name}", m))
-    return out
-
-
-def enable_grad_accum_fusion(model: nn.Module) -> list[nn.Parameter]:
-    """Route the weight gradients of `fusable_linears` into their ``main_grad`` (which the data-parallel buckets
-    have given them); returns the parameters concerned. Call after the buckets are built, before compile."""
-    from megaloom.parallel.tp_layers import ColumnParallelLinear, RowParallelLinear
-
-    fused = []
-    for name, m in fusable_linears(model):
-        if getattr(m.weight, "main_grad", None) is None:
-            raise RuntimeError(f"train.grad_accum_fusion: {name}.weight has no main_grad (data-parallel buckets "
-                               "with parallel.zero 0 or 1 give every parameter one)")
-        if isinstance(m, ColumnParallelLinear | RowParallelLinear):
-            m.fused_wgrad = True
-        else:
-            parent_name, _, leaf = name.rpartition(".")
-            setattr(model.get_submodule(parent_name), leaf, FusedLinear.from_linear(m))
-        m.weight.fused_wgrad = True
-        fused.append(m.weight)
-    return fused

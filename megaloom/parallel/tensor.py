@@ -30,7 +30,7 @@ from fnmatch import fnmatchcase
 import torch
 from torch import nn
 
-from megaloom.config import ModelConfig
+from megaloom.config import ModelConfig, resolved_head_dim
 from megaloom.models.moe import MoE
 from megaloom.parallel import comm
 from megaloom.parallel import styles as st
@@ -114,7 +114,7 @@ class _Context:
         n_kv = self.cfg.n_kv_heads or self.cfg.n_heads
         if self.mesh.tp <= n_kv:
             return None, 1
-        reps, head_dim = self.mesh.tp // n_kv, self.cfg.d_model // self.cfg.n_heads
+        reps, head_dim = self.mesh.tp // n_kv, resolved_head_dim(self.cfg)
         return ((self.mesh.tp_rank // reps) * head_dim, head_dim), reps
 
 
@@ -207,12 +207,23 @@ def apply_plan(model: nn.Module, plan: st.Plan, ctx: _Context) -> None:
                 owned.append(name)
 
 
+def with_mtp(plan: st.Plan) -> st.Plan:
+    """``plan`` for a model with multi-token prediction (models/mtp.py): each module's block split as the model's
+    blocks are (the family's own entries included), its norms and input projection replicated on the residual
+    stream (with sp they see this rank's tokens: partial gradients)."""
+    blocks = {"mtp.*.block." + k[len("layers.*."):]: v for k, v in plan.items() if k.startswith("layers.*.")}
+    stream = {f"mtp.*.{n}": st.SequenceParallel() for n in ("enorm", "hnorm", "eh_proj", "norm")}
+    return {**plan, **blocks, **stream}
+
+
 def parallelize_tensor(model: nn.Module, mesh: Mesh, sp: bool, plan: st.Plan | None = None,
                        async_tp: bool = False) -> nn.Module:
     """Split ``model`` over ``mesh.tp`` (and its MoE experts over ``mesh.ep``) in place, parameter names
     unchanged, following ``plan`` (default: the plan of the model's family, ``model.plan``). ``async_tp``
     (with sp): the region borders as collective matmuls (`collective_matmul`)."""
     plan = plan if plan is not None else model.plan
+    if getattr(model, "mtp", None) is not None:  # multi-token prediction's modules, split as the blocks are
+        plan = with_mtp(plan)
     if mesh.tp == 1:
         if mesh.ep > 1:  # expert parallelism alone
             only_experts = {k: v for k, v in plan.items()

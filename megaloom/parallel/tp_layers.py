@@ -19,12 +19,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megaloom.models.lora import has_lora, lora_delta
 from megaloom.parallel import comm
 from megaloom.parallel.collective_matmul import linear_reduce_scatter
 from megaloom.parallel.grad_fusion import fused_linear
 from megaloom.parallel.layout import Layout, set_layout
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.sp_linear import SeqRegion, gathered_linears, lean_path_active, to_compute_dtype
+from megaloom.parallel.tp_lora import split_column_adapter, split_row_adapter
 from megaloom.precision import fp8
 
 INPUT_MODES = ("copy", "gather", "none")
@@ -52,7 +54,7 @@ class ColumnParallelLinear(nn.Module):
         self.out_features, self.in_features = weight.shape  # local: what the attention reads head counts from
         self.weight = set_layout(weight, Layout(tp_dim=0, tp_replicas=replicas))
         self.bias = set_layout(bias, Layout(tp_dim=0, tp_replicas=replicas)) if bias is not None else None
-        self.fp8_recipe: str | None = None  # set by precision.fp8.convert_to_float8: the local matmul in fp8
+        self.fp8_recipe: str | None = None  # set by precision.fp8_convert.convert_to_float8: the matmul in fp8
         self.fp8_fast_accum = True
         self.seq_region: SeqRegion | None = None  # set by the enclosing sp region: outputs come from it
         self.region_input = True  # False: reads a tensor made inside its region (styles.Colwise.region_input)
@@ -67,9 +69,16 @@ class ColumnParallelLinear(nn.Module):
         start, length = rows if rows is not None else (mesh.tp_rank * linear.out_features // mesh.tp,
                                                        linear.out_features // mesh.tp)
         bias = _shard(linear.bias, 0, start, length) if linear.bias is not None else None
-        return cls(_shard(linear.weight, 0, start, length), bias, mesh, input_mode, replicas)
+        new = cls(_shard(linear.weight, 0, start, length), bias, mesh, input_mode, replicas)
+        split_column_adapter(linear, new, start, length, replicas)  # model.lora: B's rows with the weight's
+        return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._base(x)
+        # model.lora (inside a region only: x is the region's input, whole on every rank): this rank's rows
+        return y + lora_delta(self, x) if has_lora(self) else y
+
+    def _base(self, x: torch.Tensor) -> torch.Tensor:
         g, rec = self.mesh.tp_group, self.mesh.recorder
         if self.seq_region is not None and (y := self.seq_region.output(self, x)) is not None:
             return y
@@ -107,7 +116,7 @@ class RowParallelLinear(nn.Module):
         self.weight = set_layout(weight, Layout(tp_dim=1))
         sp = output_mode == "reduce_scatter"
         self.bias = set_layout(bias, Layout(tp_partial=sp)) if bias is not None else None
-        self.fp8_recipe: str | None = None  # set by precision.fp8.convert_to_float8: the local matmul in fp8
+        self.fp8_recipe: str | None = None  # set by precision.fp8_convert.convert_to_float8: the matmul in fp8
         self.fp8_fast_accum = True
         self.ring = False  # "reduce_scatter" as ring steps under the GEMM (parallel.async_tp, collective_matmul)
         self.fused_wgrad = False  # weight gradient into weight.main_grad (train.grad_accum_fusion, grad_fusion)
@@ -116,12 +125,14 @@ class RowParallelLinear(nn.Module):
     def from_linear(cls, linear: nn.Linear, mesh: Mesh, output_mode: str = "reduce") -> RowParallelLinear:
         n = linear.in_features // mesh.tp
         bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
-        return cls(_shard(linear.weight, 1, mesh.tp_rank * n, n), bias, mesh, output_mode)
+        new = cls(_shard(linear.weight, 1, mesh.tp_rank * n, n), bias, mesh, output_mode)
+        split_row_adapter(linear, new, mesh.tp_rank * n, n)  # model.lora: A's columns with the weight's
+        return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g, rec = self.mesh.tp_group, self.mesh.recorder
         if (self.ring and self.output_mode == "reduce_scatter" and self.fp8_recipe is None and lean_path_active()
-                and not self.fused_wgrad):
+                and not self.fused_wgrad and not has_lora(self)):  # (LoRA with async_tp: refused by preflight)
             x = to_compute_dtype(x)
             w = self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype)
             y = linear_reduce_scatter(x, w, g, rec)
@@ -130,6 +141,8 @@ class RowParallelLinear(nn.Module):
             y = fused_linear(x, self.weight, None)
         else:
             y = fp8.linear(x, self.weight, None, self.fp8_recipe, self.fp8_fast_accum)
+        if has_lora(self):  # this rank's partial product of the adapter, summed by the same reduction
+            y = y + lora_delta(self, x)
         if self.output_mode == "reduce":
             y = comm.reduce_from_tp(y, g, rec)
         else:

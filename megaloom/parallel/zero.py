@@ -476,10 +476,11 @@ class ShardedOptimizer:
 
 def build_data_parallel(model: nn.Module, mesh: Mesh, zero: int = 0, bucket_mb: float = DEFAULT_BUCKET_MB,
                         param_dtype: torch.dtype = torch.float32, tied: nn.Parameter | None = None,
-                        tied_group: comm.Group = None) -> DataParallelGrads | FullyShardedGrads:
+                        tied_group: comm.Group = None, pad_multiple: int = 1) -> DataParallelGrads | FullyShardedGrads:
     """The gradient side for ``parallel.zero``: buckets (0, 1, 2) or FSDP2 (3). ``param_dtype``: what the
     parameter all-gathers move (bf16 when training in bf16); ``tied``/``tied_group``: a pipeline stage's copy
-    of the embedding tied across stages (see DataParallelGrads)."""
+    of the embedding tied across stages (see DataParallelGrads); ``pad_multiple``: buckets padded to a multiple
+    of the group size times it (8 for 1-bit optimizers, megaloom/onebit.py)."""
     if zero not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero={zero} is not a ZeRO stage; use 0 (off), 1 (optimizer state), "
                           "2 (+ gradients) or 3 (+ parameters).")
@@ -488,7 +489,7 @@ def build_data_parallel(model: nn.Module, mesh: Mesh, zero: int = 0, bucket_mb: 
             raise ConfigError("parallel.zero=3 with parallel.pp>1 is not available (FSDP2 would shard each stage "
                               "and its tied embedding copy on its own); use parallel.zero=1 or 2 with pipelines.")
         return FullyShardedGrads(model, mesh, param_dtype)
-    return DataParallelGrads(model, mesh, zero, bucket_mb, tied, tied_group, param_dtype)
+    return DataParallelGrads(model, mesh, zero, bucket_mb, tied, tied_group, param_dtype, pad_multiple)
 
 
 def param_gather_dtype(precision: str) -> torch.dtype:

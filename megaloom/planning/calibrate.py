@@ -31,6 +31,11 @@ GEMM_DIMS = (128, 256, 512, 1024, 2048, 4096, 8192)
 ATTENTION_SEQS = (2048, 4096, 8192, 16384, 32768)
 
 
+def _sig(x: float) -> float:
+    """Three significant figures (a CPU smoke run's rates are far below a GPU's: fixed decimals would round to 0)."""
+    return float(f"{x:.3g}")
+
+
 def _timer(device: torch.device, fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
     """Median seconds of ``fn`` over ``repeats`` runs."""
     for _ in range(warmup):
@@ -58,7 +63,7 @@ def gemm_rates(device: torch.device, size: int = 8192, dims=GEMM_DIMS, repeats: 
         a = torch.randn(size, k, device=device, dtype=dtype)
         b = torch.randn(k, size, device=device, dtype=dtype)
         s = _timer(device, lambda a=a, b=b: a @ b, repeats)
-        out.append([k, round(2 * size * size * k / s / 1e12, 1)])
+        out.append([k, _sig(2 * size * size * k / s / 1e12)])
     return out
 
 
@@ -79,7 +84,7 @@ def attention_rates(device: torch.device, seqs=ATTENTION_SEQS, head_sizes=(64, 1
 
             secs = _timer(device, step, repeats)
             fwd = 2.0 * b * s * s * heads * hd  # causal: half the pairs, QK^T and PV, 2 FLOPs each
-            out.append([s, hd, round(3.5 * fwd / secs / 1e12, 1)])
+            out.append([s, hd, _sig(3.5 * fwd / secs / 1e12)])
     return out
 
 
@@ -87,7 +92,7 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 * 2**30, repeats: int =
     src = torch.empty(nbytes // 4, device=device, dtype=torch.float32).normal_()
     dst = torch.empty_like(src)
     s = _timer(device, lambda: dst.copy_(src), repeats)
-    return round(2 * nbytes / s / 1e12, 2)
+    return _sig(2 * nbytes / s / 1e12)
 
 
 def launch_us(device: torch.device, n: int = 2000) -> float:

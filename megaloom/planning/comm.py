@@ -11,6 +11,11 @@ rail-optimised, as DGX/HGX nodes are built). Ring algorithms, as NCCL uses for l
   ranks a tree is faster, t = 2 log2(n) (alpha + B / bw) (double binary tree: the min of the two is taken)
 - all-to-all (expert dispatch): (n - 1) (alpha + B / n / bw)
 - point-to-point (pipeline stages, ring attention): alpha + B / bw
+- 1-bit Adam / LAMB's exchange after the warm-up (megaloom/parallel/compressed.py): an all-to-all and an
+  all-gather of sign bits (P / 8 bytes each for P parameters), not overlapped with the backward (the clip
+  coefficient needs every rank's norm first), plus its compression passes over device memory,
+  ``COMPRESS_BYTES_PER_ELEMENT`` per parameter. megaloom/onebit.py's StepModel (docs/parallelism.md, "when it
+  pays") uses the same two numbers.
 
 ``bw`` is the link's one-way bandwidth that a ring reaches (GpuKind.nvlink_gbps inside a node, nic_gbps across),
 ``alpha`` its latency. Not modelled: congestion between groups sharing a NIC, SHARP / NVLS in-network reduction,
@@ -72,6 +77,20 @@ def all_reduce(nbytes: float, n: int, link: Link) -> float:
 def all_to_all(nbytes: float, n: int, link: Link) -> float:
     """Each rank sends ``nbytes`` in all, 1/n to each peer (its own share stays)."""
     return 0.0 if n <= 1 else (n - 1) * (link.alpha + nbytes / n / link.bw)
+
+
+# Memory traffic of the 1-bit exchange per element of a bucket, in bytes, counted from its ops
+# (megaloom/parallel/compressed.py: the worker's momentum, error and compression passes ~66, the servers'
+# unpacking and averaging ~29, every rank's decoding ~29, the copy into the momentum 8). Counted, not measured.
+COMPRESS_BYTES_PER_ELEMENT = 130
+
+
+def onebit_exchange(params: float, n: int, link: Link, hbm_bytes_per_s: float) -> float:
+    """Seconds of 1-bit Adam's momentum exchange of ``params`` fp32 elements over ``n`` ranks (module doc)."""
+    if n <= 1:
+        return 0.0
+    bits = params / 8
+    return all_to_all(bits, n, link) + all_gather(bits, n, link) + COMPRESS_BYTES_PER_ELEMENT * params / hbm_bytes_per_s
 
 
 def p2p(nbytes: float, link: Link) -> float:

@@ -193,7 +193,9 @@ def predict(cfg: Config, world: int, gpu: GpuKind, mode: str = "cluster", memory
         n = dp * p.cp
         last_backward = b_times[busiest] * p.vpp
         first_forward = f_times[busiest]
-        if p.zero == 0:
+        if p.zero == 0 and t.optimizer.startswith("onebit_"):  # the step after the warm-up: not overlapped
+            exposed["dp"] = comm.onebit_exchange(local, n, link, gpu.hbm_tbps * 1e12)
+        elif p.zero == 0:
             reduce = comm.all_reduce(4 * local, n, link)
             exposed["dp"] = max(0.0, reduce - last_backward)
         elif p.zero in (1, 2):

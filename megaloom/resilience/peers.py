@@ -17,21 +17,12 @@ import os
 import time
 from pathlib import Path
 
-from megaloom.errors import RunStopped
+from megaloom.errors import PeerLost as PeerLost
 from megaloom.resilience.suspects import node_name
 
 # What a collective on a dead peer raises (gloo's TCP transport, NCCL, the TCPStore), matched in the message.
 PEER_LOSS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused",
              "remote process exited", "ncclRemoteError", "NCCL communicator was aborted")
-
-
-class PeerLost(RunStopped):
-    """This rank stopped because another rank of the job died; ``line`` (possibly empty: another rank says it)
-    is what to print."""
-
-    def __init__(self, line: str) -> None:
-        super().__init__(line)
-        self.line = line
 
 
 def peer_loss(e: BaseException) -> str | None:

@@ -11,11 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megaloom.errors import RunStopped
-
-
-class Diverged(RunStopped):
-    """Rolling back again would not help (see the module doc)."""
+from megaloom.errors import Diverged
 
 
 @dataclass

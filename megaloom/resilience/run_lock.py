@@ -19,20 +19,12 @@ import time
 from pathlib import Path
 from typing import IO
 
-from megaloom.config import ConfigError
+from megaloom.errors import RunDirLocked, RunDirUnwritable
 from megaloom.observe.log import get_logger
 
 log = get_logger(__name__)
 LOCK_NAME = ".lock"
 _HELD: dict[str, list] = {}  # resolved run dir -> [open lock file, holders in this process]
-
-
-class RunDirLocked(ConfigError):
-    """run.dir is in use by another live megaloom run."""
-
-
-class RunDirUnwritable(ConfigError):
-    """run.dir cannot be created or written (read-only, another user's, not a directory)."""
 
 
 def _open_lock_file(run_dir: Path) -> IO[str]:

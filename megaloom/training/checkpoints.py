@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -15,21 +16,17 @@ from megaloom.checkpoint import (
     save_checkpoint,
 )
 from megaloom.checkpoint.group import CheckpointGroup
-from megaloom.checkpoint.store import STATE
+from megaloom.checkpoint.store import STATE, step_name
 from megaloom.config import Config
-from megaloom.data.errors import DataError
 from megaloom.data.identity import data_changes
-from megaloom.errors import RunStopped
+from megaloom.errors import DataChanged, RunStopped
+from megaloom.models.lora import saved_settings
 from megaloom.observe.log import get_logger
 from megaloom.parallel.mesh import Mesh
 from megaloom.runtime import Runtime
 from megaloom.step import TrainStep
 
 log = get_logger(__name__)
-
-
-class DataChanged(DataError):
-    """The checkpoint to resume from was trained on other token files than the run's data.paths hold now."""
 
 
 class RunCheckpoints:
@@ -62,6 +59,16 @@ class RunCheckpoints:
         if choice == "none":
             return 0, {}
         if choice == "auto":
+            # LoRA on the model `convert --from-hf` imported into this run.dir (step 0: no schedule is lost, and the
+            # adapters' checkpoints sort after it). A trained model at a later step is refused by the load below,
+            # naming checkpoint.resume=<its dir> with a new run.dir.
+            newest = find_checkpoints(self.root)
+            if newest and newest[0].name == step_name(0) and self._new_adapters(newest[0]):
+                found = load_newest(self.root, model, None, rank=rt.rank, model_cfg=cfg.model.__dict__, mesh=mesh,
+                                    warn=self._warn, group=self.group, fresh_adapters=True)
+                log.info(f"checkpoint {found[0]} has no LoRA adapters: this run trains new ones (model.lora) on its "
+                         "weights from step 0 with a fresh optimizer")
+                return 0, {}
             found = load_newest(self.root, model, optimizer, rank=rt.rank, model_cfg=cfg.model.__dict__, mesh=mesh,
                                 warn=self._warn, group=self.group, check_state=self._check_data)
             if found is None:
@@ -72,10 +79,12 @@ class RunCheckpoints:
             if not path.is_dir():
                 raise CheckpointError(f"checkpoint.resume: directory '{choice}' not found.")
             if self._another_stage(path):  # e.g. LLaVA: projector-only pretraining -> full fine-tuning
-                load_checkpoint(path, model, None, rank=rt.rank, model_cfg=cfg.model.__dict__, mesh=mesh,
-                                group=self.group)
-                log.info(f"checkpoint.resume={path}: saved with another model.freeze (a new training stage): this "
-                         f"run starts from its weights at step 0 with a fresh optimizer")
+                fresh = self._new_adapters(path)
+                load_checkpoint(path, model, optimizer, rank=rt.rank, model_cfg=cfg.model.__dict__, mesh=mesh,
+                                group=self.group, fresh_adapters=fresh, model_only=True)
+                what = "no LoRA adapters (new ones train on its weights)" if fresh else "another model.freeze"
+                log.info(f"checkpoint.resume={path}: saved with {what}, a new training stage: this run starts from "
+                         "its weights at step 0 with a fresh optimizer")
                 return 0, {}
             state = load_checkpoint(path, model, optimizer, rank=rt.rank, model_cfg=cfg.model.__dict__, mesh=mesh,
                                     group=self.group, check_state=self._check_data)
@@ -101,14 +110,25 @@ class RunCheckpoints:
                           "back, or set checkpoint.allow_data_change=true to continue on the new data (or start a "
                           "new run.dir).")
 
-    def _another_stage(self, path: Path) -> bool:
-        """The checkpoint was trained with other parts frozen (model.freeze): its optimizer state does not cover
-        this run's trainable parameters, and its step counts another stage's schedule."""
+    def _saved_model(self, path: Path) -> dict | None:
         try:
-            saved = json.loads((path / STATE).read_text()).get("model") or {}
+            return json.loads((path / STATE).read_text()).get("model") or {}
         except (OSError, ValueError):
-            return False  # load_checkpoint's verification names what is wrong with it
-        return sorted(saved.get("freeze") or []) != sorted(self.cfg.model.freeze)
+            return None  # load_checkpoint's verification names what is wrong with it
+
+    def _another_stage(self, path: Path) -> bool:
+        """The checkpoint was trained with other parts frozen (model.freeze), or without the LoRA adapters this
+        run trains: its optimizer state does not cover this run's trainable parameters, and its step counts
+        another stage's schedule."""
+        saved = self._saved_model(path)
+        if saved is None:
+            return False
+        return sorted(saved.get("freeze") or []) != sorted(self.cfg.model.freeze) or self._new_adapters(path)
+
+    def _new_adapters(self, path: Path) -> bool:
+        """This run has LoRA adapters and the checkpoint none (an imported or fully trained model to adapt)."""
+        saved = self._saved_model(path)
+        return saved is not None and self.cfg.model.lora.rank > 0 and not saved_settings(saved)["rank"]
 
     def layout(self) -> dict:
         """The parallel layout of this run, as saved with every checkpoint and compared with it on resume."""
@@ -169,7 +189,7 @@ class RunCheckpoints:
 
 
 def run_state(cfg: Config, step: int) -> dict:
-    return {"consumed_samples": step * cfg.train.global_batch_size, "model": cfg.model.__dict__.copy(),
+    return {"consumed_samples": step * cfg.train.global_batch_size, "model": dataclasses.asdict(cfg.model),
             "seq_len": cfg.train.seq_len, "seed": cfg.train.seed, "train_steps": cfg.train.steps}
 
 

@@ -59,7 +59,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from megaloom.config import Config, ConfigError
+from megaloom.config import Config, ConfigError, resolved_head_dim
 from megaloom.observe.log import get_logger
 from megaloom.observe.memory_plan import GB, MemoryPlan, plan_memory
 from megaloom.parallel import comm
@@ -230,6 +230,8 @@ def _tensor_bytes(tensors) -> int:
 
 
 def optimizer_state_bytes(optimizer) -> int:
+    if hasattr(optimizer, "error_buffers"):  # 1-bit optimizers: their flat buffers and the exchange's errors
+        return optimizer.state_bytes()
     inner = getattr(optimizer, "inner", optimizer)  # ZeRO's ShardedOptimizer wraps a torch optimizer
     return _tensor_bytes(v for st in inner.state.values() for v in st.values() if torch.is_tensor(v) and v.ndim)
 
@@ -565,7 +567,7 @@ def profile_rank(trainer, one_step, report: DryRunReport, out_dir: Path) -> dict
         block_mm = sum(p.numel() for blk in blocks for p in blk.parameters() if p.ndim >= 2)
         chunk = max(1, len(blocks) // max(1, cfg.parallel.vpp))
         recomputed = block_mm * (min(1.0, t.recompute_layers / chunk) if t.recompute_layers else 1.0)
-    q_width = cfg.model.d_model // mesh.tp  # this rank's query heads x head size
+    q_width = cfg.model.n_heads // mesh.tp * resolved_head_dim(cfg.model)  # this rank's query heads x head size
     attention_flop = 12.0 * len(blocks) * q_width * t.seq_len * tokens
     model_flop = 6.0 * mm * tokens + attention_flop
     updated = sum(p.numel() for p in model.parameters() if p.requires_grad)

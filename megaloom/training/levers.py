@@ -19,8 +19,9 @@ bench/RESULTS.md), and stays off elsewhere, so CPU runs are what they were:
 - ``train.bf16_residual``: the residual stream between blocks in bf16 under bf16/fp8 autocast (Megatron's and
   TorchTitan's numerics; norms and the loss still compute in fp32): +1.0% tok/s at seq 4096 and +1.1% at 16k,
   -1 GB, and the loss within 0.55% of the plain fp32-residual path over 200 steps (2026-12-04). On for the dense
-  decoders (llama, qwen3, gpt2), where it was measured or runs the same code; off for MoE (its layer's output is
-  fp32 and no run measured it), the encoder families and LLaVA (not measured), CPU and fp32/fp16.
+  decoders (the families whose `Family.dense_decoder` says their model is the shared causal pre-norm decoder
+  alone: llama, where it was measured, and qwen3 and gpt2, which run the same code); off for MoE (its layer's
+  output is fp32 and no run measured it), the other families (encoders, LLaVA: not measured), CPU and fp32/fp16.
 
 - ``train.grad_accum_fusion``: the blocks' weight-gradient GEMMs accumulate into the fp32 data-parallel buckets
   (megaloom/parallel/grad_fusion.py). Off at auto for now: proven equal to the plain path on CPU worlds, not yet
@@ -38,7 +39,14 @@ from dataclasses import dataclass
 from megaloom.config import Config
 from megaloom.fa4 import fa4_importable
 from megaloom.models.registry import get_family
-from megaloom.observe.memory_plan import compute_precision
+
+
+def compute_precision(cfg: Config, device: str) -> str:
+    """train.precision with "auto" resolved as megaloom.runtime does (bf16 on GPU, fp32 on CPU). Here, with the
+    other "auto" choices, rather than in the memory plan that reads it: the plan asks the levers for the whole
+    resolved config (the levers used to ask the plan for this, an import circle, issue 37)."""
+    p = cfg.train.precision
+    return ("bf16" if device == "cuda" else "fp32") if p == "auto" else p
 
 
 @dataclass(frozen=True)
@@ -68,7 +76,7 @@ def _fused_loss(cfg: Config, device: str) -> LeverChoice:
     if cfg.parallel.cp > 1:
         return LeverChoice("train.fused_loss", False, "not with cp>1")
     if get_family(cfg.model.arch).traits.head_bias:
-        return LeverChoice("train.fused_loss", False, "the head has a bias (bert)")
+        return LeverChoice("train.fused_loss", False, f"the head has a bias ({cfg.model.arch})")
     return LeverChoice("train.fused_loss", True, "CUDA, tp=1")
 
 
@@ -82,16 +90,13 @@ def _attention(device: str, capability: tuple[int, int] | None) -> LeverChoice:
     return LeverChoice("train.attention", "torch", why)
 
 
-DENSE_DECODERS = ("llama", "qwen3", "gpt2")  # the shared pre-norm decoder, without a vision encoder
-
-
 def _bf16_residual(cfg: Config, device: str) -> LeverChoice:
     precision = compute_precision(cfg, device)
     if device != "cuda":
         return LeverChoice("train.bf16_residual", False, "not on CPU")
     if precision not in ("bf16", "fp8"):
         return LeverChoice("train.bf16_residual", False, f"precision {precision}")
-    if cfg.model.arch not in DENSE_DECODERS:
+    if not get_family(cfg.model.arch).dense_decoder:  # the family says whether its model is the measured code
         return LeverChoice("train.bf16_residual", False, f"{cfg.model.arch}: not measured")
     if cfg.model.moe_every:
         return LeverChoice("train.bf16_residual", False, "MoE: not measured")

@@ -8,7 +8,7 @@ from megaloom.config import TrainConfig
 from megaloom.models import apply_recompute
 from megaloom.models.attention import Attention
 from megaloom.models.fused_ce import FusedHeadLoss
-from megaloom.precision.fp8 import convert_to_float8
+from megaloom.precision.fp8_convert import convert_to_float8
 
 
 def mtp_loss_weight_at(step: int, t: TrainConfig) -> float:

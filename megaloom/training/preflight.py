@@ -128,6 +128,8 @@ def refuse_unbuilt(cfg: Config) -> None:
                           "gradient buckets and optimizer leave frozen parameters out too.")
     if m.mtp_depth:
         refuse_unbuilt_mtp(cfg)
+    if m.lora.rank > 0:
+        refuse_unbuilt_lora(cfg)
     if p.cp > 1 and m.moe_every and (m.aux_loss_weight or m.capacity_factor):
         # Both are functions of the whole sequence's routing statistics, which a cp rank does not see.
         raise ConfigError(f"parallel.cp={p.cp} with an MoE load-balancing loss (model.aux_loss_weight="
@@ -151,6 +153,27 @@ def refuse_unbuilt_mtp(cfg: Config) -> None:
         raise ConfigError(f"model.mtp_depth={m.mtp_depth} with parallel.pp={p.pp} needs model.tie_embeddings=true: the "
                           "last stage looks the tokens ahead up in its tied copy of the embedding (an untied "
                           "embedding lives on the first stage only); set model.tie_embeddings=true or parallel.pp=1.")
+    if m.lora.rank > 0:
+        raise ConfigError(f"model.mtp_depth={m.mtp_depth} with model.lora.rank={m.lora.rank} is not available yet: "
+                          "the adapters go on the model's blocks, so the prediction modules would train frozen; set "
+                          "model.mtp_depth=0 for a LoRA fine-tune.")
+
+
+def refuse_unbuilt_lora(cfg: Config) -> None:
+    """model.lora: the layouts its adapters do not support yet, each named with the fix."""
+    p, r = cfg.parallel, cfg.model.lora.rank
+    if cfg.model.attention == "mla":
+        raise ConfigError(f"model.lora.rank={r} with model.attention=mla is not available yet (the adapters know the "
+                          "q/k/v/o projections of grouped-query attention, not latent attention's); set "
+                          "model.lora.rank=0.")
+    if p.zero == 3:  # as model.freeze: FSDP2's frozen (base) parameters do not checkpoint correctly
+        raise ConfigError(f"model.lora.rank={r} with parallel.zero=3 is not available yet (the base weights train "
+                          "frozen, and FSDP2's frozen parameters do not checkpoint); use parallel.zero=1 or 2: with "
+                          "LoRA the optimizer state and gradients are the adapters' only, already small.")
+    if p.async_tp and p.tp > 1:
+        raise ConfigError(f"model.lora.rank={r} with parallel.async_tp=true is not available yet (the ring regions "
+                          "hand their linears a stand-in of the gathered input, which the adapters would read); set "
+                          "parallel.async_tp=false.")
 
 
 def refuse_unbuilt_vision(cfg: Config) -> None:

@@ -1,51 +1,33 @@
 """The resolved config: every "auto" value filled in, as a new object, before run.dir/config.yaml is written.
 
-Resolved here: model.vocab_size (0: the tokenizer's, padded), model.n_kv_heads (0: n_heads), model.ffn_dim
-(0: the architecture's rule), train.precision (auto: by device), data.tokenizer (empty: the default
-tokenizer's path) and train.micro_batch_size (0: the largest that the memory plan fits). The config given to
-`megaloom.train.train` is never changed, and nothing changes the resolved one after config.yaml is written.
+Resolved here: model.vocab_size (0: the tokenizer's, padded), model.n_kv_heads (0: n_heads), model.head_dim
+(0: d_model / n_heads), model.ffn_dim (0: the architecture's rule), train.precision (auto: by device),
+data.tokenizer (empty: the default tokenizer's path) and train.micro_batch_size (0: the largest that the memory
+plan fits). The config given to `megaloom.train.train` is never changed, and nothing changes the resolved one
+after config.yaml is written.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 from pathlib import Path
 
 import torch
 
-from megaloom.config import Config, ConfigError, ModelConfig
-from megaloom.models.transformer import resolved_ffn_dim
+from megaloom.config import Config, ConfigError
 from megaloom.observe.log import get_logger
 from megaloom.observe.memory_fit import auto_micro_batch, choose_recompute_casts
 from megaloom.observe.memory_plan import GB
 from megaloom.parallel import comm
 from megaloom.runtime import Runtime
-from megaloom.training.preflight import preflight_vocab
+
+# The model shape's "auto" sizes (a module of their own, which the memory plan uses too); these names stay here.
+from megaloom.training.shape import resolve_model_shape as resolve_model_shape
+from megaloom.training.shape import resolved_model as resolved_model
+from megaloom.training.shape import vocab_pad_multiple as vocab_pad_multiple
 
 log = get_logger(__name__)
-
-
-def vocab_pad_multiple(cfg: Config) -> int:
-    """model.vocab_size=0 pads the tokenizer's vocabulary to a multiple of 64 that tensor parallelism divides."""
-    return math.lcm(64, cfg.parallel.tp)
-
-
-def resolved_model(m: ModelConfig, tokenizer_vocab: int, pad_multiple: int = 64) -> ModelConfig:
-    """A copy of `m` with the sizes left at 0 ("auto") filled in; refuses a vocabulary the tokenizer overflows."""
-    preflight_vocab(m, tokenizer_vocab)
-    vocab = m.vocab_size or pad_multiple * math.ceil(tokenizer_vocab / pad_multiple)
-    m = dataclasses.replace(m, vocab_size=vocab, n_kv_heads=m.n_kv_heads or m.n_heads)
-    return dataclasses.replace(m, ffn_dim=resolved_ffn_dim(m))
-
-
-def resolve_model_shape(cfg: Config, tokenizer_vocab: int, pad_multiple: int = 64) -> None:
-    """Fill in the model sizes left at 0 ("auto") of `cfg` in place (for planning copies, e.g. `megaloom
-    memory`); training uses `resolve_config`, which leaves its argument alone."""
-    resolved = resolved_model(cfg.model, tokenizer_vocab, pad_multiple)
-    for f in dataclasses.fields(ModelConfig):
-        setattr(cfg.model, f.name, getattr(resolved, f.name))
 
 
 def resolve_config(cfg: Config, *, precision: str, tokenizer_path: str | Path, tokenizer_vocab: int,

@@ -33,7 +33,8 @@ from megaloom.data.objective import ObjectiveDataset
 from megaloom.fa4 import check_fa4
 from megaloom.models import count_params, registry
 from megaloom.models.documents import Documents
-from megaloom.models.freeze import freeze_parts
+from megaloom.models.freeze import freeze_for_training
+from megaloom.models.lora import describe as lora_summary
 from megaloom.models.registry import get_family
 from megaloom.observe.flops import (
     device_peak_flops,
@@ -46,6 +47,9 @@ from megaloom.observe.log import get_logger
 from megaloom.observe.memory import peak_memory_gb
 from megaloom.observe.memory_plan import MemoryReport, attention_backend
 from megaloom.observe.metrics import MetricsSink, console_line, format_eta
+from megaloom.onebit import KINDS as ONEBIT_KINDS
+from megaloom.onebit import PAD_MULTIPLE as ONEBIT_PAD
+from megaloom.onebit import build_onebit
 from megaloom.optim import build_optimizer, lr_at, set_lr
 from megaloom.parallel.context import SequenceShard, parallelize_context
 from megaloom.parallel.materialize import materialize
@@ -229,6 +233,10 @@ class Trainer:
         pipe = eval_pipe = None
         fsdp = stage is None and rt.world_size > 1 and cfg.parallel.zero == 3
         gather_dtype = param_gather_dtype(self.precision) if cfg.parallel.param_gather == "auto" else torch.float32
+        # 1-bit optimizers run on the buckets (one process too: frozen variance, nothing to compress); their
+        # chunks are whole bytes of sign bits.
+        onebit = t.optimizer in ONEBIT_KINDS
+        pad = ONEBIT_PAD if onebit else 1
         if not fsdp:
             self._materialize(model)
         if stage is not None:  # a schedule executor runs the micro-batches across stages
@@ -245,11 +253,12 @@ class Trainer:
             # Gradient buckets of the stage, reduced (zero 0) or reduce-scattered (zero 1/2) over dp as each chunk
             # finishes its last backward; the tied embedding's bucket then summed over the first and last stage.
             grads = build_data_parallel(model, mesh, cfg.parallel.zero, cfg.parallel.bucket_mb, gather_dtype,
-                                        tied=tied_parameter(stage), tied_group=emb_group)
+                                        tied=tied_parameter(stage), tied_group=emb_group, pad_multiple=pad)
         # Data parallelism: gradient buckets reduced during the last backward (zero 0), reduce-scattered into a
         # sharded optimizer (zero 1/2), or FSDP2-sharded parameters (zero 3). Built before compile: FSDP2 wraps blocks.
-        elif rt.world_size > 1:
-            grads = build_data_parallel(model, mesh, cfg.parallel.zero, cfg.parallel.bucket_mb, gather_dtype)
+        elif rt.world_size > 1 or onebit:
+            grads = build_data_parallel(model, mesh, cfg.parallel.zero, cfg.parallel.bucket_mb, gather_dtype,
+                                        pad_multiple=pad)
             if fsdp:  # FSDP2 wrapped the meta model: each rank allocates its dim-0 share of its tp shard only
                 self._materialize(model)
         else:
@@ -266,7 +275,9 @@ class Trainer:
                 layer.compile()  # in place: parameter names (and so checkpoints) stay the same
         t1 = time.perf_counter()
         self.build_seconds["wrappers"] = t1 - t0 - self.build_seconds["materialize"]
-        if cfg.parallel.zero >= 1:
+        if onebit:
+            optimizer = build_onebit(model, grads, t)
+        elif cfg.parallel.zero >= 1:
             optimizer = ShardedOptimizer(grads, t.optimizer, lr=t.lr, betas=(t.beta1, t.beta2),
                                          eps=1e-8 if t.optimizer == "adamw" else 1e-6, weight_decay=t.weight_decay,
                                          whole_modules=list(model.layers.values()) if t.compile else ())
@@ -306,7 +317,7 @@ class Trainer:
         self.n_params = count_params(model)
         # FLOPs on the full (meta) model; freezing here too only for the count (parallelising replaces parameters,
         # so it is applied again below).
-        freeze_parts(model, cfg.model.freeze)
+        freeze_for_training(model, cfg.model)
         self.flops_per_token = flops_per_token(cfg.model, matmul_params(model), t.seq_len,
                                                frozen_matmul_params(model))
         self.image_flops = image_flops(model)  # per image through an image encoder (0 without one)
@@ -316,10 +327,12 @@ class Trainer:
         # Selective recompute re-runs the attention core only where the kernel keeps the scores (math).
         kernel = attention_backend(cfg, self.device.type, cfg.parallel.tp)
         fp8_summary = apply_train_options(model, t, recompute_attention=kernel == "math")  # before stages, compile
-        freeze_parts(model, cfg.model.freeze)  # before the gradient buckets and the optimizer, which skip them
+        freeze_for_training(model, cfg.model)  # before the gradient buckets and the optimizer, which skip them
         if fp8_summary is not None:
             log.info(f"megaloom: {fp8_summary}")
         stage = build_stage(model, checked.partition, mesh) if mesh.pp > 1 else None  # prunes the model
+        if cfg.model.lora.rank > 0:
+            log.info(f"megaloom: {lora_summary(model, cfg.model.lora)}")
         self.build_seconds["model"] = time.perf_counter() - t0
         torch.manual_seed(dropout_seed(t.seed, mesh))  # dropout: equal across tp peers, distinct across data
         return model, stage

@@ -20,14 +20,15 @@ VOCAB = 128
 pytestmark = pytest.mark.filterwarnings("ignore:.*has no tokenizer.json")
 
 
-def hf_model(arch: str, tied: bool):
-    """A tiny randomly initialised HF model; norms are randomised too, so a swapped norm would show."""
+def hf_model(arch: str, tied: bool, head_dim: int | None = None):
+    """A tiny randomly initialised HF model; norms are randomised too, so a swapped norm would show. ``head_dim``
+    (llama): heads of another width than hidden_size / num_attention_heads."""
     torch.manual_seed(0)
     if arch == "llama":
         cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4,
                                        num_key_value_heads=2, num_hidden_layers=2, vocab_size=VOCAB,
                                        max_position_embeddings=64, rope_theta=500.0, rms_norm_eps=1e-5,
-                                       tie_word_embeddings=tied)
+                                       tie_word_embeddings=tied, head_dim=head_dim)
         model = transformers.LlamaForCausalLM(cfg)
     else:
         cfg = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=64, vocab_size=VOCAB,
@@ -57,9 +58,10 @@ def tokens(n: int = 24) -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, n), generator=torch.Generator().manual_seed(1))
 
 
-@pytest.mark.parametrize("arch,tied", [("llama", False), ("llama", True), ("gpt2", True)])
-def test_hf_to_megaloom_to_hf_keeps_logits(tmp_path, arch, tied):
-    ref = hf_model(arch, tied)
+@pytest.mark.parametrize("arch,tied,head_dim", [("llama", False, None), ("llama", True, None), ("gpt2", True, None),
+                                               ("llama", False, 24)])  # model.head_dim: 4 heads of 24 over 64
+def test_hf_to_megaloom_to_hf_keeps_logits(tmp_path, arch, tied, head_dim):
+    ref = hf_model(arch, tied, head_dim)
     ref.save_pretrained(tmp_path / "hf")
     expected = hf_logits(ref, tokens())
 
@@ -67,6 +69,8 @@ def test_hf_to_megaloom_to_hf_keeps_logits(tmp_path, arch, tied):
     assert ckpt == tmp_path / "run" / "checkpoints" / "step_00000000"
     model, state = megaloom_from_run(tmp_path / "run")
     assert state["step"] == 0 and state["has_optimizer_state"] is False
+    if head_dim:
+        assert load_config(tmp_path / "run" / "config.yaml").model.head_dim == head_dim
     with torch.no_grad():
         torch.testing.assert_close(model(tokens()), expected, atol=ATOL, rtol=0)
 

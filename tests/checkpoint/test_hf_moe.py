@@ -42,7 +42,7 @@ QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "attention_bias": Fal
                  "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
                  "use_sliding_window": False, "vocab_size": 151936}
 MIXTRAL = {**MIXTRAL_8X7B, **SMALL, "intermediate_size": 32}
-# head_dim = hidden_size / heads (megaloom's attention; the released 128 vs 2048 / 32 is refused, see below), 8
+# head_dim = hidden_size / heads (the released 128 vs 2048 / 32 becomes model.head_dim, see below), 8
 # experts of which 4 chosen; decoder_sparse_step 2 makes block 0 dense (intermediate_size) and block 1 MoE.
 QWEN3_MOE = {**QWEN3_30B_A3B, **SMALL, "head_dim": 16, "intermediate_size": 96, "moe_intermediate_size": 32,
              "num_experts": 8, "num_experts_per_tok": 4}
@@ -178,7 +178,6 @@ def test_a_trained_selection_bias_is_refused_on_export(tmp_path):
     ({**QWEN3_MOE, "norm_topk_prob": False}, "norm_topk_prob"),
     ({**QWEN3_MOE, "mlp_only_layers": [0]}, "mlp_only_layers"),
     ({**QWEN3_MOE, "decoder_sparse_step": 0}, "decoder_sparse_step"),
-    (QWEN3_30B_A3B, "head_dim"),  # the released shape: head_dim 128 != 2048 / 32
     ({**MIXTRAL, "sliding_window": 4096}, "sliding_window"),
 ])
 def test_unsupported_moe_configs_name_the_field(tmp_path, cfg, field):
@@ -188,3 +187,12 @@ def test_unsupported_moe_configs_name_the_field(tmp_path, cfg, field):
     with pytest.raises(ConversionError, match=field):
         from_hf(d, tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_the_released_qwen3_moe_shape_reads_its_head_dim():
+    """Qwen3-30B-A3B's heads (128) are wider than 2048 / 32: model.head_dim, no longer a refusal."""
+    from megaloom.convert.hf_config import model_settings
+
+    s = model_settings(QWEN3_30B_A3B, "config.json")
+    assert (s["arch"], s["d_model"], s["n_heads"], s["n_kv_heads"], s["head_dim"]) == ("qwen3", 2048, 32, 4, 128)
+    assert (s["moe_every"], s["n_experts"], s["top_k"], s["expert_ffn_dim"]) == (1, 128, 8, 768)

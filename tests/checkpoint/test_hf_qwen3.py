@@ -1,5 +1,6 @@
-"""Hugging Face interchange of the qwen3 family (Qwen3ForCausalLM), checked by logits and tensors, and what it
-refuses (HF's attention_bias, sliding windows, other head sizes; megaloom's q/k/v-only biases)."""
+"""Hugging Face interchange of the qwen3 family (Qwen3ForCausalLM), checked by logits and tensors (heads of
+d_model / n_heads, and wider or narrower ones through model.head_dim), and what it refuses (HF's attention_bias,
+sliding windows; megaloom's q/k/v-only biases)."""
 
 from __future__ import annotations
 
@@ -28,11 +29,11 @@ def hf_config(tied: bool, **changes) -> transformers.Qwen3Config:
         tie_word_embeddings=tied), **changes})
 
 
-def hf_model(tied: bool):
+def hf_model(tied: bool, head_dim: int = 16):
     """A tiny random Qwen3ForCausalLM in float32; every norm (QK-norms included) randomised, so a swapped or
-    misplaced norm would show in the logits."""
+    misplaced norm would show in the logits. ``head_dim`` 16 = hidden 64 / 4 heads; others as Qwen3-0.6B's."""
     torch.manual_seed(0)
-    model = transformers.Qwen3ForCausalLM(hf_config(tied)).float()
+    model = transformers.Qwen3ForCausalLM(hf_config(tied, head_dim=head_dim)).float()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -56,9 +57,10 @@ def megaloom_from_run(run_dir):
     return model.eval(), cfg
 
 
-@pytest.mark.parametrize("tied", [False, True])
-def test_hf_qwen3_imports_with_equal_logits_and_exports_the_same_tensors(tmp_path, tied):
-    ref = hf_model(tied)
+@pytest.mark.parametrize("tied,head_dim", [(False, 16), (True, 16), (True, 24), (False, 8)])
+def test_hf_qwen3_imports_with_equal_logits_and_exports_the_same_tensors(tmp_path, tied, head_dim):
+    """head_dim 24 (wider than 64 / 4, as Qwen3-0.6B's 128 over 1024 / 16) and 8 (narrower): model.head_dim."""
+    ref = hf_model(tied, head_dim)
     ref.save_pretrained(tmp_path / "hf")
     expected = hf_logits(ref, tokens())
 
@@ -66,6 +68,7 @@ def test_hf_qwen3_imports_with_equal_logits_and_exports_the_same_tensors(tmp_pat
     model, cfg = megaloom_from_run(tmp_path / "run")
     m = cfg.model
     assert (m.arch, m.d_model, m.n_heads, m.n_kv_heads, m.ffn_dim, m.tie_embeddings) == ("qwen3", 64, 4, 2, 96, tied)
+    assert m.head_dim == head_dim and model.layers["0"].attn.q_proj.weight.shape == (4 * head_dim, 64)
     assert (m.rope_theta, m.norm_eps, m.qkv_bias) == (500.0, 1e-6, False)
     assert "layers.1.attn.k_norm.weight" in model.state_dict()
     with torch.no_grad():
@@ -74,7 +77,7 @@ def test_hf_qwen3_imports_with_equal_logits_and_exports_the_same_tensors(tmp_pat
     to_hf(tmp_path / "run", tmp_path / "back", show_progress=False)
     hf_cfg = json.loads((tmp_path / "back" / "config.json").read_text())
     assert hf_cfg["architectures"] == ["Qwen3ForCausalLM"] and hf_cfg["model_type"] == "qwen3"
-    assert hf_cfg["head_dim"] == 16 and hf_cfg["attention_bias"] is False
+    assert hf_cfg["head_dim"] == head_dim and hf_cfg["attention_bias"] is False
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back").eval()
     assert type(back) is transformers.Qwen3ForCausalLM
     assert back.state_dict().keys() == ref.state_dict().keys()
@@ -83,13 +86,14 @@ def test_hf_qwen3_imports_with_equal_logits_and_exports_the_same_tensors(tmp_pat
     torch.testing.assert_close(hf_logits(back, tokens()), expected, atol=ATOL, rtol=0)
 
 
-def test_trained_qwen3_round_trips_through_megaloom_convert(tmp_path, capsys):
+@pytest.mark.parametrize("head_dim", [0, 32])
+def test_trained_qwen3_round_trips_through_megaloom_convert(tmp_path, capsys, head_dim):
     """A megaloom qwen3 run -> `megaloom convert --to-hf` -> transformers (equal logits) -> `--from-hf` -> the
-    same tensors."""
+    same tensors; with model.head_dim=32 too (heads twice d_model / n_heads)."""
     cfg = load_config(None, ["model.preset=qwen3-tiny", f"model.vocab_size={VOCAB}", "model.d_model=64",
                              "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=96",
                              "model.max_seq_len=64", "model.tie_embeddings=false", "train.seq_len=32",
-                             f"run.dir={tmp_path / 'run'}"])
+                             f"model.head_dim={head_dim}", f"run.dir={tmp_path / 'run'}"])
     torch.manual_seed(0)
     model = Transformer(cfg.model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -113,6 +117,7 @@ def test_trained_qwen3_round_trips_through_megaloom_convert(tmp_path, capsys):
     assert "megaloom train --config" in capsys.readouterr().out
     again, cfg2 = megaloom_from_run(tmp_path / "run2")
     assert cfg2.model.arch == "qwen3" and cfg2.model.tie_embeddings is False
+    assert cfg2.model.head_dim == (head_dim or 16)
     for k, v in model.state_dict().items():
         assert torch.equal(again.state_dict()[k], v), k
 
@@ -133,7 +138,6 @@ QWEN3 = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_s
     ({**QWEN3, "attention_bias": True}, "attention_bias"),
     ({**QWEN3, "use_sliding_window": True, "sliding_window": 8}, "use_sliding_window"),
     ({**QWEN3, "layer_types": ["sliding_attention"]}, "layer_types"),
-    ({k: v for k, v in QWEN3.items() if k != "head_dim"}, "head_dim"),  # Qwen3Config's default 128 != 64 / 4
     ({**QWEN3, "hidden_act": "gelu"}, "hidden_act"),
     ({**QWEN3, "rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope_scaling"),
 ])
@@ -141,6 +145,14 @@ def test_unsupported_qwen3_configs_name_the_field(tmp_path, cfg, field):
     with pytest.raises(ConversionError, match=field):
         from_hf(hf_dir(tmp_path, cfg), tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_config_without_head_dim_takes_qwen3s_default_128():
+    """Qwen3Config's head_dim is 128 when config.json has none (once refused: 128 != 64 / 4)."""
+    from megaloom.convert.hf_config import model_settings
+
+    settings = model_settings({k: v for k, v in QWEN3.items() if k != "head_dim"}, "config.json")
+    assert settings["head_dim"] == 128 and settings["d_model"] == 64 and settings["n_heads"] == 4
 
 
 def test_qkv_bias_is_not_exported(tmp_path):

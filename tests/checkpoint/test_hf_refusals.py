@@ -38,7 +38,6 @@ def hf_dir(tmp_path, cfg: dict):
     ({**LLAMA, "attention_bias": True}, "attention_bias"),
     ({**LLAMA, "mlp_bias": True}, "mlp_bias"),
     ({**LLAMA, "hidden_act": "gelu"}, "hidden_act"),
-    ({**LLAMA, "head_dim": 8}, "head_dim"),
     ({**GPT2, "activation_function": "relu"}, "activation_function"),
     ({**GPT2, "scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
     ({**LLAMA, "model_type": "mistral"}, "model_type"),
@@ -72,7 +71,10 @@ def saved_run(tmp_path, *overrides: str):
                                              (["model.sliding_window=8"], "model.sliding_window"),
                                              # a family without an MoE mapping (llama's and qwen3's have one)
                                              (["model.preset=tiny-gpt2", "model.moe_every=1"], "model.moe_every"),
-                                             (["model.qkv_bias=true"], "model.qkv_bias")])  # Llama's is on o too
+                                             (["model.qkv_bias=true"], "model.qkv_bias"),  # Llama's is on o too
+                                             # GPT-2's and BERT's heads are always hidden / heads wide
+                                             (["model.preset=tiny-gpt2", "model.head_dim=32"], "model.head_dim"),
+                                             (["model.preset=bert-tiny", "model.head_dim=8"], "model.head_dim")])
 def test_models_hf_cannot_express_are_refused(tmp_path, overrides, field):
     run = saved_run(tmp_path, *overrides)
     with pytest.raises(ConversionError, match=field):

@@ -46,7 +46,10 @@ def tiny_llama31(folder, chat_tokenizer) -> None:
         "chat_template": LLAMA31_TEMPLATE}))
 
 
-def test_readme_fine_tune_path(tmp_path, chat_tokenizer, capsys):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_readme_fine_tune_path(tmp_path, chat_tokenizer, capsys, lora: bool):
+    """Full fine-tuning, and the README's LoRA variant (adapters on the imported weights, exported merged by
+    --to-hf and alone by --to-peft)."""
     hf, run, out = tmp_path / "Llama-3.1-tiny", tmp_path / "runs" / "llama31", tmp_path / "llama31-sft"
     tiny_llama31(hf, chat_tokenizer)
     chats = write_chats(tmp_path / "chats.jsonl", 40)
@@ -57,11 +60,17 @@ def test_readme_fine_tune_path(tmp_path, chat_tokenizer, capsys):
                  "train.steps=4", "train.seq_len=256", "train.global_batch_size=4", "train.micro_batch_size=2",
                  "train.lr=1e-4", "train.min_lr=1e-5",
                  "data.split=90,10", "train.eval_batches=1", "checkpoint.every=0", "data.num_workers=0",
-                 f"data.cache_dir={tmp_path / 'cache'}", "run.tensorboard=false"]) == 0
+                 f"data.cache_dir={tmp_path / 'cache'}", "run.tensorboard=false",
+                 *(["model.lora.rank=4", "model.lora.alpha=8"] if lora else [])]) == 0
     said = capsys.readouterr().out
     assert f"rendered with the {run / 'tokenizer_config.json'} chat template" in said
-    assert "resumed from" in said and "done: step 4/4" in said  # from the imported weights, then 4 steps
+    start = "has no LoRA adapters: this run trains new ones" if lora else "resumed from"
+    assert start in said and "done: step 4/4" in said  # from the imported weights, then 4 steps
     assert main(["convert", "--to-hf", str(run), str(out), "--no-progress"]) == 0
+    if lora:
+        adapter = tmp_path / "adapter"
+        assert main(["convert", "--to-peft", str(run), str(adapter)]) == 0
+        assert json.loads((adapter / "adapter_config.json").read_text())["r"] == 4
 
     tok = transformers.AutoTokenizer.from_pretrained(out)
     assert tok.chat_template == LLAMA31_TEMPLATE and tok.bos_token == "<|begin_of_text|>"

@@ -140,9 +140,10 @@ def test_first_blocks_stay_dense():
 
 
 @pytest.mark.parametrize("extra,words", [
-    (["model.arch=qwen3"], "attention is its own"),
+    (["model.arch=qwen3"], "has its own attention"),
     (["model.arch=gpt2"], "rotary positions"),
     (["model.n_kv_heads=2"], "no key/value head groups"),
+    (["model.head_dim=32"], "set model.head_dim=0"),
     (["model.kv_lora_rank=0"], "model.kv_lora_rank >= 1"),
     (["model.qk_rope_head_dim=7"], "must be even"),
     (["model.moe_every=1", "model.n_experts=8", "model.n_expert_groups=3"], "must divide model.n_experts"),

@@ -37,16 +37,44 @@ def tiny(*extra: str) -> Transformer:
 def test_family_traits_presets_and_plan():
     fam = get_family("qwen3")
     assert fam.traits.attention is Qwen3Attention and fam.traits.qk_norm and not fam.traits.bias
-    assert {"qwen3-tiny", "qwen3-1.7b", "qwen3-8b", "qwen3-14b"} <= set(fam.presets)
+    assert {"qwen3-tiny", "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b"} <= set(
+        fam.presets)
     for name, p in fam.presets.items():
         if name != "qwen3-tiny":
-            assert p["d_model"] // p["n_heads"] == 128, name  # Qwen3's head_dim
+            assert (p.get("head_dim") or p["d_model"] // p["n_heads"]) == 128, name  # Qwen3's head_dim
     assert fam.plan["layers.*.attn.q_norm"] == PartialGrad() and fam.plan["layers.*.attn.k_norm"] == PartialGrad()
     qk = ("layers.*.attn.q_norm", "layers.*.attn.k_norm")
     assert {k: v for k, v in fam.plan.items() if k not in qk} == DECODER_PLAN
     m = tiny()
     attn = m.layers["0"].attn
     assert isinstance(attn, Qwen3Attention) and attn.q_norm.weight.shape == (16,) and attn.q_norm.eps == 1e-6
+
+
+# Non-embedding parameters of the released models (their model cards: 0.44B, 3.6B, 31.2B) and whether the head
+# is tied; megaloom's presets must build exactly these shapes.
+RELEASED = {"qwen3-0.6b": (0.44e9, True), "qwen3-4b": (3.6e9, True), "qwen3-32b": (31.2e9, False)}
+
+
+@pytest.mark.parametrize("preset", sorted(RELEASED))
+def test_released_shapes_with_wide_heads_build_their_parameter_counts(preset):
+    cfg = load_config(None, [f"model.preset={preset}"])
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    m, attn = cfg.model, model.layers["0"].attn
+    assert attn.head_dim == 128 and attn.q_proj.weight.shape == (m.n_heads * 128, m.d_model)
+    assert attn.k_proj.weight.shape == (m.n_kv_heads * 128, m.d_model)
+    assert attn.o_proj.weight.shape == (m.d_model, m.n_heads * 128)
+    assert model.rope_cos.shape == (m.max_seq_len, 128) and attn.q_norm.weight.shape == (128,)
+    non_embedding = sum(p.numel() for n, p in model.named_parameters() if n not in ("tok_emb.weight", "head.weight"))
+    expected, tied = RELEASED[preset]
+    assert abs(non_embedding / expected - 1) < 0.01, (non_embedding, expected)
+    assert m.tie_embeddings is tied and m.vocab_size == 151936
+
+
+def test_wide_heads_kv_cache_matches_full_recompute():
+    model = tiny("model.head_dim=24").eval()  # 4 heads of 24 over d_model 64
+    assert model.layers["0"].attn.q_proj.weight.shape == (96, 64)
+    check_kv_cache_matches_full_recompute(model, VOCAB)
 
 
 def test_qk_norm_is_per_head_and_before_rope():
@@ -91,11 +119,14 @@ def test_qkv_bias_builds_biases_on_q_k_v_only():
     assert all(getattr(attn, f"{p}_proj").bias is not None for p in "qkv") and attn.o_proj.bias is None
 
 
-def test_cli_training_smoke_loss_falls(small_corpus, tmp_path):
-    """`megaloom train model.preset=qwen3-tiny train.steps=20` on the small corpus (the preset's own shape)."""
+@pytest.mark.parametrize("head_dim", [0, 48])
+def test_cli_training_smoke_loss_falls(small_corpus, tmp_path, head_dim):
+    """`megaloom train model.preset=qwen3-tiny train.steps=20` on the small corpus (the preset's own shape; and
+    with model.head_dim=48, heads wider than 128 / 4, as Qwen3-0.6B's are)."""
     run = tmp_path / "run"
     data = [o for o in tiny_overrides(small_corpus, run) if not o.startswith("model.")]
-    assert main(["train", "model.preset=qwen3-tiny", "train.steps=20", "checkpoint.every=0", *data]) == 0
+    assert main(["train", "model.preset=qwen3-tiny", "train.steps=20", "checkpoint.every=0", *data,
+                 f"model.head_dim={head_dim}"]) == 0
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     loss = {r["step"]: r["loss"] for r in records}
     assert sorted(loss) == list(range(1, 21))
@@ -103,3 +134,4 @@ def test_cli_training_smoke_loss_falls(small_corpus, tmp_path):
     assert last < first - 0.5, (first, last)
     resolved = load_config(run / "config.yaml")
     assert resolved.model.arch == "qwen3" and resolved.model.d_model == 128 and resolved.model.n_layers == 4
+    assert resolved.model.head_dim == (head_dim or 32)  # resolved into config.yaml as n_kv_heads is

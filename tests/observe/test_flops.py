@@ -31,6 +31,14 @@ def test_a_text_model_counts_6n_plus_attention():
     assert flops_per_token(m, n, 128) == 6 * n + 12 * m.n_layers * m.d_model * 128
 
 
+def test_attention_flops_count_heads_times_head_dim():
+    """With model.head_dim the score and value matmuls are n_heads x head_dim wide, not d_model (TorchTitan's
+    12 l h q t): Qwen3-0.6B's 16 heads of 128 are 2048 wide over a d_model of 1024."""
+    cfg = load_config(None, ["model.preset=qwen3-0.6b"])
+    m = cfg.model
+    assert flops_per_token(m, 0, 4096) == 12 * 28 * 16 * 128 * 4096
+
+
 def test_frozen_decoder_counts_4n_and_the_encoder_runs_per_image():
     cfg, frozen = _llava("vision,language")  # the projector-only stage
     _, trained = _llava("")

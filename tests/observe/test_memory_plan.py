@@ -138,6 +138,8 @@ def test_moe_blocks_saved_bytes_are_exact(precision, recompute):
     ("moe", "bf16", "none", *MOE, "model.dropout=0.1"),
     ("moe", "fp32", "selective", *MOE, "model.router_score=sigmoid"),
     ("gpt2", "bf16", "none", "model.parallel_block=true"),
+    ("llama", "bf16", "none", "model.head_dim=48"),  # heads wider than d_model / n_heads (Qwen3-0.6B's kind)
+    ("llama", "fp32", "selective", "model.head_dim=8"),  # and narrower
 ])
 def test_variants_saved_bytes_are_exact(case):
     check(*case)
@@ -194,6 +196,7 @@ def test_gpu_fused_loss():
 @pytest.mark.parametrize("preset,extra", [
     ("tiny", []), ("tiny-gpt2", []), ("mixtral-tiny", []), ("deepseek-v3-tiny", []), ("gpt2-124m", []),
     ("llama3-1b", []), ("llama3-1b-untied", []), ("tiny", ["model.parallel_block=true"]),
+    ("qwen3-0.6b", []), ("tiny", ["model.head_dim=48", "model.qkv_bias=true"]),  # head_dim != d_model / n_heads
 ])
 def test_analytic_parameter_counts_match_the_module(preset, extra):
     cfg = load_config(None, [f"model.preset={preset}", "model.vocab_size=50304", *extra])

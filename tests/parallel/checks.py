@@ -40,6 +40,8 @@ def assert_parity(res: dict, tie: bool = True) -> None:
     assert res["logits_err"] < 1e-5, res["logits_err"]  # the same weights through both generation paths
     assert res["param_err"] < 1e-4, (res["param_err"], res.get("param_err_at"))  # after 10 AdamW steps (eps 1e-6)
     assert res["tied"] == tie
+    if "base_changed" in res:  # LoRA: the frozen base bit-identical, no gradient; every adapter factor moved
+        assert res["base_changed"] == [] and res["adapters_trained"], res["base_changed"]
 
 
 def assert_element_counts(per_rank: list[dict], tp: int, n_kv: int = 2) -> None:

@@ -19,11 +19,11 @@ def first_step_grads(model: nn.Module, ref: nn.Module, mesh: Mesh, raw: dict[str
     full gradient against the single-process reference's (max error, max reference, close synced, close raw),
     the gradient names of both, and the global norms."""
     grads = gather_full_grads(model, mesh)
-    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+    ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}  # frozen ones have none
     ref_norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in ref_grads.values()]))
     return {"grad_err": {n: (max_err(grads[n], ref_grads[n]), ref_grads[n].abs().max().item(),
                              torch.allclose(grads[n], ref_grads[n], rtol=1e-4, atol=1e-5),
                              torch.allclose(raw[n], ref_grads[n], rtol=1e-4, atol=1e-5))
                          for n in ref_grads},
-            "grad_names": (sorted(grads), sorted(ref_grads)),
+            "grad_names": (sorted(n for n, g in grads.items() if g is not None), sorted(ref_grads)),
             "norm": (tp_grad_norm(model, mesh).item(), ref_norm.item())}

@@ -137,7 +137,9 @@ def test_expert_parallel_layouts_match_single_process(small_corpus, tmp_path):
     under tp x pp: the single process's loss at every step (the same tokens dropped, the same aux-loss gradients),
     its gradient norm (expert gradients reduced over the right ranks) and its final weights. Checkpoints move
     between ep=2 and one process both ways. (ep x pp, dropless, at ZeRO 0/1/2: the pipeline world,
-    tests/parallel/pipeline/test_zero_pp_world.py, in one started world instead of a torchrun per case.)"""
+    tests/parallel/pipeline/test_zero_pp_world.py, in one started world instead of a torchrun per case.)
+    In the same world, 1-bit Adam through the trainer at ep2 x dp4: AdamW's losses through its warm-up, then near
+    them, and its step-3 checkpoint (in-place background save, error-feedback buffers) resumes bitwise."""
     base = ["model.preset=mixtral-tiny", "model.d_model=64", "model.n_layers=4", "model.ffn_dim=128",
             "model.expert_ffn_dim=64", "model.capacity_factor=1.0", "train.steps=5", "train.micro_batch_size=2",
             "train.grad_clip=0.5", "checkpoint.every=3"]
@@ -158,9 +160,19 @@ def test_expert_parallel_layouts_match_single_process(small_corpus, tmp_path):
             "ep2recompute": ["parallel.ep=2", "train.recompute=full"],  # all-to-all again in backward
             "tp2pp2": ["parallel.tp=2", "parallel.pp=2"],
             "ep2lamb": ["parallel.ep=2", *lamb], "ep2z1lamb": ["parallel.ep=2", "parallel.zero=1", *lamb]}
+    # 1-bit Adam through the trainer (ep2 over dp4: dense buckets compressed over 4 ranks, expert ones over edp 2),
+    # then resumed from its step-3 checkpoint (written by the in-place background save) in a second run.
+    onebit = ["parallel.ep=2", "train.optimizer=onebit_adam", "train.onebit_warmup_steps=2"]
+    onebit_runs = {"ep2onebit": onebit, "ep2onebit-resumed": [
+        *onebit, f"checkpoint.resume={tmp_path / 'ep2onebit' / 'checkpoints' / 'step_00000003'}"]}
     run_world(4, suite_expert_trainer_world4,
-              {name: tiny_overrides(small_corpus, tmp_path / name, *base, *extra) for name, extra in runs.items()},
-              timeout=600)
+              {name: tiny_overrides(small_corpus, tmp_path / name, *base, *extra)
+               for name, extra in {**runs, **onebit_runs}.items()}, timeout=600)
+    onebit_losses, resumed_losses = losses(tmp_path / "ep2onebit"), losses(tmp_path / "ep2onebit-resumed")
+    for step, want in losses(tmp_path / "ref").items():  # AdamW through the warm-up, then near it
+        assert abs(onebit_losses[step] - want) <= (1e-5 if step <= 3 else 0.02) * want, (step, onebit_losses, want)
+    assert sorted(resumed_losses) == [4, 5]
+    assert all(resumed_losses[s] == onebit_losses[s] for s in (4, 5)), (resumed_losses, onebit_losses)  # bitwise
     for name in runs:
         want_run = tmp_path / ("ref-lamb" if "lamb" in name else "ref-dropless" if "dropless" in name else "ref")
         got = losses(tmp_path / name)

@@ -21,8 +21,10 @@ PARITY = ["parity-llama-tp2-sp0", "parity-llama-tp2-sp1", "parity-gpt2-tp2-sp0",
           "parity-qwen3-tp2-sp0", "parity-qwen3-tp2-sp1", "parity-gpt2-tp2-sp0-untied", "parity-llama-tp2-sp1-docs",
           "parity-gpt2-tp2-sp1-docs-reset", "parity-qwen3-tp2-sp1-async", "parity-llava-tp2-sp0",
           "parity-llava-tp2-sp1", "parity-bert-tp2-sp0", "parity-bert-tp2-sp1", "parity-t5-tp2-sp0",
-          "parity-t5-tp2-sp1", "parity-bert-sop-tp2-sp0", "parity-bert-sop-tp2-sp1", "parity-mla-tp2-sp1",
-          "parity-mla-tp2-sp0", "parity-mla-tp2-sp1-async", "parity-mtp-tp2-sp1"]
+          "parity-t5-tp2-sp1", "parity-bert-sop-tp2-sp0", "parity-bert-sop-tp2-sp1", "parity-llama-tp2-sp0-lora",
+          "parity-llama-tp2-sp1-lora", "parity-qwen3-tp2-sp1-hd24", "parity-llama-tp2-sp0-hd24-kv1",
+          "parity-gemma-tp2-sp0", "parity-gemma-tp2-sp1", "parity-mla-tp2-sp1", "parity-mla-tp2-sp0",
+          "parity-mla-tp2-sp1-async", "parity-mtp-tp2-sp1"]
 
 
 COMPILED = ["parity-llama-tp2-sp1-compiled", "parity-qwen3-tp2-sp1-compiled", "parity-gpt2-tp2-sp0-compiled"]

@@ -23,7 +23,7 @@ from .worlds import suite_world4
 WORLD = 4
 PARITY = ["parity-llama-tp4-sp0", "parity-llama-tp4-sp1", "parity-gpt2-tp4-sp0", "parity-gpt2-tp4-sp1",
           "parity-llama-tp4-sp1-untied", "parity-qwen3-tp4-sp1", "parity-llama-tp4-sp1-async",
-          "parity-gpt2-tp4-sp1-async-untied"]
+          "parity-gpt2-tp4-sp1-async-untied", "parity-llama-tp4-sp1-lora"]
 
 
 @pytest.fixture(scope="module")

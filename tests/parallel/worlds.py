@@ -32,6 +32,7 @@ from megaloom.parallel.tensor import (
 )
 
 from .grad_compare import first_step_grads
+from .lora_setup import base_changed, base_params, freeze_base, randomize_adapters, with_lora
 
 VOCAB, SEQ, BATCH = 128, 16, 2
 N_LAYERS = 2
@@ -100,7 +101,8 @@ def token_rows(gen: torch.Generator, rows: int, arch: str = "llama") -> torch.Te
 
 
 def tiny_config(arch: str = "llama", tp: int = 1, pp: int = 1, ep: int = 1, sp: bool = False,
-                tie: bool = True, dropout: float = 0.0, world: int = 1) -> Config:
+                tie: bool = True, dropout: float = 0.0, world: int = 1, extra: tuple[str, ...] = ()) -> Config:
+    """``extra``: more overrides, last (e.g. model.head_dim)."""
     dp = world // (tp * pp)
     return load_config(None, [
         f"model.arch={family_arch(arch)}", f"model.sentence_order={arch == BERT_SOP}", f"model.vocab_size={VOCAB}",
@@ -108,7 +110,7 @@ def tiny_config(arch: str = "llama", tp: int = 1, pp: int = 1, ep: int = 1, sp: 
         "model.n_heads=4", f"model.n_kv_heads={kv_heads(arch)}", "model.ffn_dim=128",
         f"model.max_seq_len={SEQ}", f"model.tie_embeddings={tie}", f"model.dropout={dropout}", f"train.seq_len={SEQ}",
         f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.ep={ep}", f"parallel.sp={sp}",
-        "train.micro_batch_size=1", f"train.global_batch_size={max(dp, 1)}", *arch_keys(arch)])
+        "train.micro_batch_size=1", f"train.global_batch_size={max(dp, 1)}", *arch_keys(arch), *extra])
 
 
 def _err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -271,17 +273,28 @@ def check_rng(mesh: Mesh) -> dict:
 
 
 def parity_case(mesh: Mesh, arch: str, sp: bool, tie: bool = True, steps: int = 10, docs: str = "",
-                async_tp: bool = False, compiled: bool = False) -> dict:
+                async_tp: bool = False, compiled: bool = False, lora: bool = False,
+                extra: tuple[str, ...] = ()) -> dict:
     """Train the same model in this process (reference) and tensor-parallel for `steps` AdamW steps.
     `docs`: "mask" or "mask+reset": packed documents (token 0 ends one) kept apart, positions restarting.
     `async_tp`: the sp borders as collective matmuls (ring steps); the first step's tp ops are counted.
     `compiled`: every block of the tensor-parallel model compiled as train.compile does (AOTAutograd with the
     eager backend: forward and backward graphs traced and partitioned, no C++ compiler needed); the graph
-    breaks and graphs compiled are counted (the region borders trace as functional collectives)."""
-    cfg = tiny_config(arch, tp=mesh.tp, sp=sp, tie=tie, world=mesh.world_size)
+    breaks and graphs compiled are counted (the region borders trace as functional collectives).
+    `lora`: LoRA adapters on every linear of the blocks (B non-zero), the base frozen as the trainer freezes it;
+    only the adapters train, and the base must stay bit-identical. `extra`: more config overrides (model.head_dim:
+    heads wider than d_model / n_heads)."""
+    cfg = tiny_config(arch, tp=mesh.tp, sp=sp, tie=tie, world=mesh.world_size, extra=extra)
+    cfg = with_lora(cfg) if lora else cfg
     torch.manual_seed(1234)
     ref = get_family(cfg.model.arch).build(cfg.model).to(mesh.device)
+    if lora:
+        randomize_adapters(ref)
     model = parallelize_tensor(copy.deepcopy(ref), mesh, sp, async_tp=async_tp)
+    if lora:
+        freeze_base(ref, cfg)
+        freeze_base(model, cfg)  # after the split, as the trainer does (the shards are new Parameters)
+        base_before = base_params(model)
     if compiled:
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
@@ -333,6 +346,10 @@ def parity_case(mesh: Mesh, arch: str, sp: bool, tie: bool = True, steps: int = 
         counters = torch._dynamo.utils.counters
         out["graph_breaks"] = sum(counters["graph_break"].values())
         out["graphs"] = counters["stats"]["unique_graphs"]
+    if lora:
+        out["base_changed"] = base_changed(model, base_before)
+        out["adapters_trained"] = all(not torch.equal(p, base_before.get(n, torch.zeros(0))) for n, p in
+                                      model.named_parameters() if p.requires_grad)
     final = gather_full_params(model, mesh)
     errs = {n: _err(final[n], p) for n, p in ref.named_parameters()}
     out["param_err"], out["param_err_at"] = max((e, n) for n, e in errs.items())
@@ -467,6 +484,8 @@ def suite_world4(rank: int, world: int, device: torch.device) -> dict:
     res["parity-gpt2-tp4-sp1-async-untied"] = parity_case(mesh, "gpt2", True, tie=False, steps=3, async_tp=True)
     # QK-norm with each KV head replicated on two ranks: k_norm's gradient is partial over heads and replicas.
     res["parity-qwen3-tp4-sp1"] = parity_case(mesh, "qwen3", True)
+    # LoRA with each KV head replicated on two ranks: k/v's B rows replicated with their head, summed like it.
+    res["parity-llama-tp4-sp1-lora"] = parity_case(mesh, "llama", True, steps=3, lora=True)
     res["decode"] = {arch: decode_case(mesh, arch) for arch in ("llama", "gpt2")}
     res["gathered_linears"] = check_gathered_linears(mesh)
     for sp in (False, True):
@@ -509,6 +528,16 @@ def suite_world2(rank: int, world: int, device: torch.device) -> dict:
     res["parity-llama-tp2-sp1-docs"] = parity_case(mesh, "llama", True, steps=3, docs="mask")
     res["parity-gpt2-tp2-sp1-docs-reset"] = parity_case(mesh, "gpt2", True, steps=3, docs="mask+reset")
     res["parity-qwen3-tp2-sp1-async"] = parity_case(mesh, "qwen3", True, steps=3, async_tp=True)
+    for sp in (False, True):  # LoRA: adapters split like their base layers, the base frozen
+        res[f"parity-llama-tp2-sp{int(sp)}-lora"] = parity_case(mesh, "llama", sp, steps=3, lora=True)
+    # model.head_dim: 4 heads of 24 over d_model 64 (Qwen3-0.6B's kind), the q/k/v/o shards and QK-norm of 24; and
+    # one KV head replicated over both tp ranks (its rows picked by head_dim)
+    res["parity-qwen3-tp2-sp1-hd24"] = parity_case(mesh, "qwen3", True, steps=3, extra=("model.head_dim=24",))
+    res["parity-llama-tp2-sp0-hd24-kv1"] = parity_case(mesh, "llama", False, steps=3,
+                                                       extra=("model.head_dim=24", "model.n_kv_heads=1"))
+    for sp in (False, True):  # gemma: sandwich norms (the post-norms on the residual stream too), windows of 5
+        res[f"parity-gemma-tp2-sp{int(sp)}"] = parity_case(mesh, "gemma", sp, steps=5,
+                                                           extra=("model.head_dim=24", "model.sliding_window=5"))
     # latent attention: down-projections replicated (partial gradients summed over tp), up-projections by heads
     res["parity-mla-tp2-sp1"] = parity_case(mesh, MLA, True)
     res["parity-mla-tp2-sp0"] = parity_case(mesh, MLA, False, steps=3)

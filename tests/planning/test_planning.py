@@ -71,6 +71,20 @@ def test_a_block_costs_its_gemm_flops_at_the_calibrated_rate() -> None:
     assert flops == pytest.approx(6 * n * params + 6 * attn)  # MFU's count: 3 passes, attention in full
 
 
+def test_a_block_with_wide_heads_costs_heads_times_head_dim() -> None:
+    """model.head_dim (Qwen3-32B: 64 heads of 128 over d_model 5120): q/o are d x 8192, k/v d x 1024 per rank
+    group, and attention runs over heads x head_dim."""
+    cfg = _shaped(load_config(None, ["model.preset=qwen3-32b", "parallel.tp=8", "parallel.sp=true",
+                                     "train.seq_len=4096", "train.micro_batch_size=1"]))
+    g = flat_gpu()
+    n, d, hd, tp = 4096, 5120, 128, 8
+    params = d * 64 // tp * hd + 2 * d * 8 // tp * hd + 64 // tp * hd * d + 3 * d * 25600 // tp
+    fwd, _, flops = block_work(cfg, g, 0, n, recompute=False)
+    assert fwd.gemm == pytest.approx(2 * n * params / 500e12)
+    attn = 2.0 * n * 4096 * (64 // tp) * hd
+    assert flops == pytest.approx(6 * n * params + 6 * attn)
+
+
 def test_long_pipelines_extrapolate_the_simulated_steady_state_exactly() -> None:
     for name, pp, vpp, m in (("1f1b", 8, 1, 64), ("interleaved", 4, 2, 40), ("zb", 4, 1, 32)):
         full = simulate(build_schedule(name, pp, vpp, m), {"F": 1.0, "B": 2.1, "BI": 1.05, "BW": 1.05,
@@ -132,3 +146,29 @@ def test_doctor_calibrate_writes_a_file_plan_reads(tmp_path: Path) -> None:
     g = load_gpu(str(out))
     assert g.gemm and g.attention and g.hbm_tbps > 0 and g.launch_us > 0
     assert g.gpus_per_node == load_gpu("h200").gpus_per_node  # kept from --like
+
+
+def test_onebit_exchange_is_the_step_models_numbers() -> None:
+    """The planner's 1-bit exchange (planning/comm.py) and megaloom/onebit.py's when-it-pays StepModel are one
+    model: the same bytes (sign bits each way) and compression passes, so the same seconds on a latency-free link;
+    and a layout planned with train.optimizer=onebit_adam puts that exchange, not overlapped, where AdamW's
+    all-reduce was."""
+    from megaloom.onebit import StepModel
+
+    link = comm.Link(bw=10e9, alpha=0.0, inter_node=True)
+    want = StepModel(params=1e9, ranks=4, link_gb_s=10, hbm_gb_s=1000, alpha_s=0).onebit_s()
+    assert comm.onebit_exchange(1e9, 4, link, 1000e9) == pytest.approx(want)
+    assert comm.onebit_exchange(1e9, 1, link, 1000e9) == 0.0
+    slow = flat_gpu(nic_gbps=1.0)  # dp across nodes on 1 GB/s NICs: the all-reduce is exposed, 1-bit wins
+    base = ["model.preset=llama3-8b", "parallel.tp=8", "train.seq_len=4096", "train.micro_batch_size=1",
+            "train.global_batch_size=32", "model.n_layers=4"]
+    adam, onebit = (predict(_shaped(load_config(None, [*base, f"train.optimizer={o}"])), 32, slow, memory=False)
+                    for o in ("adamw", "onebit_adam"))
+    from megaloom.planning.step import _updated_params
+
+    cfg = _shaped(load_config(None, [*base, "train.optimizer=onebit_adam"]))
+    local, _ = _updated_params(cfg, onebit.sizes, 0)
+    link = comm.link_of(slow, onebit.sizes, "dp")
+    assert link.inter_node and onebit.exposed["dp"] == pytest.approx(
+        comm.onebit_exchange(local, 4, link, slow.hbm_tbps * 1e12), rel=1e-12)
+    assert onebit.exposed["dp"] < adam.exposed["dp"] / 10 and onebit.step_s < adam.step_s

@@ -13,7 +13,8 @@ from megaloom.models import Transformer
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.tensor import gather_full_grads, parallelize_tensor
 from megaloom.parallel.tp_layers import ColumnParallelLinear, RowParallelLinear
-from megaloom.precision.fp8 import Float8Linear, convert_to_float8, float8_linear, quantize
+from megaloom.precision.fp8 import Float8Linear, float8_linear, quantize
+from megaloom.precision.fp8_convert import convert_to_float8
 from megaloom.runtime import resolve_precision
 from megaloom.step import TrainStep
 from tests.parallel.harness import run_world

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from megaloom.data.cache import short_hash
 from megaloom.data.chat.records import chat_files
 from megaloom.data.chat.templates import resolve_template
-from megaloom.data.identity import INDEX_BLOCK, INDEX_BLOCKS, WHOLE_INDEX_BYTES, sampled_hash
+from megaloom.data.file_hash import INDEX_BLOCK, INDEX_BLOCKS, WHOLE_INDEX_BYTES, sampled_hash
 from megaloom.data.provenance import tokenizer_sha256
 from megaloom.data.tokenizer import Tokenizer
 

@@ -20,12 +20,13 @@ def check_chat_config(cfg: Config) -> None:
     if d.weights:
         raise ConfigError("data.weights with data.format=chat: conversation files are read as one pool, not blended; "
                           "leave data.weights empty (repeat a file in data.paths to weight it up).")
-    from megaloom.models.registry import get_family
+    from megaloom.models.registry import FAMILIES, get_family
 
     if get_family(m.arch).objective is not None:
+        decoders = ", ".join(f.name for f in FAMILIES.values() if f.objective is None and f.dense_decoder)
         raise ConfigError(f"data.format=chat with model.arch={m.arch}: chat fine-tuning trains a decoder's "
                           f"next-token loss on the assistant's tokens, and {m.arch} trains its own objective; use a "
-                          "decoder (llama, qwen3, gpt2) or data.format=tokens.")
+                          f"decoder ({decoders}) or data.format=tokens.")
     if m.vision_layers:
         raise ConfigError("data.format=chat with an image encoder (model.vision_layers > 0): image-text data has its "
                           "own records (data.images, docs/multimodal.md); set data.format=tokens.")

@@ -25,7 +25,7 @@ from megaloom.parallel.styles import SequenceFirst, SequenceParallel, SequencePo
 
 TRAITS = Traits(norm="layernorm", gated_mlp=False, bias=True, positions="learned", default_ffn_dim=lambda d: 4 * d,
                 causal=False, post_norm=True, gelu="none", token_types=TYPE_VOCAB, embed_norm=True,
-                head_transform=True, head_bias=True)
+                head_transform=True, head_bias=True, sentence_order=True)
 
 # The segment embedding looks up ids of the whole sequence and keeps this rank's shard under sp (as positions);
 # the sentence-order pooler and head are replicated (each tp rank computes the same loss, identical gradients).

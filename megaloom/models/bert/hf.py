@@ -16,9 +16,9 @@ activations other than the exact ``gelu``, relative position embeddings, decoder
 from __future__ import annotations
 
 from megaloom.config import ModelConfig
-from megaloom.convert.errors import ConversionError
-from megaloom.convert.hf_common import HFTensors, Tensors, refuse
+from megaloom.errors import ConversionError
 from megaloom.models.family import HFMapping
+from megaloom.models.hf_common import HFTensors, Tensors, refuse, refuse_head_dim
 from megaloom.models.transformer import resolved_ffn_dim
 
 TYPE_VOCAB = 2
@@ -72,6 +72,7 @@ def to_hf_config(m: ModelConfig) -> dict:
     if kv != m.n_heads:
         raise ConversionError(f"model.n_kv_heads={kv} with arch bert: BertForMaskedLM has no grouped-query "
                               f"attention; only n_kv_heads=0 or {m.n_heads} can be exported.")
+    refuse_head_dim(m, "BertForMaskedLM")
     return {"hidden_size": m.d_model, "num_hidden_layers": m.n_layers, "num_attention_heads": m.n_heads,
             "intermediate_size": resolved_ffn_dim(m), "hidden_act": "gelu", "max_position_embeddings": m.max_seq_len,
             "type_vocab_size": TYPE_VOCAB, "layer_norm_eps": m.norm_eps, "position_embedding_type": "absolute",

@@ -10,4 +10,4 @@ from megaloom.models.plan import DECODER_PLAN
 TRAITS = Traits(norm="layernorm", gated_mlp=False, bias=True, positions="learned", default_ffn_dim=lambda d: 4 * d)
 
 FAMILY = Family(name="gpt2", description="LayerNorm, GeLU, learned positions, biases (GPT-2)",
-                traits=TRAITS, plan=DECODER_PLAN, presets=PRESETS, hf=HF)
+                traits=TRAITS, dense_decoder=True, plan=DECODER_PLAN, presets=PRESETS, hf=HF)

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 
 from megaloom.config import ModelConfig
-from megaloom.convert.errors import ConversionError
-from megaloom.convert.hf_common import HFTensors, Tensors, refuse
+from megaloom.errors import ConversionError
 from megaloom.models.family import HFMapping
+from megaloom.models.hf_common import HFTensors, Tensors, refuse, refuse_head_dim
 from megaloom.models.transformer import resolved_ffn_dim
 
 # (megaloom, HF inside transformer.h.{i}., transposed?) for everything except the fused q/k/v.
@@ -68,6 +68,7 @@ def to_hf_config(m: ModelConfig) -> dict:
     if kv != m.n_heads:
         raise ConversionError(f"model.n_kv_heads={kv} with arch gpt2: GPT2LMHeadModel has no grouped-query "
                               f"attention; only n_kv_heads=0 or {m.n_heads} can be exported.")
+    refuse_head_dim(m, "GPT2LMHeadModel")
     return {"n_embd": m.d_model, "n_layer": m.n_layers, "n_head": m.n_heads, "n_positions": m.max_seq_len,
             "n_inner": resolved_ffn_dim(m), "layer_norm_epsilon": m.norm_eps, "activation_function": "gelu_new",
             "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,

@@ -22,6 +22,6 @@ def llama_ffn_dim(d_model: int) -> int:
 TRAITS = Traits(norm="rmsnorm", gated_mlp=True, bias=False, positions="rope", default_ffn_dim=llama_ffn_dim)
 
 FAMILY = Family(name="llama", description="RMSNorm, SwiGLU, RoPE, GQA (Llama 2/3; MoE presets: Mixtral, DeepSeek-V3)",
-                traits=TRAITS, plan=DECODER_PLAN, presets=PRESETS,
+                traits=TRAITS, dense_decoder=True, plan=DECODER_PLAN, presets=PRESETS,
                 # MoE llama models are Mixtrals; with latent attention (dense or MoE) DeepSeek-V3s
                 hf=dataclasses.replace(HF, moe=hf_mixtral.HF, mla=hf_deepseek.HF))

@@ -7,10 +7,10 @@ is refused with the field's name.
 
 from __future__ import annotations
 
-from megaloom.config import ModelConfig
-from megaloom.convert.errors import ConversionError
-from megaloom.convert.hf_common import HFTensors, Tensors, refuse, rope_config, rope_settings
+from megaloom.config import ModelConfig, resolved_head_dim
+from megaloom.errors import ConversionError
 from megaloom.models.family import HFMapping
+from megaloom.models.hf_common import HFTensors, Tensors, refuse, rope_config, rope_settings
 from megaloom.models.transformer import resolved_ffn_dim
 
 # (megaloom name inside layers.{i}., HF name inside model.layers.{i}.)
@@ -46,7 +46,7 @@ def decoder_config(m: ModelConfig) -> dict:
     """The config.json fields Llama-style decoders (Llama, Qwen3) spell alike."""
     return {"hidden_size": m.d_model, "intermediate_size": resolved_ffn_dim(m), "num_attention_heads": m.n_heads,
             "num_key_value_heads": m.n_kv_heads or m.n_heads, "num_hidden_layers": m.n_layers,
-            "head_dim": m.d_model // m.n_heads, "rms_norm_eps": m.norm_eps, **rope_config(m),
+            "head_dim": resolved_head_dim(m), "rms_norm_eps": m.norm_eps, **rope_config(m),
             "max_position_embeddings": m.max_seq_len, "hidden_act": "silu", "attention_bias": False,
             "attention_dropout": 0.0}
 
@@ -62,17 +62,17 @@ def to_hf_config(m: ModelConfig) -> dict:
 def decoder_settings(hf: dict, where: str, head_dim_default: int | None = None) -> dict:
     """model.* values from the config.json fields Llama-style decoders spell alike, refusing what megaloom would
     compute differently. ``head_dim_default``: the HF class's head_dim when config.json has none (None:
-    hidden_size / num_attention_heads)."""
+    hidden_size / num_attention_heads). The head width becomes model.head_dim, whatever it is (Qwen3-0.6B's 128
+    heads are wider than 1024 / 16)."""
     d, heads = hf["hidden_size"], hf["num_attention_heads"]
     if hf.get("hidden_act", "silu") != "silu":
         refuse(where, "hidden_act", hf["hidden_act"], "SwiGLU with silu")
-    if d % heads:
-        refuse(where, "hidden_size", d, f"a multiple of num_attention_heads={heads}")
-    head_dim = hf.get("head_dim") or head_dim_default or d // heads
-    if head_dim != d // heads:
-        refuse(where, "head_dim", head_dim, f"hidden_size / num_attention_heads = {d // heads}")
+    head_dim = hf.get("head_dim") or head_dim_default
+    if not head_dim and d % heads:
+        refuse(where, "hidden_size", d, f"a multiple of num_attention_heads={heads}, or a head_dim")
     return dict(n_layers=hf["num_hidden_layers"], d_model=d, n_heads=heads,
-                n_kv_heads=hf.get("num_key_value_heads") or heads, ffn_dim=hf["intermediate_size"],
+                n_kv_heads=hf.get("num_key_value_heads") or heads, head_dim=head_dim or d // heads,
+                ffn_dim=hf["intermediate_size"],
                 vocab_size=hf["vocab_size"], max_seq_len=hf.get("max_position_embeddings", 2048),
                 tie_embeddings=bool(hf.get("tie_word_embeddings", False)),  # LlamaConfig's and Qwen3Config's default
                 norm_eps=float(hf.get("rms_norm_eps", 1e-6)), init_std=float(hf.get("initializer_range", 0.02)),

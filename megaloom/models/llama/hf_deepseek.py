@@ -36,10 +36,10 @@ import math
 import torch
 
 from megaloom.config import ModelConfig
-from megaloom.convert.errors import ConversionError
-from megaloom.convert.hf_common import HFTensors, Tensors, _rope_parameters, refuse, rope_config, rope_settings
-from megaloom.convert.hf_moe import moe_layer_from_hf, moe_layer_to_hf
+from megaloom.errors import ConversionError
 from megaloom.models.family import HFMapping
+from megaloom.models.hf_common import HFTensors, Tensors, _rope_parameters, refuse, rope_config, rope_settings
+from megaloom.models.hf_moe import moe_layer_from_hf, moe_layer_to_hf
 from megaloom.models.layers import yarn_default_attention_factor
 from megaloom.models.llama import hf as llama_hf
 from megaloom.models.moe import is_moe_block

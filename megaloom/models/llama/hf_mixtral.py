@@ -14,10 +14,10 @@ sigmoid routers, a trained aux-loss-free bias (export); sliding-window attention
 from __future__ import annotations
 
 from megaloom.config import ModelConfig
-from megaloom.convert.errors import ConversionError
-from megaloom.convert.hf_common import HFTensors, Tensors, refuse
-from megaloom.convert.hf_moe import moe_layer_from_hf, moe_layer_to_hf
+from megaloom.errors import ConversionError
 from megaloom.models.family import HFMapping
+from megaloom.models.hf_common import HFTensors, Tensors, refuse
+from megaloom.models.hf_moe import moe_layer_from_hf, moe_layer_to_hf
 from megaloom.models.llama import hf as llama_hf
 from megaloom.models.transformer import resolved_ffn_dim
 

@@ -12,9 +12,9 @@ activations other than gelu, a projector without biases.
 from __future__ import annotations
 
 from megaloom.config import ModelConfig
-from megaloom.convert.errors import ConversionError
-from megaloom.convert.hf_common import HFTensors, Tensors, refuse
+from megaloom.errors import ConversionError
 from megaloom.models.family import HFMapping
+from megaloom.models.hf_common import HFTensors, Tensors, refuse
 from megaloom.models.llama import hf as llama_hf
 from megaloom.models.vit import hf as vit_hf
 

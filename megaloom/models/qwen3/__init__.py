@@ -4,9 +4,8 @@ RMSNorm over each query and key head before RoPE (`model.Qwen3Attention`).
 The parallel plan is the decoder's plus the QK-norm weights as `PartialGrad`: under tensor parallelism each
 rank normalises only its own heads, so their gradients are partial sums over tp (with or without sp).
 
-Shapes: megaloom assumes head_dim = d_model / n_heads, while Qwen3 fixes head_dim = 128; the presets are the
-released sizes where the two agree (1.7B, 8B, 14B). Qwen3-0.6B, -4B and -32B (wider heads) are not
-presets, and their checkpoints are refused on import, naming head_dim (see presets.py).
+Shapes: Qwen3 fixes head_dim = 128, which is d_model / n_heads for 1.7B, 8B and 14B; 0.6B, 4B and 32B have wider
+heads and their presets set model.head_dim (see presets.py). Every released size is a preset and imports.
 """
 
 from __future__ import annotations
@@ -34,6 +33,6 @@ TRAITS = Traits(norm="rmsnorm", gated_mlp=True, bias=False, positions="rope", de
 
 PLAN = {**DECODER_PLAN, "layers.*.attn.q_norm": PartialGrad(), "layers.*.attn.k_norm": PartialGrad()}
 
-FAMILY = Family(name="qwen3", description="Llama's decoder with QK-norm (Qwen3 dense: 1.7B, 8B, 14B shapes)",
-                traits=TRAITS, plan=PLAN, presets=PRESETS,
+FAMILY = Family(name="qwen3", description="Llama's decoder with QK-norm (Qwen3 dense: 0.6B to 32B shapes)",
+                traits=TRAITS, dense_decoder=True, plan=PLAN, presets=PRESETS,
                 hf=dataclasses.replace(HF, moe=hf_moe.HF))  # MoE qwen3 models are Qwen3-MoE

@@ -4,16 +4,17 @@ Qwen3ForCausalLM is Llama's layout (transformers derives it from Llama) plus the
 ``self_attn.q_norm.weight`` / ``self_attn.k_norm.weight``, so names and the shared config fields come from
 `megaloom.models.llama.hf`. Refused with the field named: ``attention_bias=true`` (HF then puts biases on
 all four attention projections, o_proj included; megaloom's ``model.qkv_bias`` is on q/k/v only, so such a
-model cannot be exported either), sliding-window layers, and head_dim != hidden_size / num_attention_heads
-(Qwen3Config's default head_dim is 128 when config.json has none).
+model cannot be exported either) and sliding-window layers. head_dim is read into model.head_dim (Qwen3Config's
+default is 128 when config.json has none), so 0.6B, 4B and 32B, whose heads are wider than hidden_size /
+num_attention_heads, import.
 """
 
 from __future__ import annotations
 
 from megaloom.config import ModelConfig
-from megaloom.convert.errors import ConversionError
-from megaloom.convert.hf_common import HFTensors, Tensors, refuse
+from megaloom.errors import ConversionError
 from megaloom.models.family import HFMapping
+from megaloom.models.hf_common import HFTensors, Tensors, refuse
 from megaloom.models.llama import hf as llama_hf
 
 LAYER = [*llama_hf.LAYER, ("attn.q_norm.weight", "self_attn.q_norm.weight"),

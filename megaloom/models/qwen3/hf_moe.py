@@ -9,15 +9,15 @@ Hub's layout; transformers 5's stacked experts are read too, `megaloom.convert.h
 ``norm_topk_prob=false`` (megaloom's softmax router renormalises the chosen weights), ``mlp_only_layers`` (dense
 blocks outside the decoder_sparse_step rule), shared experts, sigmoid routers and a trained aux-loss-free bias
 (export), and what Qwen3 refuses. The released Qwen3-30B-A3B and -235B-A22B have head_dim 128 != hidden_size /
-num_attention_heads, which megaloom's attention cannot hold yet: they are refused on import, naming head_dim.
+num_attention_heads: it is read into model.head_dim, as for the dense models.
 """
 
 from __future__ import annotations
 
 from megaloom.config import ModelConfig
-from megaloom.convert.hf_common import HFTensors, Tensors, refuse
-from megaloom.convert.hf_moe import moe_layer_from_hf, moe_layer_to_hf
 from megaloom.models.family import HFMapping
+from megaloom.models.hf_common import HFTensors, Tensors, refuse
+from megaloom.models.hf_moe import moe_layer_from_hf, moe_layer_to_hf
 from megaloom.models.llama import hf as llama_hf
 from megaloom.models.llama.hf_mixtral import check_moe_exportable, expert_width
 from megaloom.models.qwen3 import hf as qwen3_hf

@@ -18,8 +18,9 @@ from megaloom.models.attention import Attention
 
 class Qwen3Attention(Attention):
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, bias: bool, dropout: float, window: int,
-                 qkv_bias: bool | None = None, norm_eps: float = 1e-6):
-        super().__init__(d_model, n_heads, n_kv_heads, bias, dropout, window, qkv_bias=qkv_bias, norm_eps=norm_eps)
+                 qkv_bias: bool | None = None, norm_eps: float = 1e-6, head_dim: int = 0):
+        super().__init__(d_model, n_heads, n_kv_heads, bias, dropout, window, qkv_bias=qkv_bias, norm_eps=norm_eps,
+                         head_dim=head_dim)
         self.q_norm = nn.RMSNorm(self.head_dim, eps=norm_eps)
         self.k_norm = nn.RMSNorm(self.head_dim, eps=norm_eps)
 

@@ -43,6 +43,9 @@ def validate(m: ModelConfig) -> None:
             ("model.moe_every", m.moe_every, 0, "no MoE T5 is built: set it to 0")):
         if value != ok:
             raise ConfigError(f"{key}={value} with model.arch=t5: {why}.")
+    if m.head_dim and m.head_dim * m.n_heads != m.d_model:  # T5Attention's heads are d_model / n_heads wide
+        raise ConfigError(f"model.head_dim={m.head_dim} with model.arch=t5: T5's attention here has heads of "
+                          f"d_model / n_heads = {m.d_model / m.n_heads:g}; set it to 0.")
 
 
 def _attention(prefix: str) -> dict:

@@ -15,9 +15,9 @@ than d_model / num_heads, decoder depth other than the encoder's.
 from __future__ import annotations
 
 from megaloom.config import ModelConfig
-from megaloom.convert.errors import ConversionError
-from megaloom.convert.hf_common import HFTensors, Tensors, refuse
+from megaloom.errors import ConversionError
 from megaloom.models.family import HFMapping
+from megaloom.models.hf_common import HFTensors, Tensors, refuse
 from megaloom.models.t5.model import MAX_DISTANCE, NUM_BUCKETS
 from megaloom.models.transformer import resolved_ffn_dim
 

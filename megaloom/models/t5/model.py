@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 from megaloom.config import ModelConfig
 from megaloom.models.attention import KVCache
 from megaloom.models.init import draw_init_seed
+from megaloom.models.lora import add_lora
 from megaloom.models.t5.spans import encoder_length
 from megaloom.models.transformer import CrossEntropyLoss, Transformer, family_of
 
@@ -169,6 +170,7 @@ class T5Model(Transformer):
         self.recompute_layers = 0
         self.residual_dtype = None
         self.seq_positions = None
+        add_lora(self, cfg.lora)  # model.lora (models/lora.py), as the decoder's constructor does
         self.reset_parameters()
 
     def embedding_parts(self) -> list[str]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from megaloom.config import ModelConfig
-from megaloom.convert.hf_common import HFTensors, Tensors, refuse
+from megaloom.models.hf_common import HFTensors, Tensors, refuse
 
 # (megaloom name inside vision.layers.{i}., HF name inside encoder.layers.{i}.), weights and biases alike
 LAYER = [("attn_norm", "layer_norm1"), ("attn.q_proj", "self_attn.q_proj"), ("attn.k_proj", "self_attn.k_proj"),

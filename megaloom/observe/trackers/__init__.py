@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from megaloom.observe.trackers.guard import Guarded
+from megaloom.observe.trackers.scalars import scalars  # noqa: F401  (its old import path)
 
 TRACKERS = ("tensorboard", "wandb", "mlflow")
 
@@ -22,19 +23,6 @@ class Tracker(Protocol):
     def log(self, record: dict[str, Any], step: int) -> None: ...
 
     def close(self) -> None: ...
-
-
-def scalars(record: dict[str, Any], finite_only: bool = True) -> dict[str, float]:
-    """The record's numbers (not ``step``, not booleans, not lists); ``finite_only`` drops NaN and infinities,
-    which metrics.jsonl lists under ``nonfinite``."""
-    out = {}
-    for k, v in record.items():
-        if k == "step" or isinstance(v, bool) or not isinstance(v, int | float):
-            continue
-        if finite_only and not (float("-inf") < v < float("inf")):
-            continue
-        out[k] = float(v) if isinstance(v, float) else v
-    return out
 
 
 def _opener(name: str, run_dir: Path, config: dict, project: str, mlflow_uri: str) -> Callable[[], Tracker]:

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from megaloom.observe.trackers import scalars
+from megaloom.observe.trackers.scalars import scalars
 
 TAG = "megaloom.run_dir"
 BATCH = 100  # MLflow's limit of parameters per log_batch call

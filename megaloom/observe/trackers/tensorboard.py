@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from megaloom.observe.trackers import scalars
+from megaloom.observe.trackers.scalars import scalars
 
 
 class TensorBoard:

@@ -15,7 +15,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from megaloom.observe.trackers import scalars
+from megaloom.observe.trackers.scalars import scalars
 
 
 def run_id(run_dir: Path) -> str:

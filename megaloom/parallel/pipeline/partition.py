@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megaloom.config import Config, ConfigError
+from megaloom.config import Config, ConfigError, resolved_head_dim
 
 # The settings that give the first / last stage an explicit layer count (function arguments until the config
 # has these keys; errors name them so the message says what to set).
@@ -178,10 +178,11 @@ def encoder_block_equivalents(cfg: Config) -> float:
     row (data.max_images images, the most a row holds) in units of one decoder block's (attention scores
     included). Dense MLP width for MoE decoders: an estimate for balancing, not an accounting."""
     m, seq = cfg.model, cfg.train.seq_len
-    hd = m.d_model // m.n_heads
+    hd = resolved_head_dim(m)
     kv = m.n_kv_heads or m.n_heads
     ffn = m.ffn_dim or 256 * -(-int(8 * m.d_model / 3) // 256)
-    block = seq * (m.d_model * (2 * m.n_heads + 2 * kv) * hd + 3 * m.d_model * ffn) + 2 * seq * seq * m.d_model
+    block = (seq * (m.d_model * (2 * m.n_heads + 2 * kv) * hd + 3 * m.d_model * ffn)
+             + 2 * seq * seq * m.n_heads * hd)
     dv, vffn = m.vision_d_model, m.vision_ffn_dim or 4 * m.vision_d_model
     patches = (m.image_size // m.patch_size) ** 2
     tokens = patches + int(m.vision_cls)

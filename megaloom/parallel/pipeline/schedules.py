@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from megaloom.config import ConfigError
+from megaloom.errors import ConfigError, ScheduleError
 from megaloom.parallel.pipeline.partition import check_schedule_choice
 from megaloom.parallel.pipeline.timing import DEFAULT_COSTS
 
@@ -109,10 +109,6 @@ def group_steps(actions: Sequence[Action]) -> list[tuple[Action, ...]]:
     if batch:
         steps.append(tuple(batch))
     return steps
-
-
-class ScheduleError(ValueError):
-    """A schedule that would compute on missing data, mismatch messages or deadlock."""
 
 
 # ------------------------------------------------------------------------------------ computation orders

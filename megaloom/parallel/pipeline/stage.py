@@ -147,7 +147,7 @@ def tied_parameter(stage: PipelineStage) -> nn.Parameter | None:
 def sync_tied_grads(stage: PipelineStage, group: Any, mesh: Mesh) -> None:
     """Sum the tied embedding's gradient over the first and last stage (after the last backward of a step)."""
     p = tied_parameter(stage)
-    if p is None:
+    if p is None or not p.requires_grad:  # frozen (model.freeze, LoRA's base) on both stages: nothing to sum
         return
     if group is None:
         raise ValueError("tied embeddings across pipeline stages need the group from build_embedding_groups()")

@@ -68,5 +68,7 @@ def assert_case(res: dict) -> None:
     assert_memory_shares(res)
     if math.isfinite(res["clip"]):
         assert_clipping_active(res)
+    if "imported_equal" in res:  # started from a model-only checkpoint: its weights exactly, a fresh optimizer
+        assert res["imported_equal"] and res["fresh_optimizer"], res
     if "state_err" in res:  # the layout-free optimizer state equals the single process's AdamW/LAMB state
         assert res["state_err"] < 1e-4, res["state_err"]

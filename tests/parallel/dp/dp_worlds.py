@@ -12,11 +12,13 @@ import contextlib
 import copy
 import math
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from megaloom.checkpoint.store import CheckpointError, load_checkpoint, save_checkpoint
 from megaloom.data.objective import inputs_and_labels, objective_kwargs
 from megaloom.lamb import build_lamb
 from megaloom.models import Transformer
@@ -24,7 +26,7 @@ from megaloom.models.registry import get_family
 from megaloom.optim import param_groups
 from megaloom.parallel import comm
 from megaloom.parallel.mesh import Mesh
-from megaloom.parallel.state import full_optim_state
+from megaloom.parallel.state import ensure_optimizer_state, full_optim_state
 from megaloom.parallel.tensor import gather_full_params, parallelize_tensor
 from megaloom.parallel.zero import (
     ShardedOptimizer,
@@ -174,9 +176,81 @@ def total_numel(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def write_imported(root: str, rank: int, device: torch.device) -> Path:
+    """A model-only checkpoint of the reference's initial weights, as `megaloom convert --from-hf` writes one
+    (`save_checkpoint` without an optimizer, full tensors of the single model; every rank calls this)."""
+    base = base_model("llama", Mesh.single(device))
+    return save_checkpoint(Path(root) / "imported" / "checkpoints", 0, base, None, {}, keep=1, rank=rank,
+                           barrier=dist.barrier)
+
+
+def scrambled(base: nn.Module) -> nn.Module:
+    """``base`` with other weights: what loading a checkpoint into it must overwrite."""
+    model = copy.deepcopy(base)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen).to(p.device))
+    return model
+
+
+def imported_check(path: Path, model: nn.Module, grads, opt, mesh: Mesh, zero: int) -> dict:
+    """Load the model-only checkpoint ``path`` into the parallel model as the trainer does (optimizer given):
+    every weight must equal the single-process load of it exactly, and the optimizer state stay fresh."""
+    try:
+        load_checkpoint(path, model, opt, rank=mesh.rank, mesh=mesh)
+    except CheckpointError as e:  # every rank gets DCP's verdict: this case fails, the world goes on
+        return {"imported_equal": False, "fresh_optimizer": False, "error": str(e)}
+    single = scrambled(base_model("llama", Mesh.single(mesh.device)))
+    load_checkpoint(path, single, None)
+    loaded = grads.full_model_state() if zero == 3 else full_params_after(model, mesh)
+    want = dict(single.named_parameters())
+    written = dict(base_model("llama", Mesh.single(mesh.device)).named_parameters())
+    equal = all(torch.equal(loaded[n], p.detach()) and torch.equal(p, written[n]) for n, p in want.items())
+    if zero:
+        fresh = all(float(st["step"]) == 0 and not st["exp_avg"].any() and not st["exp_avg_sq"].any()
+                    for st in opt.inner.state.values())
+    else:
+        fresh = not opt.state
+    return {"imported_equal": equal, "fresh_optimizer": fresh}
+
+
+def stage_case(mesh: Mesh, root: str) -> dict:
+    """checkpoint.resume of a checkpoint saved with another model.freeze (a new training stage: its weights only,
+    step 0) into ZeRO-1 with bf16 parameter gathers, through the trainer's RunCheckpoints: the optimizer's fp32
+    master shards must take the loaded weights (else its first step publishes the masters it was built with over
+    them), the replicas their bf16 rounding, and the optimizer state stays fresh."""
+    from megaloom.runtime import Runtime
+    from megaloom.training.checkpoints import RunCheckpoints
+
+    written = base_model("llama", Mesh.single(mesh.device))
+    stage1 = torch.optim.AdamW(written.parameters(), lr=LR)
+    ensure_optimizer_state(written, stage1)
+    path = save_checkpoint(Path(root) / "stage1" / "checkpoints", 2, written, stage1,
+                           {"model": {**tiny_config().model.__dict__, "freeze": ["language"]}}, keep=1,
+                           rank=mesh.rank, barrier=dist.barrier)
+    cfg = tiny_config(world=mesh.world_size)
+    cfg.checkpoint.resume = str(path)
+    model = parallelize_tensor(scrambled(written), mesh, False)
+    grads = build_data_parallel(model, mesh, 1, BUCKET_MB, torch.bfloat16)
+    opt = ShardedOptimizer(grads, "adamw", lr=LR, betas=BETAS, eps=EPS["adamw"], weight_decay=WD)
+    rt = Runtime(mesh.device, mesh.rank, mesh.world_size, mesh.rank)
+    step, _ = RunCheckpoints(cfg, Path(root) / "stage2", rt, mesh).resume(model, opt)
+    want = {n: p.detach() for n, p in written.named_parameters()}
+    masters = all(torch.equal(t.detach().reshape(-1), want[opt.named_params[s.owner][0]].reshape(-1)[
+        s.start:s.start + t.numel()]) for t, s in zip(opt.tensors, opt.segments, strict=True))
+    grads.wait_params()
+    replicas = all(torch.equal(p.detach(), want[n].bfloat16().float()) for n, p in model.named_parameters())
+    fresh = all(float(st["step"]) == 0 and not st["exp_avg"].any() for st in opt.inner.state.values())
+    return {"step": step, "masters": masters, "replicas": replicas, "fresh": fresh, "separate": opt.separate_masters}
+
+
 def dp_case(mesh: Mesh, zero: int, kind: str = "adamw", clip: float = math.inf, arch: str = "llama",
-            sp: bool = False, cache: dict | None = None, roundtrip: bool = False, fused: bool = False) -> dict:
-    """Train 10 steps at this layout (two micro-batches per step) and report what the tests check."""
+            sp: bool = False, cache: dict | None = None, roundtrip: bool = False, fused: bool = False,
+            imported: Path | None = None) -> dict:
+    """Train 10 steps at this layout (two micro-batches per step) and report what the tests check.
+    ``imported``: a model-only checkpoint of the reference's initial weights (`write_imported`), loaded into a
+    model built with other weights before training."""
     ref = reference(arch, kind, clip, {} if cache is None else cache, mesh.device)
     base = base_model(arch, mesh)
     micro = GLOBAL_BATCH // mesh.dp // 2
@@ -187,7 +261,10 @@ def dp_case(mesh: Mesh, zero: int, kind: str = "adamw", clip: float = math.inf, 
         if zero == 3:
             stack.enter_context(fsdp_reductions_logged(rec))
         stack.callback(setattr, mesh, "recorder", comm.NullRecorder())
-        model, grads, opt = make_parallel(base, mesh, zero, kind, sp, fused=fused)
+        model, grads, opt = make_parallel(base if imported is None else scrambled(base), mesh, zero, kind, sp,
+                                          fused=fused)
+        if imported is not None:
+            out.update(imported_check(imported, model, grads, opt, mesh, zero))
         out["numel"] = total_numel(model)
         out["fused"] = getattr(grads, "n_fused", 0)
         batches = global_batches(arch=arch)
@@ -242,7 +319,9 @@ def state_error(got: dict, ref: dict) -> float:
 # ---------------------------------------------------------------------------------------------------- suites
 
 
-def suite_dp2(rank: int, world: int, device: torch.device) -> dict:
+def suite_dp2(rank: int, world: int, device: torch.device, root: str) -> dict:
+    from . import onebit_worlds  # it builds on this module
+
     mesh = Mesh.build(tiny_config(world=world), world, rank, device)
     cache: dict = {}
     res: dict = {}
@@ -263,8 +342,13 @@ def suite_dp2(rank: int, world: int, device: torch.device) -> dict:
     res["z1-roundtrip"] = dp_case(mesh, 1, roundtrip=True, cache=cache)
     res["z3-roundtrip"] = dp_case(mesh, 3, roundtrip=True, cache=cache)
     res["z2-lamb-roundtrip"] = dp_case(mesh, 2, "lamb", roundtrip=True, cache=cache)
+    imported = write_imported(root, rank, device)  # a model-only checkpoint (convert --from-hf) at ZeRO-1 and 3
+    res["z1-model-only"] = dp_case(mesh, 1, cache=cache, imported=imported)
+    res["z3-model-only"] = dp_case(mesh, 3, cache=cache, imported=imported)
+    res["z1-bf16-new-stage"] = stage_case(mesh, root)  # the weights of another model.freeze stage's checkpoint
     res["z1-llava"] = llava_dp_case(mesh, 1)  # images through a ViT and projector, ZeRO-1
     res["z1-llava-frozen"] = llava_dp_case(mesh, 1, freeze="vision,language")  # projector-only pretraining
+    res["onebit-collective"] = onebit_worlds.collective_case(mesh)  # 1-bit exchange, 1,000 steps vs float64
     res["rs-copy"] = reduce_scatter_copy(mesh)  # last: it tells malloc to return freed blocks from then on
     return res
 
@@ -300,7 +384,9 @@ def reduce_scatter_copy(mesh: Mesh) -> dict | None:
     return out
 
 
-def suite_dp4(rank: int, world: int, device: torch.device) -> dict:
+def suite_dp4(rank: int, world: int, device: torch.device, root: str) -> dict:
+    from . import onebit_worlds  # it builds on this module
+
     cache: dict = {}
     res: dict = {}
     mesh = Mesh.build(tiny_config(world=world), world, rank, device)
@@ -316,4 +402,12 @@ def suite_dp4(rank: int, world: int, device: torch.device) -> dict:
     res["tp2dp2-z0-lamb"] = dp_case(tp, 0, "lamb", cache=cache)
     res["tp2dp2-z2-lamb"] = dp_case(tp, 2, "lamb", cache=cache)
     res["tp2dp2-z1-roundtrip"] = dp_case(tp, 1, roundtrip=True, cache=cache)
+    res["tp2dp2-z3-model-only"] = dp_case(tp, 3, clip=0.05, cache=cache, imported=write_imported(root, rank, device))
+    # 1-bit Adam / LAMB (megaloom/onebit.py) against a simulation of the same algorithm
+    res["dp4-onebit_adam"] = onebit_worlds.onebit_case(mesh, "onebit_adam")
+    res["dp4-onebit_lamb-clip"] = onebit_worlds.onebit_case(mesh, "onebit_lamb", clip=0.05)
+    res["tp2dp2-onebit_adam-sp"] = onebit_worlds.onebit_case(tp, "onebit_adam", sp=True)
+    res["dp4-onebit_adam-bf16"] = onebit_worlds.onebit_case(mesh, "onebit_adam", bf16=True)
+    res["dp4-onebit-bytes"] = onebit_worlds.bytes_case(mesh)
+    res["dp4-onebit-resume"] = onebit_worlds.resume_case(mesh, "onebit_lamb", elsewhere=tp)
     return res

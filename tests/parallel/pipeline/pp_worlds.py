@@ -12,7 +12,7 @@ import copy
 import torch
 
 from megaloom.config import Config, load_config
-from megaloom.models import Transformer
+from megaloom.models.registry import get_family
 from megaloom.parallel import comm
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.pipeline.executor import PipelineExecutor
@@ -23,9 +23,11 @@ from megaloom.parallel.pipeline.stage import build_embedding_groups, build_stage
 from megaloom.parallel.tensor import gather_full_grads, parallelize_tensor
 from megaloom.step import micro_batches
 
+from ..lora_setup import base_changed, base_params, freeze_base, randomize_adapters, with_lora
 from ..worlds import MLA, MTP, arch_keys, family_arch, kv_heads, token_rows
 
 VOCAB, SEQ, MICRO = 128, 16, 2
+GEMMA = ("model.head_dim=24", "model.sliding_window=5")  # wide heads, windows shorter than the sequence
 CLIP = 0.5  # below the tiny model's gradient norm, so clipping (and the norm over stages) is exercised
 
 
@@ -38,7 +40,8 @@ def pp_config(pp: int, tp: int = 1, vpp: int = 1, sp: bool = False, n_layers: in
         f"model.max_seq_len={SEQ}",
         f"model.tie_embeddings={tie}", f"train.seq_len={SEQ}", f"parallel.tp={tp}", f"parallel.pp={pp}",
         f"parallel.vpp={vpp}", f"parallel.sp={sp}", f"parallel.schedule={schedule}",
-        f"train.micro_batch_size={MICRO}", f"train.global_batch_size={MICRO * dp}", *arch_keys(arch)])
+        f"train.micro_batch_size={MICRO}", f"train.global_batch_size={MICRO * dp}", *arch_keys(arch),
+        *(GEMMA if arch == "gemma" else ())])
 
 
 def _err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -47,13 +50,20 @@ def _err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def pipeline_case(mesh: Mesh, emb_group, schedule: str, m: int, vpp: int = 1, n_layers: int = 4,
                   arch: str = "llama", tie: bool = True, sp: bool = False, split_data: bool = False,
-                  steps: int = 5, timing: bool = False) -> dict:
+                  steps: int = 5, timing: bool = False, lora: bool = False, clip: float = CLIP) -> dict:
     """``split_data``: each data-parallel replica gets its own micro-batches (the reference sees them all);
-    otherwise every replica runs the same ones (a pure pipeline check on a world larger than pp * tp)."""
+    otherwise every replica runs the same ones (a pure pipeline check on a world larger than pp * tp).
+    ``lora``: adapters on every linear, the base frozen (then ``clip`` below the adapters' smaller norm)."""
     cfg = pp_config(mesh.pp, mesh.tp, vpp, sp, n_layers, arch, tie, mesh.world_size, schedule)
+    cfg = with_lora(cfg) if lora else cfg
     torch.manual_seed(1234)
-    ref = Transformer(cfg.model).to(mesh.device)
+    ref = get_family(cfg.model.arch).build(cfg.model).to(mesh.device)
+    if lora:
+        randomize_adapters(ref)
     full = parallelize_tensor(copy.deepcopy(ref), mesh, sp)  # tensor parallelism on the full model, then cut
+    freeze_base(ref, cfg)  # model.lora (no-op otherwise), after the split as the trainer does
+    freeze_base(full, cfg)
+    base_before = base_params(full) if lora else {}
     stage = build_stage(full, partition_layers(n_layers, mesh.pp, vpp), mesh)
     ex = PipelineExecutor(stage, build_schedule(schedule, mesh.pp, vpp, m), mesh, MICRO, SEQ, sp=sp, timing=timing)
     sync = PipelineGradientSync(stage, mesh, emb_group if tie else None)
@@ -72,8 +82,8 @@ def pipeline_case(mesh: Mesh, emb_group, schedule: str, m: int, vpp: int = 1, n_
             loss = ref(x, y) / n_micro
             loss.backward()
             total += loss.detach()
-        ref_grads = {n: p.grad.clone() for n, p in ref_names.items()}
-        out["norm_ref"].append(torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP).item())
+        ref_grads = {n: p.grad.clone() for n, p in ref_names.items() if p.grad is not None}  # frozen: none
+        out["norm_ref"].append(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip).item())
 
         feeds = stage.has_embedding or stage.has_head
         loss = ex.run(batch[mine] if feeds else None)
@@ -84,14 +94,17 @@ def pipeline_case(mesh: Mesh, emb_group, schedule: str, m: int, vpp: int = 1, n_
             grads = gather_full_grads(stage.model, mesh)
             out["grad_err"] = {}
             for name, g in grads.items():
-                ref_name = name if name in ref_grads else "tok_emb.weight"  # the tied head's copy
+                ref_name = name if name in ref_names else "tok_emb.weight"  # the tied head's copy
+                if g is None or ref_name not in ref_grads:  # frozen (LoRA's base): no gradient on either side
+                    out["grad_err"][name] = (0.0, 0.0, g is None and ref_name not in ref_grads)
+                    continue
                 r = ref_grads[ref_name]
                 out["grad_err"][name] = (_err(g, r), r.abs().max().item(),
                                          torch.allclose(g, r, rtol=1e-4, atol=1e-5))
             out["names"] = sorted(grads)
-            out["ref_names"] = sorted(ref_grads)
+            out["ref_names"] = sorted(ref_names)
             out["param_names"] = [n for n, _ in stage.model.named_parameters()]
-        out["norm"].append(sync.clip(CLIP).item())
+        out["norm"].append(sync.clip(clip).item())
         out["peak"].append(ex.peak_activations)
         opt_ref.step()
         opt.step()
@@ -99,6 +112,10 @@ def pipeline_case(mesh: Mesh, emb_group, schedule: str, m: int, vpp: int = 1, n_
         opt.zero_grad(set_to_none=True)
         out["loss_ref"].append(total.item())
         out["loss"].append(loss.item())
+    out["clip"] = clip
+    if lora:
+        out["base_changed"] = base_changed(stage.model, {n: base_before[n] for n, _ in
+                                                         stage.model.named_parameters() if n in base_before})
     tied = stage.model.tok_emb.weight if stage.has_embedding else stage.model.head.weight if stage.has_head else None
     out["tied_weight"] = tied.detach().clone() if tie and tied is not None else None
     if timing:
@@ -138,6 +155,8 @@ def suite_pipeline_world4(rank: int, world: int, device: torch.device) -> dict:
     res["pp2-1f1b-m4-mla"] = pipeline_case(mesh, group, "1f1b", 4, arch=MLA)  # latent attention across stages
     # multi-token prediction on the last stage, its tokens looked up in the head's tied copy of the embedding
     res["pp2-1f1b-m4-mtp"] = pipeline_case(mesh, group, "1f1b", 4, arch=MTP)
+    # gemma: its own module (sandwich norms, scaled embedding on the first stage, alternating windows of 5)
+    res["pp2-1f1b-m4-gemma"] = pipeline_case(mesh, group, "1f1b", 4, arch="gemma")
     # The encoder: its embedding side (segment embedding, embedding norm) stays on the first stage, the MLM head
     # transform and bias on the last; (inputs, labels) rows as its objective makes them.
     res["pp2-dp2-1f1b-m4-bert"] = pipeline_case(mesh, group, "1f1b", 4, arch="bert", split_data=True)
@@ -152,5 +171,7 @@ def suite_pipeline_world4(rank: int, world: int, device: torch.device) -> dict:
     res["pp2-tp2-sp-1f1b-m4-bert"] = pipeline_case(mesh, group, "1f1b", 4, sp=True, arch="bert")
     res["pp2-tp2-sp-1f1b-m4-mla"] = pipeline_case(mesh, group, "1f1b", 4, sp=True, arch=MLA)
     res["pp2-tp2-sp-1f1b-m4-mtp"] = pipeline_case(mesh, group, "1f1b", 4, sp=True, arch=MTP)  # vocab-row lookup
+    res["pp2-tp2-sp-1f1b-m4-lora"] = pipeline_case(mesh, group, "1f1b", 4, sp=True, lora=True, clip=0.2, steps=3)
+    res["pp2-tp2-sp-1f1b-m4-gemma"] = pipeline_case(mesh, group, "1f1b", 4, sp=True, arch="gemma")
     res["coords"] = dict(pp=mesh.pp_rank, tp=mesh.tp_rank)
     return res

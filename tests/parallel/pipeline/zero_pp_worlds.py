@@ -20,8 +20,11 @@ from megaloom.checkpoint.store import load_checkpoint, save_checkpoint
 from megaloom.config import Config, load_config
 from megaloom.lamb import build_lamb
 from megaloom.models import Transformer
+from megaloom.models.lora import is_adapter_name
+from megaloom.onebit import KINDS, PAD_MULTIPLE, OnebitOptimizer
 from megaloom.optim import param_groups
 from megaloom.parallel import comm
+from megaloom.parallel.expert import is_expert_param
 from megaloom.parallel.layout import single_model_name
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.pipeline.executor import PipelineExecutor
@@ -32,23 +35,27 @@ from megaloom.parallel.tensor import gather_full_params, parallelize_tensor
 from megaloom.parallel.zero import ShardedOptimizer, build_data_parallel
 from megaloom.step import TrainStep
 
+from ..lora_setup import freeze_base, randomize_adapters, with_lora
+
 VOCAB, SEQ, MICRO = 128, 16, 2
 CLIP, LR, WD, BETAS = 0.5, 3e-3, 0.1, (0.9, 0.95)
-EPS = {"adamw": 1e-8, "lamb": 1e-6}
+EPS = {"adamw": 1e-8, "lamb": 1e-6, "onebit_adam": 1e-8, "onebit_lamb": 1e-6}
+ONEBIT_WARMUP = 2
 BUCKET_MB = 0.02  # ~5k fp32 elements: the tiny stage spreads over several buckets
 
 
 def config(pp: int, tp: int = 1, vpp: int = 1, sp: bool = False, ep: int = 1, n_layers: int = 4,
-           arch: str = "llama", tie: bool = True, world: int = 4, moe: bool = False) -> Config:
+           arch: str = "llama", tie: bool = True, world: int = 4, moe: bool = False, lora: bool = False) -> Config:
     dp = world // (tp * pp)
     extra = ["model.moe_every=2", "model.n_experts=4", "model.top_k=2", "model.n_shared_experts=1",
              "model.expert_ffn_dim=32", "model.capacity_factor=0", "model.aux_loss_weight=0.01"] if moe else []
-    return load_config(None, [
+    cfg = load_config(None, [
         f"model.arch={arch}", f"model.vocab_size={VOCAB}", "model.d_model=64", f"model.n_layers={n_layers}",
         "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128", f"model.max_seq_len={SEQ}",
         f"model.tie_embeddings={tie}", f"train.seq_len={SEQ}", f"parallel.tp={tp}", f"parallel.pp={pp}",
         f"parallel.vpp={vpp}", f"parallel.sp={sp}", f"parallel.ep={ep}", f"train.micro_batch_size={MICRO}",
         f"train.global_batch_size={MICRO * dp}", *extra])
+    return with_lora(cfg) if lora else cfg
 
 
 class Log(comm.OpRecorder):
@@ -62,6 +69,9 @@ class Log(comm.OpRecorder):
 
 
 def optimizer(model, grads, zero: int, kind: str, mesh: Mesh | None, whole_modules=()):
+    if kind in KINDS:  # 1-bit Adam / LAMB over the buckets (zero 0)
+        return OnebitOptimizer(model, grads, KINDS[kind], lr=LR, betas=BETAS, eps=EPS[kind], weight_decay=WD,
+                               warmup_steps=ONEBIT_WARMUP)
     if zero:
         return ShardedOptimizer(grads, kind, lr=LR, betas=BETAS, eps=EPS[kind], weight_decay=WD,
                                 whole_modules=whole_modules)
@@ -76,15 +86,18 @@ def batches(mesh: Mesh, m: int, steps: int) -> list[torch.Tensor]:
             for _ in range(steps)]
 
 
-def reference(cfg: Config, kind: str, data: list[torch.Tensor], device, cache: dict) -> dict:
+def reference(cfg: Config, kind: str, data: list[torch.Tensor], device, cache: dict, clip: float = CLIP) -> dict:
     """The single process on the global batches (cached per model / optimizer)."""
     key = (cfg.model.arch, cfg.model.n_layers, cfg.model.tie_embeddings, cfg.model.moe_every, kind, len(data),
-           data[0].shape[0])
+           data[0].shape[0], cfg.model.lora.rank, clip)
     if key not in cache:
         torch.manual_seed(1234)
         ref = Transformer(cfg.model).to(device)
+        if cfg.model.lora.rank:  # LoRA: non-zero adapters on every linear, the base frozen
+            randomize_adapters(ref)
         base = copy.deepcopy(ref)
-        step = TrainStep(ref, optimizer(ref, None, 0, kind, None), "fp32", device, MICRO, CLIP)
+        freeze_base(ref, cfg)
+        step = TrainStep(ref, optimizer(ref, None, 0, kind, None), "fp32", device, MICRO, clip)
         out = [step(b) for b in data]
         cache[key] = dict(base=base, loss=[o.loss.item() for o in out], norm=[o.grad_norm.item() for o in out],
                           params={n: p.detach().clone() for n, p in ref.named_parameters()})
@@ -96,11 +109,12 @@ class Layout:
 
     def __init__(self, base: Transformer, cfg: Config, mesh: Mesh, emb_group, schedule: str, m: int, zero: int,
                  kind: str, bucket_mb: float = BUCKET_MB, gather_dtype: torch.dtype = torch.float32,
-                 compiled: bool = False) -> None:
+                 compiled: bool = False, clip: float = CLIP) -> None:
         """``compiled``: every block compiled as the trainer does with train.compile (dynamo's eager backend:
         the same tracing and hooks, no C++ compiler needed), its parameters waited for by one hook per block."""
         p = cfg.parallel
         model = parallelize_tensor(copy.deepcopy(base), mesh, p.sp)
+        freeze_base(model, cfg)  # model.lora / model.freeze, after the split as the trainer does
         self.stage = build_stage(model, partition_layers(cfg.model.n_layers, mesh.pp, p.vpp), mesh)
         self.model = self.stage.model
         self.blocks = list(self.model.layers.values()) if compiled else []
@@ -109,9 +123,10 @@ class Layout:
         self.ex = PipelineExecutor(self.stage, build_schedule(schedule, mesh.pp, p.vpp, m), mesh, MICRO, SEQ,
                                    sp=p.sp)
         self.grads = build_data_parallel(self.model, mesh, zero, bucket_mb, gather_dtype,
-                                         tied=tied_parameter(self.stage), tied_group=emb_group)
+                                         tied=tied_parameter(self.stage), tied_group=emb_group,
+                                         pad_multiple=PAD_MULTIPLE if kind in KINDS else 1)
         self.opt = optimizer(self.model, self.grads, zero, kind, mesh, whole_modules=self.blocks)
-        self.step = TrainStep(self.model, self.opt, "fp32", mesh.device, MICRO, CLIP, self.grads, pipeline=self.ex)
+        self.step = TrainStep(self.model, self.opt, "fp32", mesh.device, MICRO, clip, self.grads, pipeline=self.ex)
         self.mesh = mesh
 
     def run(self, data: list[torch.Tensor]) -> tuple[list[float], list[float]]:
@@ -134,29 +149,73 @@ class Layout:
 
 
 def zero_pp_case(mesh: Mesh, emb_group, cache: dict, schedule: str = "1f1b", m: int = 4, zero: int = 1,
-                 kind: str = "adamw", steps: int = 4, **model_kw) -> dict:
+                 kind: str = "adamw", steps: int = 4, clip: float = CLIP, **model_kw) -> dict:
+    """``clip``: below the case's gradient norms (an adapters-only norm is smaller than a whole model's)."""
     cfg = config(mesh.pp, mesh.tp, world=mesh.world_size, ep=mesh.ep, **model_kw)
     data = batches(mesh, m, steps)
-    ref = reference(cfg, kind, data, mesh.device, cache)
+    ref = reference(cfg, kind, data, mesh.device, cache, clip)
     names = {mesh.dp_cp_group: "dp", mesh.pp_group: "pp", mesh.tp_group: "tp", emb_group: "emb"}
     if mesh.ep > 1:
         names[mesh.edp_group] = "edp"
     log = Log(names)
     mesh.recorder = log
     try:
-        lay = Layout(ref["base"], cfg, mesh, emb_group if cfg.model.tie_embeddings else None, schedule, m, zero, kind)
+        lay = Layout(ref["base"], cfg, mesh, emb_group if cfg.model.tie_embeddings else None, schedule, m, zero, kind,
+                     clip=clip)
         log.events.clear()
         loss, norm = lay.run(data)
     finally:
         mesh.recorder = comm.NullRecorder()
     buckets = lay.grads.buckets
-    return dict(loss=loss, loss_ref=ref["loss"], norm=norm, norm_ref=ref["norm"],
+    before = dict(ref["base"].named_parameters())  # LoRA: the frozen base bit-identical after the steps
+    base_changed = [n for n, p in lay.model.named_parameters() if cfg.model.lora.rank and not is_adapter_name(n)
+                    and not (p.grad is None and torch.equal(p.detach(), before[single_model_name(n, p)]))]
+    return dict(loss=loss, loss_ref=ref["loss"], norm=norm, norm_ref=ref["norm"], base_changed=base_changed, clip=clip,
                 param_err=lay.param_err(ref["params"]), events=log.events, stats=lay.grads.stats.as_dict(),
                 n_buckets=len(buckets),
                 bucket_bytes=[b.padded * 4 for b in buckets], bucket_ranks=[b.size for b in buckets],
                 tied_bucket=[b.tied for b in buckets],
                 model_bytes=sum(p.numel() * 4 for p in lay.model.parameters()),
                 shard_numel=lay.grads.shard_numel(), numel=sum(p.numel() for p in lay.model.parameters()))
+
+
+def onebit_case(mesh: Mesh, emb_group, cache: dict, kind: str = "onebit_adam", steps: int = 6, **model_kw) -> dict:
+    """1-bit Adam / LAMB through the pipeline executor and TrainStep at pp2 x dp2 (MoE: ep2 too): the collectives
+    on the data-parallel group per step, whether the dp replicas (and the tied embedding's two copies) hold the
+    same weights, and the loss next to plain AdamW's single process."""
+    cfg = config(mesh.pp, mesh.tp, world=mesh.world_size, ep=mesh.ep, **model_kw)
+    data = batches(mesh, 4, steps)
+    ref = reference(cfg, "adamw", data, mesh.device, cache)
+    names = {mesh.dp_cp_group: "dp", mesh.pp_group: "pp", mesh.tp_group: "tp", emb_group: "emb"}
+    if mesh.ep > 1:
+        names[mesh.edp_group] = "edp"
+    lay = Layout(ref["base"], cfg, mesh, emb_group, "1f1b", 4, 0, kind)
+    ops: list[list[str]] = []
+
+    class Ops(comm.OpRecorder):
+        def enter(self, name, group, nbytes=0):
+            if names.get(group) in ("dp", "edp") and not name.startswith("wait "):
+                ops[-1].append(name)
+
+    mesh.recorder = Ops()
+    losses = []
+    try:
+        for b in data:
+            ops.append([])
+            losses += lay.run([b])[0]
+    finally:
+        mesh.recorder = comm.NullRecorder()
+    dense = [p for p in lay.model.parameters() if not is_expert_param(p)]
+    mine = torch.cat([p.detach().reshape(-1) for p in dense])
+    replica = (comm.all_reduce(mine.clone(), mesh.dp_cp_group, op="max") - mine).abs().max().item()
+    tied = tied_parameter(lay.stage)
+    tied_err = None
+    if tied is not None:  # the embedding on the first stage, the head's copy on the last: the same after the steps
+        other = comm.all_reduce(tied.detach().clone(), emb_group, op="max")
+        tied_err = (other - tied.detach()).abs().max().item()
+    return dict(loss=losses, loss_ref=ref["loss"], ops=ops, replica_err=replica, tied_err=tied_err,
+                warmup=ONEBIT_WARMUP, compressed=[ex is not None for ex in lay.opt.exchanges],
+                bucket_ranks=[b.size for b in lay.grads.buckets], finite=is_finite(losses))
 
 
 def checkpoint_case(rank: int, mesh: Mesh, emb_group, cache: dict, root: str, world: int) -> dict:
@@ -251,15 +310,21 @@ def suite_zero_pp_world4(rank: int, world: int, device: torch.device, root: str)
     res["pp2dp2-1f1b-z1-untied"] = zero_pp_case(mesh, emb, cache, "1f1b", zero=1, tie=False)
     res["pp2dp2-1f1b-z1-lamb"] = zero_pp_case(mesh, emb, cache, "1f1b", zero=1, kind="lamb")
     res["pp2dp2-1f1b-z2-gpt2"] = zero_pp_case(mesh, emb, cache, "1f1b", zero=2, arch="gpt2")
+    # LoRA: only the adapters in the buckets and ZeRO-1's shards; the frozen tied embedding has no bucket
+    res["pp2dp2-1f1b-z1-lora"] = zero_pp_case(mesh, emb, cache, "1f1b", zero=1, lora=True, clip=0.2,
+                                              steps=3)
     res["ckpt"] = checkpoint_case(rank, mesh, emb, cache, root, world)
     res["gather-fp32"] = gather_bytes_case(mesh, emb, cache, torch.float32)
     res["gather-bf16"] = gather_bytes_case(mesh, emb, cache, torch.bfloat16)
     res["gather-bf16-compiled"] = gather_bytes_case(mesh, emb, cache, torch.bfloat16, compiled=True)
+    res["pp2dp2-onebit_adam"] = onebit_case(mesh, emb, cache)
+    res["pp2dp2-onebit_lamb"] = onebit_case(mesh, emb, cache, "onebit_lamb")
     mesh = Mesh.build(config(pp=2, ep=2, world=world, moe=True), world, rank, device)  # pp2 x dp2 (ep2)
     emb = build_embedding_groups(mesh)
     for zero in (0, 1, 2):
         res[f"pp2dp2ep2-moe-z{zero}"] = zero_pp_case(mesh, emb, cache, "1f1b", zero=zero, moe=True)
     res["pp2dp2ep2-moe-vpp2-z1"] = zero_pp_case(mesh, emb, cache, "interleaved", zero=1, moe=True, vpp=2)
+    res["pp2dp2ep2-moe-onebit_adam"] = onebit_case(mesh, emb, cache, moe=True)
     return res
 
 

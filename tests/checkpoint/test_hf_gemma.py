@@ -1,0 +1,113 @@
+"""Hugging Face interchange of the gemma family (Gemma2ForCausalLM without soft-capping), checked by logits and
+tensors: sandwich (1 + w) norms, GeGLU, the scaled embedding, heads wider than d_model / n_heads, and alternating
+sliding-window layers over a sequence longer than the window; and what it refuses, by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from megaloom.checkpoint import find_checkpoints, load_checkpoint  # noqa: E402
+from megaloom.config import load_config  # noqa: E402
+from megaloom.convert import ConversionError, from_hf, to_hf  # noqa: E402
+from megaloom.models.registry import get_family  # noqa: E402
+
+ATOL = 1e-5
+VOCAB = 256
+WINDOW = 8  # shorter than the 24 tokens compared, so the local layers' window matters
+pytestmark = pytest.mark.filterwarnings("ignore:.*has no tokenizer.json")
+
+
+def hf_config(**changes) -> transformers.Gemma2Config:
+    return transformers.Gemma2Config(**{**dict(
+        hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        query_pre_attn_scalar=32, num_hidden_layers=4, vocab_size=VOCAB, max_position_embeddings=64,
+        rope_theta=500.0, rms_norm_eps=1e-6, sliding_window=WINDOW, attn_logit_softcapping=None,
+        final_logit_softcapping=None, tie_word_embeddings=True, attn_implementation="eager"), **changes})
+
+
+def hf_model(**changes):
+    """A tiny random Gemma2ForCausalLM in float32, every norm randomised around 0 (its (1 + w) is then around 1)."""
+    torch.manual_seed(0)
+    model = transformers.Gemma2ForCausalLM(hf_config(**changes)).float()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.2)
+    return model.eval()
+
+
+def tokens(n: int = 24) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, n), generator=torch.Generator().manual_seed(1))
+
+
+def hf_logits(model, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(x).logits
+
+
+def megaloom_from_run(run_dir):
+    cfg = load_config(run_dir / "config.yaml")
+    model = get_family(cfg.model.arch).build(cfg.model)
+    load_checkpoint(find_checkpoints(run_dir / "checkpoints")[0], model, None, model_cfg=cfg.model.__dict__)
+    return model.eval(), cfg
+
+
+@pytest.mark.parametrize("window", [WINDOW, 0])
+def test_hf_gemma2_imports_with_equal_logits_and_exports_the_same_tensors(tmp_path, window):
+    changes = {} if window else {"layer_types": ["full_attention"] * 4}
+    ref = hf_model(**changes)
+    ref.save_pretrained(tmp_path / "hf")
+    expected = hf_logits(ref, tokens())
+
+    from_hf(tmp_path / "hf", tmp_path / "run")
+    model, cfg = megaloom_from_run(tmp_path / "run")
+    m = cfg.model
+    assert (m.arch, m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.ffn_dim) == ("gemma", 64, 4, 2, 32, 96)
+    assert m.sliding_window == window and m.tie_embeddings
+    assert [model.layers[str(i)].attn.window for i in range(4)] == [window, 0, window, 0]
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens()), expected, atol=ATOL, rtol=0)
+
+    to_hf(tmp_path / "run", tmp_path / "back", show_progress=False)
+    hf_cfg = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert hf_cfg["architectures"] == ["Gemma2ForCausalLM"] and hf_cfg["head_dim"] == 32
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", attn_implementation="eager").eval()
+    assert type(back) is transformers.Gemma2ForCausalLM
+    assert back.config.layer_types == ref.config.layer_types
+    for k, v in ref.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v), k
+    torch.testing.assert_close(hf_logits(back, tokens()), expected, atol=ATOL, rtol=0)
+
+
+def test_the_window_matters_here():
+    """The comparison above would not see a window ignored: a model without it computes other logits."""
+    with_window, without = hf_model(), hf_model(layer_types=["full_attention"] * 4)
+    assert not torch.allclose(hf_logits(with_window, tokens()), hf_logits(without, tokens()), atol=1e-3)
+
+
+GEMMA2 = {"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], "hidden_size": 64,
+          "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+          "query_pre_attn_scalar": 32, "num_hidden_layers": 2, "vocab_size": 64, "max_position_embeddings": 32,
+          "sliding_window": 8, "attn_logit_softcapping": None, "final_logit_softcapping": None}
+
+
+@pytest.mark.parametrize("cfg,field", [
+    ({**GEMMA2, "attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),  # the released checkpoints' values
+    ({**GEMMA2, "final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+    ({**GEMMA2, "query_pre_attn_scalar": 144}, "query_pre_attn_scalar"),  # Gemma 2 27B's
+    ({**GEMMA2, "hidden_activation": "gelu"}, "hidden_activation"),
+    ({**GEMMA2, "attention_bias": True}, "attention_bias"),
+    ({**GEMMA2, "layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+])
+def test_unsupported_gemma2_configs_name_the_field(tmp_path, cfg, field):
+    d = tmp_path / "hfcfg"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConversionError, match=field):
+        from_hf(d, tmp_path / "run")
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,388 @@
+"""What the ranks of the data-parallel world run for 1-bit Adam / LAMB (megaloom/onebit.py): numbers, checked by
+test_dp_world4.py.
+
+The reference is `simulate`: one process playing every data-parallel worker of the same algorithm, written
+here from the papers (Tang et al. 2021; Li et al. 2021) without megaloom's optimizer or exchange: each worker's
+own gradient on its rows, the warm-up's averaged gradient and plain Adam / LAMB, then per bucket the worker
+momenta (times the frozen preconditioner 1 / (sqrt(v_hat) + eps)) with their errors, one scale per piece of a
+parameter in each server's chunk, the servers' average with their errors, and the frozen-variance update (frozen
+trust ratio times the clamped factor for LAMB). The bucket
+layout is `plan_buckets`' (a pure function), padded to 8 x the workers.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megaloom.checkpoint.store import load_checkpoint, save_checkpoint
+from megaloom.data.objective import inputs_and_labels, objective_kwargs
+from megaloom.onebit import COEFF_BETA, FACTOR_MAX, FACTOR_MIN, FACTOR_THRESHOLD, PAD_MULTIPLE, OnebitOptimizer
+from megaloom.optim import param_groups
+from megaloom.parallel import comm
+from megaloom.parallel.compressed import ChunkPlan, CompressedAverage
+from megaloom.parallel.data_parallel import plan_buckets
+from megaloom.parallel.mesh import Mesh
+from megaloom.parallel.tensor import gather_full_tensor, parallelize_tensor, sync_tp_grads
+from megaloom.parallel.zero import build_data_parallel
+
+from .dp_worlds import BETAS, BUCKET_MB, EPS, GLOBAL_BATCH, LR, WD, base_model, global_batches, run_steps
+
+WARMUP = 4  # of the 10 steps: 6 compressed
+
+
+# ----------------------------------------------------------------------------------------------- simulation
+
+
+def _segments(offsets: list[int], ends: list[int], padded: int, workers: int) -> list[tuple[int, int]]:
+    """(start, end) of every piece of a parameter (or of the padding) inside a server's chunk."""
+    chunk = padded // workers
+    cuts = sorted({0, *offsets, *(e for e in ends if e < padded), *range(chunk, padded, chunk)})
+    return list(zip(cuts, cuts[1:] + [padded], strict=True))
+
+
+def _one_bit(x: torch.Tensor, segments: list[tuple[int, int]], base: int = 0) -> torch.Tensor:
+    """scale * sign(x) per segment (scale: the segment's root mean square; sign(0) = +1)."""
+    out = torch.empty_like(x)
+    for a, b in segments:
+        s = x[a - base:b - base].norm() / math.sqrt(b - a)
+        out[a - base:b - base] = torch.where(x[a - base:b - base] >= 0, s, -s)
+    return out
+
+
+class Simulation:
+    """``workers`` data-parallel replicas of one model, simulated in this process (tensor parallelism, if any, is
+    real: ``mesh`` is a tp-only mesh)."""
+
+    def __init__(self, base, mesh: Mesh, workers: int, kind: str, clip: float, sp: bool = False) -> None:
+        self.model = parallelize_tensor(copy.deepcopy(base), mesh, sp)
+        self.mesh, self.n, self.kind, self.clip = mesh, workers, kind, clip
+        self.groups = param_groups(self.model, WD)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        numel = max(1, int(BUCKET_MB * 2**20) // 4)
+        self.buckets = []  # (params, offsets, padded)
+        for idx, offs, padded in plan_buckets([p.numel() for p in self.params], numel, workers * PAD_MULTIPLE):
+            ps = [self.params[i] for i in idx]
+            ends = [o + p.numel() for p, o in zip(ps, offs, strict=True)]
+            self.buckets.append((ps, offs, padded, _segments(offs, ends, padded, workers)))
+        self.m = {p: torch.zeros_like(p) for p in self.params}
+        self.v = {p: torch.zeros_like(p) for p in self.params}
+        self.fresh = {p: torch.zeros_like(p) for p in self.params}
+        self.coeff = {p: [0.0, 0.0] for p in self.params}  # trust ratios' average: numerator, weight
+        self.last = {p: 1.0 for p in self.params}
+        self.worker_err = [[torch.zeros(b[2]) for b in self.buckets] for _ in range(workers)]
+        self.server_err = [torch.zeros(b[2]) for b in self.buckets]  # every server's chunk, side by side
+        self.t = 0
+
+    def local_grads(self, rows: torch.Tensor, micro: int) -> tuple[list[torch.Tensor], float]:
+        n_micro = rows.shape[0] // micro
+        total = 0.0
+        for i in range(n_micro):
+            chunk = rows[i * micro:(i + 1) * micro]
+            loss = self.model(*inputs_and_labels(chunk), **objective_kwargs(chunk)) / n_micro
+            loss.backward()
+            total += loss.item()
+        if self.mesh.tp > 1:
+            sync_tp_grads(self.model, self.mesh)
+        flats = []
+        for ps, offs, padded, _ in self.buckets:
+            flat = torch.zeros(padded)
+            for p, o in zip(ps, offs, strict=True):
+                flat[o:o + p.numel()] = p.grad.reshape(-1)
+            flats.append(flat)
+        for p in self.params:
+            p.grad = None
+        return flats, total
+
+    def norm(self, flats: list[torch.Tensor]) -> torch.Tensor:
+        """The whole gradient's norm (tp-sharded pieces counted once: tensor parallelism is only run unclipped)."""
+        return torch.cat(flats).norm()
+
+    def step(self, batch: torch.Tensor, micro: int) -> float:
+        local = batch.shape[0] // self.n
+        per_worker = [self.local_grads(batch[w * local:(w + 1) * local], micro) for w in range(self.n)]
+        grads = [g for g, _ in per_worker]
+        loss = sum(total for _, total in per_worker) / self.n
+        b1, b2 = BETAS
+        self.t += 1
+        if self.t <= WARMUP:  # all-reduced gradient, plain Adam / LAMB
+            avg = [sum(g[k] / self.n for g in grads) for k in range(len(self.buckets))]
+            if math.isfinite(self.clip):
+                avg = [a * min(1.0, self.clip / (self.norm(avg).item() + 1e-6)) for a in avg]
+            g = self._unflatten(avg)
+            for p in self.params:
+                self.m[p] = b1 * self.m[p] + (1 - b1) * g[p]
+                self.v[p] = b2 * self.v[p] + (1 - b2) * g[p] * g[p]
+            if self.t == WARMUP:
+                self.fresh = {p: v.clone() for p, v in self.v.items()}
+            self._warmup_update()
+            return loss
+        if math.isfinite(self.clip):  # every worker's gradient by one coefficient: the RMS of their norms
+            rms = math.sqrt(sum(self.norm(g).item() ** 2 for g in grads) / self.n)
+            grads = [[x * min(1.0, self.clip / (rms + 1e-6)) for x in g] for g in grads]
+        m_new = {}
+        eps = EPS["adamw" if self.kind == "onebit_adam" else "lamb"]
+        for k, (ps, offs, padded, segs) in enumerate(self.buckets):
+            m, v = torch.zeros(padded), torch.zeros(padded)
+            for p, o in zip(ps, offs, strict=True):
+                m[o:o + p.numel()] = self.m[p].reshape(-1)
+                v[o:o + p.numel()] = self.v[p].reshape(-1)
+            d = 1 / ((v / (1 - b2 ** WARMUP)).sqrt() + eps)  # the frozen preconditioner: exchanged is d x
+            sent = []
+            for w in range(self.n):
+                x = (grads[w][k] * (1 - b1) + b1 * m) * d + self.worker_err[w][k]
+                c = _one_bit(x, segs)
+                self.worker_err[w][k] = x - c
+                sent.append(c)
+            chunk = padded // self.n
+            out = torch.empty(padded)
+            for r in range(self.n):
+                lo, hi = r * chunk, (r + 1) * chunk
+                y = sum(c[lo:hi] for c in sent) / self.n + self.server_err[k][lo:hi]
+                mine = [(a, b) for a, b in segs if lo <= a < hi]
+                out[lo:hi] = _one_bit(y, mine, base=lo)
+                self.server_err[k][lo:hi] = y - out[lo:hi]
+            out = out / d
+            for p, o in zip(ps, offs, strict=True):
+                m_new[p] = out[o:o + p.numel()].view_as(p)
+        for p in self.params:
+            self.fresh[p] = b2 * self.fresh[p] + (1 - b2) * ((m_new[p] - b1 * self.m[p]) / (1 - b1)) ** 2
+            self.m[p] = m_new[p].clone()
+        self._compressed_update()
+        return loss
+
+    def _unflatten(self, flats: list[torch.Tensor]) -> dict:
+        out = {}
+        for (ps, offs, _, _), flat in zip(self.buckets, flats, strict=True):
+            for p, o in zip(ps, offs, strict=True):
+                out[p] = flat[o:o + p.numel()].view_as(p)
+        return out
+
+    @torch.no_grad()
+    def _warmup_update(self) -> None:
+        b1, b2 = BETAS
+        eps = EPS["adamw" if self.kind == "onebit_adam" else "lamb"]
+        for group in self.groups:
+            for p in group["params"]:
+                u = (self.m[p] / (1 - b1 ** self.t)) / ((self.v[p] / (1 - b2 ** self.t)).sqrt() + eps)
+                if self.kind == "onebit_adam":
+                    p.mul_(1 - LR * group["weight_decay"]).sub_(LR * u)
+                    continue
+                u = u + group["weight_decay"] * p
+                w, un = p.norm().item(), u.norm().item()
+                r = w / un if w > 0 and un > 0 else 1.0
+                if r != 1.0:
+                    c = self.coeff[p]
+                    c[0], c[1] = COEFF_BETA * c[0] + (1 - COEFF_BETA) * r, COEFF_BETA * c[1] + (1 - COEFF_BETA)
+                p.sub_(LR * r * u)
+
+    @torch.no_grad()
+    def _compressed_update(self) -> None:
+        b1, b2 = BETAS
+        eps = EPS["adamw" if self.kind == "onebit_adam" else "lamb"]
+        for group in self.groups:
+            wd = group["weight_decay"]
+            for p in group["params"]:
+                denom = (self.v[p] / (1 - b2 ** WARMUP)).sqrt() + eps
+                prelim = (self.m[p] / (1 - b1 ** self.t)) / denom
+                if self.kind == "onebit_adam":
+                    p.mul_(1 - LR * wd).sub_(LR * prelim)
+                    continue
+                update = prelim + wd * p
+                factor = (denom / ((self.fresh[p] / (1 - b2 ** self.t)).sqrt() + eps)).max().item()
+                if wd:
+                    ratio = min(1.0, prelim.norm().item() / update.norm().item())
+                    factor = factor * ratio + (1 - ratio)
+                factor = min(max(factor, FACTOR_MIN), FACTOR_MAX)
+                last = self.last[p]
+                factor = min(max(factor, last * (1 - FACTOR_THRESHOLD)), last * (1 + FACTOR_THRESHOLD))
+                self.last[p] = factor
+                num, weight = self.coeff[p]
+                frozen = num / weight if weight > 0 else 1.0
+                p.sub_(LR * frozen * factor * update)
+
+
+# ------------------------------------------------------------------------------------------------- the cases
+
+
+def build_onebit(base, mesh: Mesh, kind: str, sp: bool = False, bucket_mb: float = BUCKET_MB):
+    model = parallelize_tensor(copy.deepcopy(base), mesh, sp)
+    grads = build_data_parallel(model, mesh, 0, bucket_mb, pad_multiple=PAD_MULTIPLE)
+    opt = OnebitOptimizer(model, grads, "adam" if kind == "onebit_adam" else "lamb", lr=LR, betas=BETAS,
+                          eps=EPS["adamw" if kind == "onebit_adam" else "lamb"], weight_decay=WD,
+                          warmup_steps=WARMUP)
+    return model, grads, opt
+
+
+class DpLog(comm.OpRecorder):
+    """The collectives issued on the data-parallel group, by step."""
+
+    def __init__(self, group) -> None:
+        self.group, self.step, self.ops = group, 0, []
+
+    def enter(self, name: str, group, nbytes: int = 0) -> None:
+        if group is self.group and not name.startswith("wait "):
+            self.ops.append((self.step, name))
+
+
+def onebit_case(mesh: Mesh, kind: str, clip: float = math.inf, sp: bool = False, bf16: bool = False) -> dict:
+    """10 steps at this layout against the simulation of ``mesh.dp`` workers (tp, if any, real in both);
+    ``bf16``: both under bf16 autocast, as `train.precision=bf16` runs the model (fp32 weights and gradients)."""
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
+    base = base_model("llama", mesh)
+    micro = GLOBAL_BATCH // mesh.dp // 2
+    batches = global_batches()
+    tp_only = dataclasses.replace(mesh, dp=1, dp_rank=0, dp_group=None, dp_cp_group=None, edp_group=None,
+                                  recorder=comm.NullRecorder())
+    sim = Simulation(base, tp_only, mesh.dp, kind, clip, sp)
+    with autocast:
+        ref = [sim.step(b, micro) for b in batches]
+    model, grads, opt = build_onebit(base, mesh, kind, sp)
+    log = DpLog(mesh.dp_cp_group)
+    mesh.recorder = log
+    losses = []
+    try:
+        for step, batch in enumerate(batches):
+            log.step = step
+            with autocast:
+                losses += run_steps(model, grads, opt, mesh, [batch], micro, clip, None)[0]
+    finally:
+        mesh.recorder = comm.NullRecorder()
+    sim_params = dict(sim.model.named_parameters())
+    err = max((p - sim_params[n]).abs().max().item() for n, p in model.named_parameters())
+    # the replicas hold the same weights: this rank's parameters against the other dp ranks'
+    mine = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    other = comm.all_reduce(mine.clone(), mesh.dp_cp_group, op="max")
+    return dict(loss=losses, ref_loss=ref, param_err=err, replica_err=(other - mine).abs().max().item(),
+                ops=log.ops, warmup=WARMUP, n_buckets=len(grads.buckets), state_bytes=opt.state_bytes(),
+                tp=mesh.tp, world=mesh.world_size,
+                frozen=opt.frozen_trust_ratios().tolist() if kind == "onebit_lamb" else None)
+
+
+def collective_case(mesh: Mesh, steps: int = 1000) -> dict:
+    """The exchange alone over 1,000 steps against a float64 reference. Every rank draws all ranks' inputs from one
+    seeded generator (so each knows the exact average); pieces of magnitudes 1e-2 to 1e1 lie side by side, and a
+    drift keeps the running sums growing. Per step: the gap between the running sums of outputs and of exact
+    averages, in units of each element's magnitude (largest and mean over the elements); every 250 steps the gap
+    plus the errors held (the module doc's identity: zero but for float32 rounding); and the same gap for plain
+    1-bit compression without error feedback, which grows."""
+    n, rank = mesh.dp, mesh.dp_rank
+    numel = 8 * n * 96
+    bounds = [0, 37, 400, 401, 700, 1000, 1300]  # uneven pieces, a one-element one, pieces across chunks
+    plan = ChunkPlan(numel, n, bounds, mesh.device)
+    ex = CompressedAverage(plan, mesh.dp_cp_group, mesh.device)
+    gen = torch.Generator().manual_seed(5)
+    unit = torch.ones(numel, dtype=torch.float64)
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:] + [numel], strict=True)):
+        unit[a:b] = 10.0 ** (i % 4 - 2)
+    drift = torch.randn(numel, generator=gen, dtype=torch.float64) * unit * 0.3
+    segs = list(zip(plan.starts, plan.starts[1:] + [numel], strict=True))
+    got, want, plain = (torch.zeros(numel, dtype=torch.float64) for _ in range(3))
+    max_gap, mean_gap, plain_gap, residuals = [], [], [], []
+    for t in range(steps):
+        x = torch.randn(n, numel, generator=gen, dtype=torch.float64) * unit + drift
+        want += x.mean(0)
+        out = ex(x[rank].float().clone())
+        got += out.double()
+        gap = (got - want).abs() / unit
+        max_gap.append(gap.max().item())
+        mean_gap.append(gap.mean().item())
+        # no error feedback: each worker's and the server's plain 1-bit compression
+        plain += _one_bit(sum(_one_bit(x[w].float(), segs) for w in range(n)) / n, segs).double()
+        plain_gap.append(((plain - want).abs() / unit).mean().item())
+        if (t + 1) % 250 == 0:
+            held = comm.all_reduce(ex.worker_error.double(), mesh.dp_cp_group) / n
+            servers = torch.zeros(numel, dtype=torch.float64)
+            servers[rank * plan.chunk:(rank + 1) * plan.chunk] = ex.server_error.double()
+            held += comm.all_reduce(servers, mesh.dp_cp_group)
+            residuals.append(((got - want + held).abs() / unit).max().item())
+    same = comm.all_reduce(out.clone(), mesh.dp_cp_group, op="max")
+    return dict(max_gap=max_gap, mean_gap=mean_gap, plain_gap=plain_gap, residuals=residuals, steps=steps,
+                replicas_equal=bool(torch.equal(same, out)))
+
+
+def bytes_case(mesh: Mesh) -> dict:
+    """Bytes the data-parallel group moves per step, AdamW (zero 0) against 1-bit Adam after its warm-up, with the
+    default bucket size (the recorder: buffer bytes, and bytes each rank sends)."""
+    from megaloom.parallel.data_parallel import DEFAULT_BUCKET_MB
+
+    from .dp_worlds import make_parallel
+
+    base = base_model("llama", mesh)
+    micro = GLOBAL_BATCH // mesh.dp // 2
+    batches = global_batches()
+    out: dict = {}
+    for kind in ("adamw", "onebit_adam"):
+        if kind == "adamw":
+            model, grads, opt = make_parallel(base, mesh, 0, "adamw")
+        else:
+            model, grads, opt = build_onebit(base, mesh, kind, bucket_mb=DEFAULT_BUCKET_MB)
+        run_steps(model, grads, opt, mesh, batches[:WARMUP], micro, 1.0, None)
+        tally = comm.CommTally({mesh.dp_cp_group: "dp"})
+        mesh.recorder = tally
+        try:
+            run_steps(model, grads, opt, mesh, batches[WARMUP:WARMUP + 3], micro, 1.0, None)
+        finally:
+            mesh.recorder = comm.NullRecorder()
+        buf, sent = tally.group_bytes("dp")  # (run_steps' own loss all-reduce passes no recorder)
+        out[kind] = dict(rows=tally.rows(), bytes=buf / 3, sent=sent / 3)
+    out["numel"] = sum(p.numel() for p in model.parameters())
+    return out
+
+
+def resume_case(mesh: Mesh, kind: str, elsewhere: Mesh) -> dict:
+    """6 steps, a checkpoint (save_checkpoint / load_checkpoint: what a run writes), a fresh model, optimizer and
+    buckets loaded from it, 4 more steps: against 10 uninterrupted steps; the same with the loaded errors cleared,
+    which must differ (the errors are what makes the resume exact); and the checkpoint loaded at another
+    data-parallel size (``elsewhere``, tp2 x dp2): the step and momentum load, the errors start at zero."""
+    base = base_model("llama", mesh)
+    micro = GLOBAL_BATCH // mesh.dp // 2
+    batches = global_batches()
+    model, grads, opt = build_onebit(base, mesh, kind)
+    whole = run_steps(model, grads, opt, mesh, batches, micro, 0.05, None)[0]
+    root = _shared_dir(mesh)
+    model, grads, opt = build_onebit(base, mesh, kind)
+    first = run_steps(model, grads, opt, mesh, batches[:6], micro, 0.05, None)[0]
+    momentum = {n: opt.state[p]["exp_avg"].clone() for n, p in model.named_parameters()}
+    path = save_checkpoint(Path(root), 6, model, opt, {}, keep=2, rank=mesh.rank, barrier=dist.barrier, mesh=mesh)
+    out = dict(whole=whole, first=first)
+    for name, clear in (("resumed", False), ("cleared", True)):
+        model, grads, opt = build_onebit(base, mesh, kind)
+        load_checkpoint(path, model, opt, rank=mesh.rank, mesh=mesh)
+        out[f"{name}_steps"] = opt.steps
+        out[f"{name}_worker_err"] = max(ex.worker_error.abs().max().item() for ex in opt.exchanges if ex)
+        if clear:
+            for ex in opt.exchanges:
+                if ex is not None:
+                    ex.reset()
+        out[name] = run_steps(model, grads, opt, mesh, batches[6:], micro, 0.05, None)[0]
+    model, grads, opt = build_onebit(base_model("llama", elsewhere), elsewhere, kind)
+    for ex in opt.exchanges:  # what a run in progress would hold: the load must clear it
+        if ex is not None:
+            ex.worker_error.fill_(1.0)
+            ex.server_error.fill_(1.0)
+    load_checkpoint(path, model, opt, rank=mesh.rank, mesh=elsewhere)
+    out["elsewhere_steps"] = opt.steps
+    out["elsewhere_errors"] = max(max(ex.worker_error.abs().max().item(), ex.server_error.abs().max().item())
+                                  for ex in opt.exchanges if ex)
+    out["elsewhere_momentum_err"] = max(
+        (gather_full_tensor(opt.state[p]["exp_avg"], p, elsewhere) - momentum[n]).abs().max().item()
+        for n, p in model.named_parameters())
+    dist.barrier()
+    if mesh.rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+def _shared_dir(mesh: Mesh) -> str:
+    """A temporary directory made by rank 0, its name given to every rank."""
+    name = [tempfile.mkdtemp(prefix="megaloom-onebit-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(name, src=0)
+    return name[0]

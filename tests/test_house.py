@@ -1,0 +1,367 @@
+"""The house rules of megaloom's structure (issue 37), checked on the source text so that they hold for every
+contributor: no import cycle between megaloom's modules, at load time and, but for the few
+lookups listed in CALL_TIME_UP, at call time too; errors in one light module; and no family named outside
+megaloom/models/ (FAMILY_NAMES_ALLOWED).
+
+Import graph. Every ``megaloom/**/*.py`` is parsed with `ast`; an ``import`` / ``from ... import`` (relative ones
+resolved against the importing module's package) that names a megaloom module is an edge. ``from P import n``
+is an edge to ``P.n`` when that is a module, else to ``P`` (a name P's ``__init__`` defines, even when P encloses
+the importer). Importing ``a.b.c`` also runs the ``__init__`` of ``a`` and ``a.b``, so those are edges too,
+except the importer's own enclosing packages (Python is already importing them when the importer runs).
+
+Which imports count:
+- Module-level imports, including those under a module-level ``if`` / ``try`` / ``with`` and in class bodies:
+  they run when the module loads, so a cycle among them is a load-time cycle (one module sees the other half
+  built, or not at all, depending on which is imported first).
+- Not imports inside functions: they run when the function is called, after every module has loaded. megaloom
+  uses them on purpose where a module needs another only at call time (an optional package, a heavy one that a
+  light command should not load); each says why in a comment.
+- Not imports under ``if TYPE_CHECKING:``: they never run; annotations are strings (``from __future__ import
+  annotations``) that only a type checker reads. A type-only dependency is not a load-time edge and must not
+  force two modules into one layer. (An ``else:`` branch of such an ``if`` runs, and counts.)
+
+Errors: every exception class megaloom raises lives in megaloom/errors.py, which imports nothing of megaloom's
+and nothing heavy, so any layer can raise or catch one without importing another layer (ConfigError in config.py
+and CheckpointError in checkpoint/store.py tied forty modules into one circle). Their old names are re-exports.
+
+The second cycle test adds the imports inside functions: the layering itself. An import moved into a function to
+dodge a load-time cycle leaves the two modules tangled, so it fails there, unless it is one of the
+deliberate lookups up the layers in CALL_TIME_UP, each with its reason.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1] / "megaloom"
+
+
+def _modules() -> dict[str, tuple[Path, bool]]:
+    """Dotted module name -> (file, is a package's __init__)."""
+    out = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        is_pkg = parts[-1] == "__init__"
+        out[".".join(parts[:-1] if is_pkg else parts)] = (path, is_pkg)
+    return out
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    t = node.test
+    return (isinstance(t, ast.Name) and t.id == "TYPE_CHECKING") or (
+        isinstance(t, ast.Attribute) and t.attr == "TYPE_CHECKING")
+
+
+def _imports(body: list[ast.stmt], functions: bool):
+    """The import statements of ``body`` that run: at module level (``functions`` False) or anywhere (True);
+    never those under ``if TYPE_CHECKING:``."""
+    for node in body:
+        if isinstance(node, ast.Import | ast.ImportFrom):
+            yield node
+        elif isinstance(node, ast.If) and _is_type_checking(node):
+            yield from _imports(node.orelse, functions)
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            if functions:
+                yield from _imports(node.body, functions)
+        else:
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, ast.stmt):
+                    yield from _imports([child], functions)
+                elif isinstance(child, ast.excepthandler | ast.match_case):
+                    yield from _imports(child.body, functions)
+
+
+@functools.cache
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(), str(path))
+
+
+def import_graph(functions: bool = False) -> dict[str, set[str]]:
+    """megaloom module -> the megaloom modules it imports (see the module docstring for what counts)."""
+    mods = _modules()
+
+    def owner(name: str) -> str | None:  # the module a dotted name lives in (a module, or an attribute of one)
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for mod, (path, is_pkg) in mods.items():
+        package = mod if is_pkg else mod.rpartition(".")[0]
+        named: set[str | None] = set()  # what the statements name: a module, or the package defining a name
+        for node in _imports(_tree(path).body, functions):
+            if isinstance(node, ast.Import):
+                named.update(owner(a.name) for a in node.names)
+                continue
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            if source.startswith("megaloom"):
+                named.update(f"{source}.{a.name}" if f"{source}.{a.name}" in mods else owner(source)
+                             for a in node.names)
+        named.discard(None)
+        ancestors = {".".join(mod.split(".")[:i]) for i in range(1, mod.count(".") + 1)}
+        parents = {p for t in named for i in range(1, t.count(".") + 1)  # a.b.c runs a/ and a/b/__init__ first
+                   if (p := ".".join(t.split(".")[:i])) in mods}
+        # an enclosing package is already being imported when ``mod`` runs: not a new edge unless named
+        graph[mod] = (named | (parents - ancestors)) - {mod}
+    return graph
+
+
+def knots(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative): each module of
+    one can reach every other, so they can only load as one."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[set[str]] = []
+    counter = 0
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = counter
+        counter += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            v, it = work[-1]
+            w = next(it, None)
+            if w is not None:
+                if w not in index:
+                    index[w] = low[w] = counter
+                    counter += 1
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph[w]))))
+                elif w in on_stack:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[v])
+            if low[v] == index[v]:
+                comp = []
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    comp.append(w)
+                    if w == v:
+                        break
+                if len(comp) > 1:
+                    found.append(set(comp))
+    return found
+
+
+def cycle_in(graph: dict[str, set[str]], comp: set[str]) -> list[str]:
+    """One cycle inside a knot, to name in a failure: from its first module, the shortest path back to it."""
+    start = min(comp)
+    prev: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        nxt = []
+        for v in frontier:
+            for w in sorted(graph[v] & comp):
+                if w == start:
+                    path = [v]
+                    while path[-1] != start:
+                        path.append(prev[path[-1]])
+                    return [start, *reversed(path[:-1]), start]
+                if w not in prev:
+                    prev[w] = v
+                    nxt.append(w)
+        frontier = nxt
+    return sorted(comp)
+
+
+def _report(graph: dict[str, set[str]], found: list[set[str]]) -> str:
+    return "\n".join(f"{' -> '.join(cycle_in(graph, comp))}  (a knot of {len(comp)} modules: "
+                     f"{', '.join(sorted(comp))})" for comp in found)
+
+
+# Imports inside functions that reach up the layers on purpose: (importer, prefix of the modules it may import
+# when called) -> why. Every other call-time import must go down, like the module-level ones.
+CALL_TIME_UP = {
+    ("megaloom.config", "megaloom.models"):
+        "validating a config and resolving its preset ask the families (names, rules, presets, size defaults); "
+        "config is the vocabulary every layer imports, the families included, so it sits below them",
+    ("megaloom.models.transformer", "megaloom.models.registry"):
+        "Transformer(cfg) without a family finds it by model.arch; the registry imports every family, each built "
+        "on this module",
+}
+
+
+def _without_allowed(graph: dict[str, set[str]], load: dict[str, set[str]]) -> dict[str, set[str]]:
+    out = {}
+    for mod, targets in graph.items():
+        out[mod] = {t for t in targets
+                    if t in load[mod] or not any(mod == a and (t == b or t.startswith(b + "."))
+                                                 for a, b in CALL_TIME_UP)}
+    return out
+
+
+def test_the_graph_sees_megaloom():
+    """The parser finds the modules and the edges it should (a broken walk would pass every cycle test)."""
+    graph = import_graph()
+    assert len(graph) > 150
+    assert "megaloom.models.family" in graph["megaloom.models.registry"]
+    assert "megaloom.models.llama" in graph["megaloom.models.registry"]  # `from megaloom.models import llama`
+    assert "megaloom.parallel" in graph["megaloom.models.qwen3"]  # styles' package __init__ runs first
+    assert "megaloom.errors" in graph["megaloom.config"]
+
+
+def test_no_import_cycle_at_load_time():
+    graph = import_graph()
+    found = knots(graph)
+    assert not found, "import cycles among megaloom's module-level imports:\n" + _report(graph, found)
+
+
+def test_no_import_cycle_with_call_time_imports():
+    load = import_graph()
+    graph = _without_allowed(import_graph(functions=True), load)
+    found = knots(graph)
+    assert not found, ("import cycles once the imports inside functions are counted (an import moved into a "
+                       "function to dodge a cycle; move code to the layer it belongs to instead):\n"
+                       + _report(graph, found))
+
+
+def test_call_time_lookups_are_still_needed():
+    """Each CALL_TIME_UP entry is a call-time import that exists and would close a cycle: a stale entry goes."""
+    load, full = import_graph(), import_graph(functions=True)
+    for (mod, prefix), why in CALL_TIME_UP.items():
+        lazy = {t for t in full[mod] - load[mod] if t == prefix or t.startswith(prefix + ".")}
+        assert lazy, f"{mod} no longer imports {prefix} inside a function: remove its CALL_TIME_UP entry ({why})"
+        alone = _without_allowed(full, load)
+        alone[mod] |= lazy
+        assert knots(alone), f"{mod} -> {prefix} closes no cycle any more: remove its CALL_TIME_UP entry"
+
+
+def _base_names(node: ast.ClassDef) -> set[str]:
+    return {b.id if isinstance(b, ast.Name) else b.attr for b in node.bases if isinstance(b, ast.Name | ast.Attribute)}
+
+
+def test_errors_live_in_one_light_module():
+    errors_py = ROOT / "errors.py"
+    tree = _tree(errors_py)
+    ours = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
+    assert {"ConfigError", "CheckpointError", "DataError", "ConversionError", "RunStopped"} <= ours
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {(n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert imported <= {"__future__", "pathlib"}, f"megaloom/errors.py must stay light; it imports {imported}"
+    elsewhere = []
+    for mod, (path, _) in _modules().items():
+        if path == errors_py:
+            continue
+        for node in ast.walk(_tree(path)):
+            bases = _base_names(node) if isinstance(node, ast.ClassDef) else set()
+            if any(b.endswith(("Error", "Exception")) or b in ours for b in bases):
+                elsewhere.append(f"{mod}.{node.name}")
+    assert not elsewhere, f"exception classes outside megaloom/errors.py (define them there): {elsewhere}"
+
+
+def test_old_error_names_are_the_same_classes():
+    import megaloom.errors as errors
+    from megaloom.checkpoint.store import CheckpointError, NoUsableCheckpoint, SaveFailed
+    from megaloom.config import ConfigError
+    from megaloom.convert.errors import ConversionError
+    from megaloom.data.errors import DataError
+    from megaloom.parallel.pipeline.schedules import ScheduleError
+    from megaloom.resilience.peers import PeerLost
+    from megaloom.resilience.rollbacks import Diverged
+    from megaloom.resilience.run_lock import RunDirLocked, RunDirUnwritable
+    from megaloom.training.checkpoints import DataChanged
+
+    for cls in (CheckpointError, NoUsableCheckpoint, SaveFailed, ConfigError, ConversionError, DataError,
+                ScheduleError, PeerLost, Diverged, RunDirLocked, RunDirUnwritable, DataChanged):
+        assert getattr(errors, cls.__name__) is cls
+
+
+# ------------------------------------------------------------------------------------- family names
+
+# Code outside megaloom/models/ never names a model family: it asks the family (`get_family(arch)`: its traits,
+# its Family fields) or the built module, so a new family is its folder and its registry line, and a lever or a
+# rule never silently skips it. Checked on string literals (a name is how code outside models/ could test
+# `model.arch`), case-insensitive, as whole words. Not checked: docstrings and comments, and the help texts of
+# config keys (`_f(default, help)`), which are documentation a person reads (`megaloom config --list`); preset
+# names (`llava-tiny`), which name a shape, not a family. convert/ is no exception: each family's Hugging Face
+# mapping lives in its folder (`models/<family>/hf.py`) and convert/ finds it through the registry.
+# (path under megaloom/, the literal's text) -> why that literal is not a reference to a family.
+FAMILY_NAMES_ALLOWED = {
+    ("config.py", "llama"):
+        "model.arch's default value (the default preset, tiny, is a llama too): a value, not a branch on a family",
+    ("config.py", " (e.g. 8 for Llama 3.1)."):
+        "an example value of the llama3 RoPE scaling (model.rope_scaling=llama3), named after the release that "
+        "defined it",
+    ("config.py", ": set it to the context length of pretraining (e.g. 8192 for Llama 3.1)."):
+        "the same: an example value of the llama3 RoPE scaling",
+    ("config.py", ") (Llama 3.1: 1 and 4)."):
+        "the same: an example value of the llama3 RoPE scaling",
+}
+
+
+def _documentation(tree: ast.Module) -> set[int]:
+    """ids of the string nodes that are documentation: docstrings, and config fields' help (``_f(default, help)``)."""
+    out = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and body and \
+                isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+            out.add(id(body[0].value))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "_f":
+            out.update(id(a) for a in node.args[1:2])
+            out.update(id(k.value) for k in node.keywords if k.arg == "help")
+    return out
+
+
+def family_names_outside_models() -> list[tuple[str, int, str, str]]:
+    """(path under megaloom/, line, family name, literal) for every string literal outside megaloom/models/ that
+    names a registered family, but for documentation and preset names (see above)."""
+    import re
+
+    from megaloom.models.presets import PRESETS
+    from megaloom.models.registry import FAMILIES
+
+    word = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith("models/"):
+            continue
+        tree = _tree(path)
+        docs = _documentation(tree)
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Constant) and isinstance(node.value, str)) or id(node) in docs:
+                continue
+            for token in word.findall(node.value):
+                if token.rstrip(".") in PRESETS:
+                    continue
+                for part in re.split(r"[._-]", token.lower()):
+                    if part in FAMILIES:
+                        found.append((rel, node.lineno, part, node.value))
+    return sorted(set(found))
+
+
+def test_no_family_is_named_outside_models():
+    found = [f for f in family_names_outside_models() if (f[0], f[3]) not in FAMILY_NAMES_ALLOWED]
+    assert not found, ("family names outside megaloom/models/ (ask the family's traits or fields instead; see "
+                       "FAMILY_NAMES_ALLOWED for what is not a family reference):\n"
+                       + "\n".join(f"megaloom/{rel}:{line}: {name!r} in {text!r}" for rel, line, name, text in found))
+
+
+def test_family_name_allowances_are_still_needed():
+    seen = {(rel, text) for rel, _, _, text in family_names_outside_models()}
+    stale = [key for key in FAMILY_NAMES_ALLOWED if key not in seen]
+    assert not stale, f"FAMILY_NAMES_ALLOWED entries that no literal needs any more (remove them): {stale}"
+
+
+def test_the_family_check_sees_a_family_name():
+    tree = ast.parse('x = cfg.model.arch == "bert"\nhelp = _f(1, "bert only")\ny = "model.preset=llava-tiny"')
+    docs = _documentation(tree)
+    literals = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+                and id(n) not in docs}
+    assert literals == {"bert", "model.preset=llava-tiny"}
