@@ -140,6 +140,24 @@ class ModelConfig:
                                "wider than 256: min(0.02, sqrt(2/(5*d_model))) (megaloom/models/recipes.py).")
     parallel_block: bool = _f(False, "MegaScale/GPT-J parallel block: attention and MLP read the same normed input.")
     sliding_window: int = _f(0, "Sliding-window attention span in tokens; 0 = full causal attention.")
+    # Multi-head latent attention (DeepSeek-V2/V3, megaloom/models/mla.py): keys and values through one low-rank
+    # latent per token, queries optionally too, a RoPE key part shared by all heads.
+    attention: str = _f("gqa", "Attention kind: gqa (multi-head / grouped-query, n_kv_heads) or mla (DeepSeek's "
+                               "multi-head latent attention: model.kv_lora_rank, q_lora_rank, qk_nope_head_dim, "
+                               "qk_rope_head_dim, v_head_dim; families with rotary positions and the plain "
+                               "attention).", ("gqa", "mla"))
+    q_lora_rank: int = _f(0, "With model.attention=mla: rank of the queries' low-rank compression (DeepSeek-V3: "
+                             "1536); 0 = one full query projection (DeepSeek-V2-Lite).")
+    kv_lora_rank: int = _f(0, "With model.attention=mla: width of the compressed key/value latent per token "
+                              "(DeepSeek-V3: 512), what an inference cache holds beside the RoPE key.")
+    qk_nope_head_dim: int = _f(0, "With model.attention=mla: per-head query/key dimensions without rotary "
+                                  "positions (DeepSeek-V3: 128).")
+    qk_rope_head_dim: int = _f(0, "With model.attention=mla: per-head query dimensions with rotary positions, "
+                                  "matched by one RoPE key shared by all heads (DeepSeek-V3: 64; even).")
+    v_head_dim: int = _f(0, "With model.attention=mla: per-head value dimensions (DeepSeek-V3: 128).")
+    rope_mscale_all_dim: float = _f(1.0, "With model.attention=mla and model.rope_scaling=yarn: the softmax scale "
+                                         "is multiplied by (0.1 * this * ln(model.rope_factor) + 1)^2, DeepSeek's "
+                                         "mscale (HF's mscale_all_dim; 0 = unchanged).")
     moe_every: int = _f(0, "Mixture-of-Experts instead of the MLP in blocks i with (i+1) % moe_every == 0 "
                            "(1 = every block); 0 = dense model.")
     n_experts: int = _f(8, "Routed experts per MoE layer.")
@@ -155,6 +173,19 @@ class ModelConfig:
                                      "(they keep only the residual); 0 = dropless.")
     aux_free_bias_rate: float = _f(0.0, "DeepSeek-V3 aux-loss-free balancing: per-expert selection-bias step after "
                                         "each optimizer step; 0 = off.")
+    first_dense_layers: int = _f(0, "With model.moe_every: the first N blocks keep the dense MLP (model.ffn_dim) "
+                                     "(DeepSeek-V3: 3; HF's first_k_dense_replace).")
+    n_expert_groups: int = _f(1, "Group-limited routing (DeepSeek-V3: 8 groups): the experts split into this many "
+                                 "groups, each group scored by the sum of its two best (biased) scores; tokens choose "
+                                 "their top_k experts inside the model.topk_groups best groups. 1 = no limit.")
+    topk_groups: int = _f(1, "With model.n_expert_groups > 1: groups each token may route to (DeepSeek-V3: 4).")
+    routed_scaling_factor: float = _f(1.0, "Multiplier of the routed experts' combine weights (after their "
+                                           "renormalisation; DeepSeek-V3: 2.5).")
+    mtp_depth: int = _f(0, "Multi-token prediction (DeepSeek-V3: 1): this many sequential modules after the last "
+                           "block, module k predicting the token k+1 places after the next from the previous "
+                           "module's states and the embedding of the token k places ahead, through its own block and "
+                           "the shared head (megaloom/models/mtp.py); trained with train.mtp_loss_weight, not used "
+                           "at inference. 0 = off.")
     # Multimodal families (llava): a ViT image encoder whose patch features, through a 2-layer MLP projector, take
     # the place of the <image> tokens of the text. 0 vision layers = a text-only model (these keys are unused).
     vision_layers: int = _f(0, "ViT blocks of the image encoder (multimodal families such as llava); 0 = text only.")
@@ -293,6 +324,13 @@ class TrainConfig:
                                 "Blackwell, else cudnn on Hopper or newer (both measured fastest there), else "
                                 "torch.",
                         ("auto", "torch", "cudnn", "flash", "efficient", "math", "fa4"))
+    mtp_loss_weight: float = _f(0.3, "With model.mtp_depth: the multi-token-prediction losses' weight beside the "
+                                      "language-model loss (their mean over the depths times this; DeepSeek-V3: 0.3, "
+                                      "then 0.1 late in training: train.mtp_loss_weight_late).")
+    mtp_loss_weight_late: float = _f(-1.0, "With model.mtp_depth: the weight from step train.mtp_late_step on "
+                                           "(DeepSeek-V3 lowers 0.3 to 0.1 for its last 4.8T of 14.8T tokens); < 0 = "
+                                           "train.mtp_loss_weight throughout.")
+    mtp_late_step: int = _f(0, "With train.mtp_loss_weight_late >= 0: the first step that uses it.")
     log_every: int = _f(10, "Steps between metric lines (loss is averaged over the interval).")
     eval_every: int = _f(200, "Steps between evaluations on the validation split; 0 = only at the end.")
     eval_batches: int = _f(4, "Global batches per evaluation.")
@@ -705,10 +743,18 @@ def validate(cfg: Config) -> None:
              f"model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({kv}); "
              f"n_kv_heads that would work: {_divisors(m.n_heads)}.")
     family = _family(m.arch)
-    if family.traits.positions == "rope":
+    if family.traits.positions == "rope" and m.attention != "mla":  # MLA rotates qk_rope_head_dim (_check_mla)
         _require(resolved_head_dim(m) % 2 == 0,
                  f"{m.arch} arch: head dim ({'model.head_dim' if m.head_dim else 'd_model/n_heads'}) must be even "
                  "for RoPE.")
+    _check_mla(m, family.traits)
+    _require(m.mtp_depth >= 0 and t.mtp_loss_weight >= 0,
+             f"model.mtp_depth ({m.mtp_depth}) and train.mtp_loss_weight ({t.mtp_loss_weight}) must be >= 0.")
+    tr = family.traits
+    _require(not m.mtp_depth or (tr.causal and tr.positions == "rope" and family.objective is None
+                                 and not m.vision_layers),
+             f"model.mtp_depth={m.mtp_depth} with model.arch={m.arch}: multi-token prediction continues a causal "
+             "decoder with rotary positions that trains on next tokens; set model.mtp_depth=0.")
     _check_rope_scaling(m, family.traits.positions == "rope")
     if family.validate is not None:
         family.validate(m)
@@ -725,6 +771,7 @@ def validate(cfg: Config) -> None:
         _require(m.n_experts % p.ep == 0,
                  f"parallel.ep={p.ep} does not divide model.n_experts={m.n_experts} (each ep rank owns whole "
                  f"experts); parallel.ep values that would work: {_divisors(m.n_experts)}.")
+        _check_expert_groups(m)
     if p.async_tp and p.tp > 1:
         _require(p.sp, "parallel.async_tp=true overlaps sequence parallelism's all-gathers and reduce-scatters with "
                        "the GEMMs; set parallel.sp=true (or parallel.async_tp=false).")
@@ -782,6 +829,49 @@ def validate(cfg: Config) -> None:
                  "give one weight per path or none.")
     r = cfg.checkpoint.resume
     _require(r in ("auto", "none") or bool(r), "checkpoint.resume must be auto, none or a checkpoint directory.")
+
+
+def _check_mla(m: ModelConfig, traits) -> None:
+    """Multi-head latent attention's keys describe a shape (model.attention=mla), in a family that can take it: one
+    with rotary positions whose attention is the plain one (a family's own attention class, e.g. QK-norm, is not
+    MLA's)."""
+    if m.attention != "mla":
+        return
+    _require(traits.positions == "rope" and traits.attention is None and traits.causal,
+             f"model.attention=mla with model.arch={m.arch}: latent attention replaces a causal decoder's plain "
+             "attention with rotary positions; this family has its own attention or no rotary positions. Set "
+             "model.attention=gqa.")
+    for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        _require(getattr(m, key) >= 1, f"model.attention=mla needs model.{key} >= 1, got {getattr(m, key)} "
+                                       "(DeepSeek-V3: kv_lora_rank 512, qk_nope_head_dim 128, qk_rope_head_dim 64, "
+                                       "v_head_dim 128).")
+    _require(m.q_lora_rank >= 0, f"model.q_lora_rank must be >= 0 (0 = no query compression), got {m.q_lora_rank}.")
+    _require(m.qk_rope_head_dim % 2 == 0, f"model.qk_rope_head_dim ({m.qk_rope_head_dim}) must be even for RoPE.")
+    _require(m.n_kv_heads in (0, m.n_heads),
+             f"model.n_kv_heads={m.n_kv_heads} with model.attention=mla: every head reads keys and values from the "
+             "one shared latent, so there are no key/value head groups; set model.n_kv_heads=0.")
+    _require(m.rope_mscale_all_dim >= 0, f"model.rope_mscale_all_dim must be >= 0, got {m.rope_mscale_all_dim}.")
+    _require(not m.head_dim, f"model.head_dim={m.head_dim} with model.attention=mla: latent attention's heads are "
+                             "model.qk_nope_head_dim + model.qk_rope_head_dim wide (queries, keys) and "
+                             "model.v_head_dim (values); set model.head_dim=0.")
+
+
+def _check_expert_groups(m: ModelConfig) -> None:
+    """Group-limited routing: the groups split the experts, and the chosen groups hold at least top_k experts."""
+    g = m.n_expert_groups
+    _require(g >= 1 and m.n_experts % g == 0,
+             f"model.n_expert_groups ({g}) must divide model.n_experts ({m.n_experts}); values that would work: "
+             f"{_divisors(m.n_experts)}.")
+    _require(1 <= m.topk_groups <= g, f"model.topk_groups ({m.topk_groups}) must be between 1 and "
+                                      f"model.n_expert_groups ({g}).")
+    _require(g == 1 or m.n_experts // g >= 2,
+             f"model.n_expert_groups={g}: each group is scored by its two best experts, so it needs at least two "
+             f"(model.n_experts={m.n_experts}).")
+    _require(m.topk_groups * (m.n_experts // g) >= m.top_k,
+             f"model.top_k ({m.top_k}) exceeds the experts of model.topk_groups={m.topk_groups} groups "
+             f"({m.topk_groups * (m.n_experts // g)}); raise model.topk_groups.")
+    _require(m.first_dense_layers >= 0, f"model.first_dense_layers must be >= 0, got {m.first_dense_layers}.")
+    _require(m.routed_scaling_factor > 0, f"model.routed_scaling_factor must be > 0, got {m.routed_scaling_factor}.")
 
 
 def _check_rope_scaling(m: ModelConfig, rope: bool) -> None:

@@ -75,8 +75,8 @@ def test_generation_from_a_run(small_corpus, tmp_path):
 
 
 def test_moe_models_train_resume_exactly_and_log_expert_load(small_corpus, tmp_path):
-    base = ["model.preset=deepseek-v3-tiny", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2",
-            "model.n_layers=2", "train.steps=8", "checkpoint.every=4"]
+    base = ["model.preset=deepseek-v3-tiny", "model.d_model=64", "model.n_heads=4", "model.n_kv_heads=0",
+            "model.first_dense_layers=0", "model.n_layers=2", "train.steps=8", "checkpoint.every=4"]
     ref = train(load_config(None, tiny_overrides(small_corpus, tmp_path / "a", *base)))
     train(load_config(None, tiny_overrides(small_corpus, tmp_path / "b", *base)), stop_after=6)
     resumed = train(load_config(None, tiny_overrides(small_corpus, tmp_path / "b", *base)))

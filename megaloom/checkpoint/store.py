@@ -387,6 +387,9 @@ def check_compatible(saved: dict, current: dict, adapters: bool = True) -> None:
     keys = ["arch", "n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size",
             "tie_embeddings", "parallel_block", "qkv_bias", "moe_every", "n_experts", "n_shared_experts",
             "expert_ffn_dim", "sentence_order",  # BERT's pooler and order head are parameters of their own
+            # latent attention's projections, the dense blocks before the MoE ones, multi-token prediction
+            "attention", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+            "first_dense_layers", "mtp_depth",
             # an image encoder's shape (multimodal families; absent from text models' checkpoints)
             "vision_layers", "vision_d_model", "vision_heads", "vision_ffn_dim", "vision_cls", "image_size",
             "patch_size"]

@@ -42,9 +42,13 @@ from megaloom.models.presets import PRESETS
 from megaloom.models.registry import get_family
 
 # model.* keys added after checkpoints recorded the model in state.json; their defaults are what those checkpoints
-# computed (plain RoPE), so a state.json without them still describes its model.
+# computed (plain RoPE, grouped-query attention, MoE routing without groups or scaling, no dense first blocks, no
+# multi-token prediction), so a state.json without them still describes its model.
 ADDED_LATER = {"lora", "rope_scaling", "rope_factor", "rope_original_max_len", "rope_low_freq_factor",
-               "rope_high_freq_factor", "rope_beta_fast", "rope_beta_slow", "rope_attention_factor", "rope_truncate"}
+               "rope_high_freq_factor", "rope_beta_fast", "rope_beta_slow", "rope_attention_factor", "rope_truncate",
+               "attention", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+               "rope_mscale_all_dim", "first_dense_layers", "n_expert_groups", "topk_groups", "routed_scaling_factor",
+               "mtp_depth"}
 
 # Files beside an HF tokenizer.json that `from_hf` copies into the run with it.
 TOKENIZER_SIDE_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")

@@ -24,17 +24,23 @@ def _converting() -> list[Family]:
 
 
 def _mappings() -> list[HFMapping]:
-    """Every HF mapping megaloom has: each family's, and its MoE models' where it has one."""
-    return [h for f in _converting() for h in (f.hf, f.hf.moe) if h is not None]
+    """Every HF mapping megaloom has: each family's, and its MoE and latent-attention models' where it has them."""
+    return [h for f in _converting() for h in (f.hf, f.hf.moe, f.hf.mla) if h is not None]
 
 
 def hf_mapping(m: ModelConfig) -> HFMapping:
-    """The HF mapping of ``m``'s family (its MoE mapping for an MoE model, if it has one); a ConversionError if it
-    has none."""
+    """The HF mapping of ``m``'s family (its latent-attention mapping for model.attention=mla, its MoE mapping for
+    an MoE model, if it has them); a ConversionError if it has none."""
     family = get_family(m.arch)
     if family.hf is None:
         raise ConversionError(f"model.arch={m.arch!r} has no Hugging Face conversion (no megaloom/models/{m.arch}/"
                               f"hf.py); {', '.join(f.name for f in _converting())} do.")
+    if getattr(m, "attention", "gqa") == "mla":
+        if family.hf.mla is None:
+            raise ConversionError(f"model.attention=mla: model.arch={m.arch!r} has no Hugging Face class with latent "
+                                  "attention (HFMapping.mla). Only model.attention=gqa models of this family can be "
+                                  "exported.")
+        return family.hf.mla
     if m.moe_every and family.hf.moe is not None:
         return family.hf.moe
     return family.hf
@@ -50,7 +56,7 @@ def check_exportable(m: ModelConfig) -> HFMapping:
     if m.sliding_window and not hf.sliding_window:
         raise ConversionError(f"model.sliding_window={m.sliding_window}: Hugging Face's {hf.architecture} attends "
                               "to the full context. Only models trained with model.sliding_window=0 can be exported.")
-    if m.moe_every and get_family(m.arch).hf.moe is None:
+    if m.moe_every and hf is get_family(m.arch).hf:  # neither an MoE nor a latent-attention mapping took it
         raise ConversionError(f"model.moe_every={m.moe_every}: megaloom's Mixture-of-Experts layers have no Hugging "
                               f"Face mapping ({hf.architecture} is a dense model). Only dense models "
                               "(model.moe_every=0) can be exported.")

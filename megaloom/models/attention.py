@@ -70,9 +70,15 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=qkv_bias)
         self.v_proj = nn.Linear(d_model, n_kv_heads * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=bias)
+        self.core_settings(dropout, window)
+
+    def core_settings(self, dropout: float, window: int, softmax_scale: float | None = None) -> None:
+        """What the attention core reads, shared with other attention kinds (latent attention, models/mla.py)."""
         self.attn_dropout = dropout
         self.resid_dropout = nn.Dropout(dropout)
         self.window = window
+        # The scale of q k^T (None: SDPA's 1 / sqrt(head size)); latent attention sets DeepSeek's.
+        self.softmax_scale = softmax_scale
         # Selective recomputation: recompute the attention core (the largest activations) in backward.
         self.recompute_core = False
         # train.attention=fa4 (set by apply_train_options): the plain causal core by FlashAttention-4 (megaloom.fa4).
@@ -83,23 +89,33 @@ class Attention(nn.Module):
         q_len, k_len = q.shape[2], k.shape[2]
         p = self.attn_dropout if self.training else 0.0
         gqa = q.shape[1] != k.shape[1]
+        scale = self.softmax_scale
         if docs is not None and docs.mask is not None:  # packed documents kept apart (data.document_mask)
             if isinstance(docs.mask, torch.Tensor):
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=docs.mask, dropout_p=p, enable_gqa=gqa)
-            return flex_attention(q, k, v, block_mask=docs.mask, enable_gqa=gqa)
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=docs.mask, dropout_p=p, enable_gqa=gqa,
+                                                      scale=scale)
+            return flex_attention(q, k, v, block_mask=docs.mask, enable_gqa=gqa, scale=scale)
         if not self.causal:  # an encoder reads whole sequences: no cache, no window, no document masks
             if pos != 0 or q_len != k_len or self.window or docs is not None:
                 raise ValueError("bidirectional attention runs on whole sequences only (no KV cache, sliding "
                                  "window or document masks)")
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, enable_gqa=gqa, scale=scale)
         if self.window == 0 and pos == 0 and q_len == k_len:
-            if self.fa4 and p == 0 and q.dtype in (torch.bfloat16, torch.float16) and fa4_takes(q.shape[-1]):
+            if (self.fa4 and p == 0 and q.dtype in (torch.bfloat16, torch.float16) and fa4_takes(q.shape[-1])
+                    and scale is None):  # (FA4's wrapper applies 1 / sqrt(head size))
                 return fa4_causal_attention(q, k, v)
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, enable_gqa=gqa, scale=scale)
         if self.window == 0 and q_len == 1:  # one new token attends to everything cached
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=p, enable_gqa=gqa, scale=scale)
         mask = attention_mask(q_len, k_len, pos, self.window, q.device)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, enable_gqa=gqa, scale=scale)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int,
+               docs: Documents | None) -> torch.Tensor:
+        """The core on [B, H, T, D] heads, recomputed in backward under selective recomputation."""
+        if self.recompute_core and torch.is_grad_enabled():
+            return checkpoint(self._core, q, k, v, pos, docs, use_reentrant=False)
+        return self._core(q, k, v, pos, docs)
 
     def per_head_qk(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Queries and keys [B, T, H, D] after the projections, before RoPE: unchanged here; a family's
@@ -118,9 +134,5 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D]
         if cache is not None:
             k, v = cache.update(k, v, pos)
-        if self.recompute_core and torch.is_grad_enabled():
-            y = checkpoint(self._core, q, k, v, pos, docs, use_reentrant=False)
-        else:
-            y = self._core(q, k, v, pos, docs)
-        y = y.transpose(1, 2).reshape(b, t, -1)
+        y = self.attend(q, k, v, pos, docs).transpose(1, 2).reshape(b, t, -1)
         return self.resid_dropout(self.o_proj(y))

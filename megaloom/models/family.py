@@ -87,7 +87,9 @@ class HFMapping:
     MixtralForCausalLM), another HF class; None: MoE models of the family are refused on export.
     ``sliding_window``: the HF class expresses ``model.sliding_window`` (in the family's own layer pattern, which
     ``to_hf_config`` / ``from_hf_config`` spell); False: a windowed model is refused on export and an import has
-    none."""
+    none.
+    ``mla``: the mapping of the family's models with latent attention (``model.attention=mla``, dense or MoE;
+    llama -> DeepseekV3ForCausalLM); None: such models are refused on export."""
 
     architecture: str
     model_types: tuple[str, ...]
@@ -99,6 +101,7 @@ class HFMapping:
     head_name: str = "lm_head.weight"
     moe: HFMapping | None = None
     sliding_window: bool = False
+    mla: HFMapping | None = None
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,13 @@ from megaloom.models.layers import MLP
 USE_GROUPED_MM = True
 
 
+def is_moe_block(cfg, index: int) -> bool:
+    """Whether block ``index`` of a ModelConfig's model has an MoE layer: every ``moe_every``-th block, after the
+    first ``first_dense_layers`` (DeepSeek-V3 keeps its first 3 blocks dense)."""
+    return (bool(cfg.moe_every) and (index + 1) % cfg.moe_every == 0
+            and index >= getattr(cfg, "first_dense_layers", 0))
+
+
 # --------------------------------------------------------------------------------------------------- routing
 @dataclass
 class RouterOutput:
@@ -75,16 +82,26 @@ class Router(nn.Module):
 
     `expert_bias` (a buffer) is DeepSeek-V3's aux-loss-free balancing bias: it is added to the scores for the
     top-k *selection* only; the combine weights are always taken from the unbiased scores.
+
+    DeepSeek-V3's group-limited routing (``n_groups`` > 1, HF's noaux_tc): the experts form ``n_groups`` equal
+    groups, each scored by the sum of its two highest biased scores; a token picks its top-k experts only inside
+    its ``topk_groups`` best groups (which bounds how many nodes its tokens travel to under expert parallelism).
+    ``routed_scaling``: the combine weights' multiplier after renormalisation (DeepSeek-V3: 2.5).
     """
 
     def __init__(self, d_model: int, n_experts: int, top_k: int, score_fn: str = "softmax",
-                 normalize_weights: bool | None = None):
+                 normalize_weights: bool | None = None, n_groups: int = 1, topk_groups: int = 1,
+                 routed_scaling: float = 1.0):
         super().__init__()
         if score_fn not in ("softmax", "sigmoid"):
             raise ValueError(f"router score_fn must be softmax or sigmoid, got {score_fn!r}")
         if not 1 <= top_k <= n_experts:
             raise ValueError(f"top_k={top_k} must be in [1, n_experts={n_experts}]")
+        if n_experts % n_groups or not 1 <= topk_groups <= n_groups:
+            raise ValueError(f"router: {n_groups} expert groups must divide n_experts={n_experts} and topk_groups="
+                             f"{topk_groups} lie in [1, {n_groups}]")
         self.n_experts, self.top_k, self.score_fn = n_experts, top_k, score_fn
+        self.n_groups, self.topk_groups, self.routed_scaling = n_groups, topk_groups, routed_scaling
         # Sigmoid scores are always renormalised over the top-k (DeepSeek-V3); softmax optionally (Mixtral: yes).
         self.normalize_weights = True if normalize_weights is None or score_fn == "sigmoid" else normalize_weights
         self.proj = nn.Linear(d_model, n_experts, bias=False)
@@ -94,11 +111,22 @@ class Router(nn.Module):
         logits = self.proj(x).float()
         probs = logits.softmax(-1) if self.score_fn == "softmax" else logits.sigmoid()
         select = probs.detach() + self.expert_bias.float()
+        if self.n_groups > 1:
+            select = self._limit_to_groups(select)
         experts = select.topk(self.top_k, dim=-1).indices
         weights = probs.gather(-1, experts)
         if self.normalize_weights:
             weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
+        if self.routed_scaling != 1.0:
+            weights = weights * self.routed_scaling
         return RouterOutput(weights, experts, probs, logits)
+
+    def _limit_to_groups(self, select: torch.Tensor) -> torch.Tensor:
+        """``select`` [T, E] with the experts outside each token's ``topk_groups`` best groups at -inf."""
+        grouped = select.view(select.shape[0], self.n_groups, -1)
+        best = grouped.topk(2, dim=-1).values.sum(-1).topk(self.topk_groups, dim=-1).indices  # [T, topk_groups]
+        keep = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=select.device).scatter_(1, best, True)
+        return grouped.masked_fill(~keep[..., None], float("-inf")).view_as(select)
 
     @torch.no_grad()
     def update_bias(self, load: torch.Tensor, rate: float) -> None:
@@ -257,12 +285,14 @@ class MoE(nn.Module):
     def __init__(self, d_model: int, n_experts: int, top_k: int, expert_ffn_dim: int, n_shared_experts: int = 0,
                  score_fn: str = "softmax", normalize_weights: bool | None = None, aux_loss_weight: float = 0.0,
                  z_loss_weight: float = 0.0, capacity_factor: float = 0.0, aux_free_bias_rate: float = 0.0,
-                 dropout: float = 0.0, init_std: float = 0.02, out_std: float | None = None):
+                 dropout: float = 0.0, init_std: float = 0.02, out_std: float | None = None, n_groups: int = 1,
+                 topk_groups: int = 1, routed_scaling: float = 1.0):
         super().__init__()
         self.n_experts, self.top_k = n_experts, top_k
         self.aux_loss_weight, self.z_loss_weight = aux_loss_weight, z_loss_weight
         self.capacity_factor, self.aux_free_bias_rate = capacity_factor, aux_free_bias_rate
-        self.router = Router(d_model, n_experts, top_k, score_fn, normalize_weights)
+        self.router = Router(d_model, n_experts, top_k, score_fn, normalize_weights, n_groups, topk_groups,
+                             routed_scaling)
         self.experts = GroupedExperts(n_experts, d_model, expert_ffn_dim)
         self.shared = MLP(True, d_model, n_shared_experts * expert_ffn_dim, False, 0.0) if n_shared_experts else None
         self.dropout = nn.Dropout(dropout)

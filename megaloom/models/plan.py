@@ -2,6 +2,10 @@
 
   attention: enter the region once -> q/k/v column-parallel (whole heads per rank) -> SDPA on local heads ->
              o_proj row-parallel -> all-reduce (reduce-scatter with sp)
+  latent attention (model.attention=mla, models/mla.py): the down-projections q_a_proj / kv_a_proj replicated
+             (every rank all rows; gradients summed over tp like replicated KV heads), their norms replicated with
+             partial gradients, q_b_proj / kv_b_proj (or q_proj) column-parallel by heads, o_proj row-parallel,
+             as Megatron-Core splits MLA
   MLP:       enter the region once -> gate/up column-parallel -> activation -> down_proj row-parallel -> reduce
   MoE:       experts over ep, each expert's hidden units over tp (parallel/expert.py)
   embedding and head split by vocabulary, the loss vocabulary-parallel (full logits never exist); with sp the
@@ -16,6 +20,7 @@ from megaloom.parallel.styles import (
     Colwise,
     Experts,
     LocalHeads,
+    PartialGrad,
     Plan,
     Region,
     Rowwise,
@@ -37,6 +42,12 @@ DECODER_PLAN: Plan = {
     "layers.*.attn.k_proj": Colwise(kv_heads=True),
     "layers.*.attn.v_proj": Colwise(kv_heads=True),
     "layers.*.attn.o_proj": Rowwise(),
+    "layers.*.attn.q_a_proj": Colwise(replicated=True),
+    "layers.*.attn.q_a_norm": PartialGrad(),
+    "layers.*.attn.q_b_proj": Colwise(region_input=False),
+    "layers.*.attn.kv_a_proj": Colwise(replicated=True),
+    "layers.*.attn.kv_a_norm": PartialGrad(),
+    "layers.*.attn.kv_b_proj": Colwise(region_input=False),
     "layers.*.attn.resid_dropout": SequenceDropout(),
     "layers.*.mlp_norm": SequenceParallel(),
     "layers.*.mlp": (Experts(), Region()),
@@ -48,3 +59,4 @@ DECODER_PLAN: Plan = {
     "head": VocabHead(),
     "loss": VocabLoss(),
 }
+

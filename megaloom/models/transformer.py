@@ -21,12 +21,15 @@ from torch.utils.checkpoint import checkpoint
 
 from megaloom.config import ModelConfig, resolved_head_dim
 from megaloom.models.attention import Attention, KVCache
+from megaloom.models.attention_shapes import is_mla, rope_dim
 from megaloom.models.documents import Documents
 from megaloom.models.init import ONES, ZEROS, InitRule, draw_init_seed, fill_slice
 from megaloom.models.layers import MLP, HeadTransform, Pooler, make_norm, norm_input, rope_scaling_of, rope_tables
 from megaloom.models.lora import add_lora
 from megaloom.models.lora import init_rule as lora_init_rule
-from megaloom.models.moe import MoE
+from megaloom.models.mla import MLAttention
+from megaloom.models.moe import MoE, is_moe_block
+from megaloom.models.mtp import MTPModule, mtp_tokens_and_targets
 
 if TYPE_CHECKING:
     from megaloom.models.family import Family
@@ -51,19 +54,24 @@ class Block(nn.Module):
         self.parallel = cfg.parallel_block
         self.post_norm = tr.post_norm  # BERT: norm(x + f(x)); the norms keep their names (attn_norm, mlp_norm)
         self.attn_norm = make_norm(tr.norm, cfg.d_model, cfg.norm_eps)
-        attention = tr.attention or Attention
-        self.attn = attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads, tr.bias, cfg.dropout,
-                              cfg.sliding_window, qkv_bias=tr.bias or cfg.qkv_bias, norm_eps=cfg.norm_eps,
-                              head_dim=resolved_head_dim(cfg))
+        if is_mla(cfg):  # multi-head latent attention (model.attention=mla) in place of the family's own
+            self.attn = MLAttention(cfg)
+        else:
+            attention = tr.attention or Attention
+            self.attn = attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads, tr.bias, cfg.dropout,
+                                  cfg.sliding_window, qkv_bias=tr.bias or cfg.qkv_bias, norm_eps=cfg.norm_eps,
+                                  head_dim=resolved_head_dim(cfg))
         self.attn.causal = tr.causal
         if not self.parallel:  # the parallel block reads one normed input for both branches
             self.mlp_norm = make_norm(tr.norm, cfg.d_model, cfg.norm_eps)
         ffn = cfg.ffn_dim or tr.default_ffn_dim(cfg.d_model)
-        if cfg.moe_every and (layer_idx + 1) % cfg.moe_every == 0:
+        if is_moe_block(cfg, layer_idx):
             self.mlp = MoE(cfg.d_model, cfg.n_experts, cfg.top_k, cfg.expert_ffn_dim or ffn,
                            n_shared_experts=cfg.n_shared_experts, score_fn=cfg.router_score,
                            aux_loss_weight=cfg.aux_loss_weight, z_loss_weight=cfg.z_loss_weight,
                            capacity_factor=cfg.capacity_factor, aux_free_bias_rate=cfg.aux_free_bias_rate,
+                           n_groups=cfg.n_expert_groups, topk_groups=cfg.topk_groups,
+                           routed_scaling=cfg.routed_scaling_factor,
                            dropout=cfg.dropout, init_std=cfg.init_std,
                            out_std=cfg.init_std / math.sqrt(2 * cfg.n_layers))
         else:
@@ -131,12 +139,21 @@ class Transformer(nn.Module):
                      else make_norm(tr.norm, cfg.d_model, cfg.norm_eps))
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=tr.head_bias)
         self.loss = CrossEntropyLoss()
+        if cfg.mtp_depth:  # multi-token prediction (models/mtp.py): blocks after the last, indexed on from it
+            self.mtp = nn.ModuleDict({str(k): MTPModule(tr.norm, cfg.d_model, cfg.norm_eps,
+                                                        Block(cfg, cfg.n_layers + k, family))
+                                      for k in range(cfg.mtp_depth)})
+        # train.mtp_loss_weight (set by the trainer; DeepSeek-V3's 0.3 until then) and the last MTP loss (logged)
+        self.mtp_loss_weight = 0.3
+        self.last_mtp_loss: torch.Tensor | None = None
+        # A pipeline's last stage without the embedding: the token lookup MTP uses (the head's tied rows)
+        self.mtp_lookup = None
         if cfg.sentence_order:  # BERT's sentence-order prediction (ALBERT): pooled [CLS] -> in order / swapped
             self.pooler = Pooler(cfg.d_model)
             self.order_head = nn.Linear(cfg.d_model, 2)
         self.tie_weights()
         if tr.positions == "rope":  # filled by reset_buffers (below, through reset_parameters): computed once
-            shape = (cfg.max_seq_len, resolved_head_dim(cfg))
+            shape = (cfg.max_seq_len, rope_dim(cfg))
             self.register_buffer("rope_cos", torch.empty(shape, dtype=torch.float32), persistent=False)
             self.register_buffer("rope_sin", torch.empty(shape, dtype=torch.float32), persistent=False)
         self.recompute_layers = 0  # full recomputation of the first N blocks of each span (apply_recompute)
@@ -150,7 +167,8 @@ class Transformer(nn.Module):
 
     @property
     def plan(self):
-        """The family's parallel plan (what `megaloom.parallel.tensor.parallelize_tensor` applies)."""
+        """The family's parallel plan (what `megaloom.parallel.tensor.parallelize_tensor` applies; it adds the
+        multi-token-prediction modules' entries, `tensor.with_mtp`)."""
         return self.family.plan
 
     def tie_weights(self) -> None:
@@ -199,7 +217,7 @@ class Transformer(nn.Module):
                 b.zero_()
         if hasattr(self, "rope_cos") and self.rope_cos.device.type != "meta":
             c = self.cfg
-            cos, sin = rope_tables(resolved_head_dim(c), c.max_seq_len, c.rope_theta, rope_scaling_of(c))
+            cos, sin = rope_tables(rope_dim(c), c.max_seq_len, c.rope_theta, rope_scaling_of(c))
             self.rope_cos.copy_(cos)
             self.rope_sin.copy_(sin)
 
@@ -273,9 +291,11 @@ class Transformer(nn.Module):
             x = self.embed(x, pos, positions) if segments is None else self.embed(x, pos, positions, segments)
         elif seq_len is None:
             raise ValueError("Transformer.forward: a span without the embedding needs seq_len (for RoPE)")
-        x = self.run_layers(x, self.rope(seq_len, pos, positions), span.layers, caches, pos, docs)
+        rope = self.rope(seq_len, pos, positions)
+        x = self.run_layers(x, rope, span.layers, caches, pos, docs)
         if not span.head:
             return x
+        hidden = x  # the last block's states: what multi-token prediction continues from
         pooler = getattr(self, "pooler", None)
         if labels is not None and pooler is not None and order_labels is None:
             raise ValueError("Transformer.forward: a model with the sentence-order head (model.sentence_order) "
@@ -290,7 +310,31 @@ class Transformer(nn.Module):
         # Router auxiliary losses are not added here: each MoE layer attached their gradient to its output
         # (moe.attach_aux_loss), so the value returned is the language-model loss alone.
         loss = self.loss(self.head, x, labels)
+        if getattr(self, "mtp", None) is not None and self.training and torch.is_grad_enabled():
+            loss = loss + self.mtp_term(hidden, labels, rope, docs)
         return loss if order_loss is None else loss + order_loss
+
+    def mtp_term(self, h: torch.Tensor, labels: torch.Tensor, rope, docs: Documents | None) -> torch.Tensor:
+        """Multi-token prediction's part of the training loss: zero in value, ``mtp_loss_weight`` x the mean of the
+        depths' losses in gradient (models/mtp.py); the mean is kept in ``last_mtp_loss``."""
+        losses = []
+        for k, module in enumerate(self.mtp.values(), start=1):
+            tokens, targets = mtp_tokens_and_targets(labels, k)
+            h = module(h, self.mtp_embedding(tokens), rope, docs)
+            losses.append(self.loss(self.head, module.norm(norm_input(h, module.norm)), targets))
+        mean = torch.stack(losses).mean()
+        self.last_mtp_loss = mean.detach()
+        return self.mtp_loss_weight * (mean - mean.detach())
+
+    def mtp_embedding(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token embeddings for multi-token prediction: the embedding's, or on a pipeline's last stage the lookup
+        into the head's tied copy of it (parallel/pipeline/stage.py)."""
+        if self.tok_emb is not None:
+            return self.tok_emb(tokens)
+        if self.mtp_lookup is None:
+            raise RuntimeError("multi-token prediction on a stage without the embedding needs tied embeddings "
+                               "(the head's copy of them)")
+        return self.mtp_lookup(tokens)
 
     def run_layers(self, x: torch.Tensor, rope, layers: Sequence[int], caches: list[KVCache] | None = None,
                    pos: int = 0, docs: Documents | None = None) -> torch.Tensor:
@@ -312,6 +356,8 @@ class Transformer(nn.Module):
 
     def new_caches(self, batch: int, max_len: int, dtype=None) -> list[KVCache]:
         first = next(iter(self.layers.values()))
+        if isinstance(first.attn, MLAttention):  # the compressed latent and the shared RoPE key
+            return [layer.attn.new_cache(batch, max_len, dtype) for layer in self.layers.values()]
         w = first.attn.k_proj.weight
         hd = resolved_head_dim(self.cfg)
         return [KVCache(batch, layer.attn.k_proj.out_features // hd, max_len, hd, dtype or w.dtype, w.device)

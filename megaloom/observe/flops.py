@@ -3,8 +3,10 @@
 The count is the standard one (Kaplan et al.; PaLM appendix B; TorchTitan's `get_num_flop_per_token`):
 6 x N non-embedding parameters (forward 2N, backward 4N) plus the attention score and value matmuls,
 6 x 2 x n_layers x (n_heads x head_dim: d_model unless model.head_dim says otherwise) x seq_len per token counted
-in full (not halved for the causal mask), so our
-MFU is directly comparable with TorchTitan's. Recomputation is not counted (MFU, not HFU). Frozen parameters
+in full (not halved for the causal mask), so our MFU is directly comparable with TorchTitan's. With latent
+attention the scores and values are 6 x n_layers x n_heads x (q/k head + v head) x seq_len (the 2 x head_dim
+generalised; the padding of v to the q/k head size that the kernels run at is not model work). Recomputation is
+not counted (MFU, not HFU). Frozen parameters
 (`model.freeze`) count 4N (no weight gradient); a multimodal model's image encoder and projector are counted per
 image (`image_flops`) and added for the images each step holds.
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from megaloom.config import ModelConfig, resolved_head_dim
+from megaloom.config import ModelConfig
 
 # Dense bf16 tensor-core peaks in FLOP/s (no sparsity), by substring of the device name.
 PEAK_BF16 = {
@@ -25,7 +27,10 @@ PEAK_BF16 = {
 def flops_per_token(cfg: ModelConfig, n_params_no_embedding: int, seq_len: int, n_frozen: int = 0) -> float:
     """``n_frozen``: of the parameters, those trained frozen (`model.freeze`): no weight gradient, 4N not 6N (the
     input gradient still runs through them to whatever trains below)."""
-    attention = 12 * cfg.n_layers * cfg.n_heads * resolved_head_dim(cfg) * seq_len  # heads x head width
+    from megaloom.models.attention_shapes import attention_width
+
+    # heads x (q/k width + v width); multi-token prediction's blocks (model.mtp_depth) attend as the model's do
+    attention = 6 * (cfg.n_layers + getattr(cfg, "mtp_depth", 0)) * attention_width(cfg) * seq_len
     return 6 * n_params_no_embedding - 2 * n_frozen + attention
 
 
@@ -68,7 +73,8 @@ def frozen_matmul_params(model: torch.nn.Module) -> int:
 def matmul_params(model: torch.nn.Module, frozen_only: bool = False) -> int:
     """Parameters that take part in a token's matmuls: all but the embedding lookups, plus the output head even
     when it shares its weight with the token embedding (the head's GEMM is real work either way). Routed experts
-    count top_k / n_experts of their weights: MFU of an MoE model is over its active parameters."""
+    count top_k / n_experts of their weights: MFU of an MoE model is over its active parameters. With
+    multi-token prediction the head's GEMM runs once more per depth (the modules' own weights count once)."""
     from megaloom.models.moe import MoE
 
     active_share = {}
@@ -89,4 +95,7 @@ def matmul_params(model: torch.nn.Module, frozen_only: bool = False) -> int:
         if frozen_only and p.requires_grad:
             continue
         n += p.numel() * active_share.get(id(p), 1.0)
+    head, mtp = getattr(model, "head", None), getattr(model, "mtp", None)
+    if mtp is not None and head is not None and not (frozen_only and head.weight.requires_grad):
+        n += head.weight.numel() * len(mtp)
     return int(n)

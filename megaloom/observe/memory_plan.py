@@ -85,6 +85,7 @@ and NCCL buffers. fp8 is approximated (converted linears save a 1-byte input, no
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import math
@@ -94,6 +95,7 @@ from torch import nn
 
 from megaloom.config import Config, ModelConfig, resolved_head_dim
 from megaloom.observe.log import get_logger
+from megaloom.observe.memory_mla import is_mla, mla_attention_bytes
 from megaloom.parallel.layout import layout_of
 from megaloom.training.levers import compute_precision, resolve_levers
 
@@ -123,7 +125,9 @@ def _resolved(m: ModelConfig) -> tuple[int, int, int, int]:
 
 
 def is_moe_layer(m: ModelConfig, index: int) -> bool:
-    return bool(m.moe_every) and (index + 1) % m.moe_every == 0
+    from megaloom.models.moe import is_moe_block
+
+    return is_moe_block(m, index)
 
 
 def attention_backend(cfg: Config, device: str, tp: int = 1) -> str:
@@ -229,13 +233,46 @@ def block_activation_bytes(cfg: Config, *, tokens: int, batch: int, layer: int =
     n, n_r, d, a = dm.n, dm.n_r, dm.d, dm.a
     tr = _traits(m)
     out["attn_norm"] = _norm_bytes(tr.norm, n_r, d, device)
+    selective = recompute == "selective"
+    if is_mla(m):  # multi-head latent attention: its own save-set (observe/memory_mla.py)
+        out.update(mla_attention_bytes(m, n=n, n_r=n_r, b=dm.b, t=dm.t, heads=dm.hl, a=a, autocast=dm.autocast,
+                                       sp=dm.sp, attention=attention, selective=selective, device=device,
+                                       dropout_mask=_mask_bytes(device, 4)))
+    else:
+        out.update(_gqa_attention_bytes(cfg, dm, device, attention, selective, fp8, attn_in))
+    if not m.parallel_block:
+        out["mlp_norm"] = _norm_bytes(tr.norm, n_r, d, device)
+    # fp32 and a parallel block: one normed x (or, with sp, its shard) saved for both branches; an MoE layer
+    # gathers its own copy under sp (megaloom.parallel.expert).
+    shares_input = not dm.autocast and m.parallel_block
+    if moe:
+        out.update(_moe_bytes(cfg, dm, device, grouped_mm, selective, shares_input and not dm.sp))
+    else:
+        gated = tr.gated_mlp
+        out["mlp inputs"] = 0 if shares_input else _linear_input_bytes(dm, 2 if gated else 1, lin_in,
+                                                                      region=not fp8)
+        if gated:
+            out["gate, up, silu, product"] = (3 if selective else 4) * a * n * dm.fl
+        else:
+            out["up, gelu"] = 2 * a * n * dm.fl
+    if m.dropout > 0:  # masks of the residual dropouts on o_proj's and down_proj's outputs (MoE: its own)
+        out["dropout masks"] = (1 if moe else 2) * _mask_bytes(device, a) * n_r * d
+    return out
+
+
+def _gqa_attention_bytes(cfg: Config, dm: _Dims, device: str, attention: str, selective: bool, fp8: bool,
+                         attn_in: int) -> dict[str, int]:
+    """The attention half of a grouped-query block's save-set (module doc: linears, QK-norm, attention)."""
+    m, t = cfg.model, cfg.train
+    n, a = dm.n, dm.a
+    tr = _traits(m)
+    out: dict[str, int] = {}
     # One tensor enters each region (with sp: its shard, saved once for the region's linears unless in fp8).
     keep_attn = bool(getattr(t, "fp8_keep_attention", False))
     out["q/k/v inputs"] = _linear_input_bytes(dm, 3, attn_in, region=not fp8 or keep_attn)
     if tr.qk_norm:  # an RMSNorm over each query and key head of the projections' outputs, before RoPE
         out["q/k norms"] = _qk_norm_bytes(n * (dm.hl + dm.hkvl), dm.hd, device, dm.autocast)
     q, kv = a * n * dm.hl * dm.hd, a * n * dm.hkvl * dm.hd
-    selective = recompute == "selective"
     if attention in ("flash", "efficient"):
         out["q, k, v"] = q + 2 * kv
         out["attention out"] = q  # o_proj reads it through a view (the kernels write [b, s, h, hd])
@@ -257,23 +294,6 @@ def block_activation_bytes(cfg: Config, *, tokens: int, batch: int, layer: int =
             if m.dropout > 0:  # the mask (bool on CUDA, the input's dtype on CPU) and the dropped probs
                 out["attention dropout (math)"] = (_mask_bytes(device, e) + e) * dm.b * dm.hl * dm.t * dm.t
         out["o_proj input (math)"] = a * n * dm.hl * dm.hd
-    if not m.parallel_block:
-        out["mlp_norm"] = _norm_bytes(tr.norm, n_r, d, device)
-    # fp32 and a parallel block: one normed x (or, with sp, its shard) saved for both branches; an MoE layer
-    # gathers its own copy under sp (megaloom.parallel.expert).
-    shares_input = not dm.autocast and m.parallel_block
-    if moe:
-        out.update(_moe_bytes(cfg, dm, device, grouped_mm, selective, shares_input and not dm.sp))
-    else:
-        gated = tr.gated_mlp
-        out["mlp inputs"] = 0 if shares_input else _linear_input_bytes(dm, 2 if gated else 1, lin_in,
-                                                                      region=not fp8)
-        if gated:
-            out["gate, up, silu, product"] = (3 if selective else 4) * a * n * dm.fl
-        else:
-            out["up, gelu"] = 2 * a * n * dm.fl
-    if m.dropout > 0:  # masks of the residual dropouts on o_proj's and down_proj's outputs (MoE: its own)
-        out["dropout masks"] = (1 if moe else 2) * _mask_bytes(device, a) * n_r * d
     return out
 
 
@@ -290,7 +310,7 @@ def _compiled_save_set_known(cfg: Config, dm: _Dims, device: str, recompute: str
             and recompute in ("none", "selective") and not moe and not fp8
             and attention in ("flash", "cudnn", "efficient") and tr.norm == "rmsnorm"
             and tr.gated_mlp and tr.positions == "rope" and not tr.bias and not tr.post_norm
-            and not m.parallel_block and not m.sliding_window and m.dropout == 0)
+            and not m.parallel_block and not m.sliding_window and m.dropout == 0 and not is_mla(m))
 
 
 def _compiled_block_bytes(m: ModelConfig, dm: _Dims, lean: bool, selective: bool = False,
@@ -423,6 +443,35 @@ def head_activation_bytes(cfg: Config, *, tokens: int, tp: int = 1, sp: bool = F
     return out
 
 
+def mtp_activation_bytes(cfg: Config, *, tokens: int, batch: int, tp: int = 1, sp: bool = False,
+                         device: str = "cuda") -> dict[str, int]:
+    """What multi-token prediction (model.mtp_depth, models/mtp.py) saves for backward in one micro-batch, on top
+    of the head's bytes: per depth the token ids looked up, its two input norms (the states' norm shares its input
+    with the norm before the head when that input is already fp32: the model's fp32 residual stream at depth 1, or
+    any depth without autocast), the projection's input (the concatenation, or its bf16 cast), its block (indexed
+    after the model's) and its own head and loss. Weight casts: `ParamCounts.matmul_mtp`."""
+    m, t = cfg.model, cfg.train
+    autocast = compute_precision(cfg, device) != "fp32"
+    n_r = tokens // tp if (sp and tp > 1) else tokens
+    d, norm = m.d_model, _traits(m).norm
+    head = sum(head_activation_bytes(cfg, tokens=tokens, tp=tp, sp=sp, device=device).values())
+    bf16_stream = autocast and getattr(t, "bf16_residual", False) is True
+    eager = dataclasses.replace(cfg, train=dataclasses.replace(t, compile=False))
+    out: dict[str, int] = {}
+    for k in range(m.mtp_depth):
+        shared = not autocast or (k == 0 and not bf16_stream)  # the states are fp32 already: one saved copy
+        # the modules' blocks are neither recomputed nor compiled (train.recompute and train.compile take the
+        # model's blocks): saved as eager blocks without recomputation
+        block = block_activation_bytes(eager, tokens=tokens, batch=batch, layer=m.n_layers + k, tp=tp, sp=sp,
+                                       device=device, recompute="none")
+        out[f"mtp {k + 1}: token ids, norms, projection input"] = (
+            8 * tokens + (tokens if tp > 1 else 0) + 2 * _norm_bytes(norm, n_r, d, device)
+            - (4 * n_r * d if shared else 0) + (2 if autocast else 4) * n_r * 2 * d)
+        out[f"mtp {k + 1}: block"] = sum(block.values())
+        out[f"mtp {k + 1}: head and loss"] = head
+    return out
+
+
 def loss_transients(cfg: Config, *, tokens: int, tp: int = 1, device: str = "cuda") -> dict[str, int]:
     """Bytes live beyond the saved ones while the loss runs: forward (logits in the compute dtype and their
     fp32 copy) and backward (the fp32 gradients), per megaloom.models.transformer.cross_entropy (tp = 1) or
@@ -471,6 +520,7 @@ class ParamCounts:
     embedding: int = 0  # the token embedding's weight on this rank (0 without one)
     expert: int = 0  # of ``local``, the expert-parallel weights (ZeRO shards them over edp, not dp x cp)
     frozen: int = 0  # parameters trained frozen (model.freeze): stored, but no gradient and no optimizer state
+    matmul_mtp: int = 0  # the multi-token-prediction modules' matmul weights (model.mtp_depth; cast under autocast)
 
 
 def _local_numel(p) -> int:
@@ -487,7 +537,7 @@ def count_model_params(model: nn.Module) -> ParamCounts:
     mm_head = head_w.numel() if head_w is not None else 0
     emb_w = getattr(getattr(model, "tok_emb", None), "weight", None)
     embedding = _local_numel(emb_w) if emb_w is not None else 0
-    expert = frozen = 0
+    expert = frozen = mm_mtp = 0
     for name, p in model.named_parameters():
         if id(p) in seen:
             continue
@@ -500,6 +550,8 @@ def count_model_params(model: nn.Module) -> ParamCounts:
         else:  # frozen (model.freeze): stored and cast all the same, but no gradient and no optimizer state
             frozen += nl
         parts = name.split(".")
+        if parts[0] == "mtp" and p.ndim >= 2:
+            mm_mtp += p.numel()
         if parts[0] == "layers" and len(parts) > 1 and parts[1].isdigit():
             i = int(parts[1])
             blocks[i] = blocks.get(i, 0) + p.numel()
@@ -510,7 +562,7 @@ def count_model_params(model: nn.Module) -> ParamCounts:
     for i in blocks:
         mm_layers.setdefault(i, 0)
     return ParamCounts(local, mm_layers, mm_head, blocks, root, largest, exact=True, embedding=embedding,
-                       expert=expert, frozen=frozen)
+                       expert=expert, frozen=frozen, matmul_mtp=mm_mtp)
 
 
 def analytic_params(cfg: Config, layers: list[int], has_embedding: bool = True, has_head: bool = True,
@@ -526,11 +578,17 @@ def analytic_params(cfg: Config, layers: list[int], has_embedding: bool = True, 
     hkvl, q = max(kv // tp, 1), m.n_heads // tp * hd  # q: this rank's query heads x head width (d / tp by default)
     norm = 2 * d if tr.norm == "layernorm" else d  # LayerNorm: weight and bias
     qk_norm = 2 * hd if tr.qk_norm else 0  # q_norm, k_norm: one weight of head_dim each (replicated over tp)
+    from megaloom.models.attention_shapes import attention_norm_params, attention_projections
+
+    qk_norm += attention_norm_params(m)  # latent attention's norms over its latents (replicated over tp)
+    projections = attention_projections(m, tp)
     mm_layers, blocks = {}, {}
     largest = expert = 0
-    for i in layers:
-        attn_mm = d * q + 2 * d * hkvl * hd + q * d
-        attn_b = ((q + 2 * hkvl * hd) if qkv_bias else 0) + (d if bias else 0)
+    # multi-token prediction's blocks go with the head, indexed after the model's (models/mtp.py)
+    mtp_blocks = list(range(m.n_layers, m.n_layers + m.mtp_depth)) if has_head else []
+    for i in [*layers, *mtp_blocks]:
+        attn_mm = sum(p.numel for p in projections)
+        attn_b = ((q + 2 * hkvl * hd) if qkv_bias and not is_mla(m) else 0) + (d if bias else 0)
         if is_moe_layer(m, i):
             mlp_mm = (d * m.n_experts + 3 * (m.n_experts // ep) * d * (fe // tp)
                       + 3 * d * (m.n_shared_experts * fe // tp))
@@ -542,9 +600,11 @@ def analytic_params(cfg: Config, layers: list[int], has_embedding: bool = True, 
         norms = norm * (1 if m.parallel_block else 2)
         mm_layers[i] = attn_mm + mlp_mm
         blocks[i] = attn_mm + mlp_mm + attn_b + mlp_b + norms + qk_norm
-        largest = max(largest, d * (ffn // tp), (m.n_experts // ep) * d * (fe // tp) if is_moe_layer(m, i) else 0)
+        largest = max(largest, d * (ffn // tp), (m.n_experts // ep) * d * (fe // tp) if is_moe_layer(m, i) else 0,
+                      max(p.numel for p in projections))
+    mtp_mm = sum(mm_layers.pop(i) + 2 * d * d for i in mtp_blocks)  # (+ eh_proj)
+    root = sum(blocks.pop(i) + 2 * d * d + 3 * norm for i in mtp_blocks)  # (+ eh_proj and three norms)
     vocab = m.vocab_size // tp * d
-    root = 0
     if has_embedding:
         root += vocab + (m.max_seq_len * d if tr.positions == "learned" else 0)
         root += tr.token_types * d + (norm if tr.embed_norm else 0)  # an encoder's segment embedding and its norm
@@ -559,7 +619,7 @@ def analytic_params(cfg: Config, layers: list[int], has_embedding: bool = True, 
     if has_embedding or has_head:
         largest = max(largest, vocab)
     counts = ParamCounts(sum(blocks.values()) + root, mm_layers, head_mm, blocks, root, largest, exact=False,
-                         embedding=vocab if has_embedding else 0, expert=expert)
+                         embedding=vocab if has_embedding else 0, expert=expert, matmul_mtp=mtp_mm)
     return _with_adapters(counts, m, layers, tp) if m.lora.rank > 0 else counts
 
 
@@ -909,6 +969,10 @@ def _stage_activations(lay: _Layout, rank: _RankModel, blocks: _Blocks) -> _Acti
                                          device=lay.device).values())
     head = sum(head_activation_bytes(cfg, tokens=lay.tokens, tp=lay.tp, sp=lay.sp, device=lay.device).values())
     head_cast = 2 * rank.counts.matmul_head if (lay.autocast and rank.has_head and not fused_loss(cfg)) else 0
+    if rank.has_head and cfg.model.mtp_depth:  # multi-token prediction runs with the head: its saves and casts
+        head += sum(mtp_activation_bytes(cfg, tokens=lay.tokens, batch=lay.batch, tp=lay.tp, sp=lay.sp,
+                                         device=lay.device).values())
+        head_cast += 2 * rank.counts.matmul_mtp if lay.autocast else 0
     loss = loss_transients(cfg, tokens=lay.tokens, tp=lay.tp, device=lay.device)
     saved, casts, saved_casts, recompute = {}, {}, {}, {}
     # Activation offload: the blocks' saved tensors wait in host memory; one block's come back during its backward.
@@ -1170,10 +1234,12 @@ def _setup(lay: _Layout, rank: _RankModel, acts: _Activations, grad_note: str) -
 def _fp8_linear_params(cfg: Config, tp: int, moe: bool, keep_attention: bool = False) -> int:
     """The linear weights of one block that fp8 converts: attention (unless kept bf16), and the dense MLP (MoE
     stays bf16)."""
+    from megaloom.models.attention_shapes import attention_projections
+
     m = cfg.model
-    kv, ffn, _, hd = _resolved(m)
+    _, ffn, _, _ = _resolved(m)
     d = m.d_model
-    attn = 0 if keep_attention else 2 * d * (m.n_heads // tp * hd) + 2 * d * max(kv // tp, 1) * hd
+    attn = 0 if keep_attention else sum(p.numel for p in attention_projections(m, tp))
     return attn + (0 if moe else (3 if _traits(m).gated_mlp else 2) * d * (ffn // tp))
 
 

@@ -158,8 +158,8 @@ class SeqRegion:
 
     def bind(self, module: nn.Module) -> None:
         """Find the column-parallel children that read the region's input (once the plan has split them)."""
-        self._linears = [m for m in module.children()
-                         if hasattr(m, "seq_region") and getattr(m, "input_mode", None) == "none"]
+        self._linears = [m for m in module.children() if hasattr(m, "seq_region")
+                         and getattr(m, "input_mode", None) == "none" and getattr(m, "region_input", True)]
         for m in self._linears:
             m.seq_region = self
 

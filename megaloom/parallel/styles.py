@@ -25,9 +25,15 @@ class Style:
 @dataclass(frozen=True)
 class Colwise(Style):
     """nn.Linear split by output features (weight rows), inside a region. ``kv_heads``: a key / value
-    projection, whose heads are replicated over groups of tp ranks when tp > n_kv_heads."""
+    projection, whose heads are replicated over groups of tp ranks when tp > n_kv_heads. ``replicated``: every
+    tp rank holds all rows (latent attention's down-projections, read by every rank's heads): a column-parallel
+    linear of tp replicas, whose gradients are partial sums over the ranks' heads. ``region_input=False``: the
+    linear reads a tensor made inside the region (latent attention's up-projections read the latents), not the
+    region's input, so it is not one of the linears that sequence parallelism feeds from the saved shard."""
 
     kv_heads: bool = False
+    replicated: bool = False
+    region_input: bool = True
 
 
 @dataclass(frozen=True)

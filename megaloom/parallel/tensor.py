@@ -138,8 +138,12 @@ def _apply(style: st.Style, module: nn.Module, ctx: _Context) -> nn.Module | Non
         case st.Colwise(kv_heads=True):
             rows, reps = ctx.kv_rows
             return ColumnParallelLinear.from_linear(module, mesh, "none", rows, reps)
-        case st.Colwise():
-            return ColumnParallelLinear.from_linear(module, mesh, "none")
+        case st.Colwise(replicated=True):  # all rows on every rank, one replica per tp rank
+            return ColumnParallelLinear.from_linear(module, mesh, "none", (0, module.out_features), mesh.tp)
+        case st.Colwise(region_input=reads_input):
+            col = ColumnParallelLinear.from_linear(module, mesh, "none")
+            col.region_input = reads_input
+            return col
         case st.Rowwise(sequence=seq):
             row = RowParallelLinear.from_linear(module, mesh, "reduce_scatter" if sp and seq else "reduce")
             row.ring = sp and seq and ctx.ring
@@ -203,12 +207,23 @@ def apply_plan(model: nn.Module, plan: st.Plan, ctx: _Context) -> None:
                 owned.append(name)
 
 
+def with_mtp(plan: st.Plan) -> st.Plan:
+    """``plan`` for a model with multi-token prediction (models/mtp.py): each module's block split as the model's
+    blocks are (the family's own entries included), its norms and input projection replicated on the residual
+    stream (with sp they see this rank's tokens: partial gradients)."""
+    blocks = {"mtp.*.block." + k[len("layers.*."):]: v for k, v in plan.items() if k.startswith("layers.*.")}
+    stream = {f"mtp.*.{n}": st.SequenceParallel() for n in ("enorm", "hnorm", "eh_proj", "norm")}
+    return {**plan, **blocks, **stream}
+
+
 def parallelize_tensor(model: nn.Module, mesh: Mesh, sp: bool, plan: st.Plan | None = None,
                        async_tp: bool = False) -> nn.Module:
     """Split ``model`` over ``mesh.tp`` (and its MoE experts over ``mesh.ep``) in place, parameter names
     unchanged, following ``plan`` (default: the plan of the model's family, ``model.plan``). ``async_tp``
     (with sp): the region borders as collective matmuls (`collective_matmul`)."""
     plan = plan if plan is not None else model.plan
+    if getattr(model, "mtp", None) is not None:  # multi-token prediction's modules, split as the blocks are
+        plan = with_mtp(plan)
     if mesh.tp == 1:
         if mesh.ep > 1:  # expert parallelism alone
             only_experts = {k: v for k, v in plan.items()

@@ -57,6 +57,7 @@ class ColumnParallelLinear(nn.Module):
         self.fp8_recipe: str | None = None  # set by precision.fp8_convert.convert_to_float8: the matmul in fp8
         self.fp8_fast_accum = True
         self.seq_region: SeqRegion | None = None  # set by the enclosing sp region: outputs come from it
+        self.region_input = True  # False: reads a tensor made inside its region (styles.Colwise.region_input)
         self.ring = False  # input "gather" as ring steps under the GEMM (parallel.async_tp, collective_matmul)
         self.fused_wgrad = False  # weight gradient into weight.main_grad (train.grad_accum_fusion, grad_fusion)
 
@@ -153,6 +154,22 @@ class RowParallelLinear(nn.Module):
                 f"out_features={self.out_features}, bias={self.bias is not None}, output={self.output_mode}")
 
 
+def lookup_vocab_rows(ids: torch.Tensor, weight: torch.Tensor, vocab_start: int, mesh: Mesh,
+                      output_mode: str) -> torch.Tensor:
+    """Embeddings of ``ids`` from this rank's vocabulary rows ``weight`` (from row ``vocab_start``): the rows it
+    owns looked up, the others zero, summed over tp ("reduce") or summed and split along the sequence
+    ("reduce_scatter"). Also what a pipeline's last stage looks tokens up with in its tied head rows."""
+    g, rec = mesh.tp_group, mesh.recorder
+    local = ids - vocab_start
+    outside = (local < 0) | (local >= weight.shape[0])
+    out = F.embedding(local.masked_fill(outside, 0), weight).masked_fill(outside.unsqueeze(-1), 0.0)
+    if output_mode == "reduce":
+        return comm.reduce_from_tp(out, g, rec)
+    # Reduce-scattered in the compute dtype (half the bytes under bf16 autocast, as every other sp
+    # collective); the residual stream it starts stays in the weights' dtype.
+    return comm.reduce_scatter_to_seq(to_compute_dtype(out), g, rec).to(out.dtype)
+
+
 class VocabParallelEmbedding(nn.Module):
     """Rows (token ids) split across tp ranks; each rank looks up the ids it owns, zeros the rest, and the
     partial results are summed ("reduce") or summed and split along the sequence ("reduce_scatter")."""
@@ -173,15 +190,7 @@ class VocabParallelEmbedding(nn.Module):
         return cls(_shard(emb.weight, 0, mesh.tp_rank * n, n), mesh, output_mode)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        g, rec = self.mesh.tp_group, self.mesh.recorder
-        local = ids - self.vocab_start
-        outside = (local < 0) | (local >= self.num_embeddings)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        if self.output_mode == "reduce":
-            return comm.reduce_from_tp(out, g, rec)
-        # Reduce-scattered in the compute dtype (half the bytes under bf16 autocast, as every other sp
-        # collective); the residual stream it starts stays in the weights' dtype.
-        return comm.reduce_scatter_to_seq(to_compute_dtype(out), g, rec).to(out.dtype)
+        return lookup_vocab_rows(ids, self.weight, self.vocab_start, self.mesh, self.output_mode)
 
     def extra_repr(self) -> str:
         return (f"rows {self.vocab_start}..{self.vocab_start + self.num_embeddings} of "

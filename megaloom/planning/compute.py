@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megaloom.config import Config
+from megaloom.models.attention_shapes import attention_projections, core_head_dim, core_widths, qk_head_dim, v_head_dim
 from megaloom.observe.memory_plan import _resolved, is_moe_layer
 from megaloom.planning.hardware import GpuKind
 
@@ -90,12 +91,12 @@ def block_work(cfg: Config, gpu: GpuKind, layer: int, tokens: int, recompute: bo
     seq_len / cp), on its tp shard."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     tp, cp = p.tp, p.cp
-    kv, ffn, fe, hd = _resolved(m)
+    _, ffn, fe, _ = _resolved(m)
     d = m.d_model
-    hl, hkvl = m.n_heads // tp, max(kv // tp, 1)
+    hl = m.n_heads // tp
     sp = p.sp and tp > 1
     n, n_r = tokens, tokens // tp if sp else tokens
-    linears = [(hl * hd, d), (hkvl * hd, d), (hkvl * hd, d), (d, hl * hd)]  # (out, in): q, k, v, o
+    linears = [(pr.out, pr.inp) for pr in attention_projections(m, tp)]  # (out, in): q, k, v, o (or MLA's)
     params = sum(o * i for o, i in linears)
     moe = is_moe_layer(m, layer)
     if moe:  # balanced routing: this rank's experts see top_k rows per token of its ep group's share
@@ -125,9 +126,10 @@ def block_work(cfg: Config, gpu: GpuKind, layer: int, tokens: int, recompute: bo
             fwd, bwd = fwd + f, bwd + b
         mm_flops += 2.0 * n * m.top_k * sum(o * i for o, i in expert) + 2.0 * n * sum(o * i for o, i in shared)
     # Causal attention of this rank's heads: its tokens' queries against the sequence (cp: 1/cp of the pairs).
-    attn_fwd_flops = 2.0 * (tokens * cp) * t.seq_len * hl * hd / cp  # QK^T and PV, half the pairs, x2 FLOPs
-    attn = 3.5 * attn_fwd_flops / (gpu.attention_tflops(t.seq_len, hd) * 1e12)
-    act = n_r * d * 4 + n * width * 2 + n * (hl + 2 * hkvl) * hd * 2 + n * d * 2
+    # QK^T and PV, half the pairs, x2 FLOPs: (q/k head + v head) / 2 is head_dim for grouped-query attention
+    attn_fwd_flops = 2.0 * (tokens * cp) * t.seq_len * hl * (qk_head_dim(m) + v_head_dim(m)) / 2 / cp
+    attn = 3.5 * attn_fwd_flops / (gpu.attention_tflops(t.seq_len, core_head_dim(m)) * 1e12)
+    act = n_r * d * 4 + n * width * 2 + n * sum(core_widths(m, tp)) * 2 + n * d * 2
     weight_bytes = WEIGHT_BYTES - (FUSED_SAVING if t.grad_accum_fusion is True and not moe else 0.0)
     memory = gpu.memory_seconds(ACT_BYTES * act + weight_bytes * params)
     kernels = KERNELS_PER_BLOCK + (RING_KERNELS if cp > 1 else 0)

@@ -26,6 +26,7 @@ import functools
 from dataclasses import dataclass, field
 
 from megaloom.config import Config
+from megaloom.models.attention_shapes import core_widths
 from megaloom.observe.flops import flops_per_token
 from megaloom.observe.memory_plan import GB, _resolved, analytic_params, is_moe_layer, plan_memory
 from megaloom.parallel.mesh import validate_layout
@@ -85,8 +86,8 @@ def _inside_stage_comm(cfg: Config, gpu: GpuKind, sizes: dict[str, int], w: Chun
                else comm.all_reduce(act, p.tp, link))
         fwd["tp"] = bwd["tp"] = 2 * one * n_layers
     if p.cp > 1:  # ring attention: cp - 1 exchanges of this rank's k, v (backward: also dk, dv), under attention
-        kv, _, _, hd = _resolved(m)
-        kv_bytes = 2 * tokens * max(kv // p.tp, 1) * hd * 2
+        _, k_width, v_width = core_widths(m, p.tp)
+        kv_bytes = tokens * (k_width + v_width) * 2
         link = comm.link_of(gpu, sizes, "cp")
         ring = (p.cp - 1) * comm.p2p(kv_bytes, link)
         attn_f = w.forward.attention / max(1, n_layers)

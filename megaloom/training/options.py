@@ -11,6 +11,13 @@ from megaloom.models.fused_ce import FusedHeadLoss
 from megaloom.precision.fp8_convert import convert_to_float8
 
 
+def mtp_loss_weight_at(step: int, t: TrainConfig) -> float:
+    """Multi-token prediction's loss weight at optimizer step ``step`` (1-based): train.mtp_loss_weight, then
+    train.mtp_loss_weight_late from train.mtp_late_step on (DeepSeek-V3's 0.3, then 0.1)."""
+    late = t.mtp_loss_weight_late >= 0 and step >= t.mtp_late_step
+    return t.mtp_loss_weight_late if late else t.mtp_loss_weight
+
+
 def apply_train_options(model: torch.nn.Module, t: TrainConfig, loss_chunk: int | None = None,
                         recompute_attention: bool = True):
     """What train.* changes in the built (tensor-parallel) model before pipeline stages and compile: the blocks'

@@ -126,6 +126,8 @@ def refuse_unbuilt(cfg: Config) -> None:
         raise ConfigError(f"model.freeze={','.join(m.freeze)} with parallel.zero=3 is not available yet (the "
                           "checkpoints of FSDP2's frozen parameters do not save); use parallel.zero=1 or 2, whose "
                           "gradient buckets and optimizer leave frozen parameters out too.")
+    if m.mtp_depth:
+        refuse_unbuilt_mtp(cfg)
     if m.lora.rank > 0:
         refuse_unbuilt_lora(cfg)
     if p.cp > 1 and m.moe_every and (m.aux_loss_weight or m.capacity_factor):
@@ -136,9 +138,34 @@ def refuse_unbuilt(cfg: Config) -> None:
                           "aux-loss-free bias, model.aux_free_bias_rate, works with cp).")
 
 
+def refuse_unbuilt_mtp(cfg: Config) -> None:
+    """Multi-token prediction (model.mtp_depth): what it does not run with yet."""
+    p, m = cfg.parallel, cfg.model
+    if p.cp > 1:
+        raise ConfigError(f"model.mtp_depth={m.mtp_depth} with parallel.cp={p.cp} is not available yet: its modules "
+                          "read the tokens k places ahead, which under context parallelism live on other ranks; set "
+                          "parallel.cp=1 (or model.mtp_depth=0).")
+    if cfg.data.format != "tokens":
+        raise ConfigError(f"model.mtp_depth={m.mtp_depth} with data.format={cfg.data.format}: multi-token prediction "
+                          "reads the tokens ahead from the labels, which chat data masks (-100 outside the "
+                          "assistant's turns); use data.format=tokens (or model.mtp_depth=0).")
+    if p.pp > 1 and not m.tie_embeddings:
+        raise ConfigError(f"model.mtp_depth={m.mtp_depth} with parallel.pp={p.pp} needs model.tie_embeddings=true: the "
+                          "last stage looks the tokens ahead up in its tied copy of the embedding (an untied "
+                          "embedding lives on the first stage only); set model.tie_embeddings=true or parallel.pp=1.")
+    if m.lora.rank > 0:
+        raise ConfigError(f"model.mtp_depth={m.mtp_depth} with model.lora.rank={m.lora.rank} is not available yet: "
+                          "the adapters go on the model's blocks, so the prediction modules would train frozen; set "
+                          "model.mtp_depth=0 for a LoRA fine-tune.")
+
+
 def refuse_unbuilt_lora(cfg: Config) -> None:
     """model.lora: the layouts its adapters do not support yet, each named with the fix."""
     p, r = cfg.parallel, cfg.model.lora.rank
+    if cfg.model.attention == "mla":
+        raise ConfigError(f"model.lora.rank={r} with model.attention=mla is not available yet (the adapters know the "
+                          "q/k/v/o projections of grouped-query attention, not latent attention's); set "
+                          "model.lora.rank=0.")
     if p.zero == 3:  # as model.freeze: FSDP2's frozen (base) parameters do not checkpoint correctly
         raise ConfigError(f"model.lora.rank={r} with parallel.zero=3 is not available yet (the base weights train "
                           "frozen, and FSDP2's frozen parameters do not checkpoint); use parallel.zero=1 or 2: with "

@@ -80,7 +80,7 @@ from megaloom.training.compile_saves import set_lean_saves
 from megaloom.training.data import default_builder, load_rank_datasets
 from megaloom.training.evaluate import eval_batches, evaluate, evaluate_pipeline
 from megaloom.training.levers import describe_levers, resolve_levers
-from megaloom.training.options import apply_train_options
+from megaloom.training.options import apply_train_options, mtp_loss_weight_at
 from megaloom.training.preflight import Checked, preflight, preflight_vocab, world_size_from_env
 from megaloom.training.records import Interval, dp_mean, moe_fields
 from megaloom.training.resolve import (
@@ -478,6 +478,8 @@ class Trainer:
         batch = batch.to(self.device, non_blocking=True) if batch is not None else None
         lr = lr_at(self.step, t)
         set_lr(self.optimizer, lr)
+        if self.cfg.model.mtp_depth:  # multi-token prediction's weight, on the stage that holds it
+            self.model.mtp_loss_weight = mtp_loss_weight_at(self.step + 1, t)
         timed = self.pipe is not None and self.step + 1 == self.cfg.parallel.timeline_step
         if timed:
             self.pipe.timing = True
@@ -532,6 +534,9 @@ class Trainer:
         if stragglers is not None:
             record.update(stragglers)
         record.update(moe_fields(self.train_step.moe))
+        mtp = getattr(self.model, "last_mtp_loss", None)
+        if mtp is not None:  # the mean MTP loss of this rank's last micro-batch (a pipeline's last stage holds it)
+            record["mtp_loss"] = float(mtp)
         if self.pending_stall is not None:  # the save's stall, and the update's wait for an in-place write
             record["ckpt_stall_s"], self.pending_stall = self.pending_stall + self.ckpt.update_wait_s(), None
         if do_eval:

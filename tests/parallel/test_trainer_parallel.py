@@ -120,7 +120,8 @@ def test_pipeline_layouts_match_single_process_and_resume_elsewhere(small_corpus
 
 
 def test_moe_data_parallel_matches_single_process(small_corpus, tmp_path):
-    base = ["model.preset=deepseek-v3-tiny", "model.d_model=64", "model.n_layers=2", "train.steps=5",
+    base = ["model.preset=deepseek-v3-tiny", "model.d_model=64", "model.n_layers=2", "model.n_kv_heads=0",
+            "train.steps=5",
             "train.micro_batch_size=2", "model.capacity_factor=1.0"]
     ref = train(load_config(None, tiny_overrides(small_corpus, tmp_path / "ref", *base)))
     torchrun(2, tiny_overrides(small_corpus, tmp_path / "dp2", *base))

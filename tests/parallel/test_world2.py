@@ -23,7 +23,8 @@ PARITY = ["parity-llama-tp2-sp0", "parity-llama-tp2-sp1", "parity-gpt2-tp2-sp0",
           "parity-llava-tp2-sp1", "parity-bert-tp2-sp0", "parity-bert-tp2-sp1", "parity-t5-tp2-sp0",
           "parity-t5-tp2-sp1", "parity-bert-sop-tp2-sp0", "parity-bert-sop-tp2-sp1", "parity-llama-tp2-sp0-lora",
           "parity-llama-tp2-sp1-lora", "parity-qwen3-tp2-sp1-hd24", "parity-llama-tp2-sp0-hd24-kv1",
-          "parity-gemma-tp2-sp0", "parity-gemma-tp2-sp1"]
+          "parity-gemma-tp2-sp0", "parity-gemma-tp2-sp1", "parity-mla-tp2-sp1", "parity-mla-tp2-sp0",
+          "parity-mla-tp2-sp1-async", "parity-mtp-tp2-sp1"]
 
 
 COMPILED = ["parity-llama-tp2-sp1-compiled", "parity-qwen3-tp2-sp1-compiled", "parity-gpt2-tp2-sp0-compiled"]
@@ -61,6 +62,22 @@ def test_the_memory_plan_knows_what_compiled_tp_blocks_save(world: list[dict], c
 
 def test_each_rank_holds_its_share(world: list[dict]) -> None:
     assert_element_counts([r["parity-gpt2-tp2-sp1"] for r in world], tp=2)
+
+
+def test_latent_attention_splits_heads_and_replicates_down_projections(world: list[dict]) -> None:
+    """MLA at tp=2: q_b_proj / kv_b_proj by heads, o_proj by its input columns, the down-projections whole on both
+    ranks (two replicas: their gradients were summed over tp), the latent norms replicated."""
+    for res in world:
+        numel = res["parity-mla-tp2-sp1"]["numel"]
+        for name in ("q_a_proj", "kv_a_proj"):
+            local, full, dim, replicas = numel[f"layers.0.attn.{name}.weight"]
+            assert local == full and dim == 0 and replicas == 2, name
+        for name, dim in (("q_b_proj", 0), ("kv_b_proj", 0), ("o_proj", 1)):
+            local, full, got, replicas = numel[f"layers.0.attn.{name}.weight"]
+            assert 2 * local == full and got == dim and replicas == 1, name
+        for name in ("q_a_norm", "kv_a_norm"):
+            local, full, dim, _ = numel[f"layers.0.attn.{name}.weight"]
+            assert local == full and dim is None, name
 
 
 def test_region_autograd_and_vocab_ce(world: list[dict]) -> None:

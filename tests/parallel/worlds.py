@@ -41,10 +41,26 @@ T5_TOKENS = 24  # tokens per span-corruption row
 
 
 BERT_SOP = "bert-sop"  # a case name: bert with model.sentence_order=true (segments + order labels in the rows)
+MLA = "mla"  # a case name: llama with multi-head latent attention (query compression, v narrower than q/k)
+MLA_KEYS = ["model.attention=mla", "model.q_lora_rank=16", "model.kv_lora_rank=24", "model.qk_nope_head_dim=16",
+            "model.qk_rope_head_dim=8", "model.v_head_dim=12"]
+
+
+MTP = "mtp"  # a case name: the latent-attention llama with two multi-token-prediction modules
 
 
 def family_arch(arch: str) -> str:
-    return "bert" if arch == BERT_SOP else arch
+    return {BERT_SOP: "bert", MLA: "llama", MTP: "llama"}.get(arch, arch)
+
+
+def kv_heads(arch: str) -> int:
+    """The case's model.n_kv_heads: grouped-query (2) for decoders, all heads for encoders and latent attention."""
+    return 0 if arch in (MLA, MTP) else 4 if is_encoder(arch) else 2
+
+
+def arch_keys(arch: str) -> list[str]:
+    """Config keys a case name adds to its family's (latent attention's shape, multi-token prediction)."""
+    return {MLA: MLA_KEYS, MTP: [*MLA_KEYS, "model.mtp_depth=2"]}.get(arch, [])
 
 
 def is_encoder(arch: str) -> bool:
@@ -91,10 +107,10 @@ def tiny_config(arch: str = "llama", tp: int = 1, pp: int = 1, ep: int = 1, sp: 
     return load_config(None, [
         f"model.arch={family_arch(arch)}", f"model.sentence_order={arch == BERT_SOP}", f"model.vocab_size={VOCAB}",
         "model.d_model=64", f"model.n_layers={N_LAYERS}",
-        "model.n_heads=4", f"model.n_kv_heads={4 if is_encoder(arch) else 2}", "model.ffn_dim=128",
+        "model.n_heads=4", f"model.n_kv_heads={kv_heads(arch)}", "model.ffn_dim=128",
         f"model.max_seq_len={SEQ}", f"model.tie_embeddings={tie}", f"model.dropout={dropout}", f"train.seq_len={SEQ}",
         f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.ep={ep}", f"parallel.sp={sp}",
-        "train.micro_batch_size=1", f"train.global_batch_size={max(dp, 1)}", *extra])
+        "train.micro_batch_size=1", f"train.global_batch_size={max(dp, 1)}", *arch_keys(arch), *extra])
 
 
 def _err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -522,6 +538,12 @@ def suite_world2(rank: int, world: int, device: torch.device) -> dict:
     for sp in (False, True):  # gemma: sandwich norms (the post-norms on the residual stream too), windows of 5
         res[f"parity-gemma-tp2-sp{int(sp)}"] = parity_case(mesh, "gemma", sp, steps=5,
                                                            extra=("model.head_dim=24", "model.sliding_window=5"))
+    # latent attention: down-projections replicated (partial gradients summed over tp), up-projections by heads
+    res["parity-mla-tp2-sp1"] = parity_case(mesh, MLA, True)
+    res["parity-mla-tp2-sp0"] = parity_case(mesh, MLA, False, steps=3)
+    res["parity-mla-tp2-sp1-async"] = parity_case(mesh, MLA, True, steps=3, async_tp=True)  # ring regions
+    # multi-token prediction: its blocks split as the model's, its norms and projection on the sp stream
+    res["parity-mtp-tp2-sp1"] = parity_case(mesh, MTP, True, steps=3)
     for arch, sp in (("llama", True), ("qwen3", True), ("gpt2", False)):  # compiled blocks, borders traced
         res[f"parity-{arch}-tp2-sp{int(sp)}-compiled"] = parity_case(mesh, arch, sp, steps=3, compiled=True)
     for sp, lean in ((True, False), (True, True), (False, False)):  # the compiled save-set at tp 2
@@ -534,7 +556,7 @@ def suite_world2(rank: int, world: int, device: torch.device) -> dict:
     for schedule in ("1f1b", "zb"):
         res[f"pipeline-llava-pp2-{schedule}"] = llava_pipeline_case(pp_mesh, emb_group, schedule, 2)
     res["pipeline-llava-pp2-frozen"] = llava_pipeline_frozen_case(pp_mesh, emb_group)  # last stage all frozen
-    res["decode"] = {arch: decode_case(mesh, arch) for arch in ("llama", "gpt2", "qwen3")}
+    res["decode"] = {arch: decode_case(mesh, arch) for arch in ("llama", "gpt2", "qwen3", MLA)}
     res["gathered_linears"] = check_gathered_linears(mesh)
     res["step_bytes"] = {(arch, p): step_bytes(mesh, arch, p) for arch in ("llama", "gpt2") for p in ("fp32", "bf16")}
     return res

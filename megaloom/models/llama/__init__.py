@@ -1,5 +1,6 @@
 """Llama (Meta's Llama 2/3 line): RMSNorm, SwiGLU, RoPE, grouped-query attention, no biases. With
-``model.moe_every`` its MLPs become Mixture-of-Experts layers (Mixtral / DeepSeek-V3 style presets)."""
+``model.moe_every`` its MLPs become Mixture-of-Experts layers (Mixtral / DeepSeek-V3 style presets); with
+``model.attention=mla`` its attention is DeepSeek's multi-head latent attention (models/mla.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import dataclasses
 import math
 
 from megaloom.models.family import Family, Traits
-from megaloom.models.llama import hf_mixtral
+from megaloom.models.llama import hf_deepseek, hf_mixtral
 from megaloom.models.llama.hf import HF
 from megaloom.models.llama.presets import PRESETS
 from megaloom.models.plan import DECODER_PLAN
@@ -22,4 +23,5 @@ TRAITS = Traits(norm="rmsnorm", gated_mlp=True, bias=False, positions="rope", de
 
 FAMILY = Family(name="llama", description="RMSNorm, SwiGLU, RoPE, GQA (Llama 2/3; MoE presets: Mixtral, DeepSeek-V3)",
                 traits=TRAITS, dense_decoder=True, plan=DECODER_PLAN, presets=PRESETS,
-                hf=dataclasses.replace(HF, moe=hf_mixtral.HF))  # MoE llama models are Mixtrals
+                # MoE llama models are Mixtrals; with latent attention (dense or MoE) DeepSeek-V3s
+                hf=dataclasses.replace(HF, moe=hf_mixtral.HF, mla=hf_deepseek.HF))

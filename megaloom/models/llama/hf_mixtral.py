@@ -37,6 +37,12 @@ def check_moe_exportable(m: ModelConfig, architecture: str) -> None:
     if m.router_score != "softmax":
         raise ConversionError(f"model.router_score={m.router_score}: Hugging Face's {architecture} routes by "
                               "softmax. Only MoE models trained with model.router_score=softmax can be exported.")
+    for key, value, plain in (("first_dense_layers", m.first_dense_layers, 0),
+                              ("n_expert_groups", m.n_expert_groups, 1),
+                              ("routed_scaling_factor", m.routed_scaling_factor, 1.0)):
+        if value != plain:
+            raise ConversionError(f"model.{key}={value}: Hugging Face's {architecture} has no such setting (DeepSeek's "
+                                  f"routing). Only MoE models trained with model.{key}={plain} can be exported.")
 
 
 def to_hf_names(sd: Tensors, m: ModelConfig) -> Tensors:

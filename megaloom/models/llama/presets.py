@@ -18,11 +18,30 @@ PRESETS: dict[str, dict] = {
                          max_seq_len=1024, tie_embeddings=True, rope_theta=10000.0, norm_eps=1e-5, moe_every=2,
                          n_experts=8, top_k=2, n_shared_experts=1, expert_ffn_dim=128, router_score="softmax",
                          aux_loss_weight=0.01, z_loss_weight=0.001),
-    # DeepSeek-V3 style: sigmoid router, aux-loss-free balancing, a shared expert, MoE in every block.
-    "deepseek-v3-tiny": dict(n_layers=4, d_model=128, n_heads=4, n_kv_heads=2, ffn_dim=384,
+    # DeepSeek-V3 style: multi-head latent attention (no query compression at this width, as DeepSeek-V2-Lite),
+    # sigmoid router with group-limited top-k and scaled weights, aux-loss-free balancing, a shared expert, the first
+    # block dense, MoE in the others.
+    "deepseek-v3-tiny": dict(n_layers=4, d_model=128, n_heads=4, n_kv_heads=0, ffn_dim=384,
                              vocab_size=0, max_seq_len=1024, tie_embeddings=True, rope_theta=10000.0, norm_eps=1e-5,
-                             moe_every=1, n_experts=16, top_k=4, n_shared_experts=1, expert_ffn_dim=64,
-                             router_score="sigmoid", aux_loss_weight=0.0, aux_free_bias_rate=1e-3),
+                             attention="mla", q_lora_rank=0, kv_lora_rank=64, qk_nope_head_dim=32,
+                             qk_rope_head_dim=16, v_head_dim=32,
+                             moe_every=1, first_dense_layers=1, n_experts=16, top_k=4, n_shared_experts=1,
+                             expert_ffn_dim=64, router_score="sigmoid", n_expert_groups=4, topk_groups=2,
+                             routed_scaling_factor=2.5, aux_loss_weight=0.0, aux_free_bias_rate=1e-3),
+    # DeepSeek-V3's published shape (671B parameters, 37B active; config.json of deepseek-ai/DeepSeek-V3), for
+    # planning layouts. The release extends the context with YaRN (factor 40 over 4096 positions, mscale 1);
+    # pretraining ran at 4096 without it, which is what this preset trains (model.rope_scaling=yarn
+    # model.rope_factor=40 model.rope_original_max_len=4096 model.max_seq_len=163840 adds it; an import has it).
+    # Its sequence-wise balance loss (alpha 1e-4) is approximated by megaloom's batch-wise one. It also trained one
+    # multi-token-prediction module, left out here: model.mtp_depth=1 adds it (with pipelines megaloom needs tied
+    # embeddings for it, which DeepSeek-V3's are not).
+    "deepseek-v3": dict(n_layers=61, d_model=7168, n_heads=128, n_kv_heads=0, ffn_dim=18432, vocab_size=129280,
+                        max_seq_len=4096, tie_embeddings=False, rope_theta=10000.0, norm_eps=1e-6,
+                        attention="mla", q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                        qk_rope_head_dim=64, v_head_dim=128,
+                        moe_every=1, first_dense_layers=3, n_experts=256, top_k=8, n_shared_experts=1,
+                        expert_ffn_dim=2048, router_score="sigmoid", n_expert_groups=8, topk_groups=4,
+                        routed_scaling_factor=2.5, aux_loss_weight=1e-4, aux_free_bias_rate=1e-3),
     # For planning: Mixtral 8x7B's shape.
     "mixtral-8x7b": dict(n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, ffn_dim=14336,
                          vocab_size=32000, max_seq_len=8192, tie_embeddings=False, rope_theta=1e6, norm_eps=1e-5,

@@ -79,10 +79,12 @@ def check_context(cfg: Config) -> None:
 class ContextAttention:
     """The attention core of one layer under context parallelism, set as ``Attention._core`` (same call:
     q, k, v [B, H, T/cp, D] after RoPE, and the decoding offset ``pos``, which must be 0: no KV cache under cp).
-    A plain callable, not a module: parameter and module names stay those of the single process."""
+    A plain callable, not a module: parameter and module names stay those of the single process. ``scale``: the
+    layer's softmax scale (None: 1 / sqrt(D)); latent attention's heads arrive expanded (every head's key holds
+    the shared RoPE part) and padded to one head size (models/mla.py), so both modes take them as they are."""
 
-    def __init__(self, mode: str, mesh, window: int = 0) -> None:
-        self.mode, self.mesh, self.window = mode, mesh, window
+    def __init__(self, mode: str, mesh, window: int = 0, scale: float | None = None) -> None:
+        self.mode, self.mesh, self.window, self.scale = mode, mesh, window, scale
 
     def __call__(self, q, k, v, pos: int = 0, docs=None):
         mask = docs.mask if docs is not None else None
@@ -92,8 +94,9 @@ class ContextAttention:
             raise RuntimeError("context parallelism splits training sequences; decoding with a KV cache runs on "
                                "one process (parallel.cp=1)")
         if self.mode == "ring":
-            return ring_attention(q, k, v, self.mesh.cp_group, self.mesh.recorder)
-        return alltoall_attention(q, k, v, self.mesh.cp_group, self.mesh.recorder, self.window, mask=mask)
+            return ring_attention(q, k, v, self.mesh.cp_group, self.mesh.recorder, scale=self.scale)
+        return alltoall_attention(q, k, v, self.mesh.cp_group, self.mesh.recorder, self.window, mask=mask,
+                                  scale=self.scale)
 
 
 def parallelize_context(model: nn.Module, mesh, cfg: Config) -> nn.Module:
@@ -103,6 +106,6 @@ def parallelize_context(model: nn.Module, mesh, cfg: Config) -> nn.Module:
         return model
     mode = choose_mode(cfg)
     for _, block in model.blocks():
-        block.attn._core = ContextAttention(mode, mesh, block.attn.window)
+        block.attn._core = ContextAttention(mode, mesh, block.attn.window, block.attn.softmax_scale)
     model.seq_positions = SequencePositions(mesh.cp, mesh.cp_rank)
     return model

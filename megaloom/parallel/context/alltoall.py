@@ -39,11 +39,12 @@ def _heads_to_seq(y: torch.Tensor, group, recorder, inverse: torch.Tensor) -> to
 
 
 def alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, recorder=None, window: int = 0,
-                       dropout_p: float = 0.0, mask=None) -> torch.Tensor:
+                       dropout_p: float = 0.0, mask=None, scale: float | None = None) -> torch.Tensor:
     """Causal attention (optionally within a sliding ``window``) of this cp rank's tokens over the whole
     sequence; q [B, H, T/cp, D], k, v [B, Hkv, T/cp, D], with cp dividing H and Hkv. Returns [B, H, T/cp, D].
     ``mask``: the whole sequence's attention mask in natural order, which replaces the causal rule (packed
-    documents, models/documents.py: a dense bool [B, 1, T, T] for SDPA or a FlexAttention block mask)."""
+    documents, models/documents.py: a dense bool [B, 1, T, T] for SDPA or a FlexAttention block mask). ``scale``:
+    the softmax scale (None: 1 / sqrt(D))."""
     cp = comm.group_size(group)
     h, hkv, t = q.shape[1], k.shape[1], q.shape[2]
     if h % cp or hkv % cp:
@@ -57,13 +58,15 @@ def alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group,
     if mask is not None and not isinstance(mask, torch.Tensor):  # a block mask: FlexAttention (GPUs, compiled)
         from torch.nn.attention.flex_attention import flex_attention
 
-        y = flex_attention(qf, kf, vf, block_mask=mask, enable_gqa=gqa)
+        y = flex_attention(qf, kf, vf, block_mask=mask, enable_gqa=gqa, scale=scale)
     elif mask is not None:
-        y = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
+        y = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa,
+                                           scale=scale)
     elif window:
         n = qf.shape[2]
         y = F.scaled_dot_product_attention(qf, kf, vf, attn_mask=attention_mask(n, n, 0, window, q.device),
-                                           dropout_p=dropout_p, enable_gqa=gqa)
+                                           dropout_p=dropout_p, enable_gqa=gqa, scale=scale)
     else:
-        y = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, dropout_p=dropout_p, enable_gqa=gqa)
+        y = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, dropout_p=dropout_p, enable_gqa=gqa,
+                                           scale=scale)
     return _heads_to_seq(y, group, recorder, inverse)

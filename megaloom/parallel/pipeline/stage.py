@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from megaloom.models.transformer import Span, Transformer
@@ -26,6 +27,7 @@ from megaloom.parallel.groups import partition_group
 from megaloom.parallel.layout import copy_layout, set_layout, single_model_name
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.pipeline.partition import Partition
+from megaloom.parallel.tp_layers import ColumnParallelLinear, lookup_vocab_rows
 
 
 def prune_to_stages(model: Transformer, partition: Partition, pp_rank: int) -> Transformer:
@@ -42,11 +44,32 @@ def prune_to_stages(model: Transformer, partition: Partition, pp_rank: int) -> T
             setattr(model, name, None)
     if not has_head:
         model.norm = model.head = model.loss = None
+        if getattr(model, "mtp", None) is not None:  # multi-token prediction goes with the head
+            model.mtp = None
     elif tied and not has_embedding:  # the embedding lives on another rank: keep an equal copy
         copy = nn.Parameter(model.head.weight.detach().clone(), requires_grad=model.head.weight.requires_grad)
         copy_layout(model.head.weight, copy)
         model.head.weight = set_layout(copy, tied_copy=True)
+        if getattr(model, "mtp", None) is not None:  # its tokens ahead are looked up in that copy
+            model.mtp_lookup = TiedRowsLookup(model.head)
     return model
+
+
+class TiedRowsLookup:
+    """Token embeddings from a last stage's head, the tied copy of the embedding (multi-token prediction, which
+    runs there, looks up the tokens ahead): its gradient joins the copy's, which the embedding group sums with the
+    first stage's. Under tp the head holds vocabulary rows, looked up as the vocabulary-parallel embedding does
+    (sequence shards with sp, as the head's input is). A callable, not a module: no second name for the weight."""
+
+    def __init__(self, head: nn.Module) -> None:
+        self.head = head
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        head, w = self.head, self.head.weight
+        if isinstance(head, ColumnParallelLinear):
+            mode = "reduce_scatter" if head.input_mode == "gather" else "reduce"
+            return lookup_vocab_rows(ids, w, head.mesh.tp_rank * w.shape[0], head.mesh, mode)
+        return F.embedding(ids, w)
 
 
 class PipelineStage:
@@ -81,7 +104,7 @@ class PipelineStage:
         if span.embed:
             mods += [getattr(m, name) for name in m.embedding_parts()]
         if span.head:
-            mods += [m.norm, m.head]
+            mods += [m.norm, m.head] + ([m.mtp] if getattr(m, "mtp", None) is not None else [])
         seen: set[int] = set()
         out = []
         for mod in mods:

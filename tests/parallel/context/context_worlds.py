@@ -26,7 +26,10 @@ BASE = ["train.steps=5", "train.seq_len=32", "train.global_batch_size=8", "train
 
 # Trainer cases: name -> overrides (the reference is the same config without the parallel.* keys; `model=` picks it).
 MODELS = {"gqa": [], "mha": ["model.n_kv_heads=4"], "gpt2": ["model.arch=gpt2", "model.n_kv_heads=4"],
-          "moe": ["model.preset=deepseek-v3-tiny"],
+          # DeepSeek-V3 style: latent attention (heads expanded from the latent, padded to one head size, DeepSeek's
+          # softmax scale) and MoE; "mla" the same attention with dense MLPs
+          "moe": ["model.preset=deepseek-v3-tiny", "model.n_kv_heads=0"],
+          "mla": ["model.preset=deepseek-v3-tiny", "model.n_kv_heads=0", "model.moe_every=0"],
           # packed documents kept apart, positions restarting per document (data.document_mask/reset_positions)
           "docs": ["model.n_kv_heads=4", "data.document_mask=true", "data.reset_positions=true"],
           "gpt2-reset": ["model.arch=gpt2", "model.n_kv_heads=4", "data.reset_positions=true"]}
@@ -43,6 +46,8 @@ CASES = {
     "cp2pp2-alltoall": ("gqa", ["parallel.cp=2", "parallel.pp=2", "parallel.cp_mode=alltoall"]),
     "cp2dp2-gpt2": ("gpt2", ["parallel.cp=2"]),
     "cp2ep2-moe": ("moe", ["parallel.cp=2", "parallel.ep=2", "parallel.cp_mode=ring"]),
+    "cp2tp2sp-alltoall-mla": ("mla", ["parallel.cp=2", "parallel.tp=2", "parallel.sp=true",
+                                      "parallel.cp_mode=alltoall"]),
     "cp4-alltoall-docs": ("docs", ["parallel.cp=4", "parallel.cp_mode=alltoall"]),
     "cp2tp2sp-alltoall-docs": ("docs", ["parallel.cp=2", "parallel.tp=2", "parallel.sp=true",
                                         "parallel.cp_mode=alltoall"]),
@@ -110,6 +115,14 @@ def attention_cases(rank: int) -> dict[str, float]:
                 errs[f"cp{cp}-h{heads}kv{kv}-{mode}"] = max(
                     (g - shard_sequence(w.detach(), cp, cp_rank, dim=2)).abs().max().item()
                     for g, w in zip(got, want, strict=True))
+        # a layer's own softmax scale (latent attention: DeepSeek's, not 1 / sqrt(D)) reaches both modes
+        for mode in ("ring", "alltoall"):
+            torch.manual_seed(12)
+            q, k, v = (torch.randn(2, 4, 4 * cp, 8) for _ in range(3))
+            ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3)
+            local = [shard_sequence(x, cp, cp_rank, dim=2) for x in (q, k, v)]
+            out = (ring_attention if mode == "ring" else alltoall_attention)(*local, group, scale=0.3)
+            errs[f"cp{cp}-scale-{mode}"] = (out - shard_sequence(ref, cp, cp_rank, dim=2)).abs().max().item()
     return errs
 
 

@@ -49,8 +49,10 @@ def test_supported_layouts_pass_preflight():
     assert preflight(cfg("parallel.cp=2", "parallel.cp_mode=alltoall", "model.sliding_window=16"), 2)
     assert preflight(cfg("parallel.cp=2", "parallel.cp_mode=alltoall", "data.document_mask=true"), 2)
     assert preflight(cfg("parallel.cp=2", "parallel.cp_mode=ring", "data.reset_positions=true"), 2)
-    moe = ["model.preset=deepseek-v3-tiny", "parallel.ep=2", "parallel.cp=2"]  # aux-loss-free: fine
+    moe = ["model.preset=deepseek-v3-tiny", "model.n_kv_heads=0", "parallel.ep=2", "parallel.cp=2"]  # aux-loss-free
     assert preflight(cfg(*moe), 4).sizes == dict(world=4, tp=1, pp=1, cp=2, dp=2, ep=2, edp=2)
+    mla = ["model.preset=deepseek-v3-tiny", "model.n_kv_heads=0", "parallel.cp=2", "parallel.tp=2"]  # latent attention
+    assert preflight(cfg(*mla, "parallel.cp_mode=alltoall"), 4).sizes["cp"] == 2
 
 
 def test_memory_plan_divides_activations_by_cp():

@@ -24,7 +24,7 @@ from megaloom.parallel.tensor import gather_full_grads, parallelize_tensor
 from megaloom.step import micro_batches
 
 from ..lora_setup import base_changed, base_params, freeze_base, randomize_adapters, with_lora
-from ..worlds import is_encoder, token_rows
+from ..worlds import MLA, MTP, arch_keys, family_arch, kv_heads, token_rows
 
 VOCAB, SEQ, MICRO = 128, 16, 2
 GEMMA = ("model.head_dim=24", "model.sliding_window=5")  # wide heads, windows shorter than the sequence
@@ -35,12 +35,12 @@ def pp_config(pp: int, tp: int = 1, vpp: int = 1, sp: bool = False, n_layers: in
               tie: bool = True, world: int = 4, schedule: str = "1f1b") -> Config:
     dp = world // (tp * pp)
     return load_config(None, [
-        f"model.arch={arch}", f"model.vocab_size={VOCAB}", "model.d_model=64", f"model.n_layers={n_layers}",
-        "model.n_heads=4", f"model.n_kv_heads={4 if is_encoder(arch) else 2}", "model.ffn_dim=128",
+        f"model.arch={family_arch(arch)}", f"model.vocab_size={VOCAB}", "model.d_model=64",
+        f"model.n_layers={n_layers}", "model.n_heads=4", f"model.n_kv_heads={kv_heads(arch)}", "model.ffn_dim=128",
         f"model.max_seq_len={SEQ}",
         f"model.tie_embeddings={tie}", f"train.seq_len={SEQ}", f"parallel.tp={tp}", f"parallel.pp={pp}",
         f"parallel.vpp={vpp}", f"parallel.sp={sp}", f"parallel.schedule={schedule}",
-        f"train.micro_batch_size={MICRO}", f"train.global_batch_size={MICRO * dp}",
+        f"train.micro_batch_size={MICRO}", f"train.global_batch_size={MICRO * dp}", *arch_keys(arch),
         *(GEMMA if arch == "gemma" else ())])
 
 
@@ -152,6 +152,9 @@ def suite_pipeline_world4(rank: int, world: int, device: torch.device) -> dict:
     res["pp2-dp2-1f1b-m4"] = pipeline_case(mesh, group, "1f1b", 4, split_data=True)
     res["pp2-dp2-zb-m2-gpt2"] = pipeline_case(mesh, group, "zb", 2, arch="gpt2", split_data=True)
     res["pp2-1f1b-m4-qwen3"] = pipeline_case(mesh, group, "1f1b", 4, arch="qwen3")
+    res["pp2-1f1b-m4-mla"] = pipeline_case(mesh, group, "1f1b", 4, arch=MLA)  # latent attention across stages
+    # multi-token prediction on the last stage, its tokens looked up in the head's tied copy of the embedding
+    res["pp2-1f1b-m4-mtp"] = pipeline_case(mesh, group, "1f1b", 4, arch=MTP)
     # gemma: its own module (sandwich norms, scaled embedding on the first stage, alternating windows of 5)
     res["pp2-1f1b-m4-gemma"] = pipeline_case(mesh, group, "1f1b", 4, arch="gemma")
     # The encoder: its embedding side (segment embedding, embedding norm) stays on the first stage, the MLM head
@@ -166,6 +169,8 @@ def suite_pipeline_world4(rank: int, world: int, device: torch.device) -> dict:
                                                              arch="gpt2")
     res["pp2-tp2-sp-1f1b-m4-qwen3"] = pipeline_case(mesh, group, "1f1b", 4, sp=True, arch="qwen3")
     res["pp2-tp2-sp-1f1b-m4-bert"] = pipeline_case(mesh, group, "1f1b", 4, sp=True, arch="bert")
+    res["pp2-tp2-sp-1f1b-m4-mla"] = pipeline_case(mesh, group, "1f1b", 4, sp=True, arch=MLA)
+    res["pp2-tp2-sp-1f1b-m4-mtp"] = pipeline_case(mesh, group, "1f1b", 4, sp=True, arch=MTP)  # vocab-row lookup
     res["pp2-tp2-sp-1f1b-m4-lora"] = pipeline_case(mesh, group, "1f1b", 4, sp=True, lora=True, clip=0.2, steps=3)
     res["pp2-tp2-sp-1f1b-m4-gemma"] = pipeline_case(mesh, group, "1f1b", 4, sp=True, arch="gemma")
     res["coords"] = dict(pp=mesh.pp_rank, tp=mesh.tp_rank)

@@ -22,9 +22,11 @@ PARITY = ([f"pp4-{s}-m{m}" for s, m in CASES_PP4] + ["pp4-interleaved-v2-m4", "p
                                                      "pp4-1f1b-m4-gpt2-untied"]
           + [f"pp2-{s}-m{m}" for s, m in CASES_PP2] + ["pp2-interleaved-v2-m2", "pp2-interleaved-v2-m4",
                                                        "pp2-dp2-1f1b-m4", "pp2-dp2-zb-m2-gpt2", "pp2-1f1b-m4-qwen3",
-                                                       "pp2-dp2-1f1b-m4-bert", "pp2-1f1b-m4-gemma"]
+                                                       "pp2-dp2-1f1b-m4-bert", "pp2-1f1b-m4-gemma", "pp2-1f1b-m4-mla",
+                                                       "pp2-1f1b-m4-mtp"]
           + ["pp2-tp2-1f1b-m4", "pp2-tp2-sp-zb-m4", "pp2-tp2-sp-interleaved-v2-m2-gpt2", "pp2-tp2-sp-1f1b-m4-qwen3",
-                "pp2-tp2-sp-1f1b-m4-bert", "pp2-tp2-sp-1f1b-m4-lora", "pp2-tp2-sp-1f1b-m4-gemma"])
+                "pp2-tp2-sp-1f1b-m4-bert", "pp2-tp2-sp-1f1b-m4-lora", "pp2-tp2-sp-1f1b-m4-gemma",
+                "pp2-tp2-sp-1f1b-m4-mla", "pp2-tp2-sp-1f1b-m4-mtp"])
 
 
 @pytest.fixture(scope="module")
