@@ -4,6 +4,8 @@ data-parallel group (issue 40). Not part of the test suite: it trains for minute
     python bench/onebit_convergence.py --out runs/onebit                 # tiny preset, dp=4, 600 steps, seeds 1-3
     python bench/onebit_convergence.py --out runs/onebit --pairs lamb    # 1-bit LAMB against LAMB
     python bench/onebit_convergence.py --out runs/onebit --summary       # the table again from the runs on disk
+    python bench/onebit_convergence.py --out runs/onebit95m --device cuda --steps 2000 --warmup 300 \
+        --extra model.preset=gpt2-124m train.micro_batch_size=8           # near the issue's 95M, GPUs
 
 Each run is `megaloom train --nproc N` on the embedded corpus with one setting changed (train.optimizer) and
 the seed; every other setting is the same (COMMON). The final train loss is the mean of the last 50 logged steps
@@ -34,10 +36,11 @@ sys.path.insert(0, str(ROOT))  # this checkout's megaloom, also in the spawned r
 PEERS = {"adam": ("adamw", "onebit_adam"), "lamb": ("lamb", "onebit_lamb")}
 
 
-def common(steps: int, warmup: int) -> list[str]:
+def common(steps: int, warmup: int, device: str = "cpu", extra: tuple[str, ...] = ()) -> list[str]:
+    """The settings every run shares; ``extra`` (later, so they win): e.g. a larger model on GPUs."""
     return ["model.preset=tiny", f"train.steps={steps}", f"train.onebit_warmup_steps={warmup}", "train.log_every=1",
             "train.eval_every=0", "train.eval_batches=8", "checkpoint.every=0", "checkpoint.final=false",
-            "run.tensorboard=false", "train.device=cpu"]
+            "run.tensorboard=false", f"train.device={device}", *extra]
 
 
 def lr_overrides(optimizer: str, args) -> list[str]:
@@ -58,7 +61,8 @@ def train(out: Path, optimizer: str, seed: int, args) -> float:
         return 0.0  # done before (the script can be resumed)
     t0 = time.perf_counter()
     cmd = [sys.executable, "-m", "megaloom", "train", "--nproc", str(args.nproc), f"run.dir={d}",
-           f"train.optimizer={optimizer}", f"train.seed={seed}", *common(args.steps, args.warmup),
+           f"train.optimizer={optimizer}", f"train.seed={seed}",
+           *common(args.steps, args.warmup, args.device, tuple(args.extra)),
            *lr_overrides(optimizer, args)]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=ROOT)  # this checkout's megaloom
     return time.perf_counter() - t0
@@ -137,7 +141,8 @@ def measure_bytes(out: Path, optimizers: list[str], args) -> dict:
     target = out / f"bytes_{'_'.join(optimizers)}.json"
     if not target.is_file():
         with tempfile.TemporaryDirectory(prefix="onebit-bytes-") as tmp:
-            overrides = [o for o in common(args.steps, args.warmup) if not o.startswith("train.steps=")]
+            overrides = [o for o in common(args.steps, args.warmup, "cpu", tuple(args.extra))  # bytes: gloo on CPU
+                         if not o.startswith("train.steps=")]
             mp.spawn(_bytes_rank, args=(args.nproc, tmp, overrides, optimizers, args.warmup, str(target)),
                      nprocs=args.nproc)
     return json.loads(target.read_text())
@@ -167,6 +172,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--warmup", type=int, default=120, help="train.onebit_warmup_steps")
     ap.add_argument("--nproc", type=int, default=4)
+    ap.add_argument("--device", default="cpu", help="train.device of the training runs (cuda: one GPU per process)")
+    ap.add_argument("--extra", nargs="*", default=[], help="more overrides for every run, e.g. model.preset=gpt2 "
+                                                            "train.micro_batch_size=8 (the issue's 95M run on GPUs)")
     ap.add_argument("--lamb-lr", type=float, default=0.02, help="train.lr of both LAMB runs (0: the preset's)")
     ap.add_argument("--summary", action="store_true", help="only report the runs on disk")
     args = ap.parse_args()
@@ -174,7 +182,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     summary = {"date": time.strftime("%Y-%m-%d"), "args": {k: str(v) for k, v in vars(args).items()},
-               "common": common(args.steps, args.warmup), "pairs": {}}
+               "common": common(args.steps, args.warmup, args.device, tuple(args.extra)), "pairs": {}}
     for pair in args.pairs.split(","):
         if not args.summary:
             for seed in args.seeds:
