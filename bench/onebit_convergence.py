@@ -173,7 +173,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=120, help="train.onebit_warmup_steps")
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--device", default="cpu", help="train.device of the training runs (cuda: one GPU per process)")
-    ap.add_argument("--extra", nargs="*", default=[], help="more overrides for every run, e.g. model.preset=gpt2 "
+    ap.add_argument("--extra", nargs="*", default=[], help="more overrides for every run, e.g. model.preset=gpt2-124m "
                                                             "train.micro_batch_size=8 (the issue's 95M run on GPUs)")
     ap.add_argument("--lamb-lr", type=float, default=0.02, help="train.lr of both LAMB runs (0: the preset's)")
     ap.add_argument("--summary", action="store_true", help="only report the runs on disk")
