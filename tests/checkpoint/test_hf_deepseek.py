@@ -14,10 +14,11 @@ transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DeepseekV3ForCausalLM"):
     pytest.skip("this transformers has no DeepseekV3ForCausalLM", allow_module_level=True)
 
-from megaloom.checkpoint import find_checkpoints, load_checkpoint, save_checkpoint  # noqa: E402
+from megaloom.checkpoint import save_checkpoint  # noqa: E402
 from megaloom.config import load_config  # noqa: E402
 from megaloom.convert import ConversionError, from_hf, to_hf  # noqa: E402
 from megaloom.models import Transformer  # noqa: E402
+from tests.checkpoint.hf_common import megaloom_from_run  # noqa: E402
 
 ATOL = 1e-4
 VOCAB = 128
@@ -49,13 +50,6 @@ DENSE = {**SMALL, "q_lora_rank": None, "first_k_dense_replace": 3, "rope_scaling
 
 def tokens(n: int = 24) -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, n), generator=torch.Generator().manual_seed(1))
-
-
-def megaloom_from_run(run_dir):
-    cfg = load_config(run_dir / "config.yaml")
-    model = Transformer(cfg.model)
-    load_checkpoint(find_checkpoints(run_dir / "checkpoints")[0], model, None, model_cfg=cfg.model.__dict__)
-    return model.eval(), cfg
 
 
 def saved_run(tmp_path, *overrides: str, steps: int = 0):

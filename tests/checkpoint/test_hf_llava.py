@@ -10,10 +10,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from megaloom.checkpoint import find_checkpoints, load_checkpoint  # noqa: E402
 from megaloom.config import load_config  # noqa: E402
 from megaloom.convert import ConversionError, from_hf, to_hf  # noqa: E402
 from megaloom.models.registry import get_family  # noqa: E402
+from tests.checkpoint.hf_common import megaloom_from_run  # noqa: E402
 
 ATOL = 1e-5
 VOCAB, IMAGE_ID, IMAGE, PATCH = 128, 127, 16, 4
@@ -56,13 +56,6 @@ def inputs():
 def hf_logits(model, ids, pixels):
     with torch.no_grad():
         return model(input_ids=ids, pixel_values=pixels).logits
-
-
-def megaloom_from_run(run_dir):
-    cfg = load_config(run_dir / "config.yaml")
-    model = get_family(cfg.model.arch).build(cfg.model)
-    load_checkpoint(find_checkpoints(run_dir / "checkpoints")[0], model, None, model_cfg=cfg.model.__dict__)
-    return model.eval(), cfg
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -13,10 +13,11 @@ transformers = pytest.importorskip("transformers")
 
 from safetensors.torch import save_file  # noqa: E402
 
-from megaloom.checkpoint import find_checkpoints, load_checkpoint, save_checkpoint  # noqa: E402
+from megaloom.checkpoint import save_checkpoint  # noqa: E402
 from megaloom.config import load_config  # noqa: E402
 from megaloom.convert import ConversionError, from_hf, to_hf  # noqa: E402
 from megaloom.models import Transformer  # noqa: E402
+from tests.checkpoint.hf_common import megaloom_from_run  # noqa: E402
 
 ATOL = 1e-4
 VOCAB = 128
@@ -74,13 +75,6 @@ def hf_model(cfg: dict, tmp_path, stacked: bool = False):
         model.save_pretrained(d)
         (d / "config.json").write_text(json.dumps(cfg))
     return model.eval(), d
-
-
-def megaloom_from_run(run_dir):
-    cfg = load_config(run_dir / "config.yaml")
-    model = Transformer(cfg.model)
-    load_checkpoint(find_checkpoints(run_dir / "checkpoints")[0], model, None, model_cfg=cfg.model.__dict__)
-    return model.eval(), cfg
 
 
 @pytest.mark.parametrize("name,cfg,stacked,expect", [

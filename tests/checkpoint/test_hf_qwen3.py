@@ -11,11 +11,12 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from megaloom.checkpoint import find_checkpoints, load_checkpoint, save_checkpoint  # noqa: E402
+from megaloom.checkpoint import save_checkpoint  # noqa: E402
 from megaloom.cli import main  # noqa: E402
 from megaloom.config import load_config  # noqa: E402
 from megaloom.convert import ConversionError, from_hf, to_hf  # noqa: E402
 from megaloom.models import Transformer  # noqa: E402
+from tests.checkpoint.hf_common import hf_logits, megaloom_from_run  # noqa: E402
 
 ATOL = 1e-5
 VOCAB = 256
@@ -43,18 +44,6 @@ def hf_model(tied: bool, head_dim: int = 16):
 
 def tokens(n: int = 24) -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, n), generator=torch.Generator().manual_seed(1))
-
-
-def hf_logits(model, x: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return model(x).logits
-
-
-def megaloom_from_run(run_dir):
-    cfg = load_config(run_dir / "config.yaml")
-    model = Transformer(cfg.model)
-    load_checkpoint(find_checkpoints(run_dir / "checkpoints")[0], model, None, model_cfg=cfg.model.__dict__)
-    return model.eval(), cfg
 
 
 @pytest.mark.parametrize("tied,head_dim", [(False, 16), (True, 16), (True, 24), (False, 8)])

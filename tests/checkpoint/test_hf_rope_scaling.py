@@ -13,9 +13,10 @@ from megaloom.config import ConfigError, load_config
 
 transformers = pytest.importorskip("transformers")
 
-from megaloom.checkpoint import find_checkpoints, load_checkpoint, save_checkpoint  # noqa: E402
+from megaloom.checkpoint import save_checkpoint  # noqa: E402
 from megaloom.convert import from_hf, to_hf  # noqa: E402
 from megaloom.models import Transformer  # noqa: E402
+from tests.checkpoint.hf_common import megaloom_from_run  # noqa: E402
 
 ATOL = 1e-4
 VOCAB = 128
@@ -77,13 +78,6 @@ def hf_from_dict(cfg: dict, tmp_path):
 
 def tokens(n: int = SEQ) -> torch.Tensor:
     return torch.randint(0, VOCAB, (1, n), generator=torch.Generator().manual_seed(1))
-
-
-def megaloom_from_run(run_dir):
-    cfg = load_config(run_dir / "config.yaml")
-    model = Transformer(cfg.model)
-    load_checkpoint(find_checkpoints(run_dir / "checkpoints")[0], model, None, model_cfg=cfg.model.__dict__)
-    return model.eval(), cfg
 
 
 @pytest.mark.parametrize("name,released,expect", [

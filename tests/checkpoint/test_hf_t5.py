@@ -10,10 +10,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from megaloom.checkpoint import find_checkpoints, load_checkpoint  # noqa: E402
-from megaloom.config import load_config  # noqa: E402
 from megaloom.convert import ConversionError, from_hf, to_hf  # noqa: E402
-from megaloom.models.registry import get_family  # noqa: E402
+from tests.checkpoint.hf_common import megaloom_from_run  # noqa: E402
 
 ATOL = 1e-5
 VOCAB = 96
@@ -39,13 +37,6 @@ def hf_model():
 
 def ids(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, n), generator=torch.Generator().manual_seed(seed))
-
-
-def megaloom_from_run(run_dir):
-    cfg = load_config(run_dir / "config.yaml")
-    model = get_family(cfg.model.arch).build(cfg.model)
-    load_checkpoint(find_checkpoints(run_dir / "checkpoints")[0], model, None, model_cfg=cfg.model.__dict__)
-    return model.eval(), cfg
 
 
 def test_hf_t5_imports_with_equal_logits_and_exports_the_same_tensors(tmp_path):
