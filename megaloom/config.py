@@ -630,9 +630,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     _apply_size_defaults(cfg, set(values))
     if "train.micro_batch_size" not in values and cfg.parallel.pp == 1:
         cfg.train.micro_batch_size = 0  # auto: the memory plan picks it for the device (training/resolve.py)
-    if cfg.data.format == "chat" and cfg.parallel.pp == 1:
-        # Packed conversations must not see each other, and each starts at position 0 as at inference; pipelines
-        # do not carry document boundaries yet (preflight), so there they stay off unless asked for.
+    if cfg.data.format == "chat":
+        # Packed conversations must not see each other, and each starts at position 0 as at inference.
         for key in ("document_mask", "reset_positions"):
             if f"data.{key}" not in values:
                 setattr(cfg.data, key, True)

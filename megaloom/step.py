@@ -21,6 +21,7 @@ from megaloom.data.objective import inputs_and_labels, objective_kwargs
 from megaloom.models.documents import Documents
 from megaloom.models.transformer import moe_layers
 from megaloom.parallel import comm
+from megaloom.parallel.token_mean import target_weights, weighted
 from megaloom.precision.loss_scaler import DynamicLossScaler
 from megaloom.precision.offload import offload_saved
 
@@ -125,12 +126,14 @@ class TrainStep:
                  device: torch.device, micro_batch_size: int, grad_clip: float, grads=None,
                  nan_guard: bool = False, pipeline=None, attention: str = "auto", offload: bool = False,
                  documents: Callable[[torch.Tensor], Documents] | None = None, seq_shard=None,
-                 overlap_optimizer: bool = False):
+                 overlap_optimizer: bool = False, token_mean: bool = False):
         """`grads`: a megaloom.parallel.grads.GradientSync for parallel runs (reduces and clips over all
         groups); None on one process. `documents`: the document boundaries of an input micro-batch
         (data.document_mask / data.reset_positions), passed to the model as ``docs``. `seq_shard`: context
         parallelism's split of tokens and labels. `overlap_optimizer`: the update runs beside the next forward
-        (megaloom.training.overlap_optimizer; call `settle()` before using the weights outside a forward)."""
+        (megaloom.training.overlap_optimizer; call `settle()` before using the weights outside a forward).
+        `token_mean`: the data masks targets (chat, masked LM, image-text): the step's loss is the mean over every
+        target of the global batch, not a mean of micro-batch means (megaloom.parallel.token_mean)."""
         self.seq_shard = seq_shard
         self.model, self.optimizer = model, optimizer
         self.grads = grads
@@ -150,8 +153,11 @@ class TrainStep:
         self.offload = offload  # activation offload (train.offload_activations); pipelines get it via their ctx
         self.documents = documents
         self.moe = moe_layers(model)
+        self.token_mean = token_mean
         if pipeline is not None and self.scaler is not None:
             pipeline.scale_loss = lambda loss: loss * self.scaler.scale
+        if pipeline is not None:
+            pipeline.token_mean = token_mean
         self.overlap = None
         if overlap_optimizer:
             from megaloom.training.overlap_optimizer import OverlappedStep
@@ -184,13 +190,21 @@ class TrainStep:
         self._scale_aux_losses(scale / n_micro)
         total = torch.zeros((), device=self.device)
         start_last = getattr(self.grads, "start_last_microbatch", None)
-        for i, (x, y, kwargs) in enumerate(model_inputs(batch, self.micro, self.documents, self.seq_shard)):
+        inputs = model_inputs(batch, self.micro, self.documents, self.seq_shard)
+        weights = None
+        if self.token_mean:
+            inputs = list(inputs)
+            mesh = getattr(self.grads, "mesh", None)
+            weights = target_weights([y for _, y, _ in inputs], mesh and mesh.dp_cp_group,
+                                     mesh.dp * mesh.cp if mesh else 1, mesh and mesh.recorder)
+        for i, (x, y, kwargs) in enumerate(inputs):
             if start_last is not None and i == n_micro - 1:
                 start_last()  # gradient buckets are reduced while this last backward is still running
             with forward_ctx(self.precision, self.device, self.offload):
                 # Equal tokens per micro-batch (and per cp rank, whose means the reduction over dp x cp
-                # averages): the mean of means is the mean.
-                loss = self.model(x, y, **kwargs) / n_micro
+                # averages): the mean of means is the mean. Masked targets: each weighs its share of them.
+                loss = self.model(x, y, **kwargs)
+                loss = weighted(loss, weights[i]) if weights is not None else loss / n_micro
             (loss * scale if scale != 1.0 else loss).backward()
             total += loss.detach().float()
         return self._update(total)

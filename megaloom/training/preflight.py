@@ -108,12 +108,6 @@ def refuse_unbuilt(cfg: Config) -> None:
     if p.ep > 1 and not cfg.model.moe_every:
         raise ConfigError(f"parallel.ep={p.ep} splits MoE experts, but this model has none (model.moe_every=0); "
                           "set parallel.ep=1 or choose an MoE preset (e.g. model.preset=mixtral-tiny).")
-    d = cfg.data
-    if (d.document_mask or d.reset_positions) and p.pp > 1:
-        which = "data.document_mask" if d.document_mask else "data.reset_positions"
-        raise ConfigError(f"{which}=true with parallel.pp={p.pp}: document boundaries do not travel between "
-                          "pipeline stages in this build; set parallel.pp=1 (tensor, data and expert parallelism "
-                          f"support it) or {which}=false.")
     check_context(cfg)
     check_chat_config(cfg)
     objective = get_family(cfg.model.arch).objective  # an encoder's objective refuses what it cannot read

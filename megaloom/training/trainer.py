@@ -170,7 +170,10 @@ class Trainer:
         # Only the ranks that need tokens read them (MegaScale): the first pipeline stage (inputs) and the last
         # (labels); middle stages load the tokenizer and nothing else. Tensor-parallel peers read the same rows.
         mesh = self.mesh
-        self.reads_data = mesh.pp == 1 or mesh.is_first_stage or mesh.is_last_stage
+        # Document boundaries (data.document_mask / reset_positions) are found from the tokens on every stage.
+        d = self.requested.data
+        self.reads_data = (mesh.pp == 1 or mesh.is_first_stage or mesh.is_last_stage
+                           or d.document_mask or d.reset_positions)
         self.train_ds, self.valid_ds, self.tokenizer = load_rank_datasets(
             self._datasets, self.requested.data, t.seq_len, t.seed, t.steps * t.global_batch_size,
             t.eval_batches * t.global_batch_size, self.rt, self.reads_data,
@@ -246,10 +249,10 @@ class Trainer:
             pipe = PipelineExecutor(stage, build_schedule(cfg.parallel.schedule, mesh.pp, cfg.parallel.vpp,
                                                           self.n_micro),
                                     mesh, t.micro_batch_size, t.seq_len, sp=cfg.parallel.sp, autocast=auto,
-                                    dtype=residual)
+                                    dtype=residual, documents=self.documents())
             eval_pipe = PipelineExecutor(stage, forward_only(mesh.pp, cfg.parallel.vpp, self.n_micro), mesh,
                                          t.micro_batch_size, t.seq_len, sp=cfg.parallel.sp, autocast=auto,
-                                         dtype=residual)
+                                         dtype=residual, documents=self.documents())
             # Gradient buckets of the stage, reduced (zero 0) or reduce-scattered (zero 1/2) over dp as each chunk
             # finishes its last backward; the tied embedding's bucket then summed over the first and last stage.
             grads = build_data_parallel(model, mesh, cfg.parallel.zero, cfg.parallel.bucket_mb, gather_dtype,
@@ -287,8 +290,16 @@ class Trainer:
         self.train_step = TrainStep(model, optimizer, self.precision, device, t.micro_batch_size, t.grad_clip, grads,
                                     nan_guard=cfg.resilience.nan_guard, pipeline=pipe, attention=t.attention,
                                     offload=t.offload_activations, documents=self.documents(),
-                                    seq_shard=self.seq_shard, overlap_optimizer=t.overlap_optimizer)
+                                    seq_shard=self.seq_shard, overlap_optimizer=t.overlap_optimizer,
+                                    token_mean=self.masks_targets())
         self.model, self.optimizer, self.pipe, self.eval_pipe = model, optimizer, pipe, eval_pipe
+
+    def masks_targets(self) -> bool:
+        """Whether some targets of the data are masked (-100): chat data (only the assistant's tokens), an
+        encoder's objective (BERT's masked positions) or image-text rows. Then micro-batches hold different
+        numbers of targets, and the step's loss weighs each target once (megaloom.parallel.token_mean)."""
+        cfg = self.requested
+        return cfg.data.format == "chat" or self.objective is not None or bool(cfg.model.vision_layers)
 
     def documents(self):
         """data.document_mask / data.reset_positions: the boundaries of a micro-batch's packed documents, from its

@@ -74,13 +74,12 @@ def test_chat_settings_and_refusals(chat_cfg, tmp_path):
     assert cfg.data.document_mask and cfg.data.reset_positions  # on unless given
     cfg = load_config(None, ["data.format=chat", f"data.paths={path}", "data.reset_positions=false"])
     assert cfg.data.document_mask and not cfg.data.reset_positions
-    assert not load_config(None, ["data.format=chat", "parallel.pp=2", "model.n_layers=4"]).data.document_mask
+    assert load_config(None, ["data.format=chat", "parallel.pp=2", "model.n_layers=4"]).data.document_mask
     with pytest.raises(ConfigError, match="data.chat_template: 'chatm' is not auto.*Did you mean 'chatml'"):
         load_config(None, ["data.chat_template=chatm"])
     for extra, match in ((["data.paths="], "data.format=chat needs data.paths"),
                          ([f"data.paths={path}", "data.weights=[1.0]"], "data.weights with data.format=chat"),
-                         ([f"data.paths={path}", "model.preset=bert-tiny"], "model.arch=bert"),
-                         ([f"data.paths={path}", "parallel.cp=2"], "parallel.cp=2")):
+                         ([f"data.paths={path}", "model.preset=bert-tiny"], "model.arch=bert")):
         with pytest.raises(ConfigError, match=match):
             preflight(load_config(None, ["data.format=chat", *extra]), 2)
 

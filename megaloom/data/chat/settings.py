@@ -11,7 +11,7 @@ if TYPE_CHECKING:
 
 
 def check_chat_config(cfg: Config) -> None:
-    d, m, p = cfg.data, cfg.model, cfg.parallel
+    d, m = cfg.data, cfg.model
     if d.format != "chat":
         return
     if not d.paths:
@@ -30,8 +30,3 @@ def check_chat_config(cfg: Config) -> None:
     if m.vision_layers:
         raise ConfigError("data.format=chat with an image encoder (model.vision_layers > 0): image-text data has its "
                           "own records (data.images, docs/multimodal.md); set data.format=tokens.")
-    if p.cp > 1:
-        # The step averages the cp ranks' mean losses; with most tokens masked the ranks hold different numbers of
-        # targets, so that average is not the mean over the row's assistant tokens (and a rank may hold none).
-        raise ConfigError(f"data.format=chat with parallel.cp={p.cp}: the loss over assistant tokens is not split "
-                          "over context-parallel ranks in this build; set parallel.cp=1.")

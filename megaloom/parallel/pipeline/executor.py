@@ -28,6 +28,7 @@ import torch
 
 from megaloom.data.image_text.batch import ImageTextBatch
 from megaloom.data.objective import inputs_and_labels
+from megaloom.models.documents import Documents
 from megaloom.parallel import comm
 from megaloom.parallel.context.layout import SequenceShard
 from megaloom.parallel.mesh import Mesh
@@ -36,6 +37,7 @@ from megaloom.parallel.pipeline.schedules import Action, Kind, Schedule
 from megaloom.parallel.pipeline.split_backward import PendingWeightGrad, backward_input
 from megaloom.parallel.pipeline.stage import PipelineStage
 from megaloom.parallel.pipeline.timing import TimedAction, Timeline
+from megaloom.parallel.token_mean import target_weights, weighted
 
 
 def _writes_weight_grads(a: Action) -> bool:
@@ -88,18 +90,24 @@ class _StepState:
     weight_grads: dict[tuple[int, int], PendingWeightGrad | None] = field(default_factory=dict)
     batches: list[_Batch] = field(default_factory=list)
     loss: torch.Tensor | None = None
+    weights: torch.Tensor | None = None  # per micro-batch loss factors of masked targets (token_mean)
+    docs: list = field(default_factory=list)  # per micro-batch document boundaries (data.document_mask), every stage
 
 
 class PipelineExecutor:
     def __init__(self, stage: PipelineStage, schedule: Schedule, mesh: Mesh, micro_batch_size: int, seq_len: int,
                  sp: bool = False, dtype: torch.dtype | None = None,
                  autocast: Callable[[], AbstractContextManager] = contextlib.nullcontext,
-                 scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None, timing: bool = False) -> None:
+                 scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None, timing: bool = False,
+                 documents: Callable[[torch.Tensor], Documents] | None = None) -> None:
         """``autocast``: context for each forward (e.g. ``lambda: autocast_ctx(precision, device)``);
         ``scale_loss``: applied to the last stage's loss before backward (fp16 ``GradScaler.scale``);
         ``dtype``: of the activations between stages (default: the parameters'; hidden states stay in the
         parameter dtype under autocast because the residual stream adds to the fp32 embedding output);
-        ``timing``: record when each action ran (synchronising the GPU around each one; for profiling)."""
+        ``timing``: record when each action ran (synchronising the GPU around each one; for profiling);
+        ``documents``: the document boundaries of a micro-batch's input tokens (data.document_mask /
+        reset_positions). Every stage's blocks need them, so every stage then gets the batch and finds them from
+        the tokens itself: a few integers per document, cheaper than sending them along with the activations."""
         if schedule.pp != mesh.pp or schedule.vpp != stage.partition.vpp:
             raise ValueError(f"schedule for pp={schedule.pp} vpp={schedule.vpp}, but the mesh has pp={mesh.pp} and "
                              f"the stage vpp={stage.partition.vpp}")
@@ -107,6 +115,8 @@ class PipelineExecutor:
         self.stage, self.schedule, self.mesh = stage, schedule, mesh
         self.micro, self.seq_len = micro_batch_size, seq_len
         self.autocast, self.scale_loss, self.timing = autocast, scale_loss, timing
+        self.documents = documents
+        self.token_mean = False  # TrainStep sets it: masked targets weigh each token once (parallel/token_mean.py)
         self.rank = mesh.pp_rank
         self.steps = schedule.steps(self.rank)
         self.last = schedule.n_stages - 1
@@ -145,7 +155,7 @@ class PipelineExecutor:
         gradients, once per chunk (e.g. the gradient buckets' ``start_last_microbatch``)."""
         st = _StepState()
         m = self.schedule.microbatches
-        if self.stage.has_embedding or self.stage.has_head:
+        if self.stage.has_embedding or self.stage.has_head or self.documents is not None:
             if batch is None or batch.shape[0] != m * self.micro:
                 got = None if batch is None else tuple(batch.shape)
                 raise ValueError(f"pipeline stage {self.rank} needs a batch of {m} x {self.micro} rows, got {got}")
@@ -156,6 +166,13 @@ class PipelineExecutor:
                 pairs = [inputs_and_labels(batch[i * self.micro:(i + 1) * self.micro]) for i in range(m)]
                 st.tokens = [self.shard(x) for x, _ in pairs]
                 st.labels = [self.shard(y) for _, y in pairs]
+                if self.documents is not None:  # found in the whole sequence, then this cp rank's part
+                    st.docs = [self.documents(x) for x, _ in pairs]
+                    if self.mesh.cp > 1:
+                        st.docs = [d.sharded(self.shard) for d in st.docs]
+            if self.token_mean and self.stage.has_head and self.schedule.backward:
+                st.weights = target_weights(st.labels, self.mesh.dp_cp_group, self.mesh.dp * self.mesh.cp,
+                                            self.mesh.recorder)
         device = self.mesh.device
         st.loss = torch.zeros((), dtype=torch.float32, device=device)
         self.events = []
@@ -258,10 +275,13 @@ class PipelineExecutor:
             if self.schedule.backward:
                 x = x.detach().requires_grad_()
         kwargs = st.first_kwargs[mb] if s == 0 and st.first_kwargs else {}
+        if st.docs:
+            kwargs = {**kwargs, "docs": st.docs[mb]}
         with self.autocast():
             out = self.stage(x, chunk, st.labels[mb] if s == self.last else None, seq_len=self.seq_len, **kwargs)
         if s == self.last:
-            loss = out / self.schedule.microbatches  # as TrainStep: mean of equal-size micro-batch means
+            # as TrainStep: mean of equal-size micro-batch means, or each target once (token_mean)
+            loss = out / self.schedule.microbatches if st.weights is None else weighted(out, st.weights[mb])
             st.loss += loss.detach().float()
             out = self.scale_loss(loss) if self.scale_loss is not None else loss
         elif tuple(out.shape) != self.shape or out.dtype != self.dtype:
