@@ -21,8 +21,9 @@ from collections.abc import Callable, Iterable
 import torch
 
 from megaloom.parallel import comm
-from megaloom.parallel.data_parallel import DeviceConstants, tp_weight
 from megaloom.parallel.expert import is_expert_param
+from megaloom.parallel.grad_norm import DeviceConstants
+from megaloom.parallel.layout import layout_of
 from megaloom.parallel.mesh import Mesh
 from megaloom.param_groups import param_groups
 
@@ -42,7 +43,7 @@ def tp_norm_sync(params: list[torch.Tensor], mesh: Mesh) -> NormSync | None:
     expert = [mesh.ep > 1 and is_expert_param(p) for p in params]
     if mesh.tp == 1 and not any(expert):
         return None
-    weights = [tp_weight(p, mesh) for p in params]
+    weights = [layout_of(p).norm_weight(mesh.tp) for p in params]  # per parameter: copies over tp only
     constants = DeviceConstants()  # on the device once, not copied from the host every step
 
     def sync(partial: torch.Tensor) -> torch.Tensor:

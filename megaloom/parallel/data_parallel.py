@@ -72,9 +72,10 @@ from megaloom.models.moe import MoE
 from megaloom.parallel import comm
 from megaloom.parallel.expert import is_expert_param
 from megaloom.parallel.grad_fusion import FusedLinear
-from megaloom.parallel.layout import copy_layout, layout_of
+from megaloom.parallel.grad_norm import DeviceConstants, global_grad_norm
+from megaloom.parallel.layout import copy_layout
 from megaloom.parallel.mesh import Mesh
-from megaloom.parallel.tensor import sync_tp_grads, tp_grad_norm
+from megaloom.parallel.tensor import sync_tp_grads
 from megaloom.parallel.tp_layers import ColumnParallelLinear, RowParallelLinear
 
 DEFAULT_BUCKET_MB = 25.0
@@ -175,7 +176,7 @@ class Segment:
 
 
 class GradView:
-    """Stands in for a parameter where `sync_tp_grads` / `tp_grad_norm` read one: a gradient view plus the
+    """Stands in for a parameter where `sync_tp_grads` / `global_grad_norm` read one: a gradient view plus the
     parameter's tensor-parallel marks."""
 
     def __init__(self, grad: torch.Tensor, p: nn.Parameter) -> None:
@@ -192,47 +193,6 @@ class GradViews:
 
     def parameters(self) -> Iterator[GradView]:
         return iter(self.views)
-
-
-def tp_weight(p: object, mesh: Mesh) -> float:
-    """How much of this rank's copy of ``p`` counts towards a sum over the full model (tp_grad_norm's rule):
-    a tp-sharded tensor fully, one replicated on all tp ranks 1/tp, a replicated KV head 1/replicas."""
-    return layout_of(p).norm_weight(mesh.tp)
-
-
-class DeviceConstants:
-    """Small constant tensors a step needs (per-tensor norm weights, index maps), made from Python values once per
-    device on first use and reused: a tensor made from a list on the GPU is a host-to-device copy that waits for
-    the host, every step it is remade. ``made`` counts the tensors made (the tests read it)."""
-
-    def __init__(self) -> None:
-        self._cache: dict[tuple[str, torch.device], torch.Tensor] = {}
-        self.made = 0
-
-    def get(self, key: str, device: torch.device, build: Callable[[], torch.Tensor]) -> torch.Tensor:
-        t = self._cache.get((key, device))
-        if t is None:
-            t = self._cache[(key, device)] = build().to(device)
-            self.made += 1
-        return t
-
-
-def sharded_grad_norm(views: list[GradView], mesh: Mesh, constants: DeviceConstants | None = None) -> torch.Tensor:
-    """L2 norm of the full gradient when each data-parallel rank holds disjoint pieces of it: local squares
-    weighted as in `tp_grad_norm`, summed over tp, pp and the data-parallel group. The last pipeline stage's
-    copy of a tied embedding is left out (the first stage counts it). ``constants``: where the caller keeps the
-    weights between steps (the views' layouts must then stay the same: they are the caller's fixed shards)."""
-    total = torch.zeros((), dtype=torch.float32, device=mesh.device)
-    views = [v for v in views if not layout_of(v).tied_copy]
-    if views:
-        norms = torch.stack(torch._foreach_norm([v.grad.float() for v in views]))
-        weights = (constants or DeviceConstants()).get(
-            "norm_weights", norms.device,
-            lambda: torch.tensor([tp_weight(v, mesh) for v in views], dtype=torch.float32))
-        total += (norms.float().pow(2) * weights).sum().to(total.device)
-    for group in (mesh.tp_group, mesh.pp_group, mesh.dp_cp_group):
-        comm.all_reduce(total, group, recorder=mesh.recorder)
-    return total.sqrt()
 
 
 class DataParallelGrads:
@@ -523,17 +483,14 @@ class DataParallelGrads:
                     return torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
                 total = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None],
                                                       foreach=True)
-            elif self.mesh.pp > 1:  # counts the tied head copy once
-                from megaloom.parallel.pipeline.grads import pipeline_grad_norm
-                total = pipeline_grad_norm(self.model, self.mesh)
-            else:
-                total = tp_grad_norm(self.model, self.mesh)
+            else:  # the tied head copy of a pipeline's last stage counts once (grad_norm.py)
+                total = global_grad_norm(self.params, self.mesh, constants=self.constants)
             if self.local:  # each rank's own gradient: the root-mean-square of their norms, the same on every rank
                 sq = total.float().pow(2).reshape(1)
                 comm.all_reduce(sq, self.group, recorder=self.mesh.recorder)
                 total = (sq / self.size).sqrt().reshape(())
         else:
-            total = sharded_grad_norm(self._shard_views.views, self.mesh, self.constants)
+            total = global_grad_norm(self._shard_views.views, self.mesh, over_dp=True, constants=self.constants)
         local = self.local_grads()
         if math.isfinite(max_norm) and local:  # a pipeline stage may hold only frozen parameters (model.freeze)
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)

@@ -20,7 +20,7 @@
 Gradients: an expert weight exists on the dp ranks that share an ep rank (the edp group). Its gradient there
 already holds the contributions of every token of the ep group (the all-to-all backward brings them home),
 so the data-parallel layer sums it over edp and divides by the full data-parallel size, like every other
-gradient (`is_expert_param`). Norms count expert squares summed over the ep group (`expert_norm_sq`).
+gradient (`is_expert_param`). Norms count expert squares summed over the ep group (`parallel/grad_norm.py`).
 """
 
 from __future__ import annotations
@@ -254,13 +254,3 @@ def parallelize_moe(moe: MoE, mesh: Mesh, sp: bool) -> MoE:
     return moe
 
 
-def expert_norm_sq(params: list[tuple[torch.Tensor, object]], mesh: Mesh) -> torch.Tensor:
-    """Sum of squares of expert gradients over the ep group (weighted as `tp_grad_norm` weights them): add it
-    to the dense part before the tp / pp reductions."""
-    total = torch.zeros((), dtype=torch.float32, device=mesh.device)
-    for g, p in params:
-        sq = g.float().pow(2).sum()
-        total += sq * layout_of(p).norm_weight(mesh.tp)
-    if mesh.ep > 1:
-        comm.all_reduce(total, mesh.ep_group, recorder=mesh.recorder)
-    return total

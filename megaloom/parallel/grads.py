@@ -15,14 +15,16 @@ from torch import nn
 
 from megaloom.parallel import comm
 from megaloom.parallel.expert import is_expert_param
+from megaloom.parallel.grad_norm import DeviceConstants, global_grad_norm
 from megaloom.parallel.mesh import Mesh
-from megaloom.parallel.tensor import sync_tp_grads, tp_grad_norm
+from megaloom.parallel.tensor import sync_tp_grads
 
 
 class GradientSync:
     def __init__(self, model: nn.Module, mesh: Mesh):
         self.model, self.mesh = model, mesh
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.constants = DeviceConstants()  # the norm's per-tensor weights, on the device once
 
     def finish(self) -> None:
         """Make each rank's gradients the full-batch gradients of the parameters it holds."""
@@ -45,7 +47,8 @@ class GradientSync:
         """Global L2 norm of the gradient before clipping; scales gradients in place if it exceeds max_norm."""
         if self.mesh.tp == 1 and self.mesh.pp == 1 and self.mesh.ep == 1:
             return torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
-        return scale_to_norm(self.params, tp_grad_norm(self.model, self.mesh), max_norm)
+        return scale_to_norm(self.params, global_grad_norm(self.params, self.mesh, constants=self.constants),
+                             max_norm)
 
 
 def _average(grads: list[torch.Tensor], group, n: int, mesh: Mesh) -> None:

@@ -34,7 +34,7 @@ from megaloom.config import ModelConfig, resolved_head_dim
 from megaloom.models.moe import MoE
 from megaloom.parallel import comm
 from megaloom.parallel import styles as st
-from megaloom.parallel.expert import expert_norm_sq, is_expert_param, parallelize_moe
+from megaloom.parallel.expert import parallelize_moe
 from megaloom.parallel.layout import layout_of, set_layout
 from megaloom.parallel.mesh import Mesh, check_tp_model
 from megaloom.parallel.random import ForkedCall, ForkedDropout, RNGTracker
@@ -45,7 +45,7 @@ from megaloom.parallel.vocab_ce import VocabParallelLoss, gather_vocab_logits, v
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "VocabParallelEmbedding", "VocabParallelLoss",
            "allreduce_kv_replica_grads", "allreduce_sequence_parallel_grads", "gather_full_grads",
            "gather_full_params", "gather_full_tensor", "gather_vocab_logits", "parallelize_tensor",
-           "sync_tp_grads", "tp_grad_norm", "vocab_parallel_cross_entropy"]
+           "sync_tp_grads", "vocab_parallel_cross_entropy"]
 
 
 class _EnterRegion:
@@ -290,31 +290,6 @@ def sync_tp_grads(model: nn.Module, mesh: Mesh) -> None:
     """Make every tensor-parallel gradient complete: call once after the last backward of a step."""
     allreduce_sequence_parallel_grads(model, mesh)
     allreduce_kv_replica_grads(model, mesh)
-
-
-def tp_grad_norm(model: nn.Module, mesh: Mesh) -> torch.Tensor:
-    """L2 norm of the full (unsharded) gradient, computed from the shards, for clipping.
-
-    Each element of the full model counts once: a sharded gradient contributes its local squares, one held
-    identically by all tp ranks contributes 1/tp of them on each, a replicated KV head 1/replicas. Summed
-    over tp, then over pp (stages hold different layers). Call after `sync_tp_grads`. Not covered:
-    ZeRO-sharded gradients and embeddings tied across pipeline stages, whose owners must weight them likewise.
-    """
-    device = next(model.parameters()).device
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    experts = []
-    for p in model.parameters():  # a tied weight is yielded once
-        if p.grad is None:
-            continue
-        if is_expert_param(p):  # different experts on each ep rank: summed over ep first
-            experts.append((p.grad, p))
-            continue
-        total += p.grad.float().pow(2).sum() * layout_of(p).norm_weight(mesh.tp)
-    if mesh.ep > 1:
-        total += expert_norm_sq(experts, mesh).to(device)
-    comm.all_reduce(total, mesh.tp_group, recorder=mesh.recorder)
-    comm.all_reduce(total, mesh.pp_group, recorder=mesh.recorder)
-    return total.sqrt()
 
 
 def gather_full_tensor(t: torch.Tensor, p: nn.Parameter, mesh: Mesh,

@@ -45,15 +45,13 @@ from megaloom.parallel import comm
 from megaloom.parallel.data_parallel import (
     DEFAULT_BUCKET_MB,
     DataParallelGrads,
-    DeviceConstants,
     GradView,
     GradViews,
     ReductionStats,
     Segment,
-    sharded_grad_norm,
-    tp_weight,
 )
 from megaloom.parallel.expert import is_expert_param
+from megaloom.parallel.grad_norm import DeviceConstants, copy_weight, global_grad_norm
 from megaloom.parallel.layout import copy_layout
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.state import full_model_state, load_full_state, shard_of
@@ -194,7 +192,7 @@ class FullyShardedGrads:
 
     def clip(self, max_norm: float) -> torch.Tensor:
         views = self._views()
-        total = sharded_grad_norm(views.views, self.mesh, self.constants)
+        total = global_grad_norm(views.views, self.mesh, over_dp=True, constants=self.constants)
         if math.isfinite(max_norm):
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
             torch._foreach_mul_([v.grad for v in views.views], coef)
@@ -254,7 +252,7 @@ def shard_norm_sync(owners: list[int], params: list[nn.Parameter], mesh: Mesh, g
     parallel group (the other pieces of each parameter), then weighted and summed over tp. The index and the
     weights go to the device once (``constants``), not every step."""
     constants = constants if constants is not None else DeviceConstants()
-    weights = [tp_weight(p, mesh) for p in params]
+    weights = [copy_weight(p, mesh, over_dp=True) for p in params]
 
     def sync(partial: torch.Tensor) -> torch.Tensor:
         index = constants.get("owners", partial.device, lambda: torch.tensor(owners, dtype=torch.long))

@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megaloom.parallel.grad_norm import global_grad_norm
 from megaloom.parallel.mesh import Mesh
-from megaloom.parallel.tensor import gather_full_grads, tp_grad_norm
+from megaloom.parallel.tensor import gather_full_grads
 
 
 def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -26,4 +27,4 @@ def first_step_grads(model: nn.Module, ref: nn.Module, mesh: Mesh, raw: dict[str
                              torch.allclose(raw[n], ref_grads[n], rtol=1e-4, atol=1e-5))
                          for n in ref_grads},
             "grad_names": (sorted(n for n, g in grads.items() if g is not None), sorted(ref_grads)),
-            "norm": (tp_grad_norm(model, mesh).item(), ref_norm.item())}
+            "norm": (global_grad_norm(list(model.parameters()), mesh).item(), ref_norm.item())}

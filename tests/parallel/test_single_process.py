@@ -12,10 +12,11 @@ from torch import nn
 from megaloom.config import ConfigError
 from megaloom.models import Transformer
 from megaloom.parallel import comm
+from megaloom.parallel.grad_norm import global_grad_norm
 from megaloom.parallel.launch import torchrun_command
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.random import ForkedDropout, RNGTracker
-from megaloom.parallel.tensor import gather_full_params, parallelize_tensor, sync_tp_grads, tp_grad_norm
+from megaloom.parallel.tensor import gather_full_params, parallelize_tensor, sync_tp_grads
 from megaloom.parallel.tp_layers import ColumnParallelLinear, RowParallelLinear
 from megaloom.parallel.vocab_ce import vocab_parallel_cross_entropy
 
@@ -63,7 +64,7 @@ def test_parallelize_on_a_single_mesh_changes_nothing() -> None:
     model(x, x).backward()
     sync_tp_grads(model, mesh)
     norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
-    assert torch.allclose(tp_grad_norm(model, mesh), norm)
+    assert torch.allclose(global_grad_norm(list(model.parameters()), mesh), norm)
     full = gather_full_params(model, mesh)
     assert all(full[n].equal(before[n]) for n in before)
 
