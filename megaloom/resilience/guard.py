@@ -27,9 +27,11 @@ class Resilience:
         self.heartbeat = Heartbeat(run_dir, rank, r.heartbeat_every_s, self.recorder).start() if r.heartbeat else None
         self.watchdog = (Watchdog(run_dir, rank, r.hang_timeout_s, self.recorder, self.heartbeat,
                                   world_size=world_size).start() if r.hang_timeout_s > 0 else None)
-        # The loop's host-side control group (gloo, whatever trains): collective, every rank makes it here. Not
-        # the checkpoint group, which the background writer thread uses at the same time.
-        control = HostGroup(r.collective_timeout_s) if world_size > 1 and r.straggler_every > 0 else None
+        # The loop's host-side control group (gloo, whatever trains): the straggler check's times and the stop
+        # signals' agreement. Collective, every rank makes it here. Not the checkpoint group, which the
+        # background writer thread uses at the same time.
+        wanted = r.straggler_every > 0 or r.save_on_signal
+        self.control = control = HostGroup(r.collective_timeout_s) if world_size > 1 and wanted else None
         # compute time from CUDA events on a GPU (NCCL returns at enqueue), from the host's clock on CPU
         self.straggler = StragglerDetector.for_device(mesh.device, world_size, r.straggler_factor, self.recorder,
                                                       control)

@@ -2,22 +2,23 @@
 turned into one decision that every rank takes at the same step, so that all ranks save the same checkpoint.
 
 A signal may reach only some ranks (a node's agent, a `kill` of one process). The handler only records it; every
-`check_every` steps the ranks combine their records with one all-reduce (max) of a single integer on a gloo group
-of its own (host-side: no device sync; its own group: the checkpoint writer thread's collectives on the checkpoint
-group never interleave with it). The all-reduce is issued at one check and read at the next, so it completes
-while the next steps compute and the loop pays only for issuing it (tens to hundreds of microseconds, measured in
-docs/resilience.md); the price is that the job stops up to 2 x check_every steps after the signal. A second Ctrl-C
-stops at once (KeyboardInterrupt), without saving.
+`check_every` steps the ranks combine their records with one all-reduce (max) of a single integer on the loop's
+host-side control group (gloo: no device sync; the loop's, not the checkpoint group, whose collectives the
+background writer thread issues at the same time: two threads never share a group). The all-reduce is issued at one
+check and read at the next, so it completes while the next steps compute and the loop pays only for issuing it (tens
+to hundreds of microseconds, measured in docs/resilience.md); the price is that the job stops up to 2 x check_every
+steps after the signal. A second Ctrl-C stops at once (KeyboardInterrupt), without saving.
 """
 
 from __future__ import annotations
 
 import signal
 import threading
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from megaloom.parallel.host_group import HostGroup
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
@@ -30,16 +31,16 @@ class StopRequests:
     """``poll()`` at every step boundary, on every rank: None to go on, or the signal number the job stops for
     (the same on every rank, at the same step). ``install()`` / ``restore()`` around the training loop."""
 
-    def __init__(self, enabled: bool = True, timeout_s: float = 3600.0, check_every: int = 1) -> None:
-        """Collective when distributed (every rank creates the group here, at the same point)."""
+    def __init__(self, enabled: bool = True, control: HostGroup | None = None, check_every: int = 1) -> None:
+        """``control``: the loop's host-side group (parallel/host_group.py); None on one process, where the
+        decision is this rank's own."""
         self.enabled, self.check_every = enabled, max(1, check_every)
         self.received: int | None = None  # this rank's first stop signal
         self._previous: dict[int, object] = {}
         self._group = None
         self._pending: tuple[dist.Work, torch.Tensor] | None = None
-        if enabled and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 \
-                and dist.get_backend() != "fake":  # a dry run's fake group has no peers to agree with
-            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+        if enabled and control is not None and control.size > 1 and dist.get_backend() != "fake":
+            self._group = control.group  # a dry run's fake group has no peers to agree with
 
     def install(self) -> StopRequests:
         """Route the stop signals to this object (main thread only: Python delivers signals there)."""

@@ -384,7 +384,7 @@ class Trainer:
             log.info(f"metrics.jsonl: {dropped} row(s) after the resumed step {self.step} removed (trained again)")
         self.result = TrainResult(run_dir=self.run_dir, final_step=self.step)
         self.guard = Resilience(cfg, self.run_dir, rt.rank, rt.world_size, mesh)
-        self.stops = StopRequests(cfg.resilience.save_on_signal, cfg.checkpoint.timeout_s,  # collective
+        self.stops = StopRequests(cfg.resilience.save_on_signal, self.guard.control,
                                   cfg.resilience.signal_check_every)
         self.saved_step: int | None = None  # the step of the last checkpoint this run wrote
         self.ckpt.start_background_saves()

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from megaloom.config import load_config
+from megaloom.parallel.host_group import HostGroup
 from megaloom.resilience.signals import StopRequests
 from megaloom.runtime import Runtime
 from megaloom.training.trainer import Trainer
@@ -68,8 +69,9 @@ def signal_suite(rank: int, world: int, device, corpus: dict, root: str, base: l
     if rank == 0:
         out["ref_losses"], out["cut_losses"] = _losses(ref), _losses(cut)
     # The agreement alone, at two check intervals: rank 1 records SIGTERM during step 3.
+    control = HostGroup(60.0)
     for every in (1, 3):
-        stops = StopRequests(True, check_every=every)
+        stops = StopRequests(True, control, check_every=every)
         out[f"agreed_at_every{every}"] = None
         for step in range(1, 20):
             if rank == 1 and step == 3:
@@ -80,7 +82,7 @@ def signal_suite(rank: int, world: int, device, corpus: dict, root: str, base: l
         stops.close()
     # Cost of one poll in the loop (issue this boundary's all-reduce, wait for the previous one, finished
     # during the "step"): a 2 ms step stands in for training.
-    stops = StopRequests(True)
+    stops = StopRequests(True, control)
     polls = []
     for step in range(50):
         time.sleep(0.002)
