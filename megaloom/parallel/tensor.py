@@ -312,9 +312,6 @@ def gather_full_tensor(t: torch.Tensor, p: nn.Parameter, mesh: Mesh,
     return torch.cat([torch.stack(h).sum(0) if sum_replicas else h[0] for h in heads], dim)
 
 
-_gather_full = gather_full_tensor  # the name megaloom.parallel.state imports
-
-
 def gather_full_params(model: nn.Module, mesh: Mesh) -> dict[str, torch.Tensor]:
     """Every parameter at full size, by name (as ``named_parameters``: a tied weight once).
     Collective over tp."""

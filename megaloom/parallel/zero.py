@@ -24,9 +24,9 @@ memory reuse) and it composes with our tensor-parallel layers: those hold plain 
 treats as the parameters to shard over dp only, and their tp marks are copied to the sharded parameters.
 The optimizer is the same `ShardedOptimizer`, over the local DTensor shards.
 
-Checkpoints stay layout-free: `full_optimizer_state` returns full tensors under parameter names
-(gathered over dp and tp), exactly what megaloom.parallel.state.full_optim_state gives for AdamW, and
-`load_full_optimizer_state` takes this rank's pieces back.
+Checkpoints stay layout-free without gathering anything: every rank saves its own pieces as DCP shards under the
+parameters' full shapes (checkpoint/sharded.py). The tests' gather-everything references (full tensors under
+parameter names) are tests/parallel/full_state.py's.
 """
 
 from __future__ import annotations
@@ -54,8 +54,7 @@ from megaloom.parallel.expert import is_expert_param
 from megaloom.parallel.grad_norm import DeviceConstants, copy_weight, global_grad_norm
 from megaloom.parallel.layout import copy_layout
 from megaloom.parallel.mesh import Mesh
-from megaloom.parallel.state import full_model_state, load_full_state, shard_of
-from megaloom.parallel.tensor import gather_full_tensor, sync_tp_grads
+from megaloom.parallel.tensor import sync_tp_grads
 
 OPTIMIZERS = ("adamw", "lamb")
 
@@ -206,28 +205,6 @@ class FullyShardedGrads:
 
     def memory(self) -> dict[str, int]:
         return {"params": sum(_local(p.detach()).numel() * p.element_size() for p in self.params)}
-
-    def full_model_state(self) -> dict[str, torch.Tensor]:
-        """Every parameter and buffer at full size under its usual name (collective over dp and tp)."""
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        out = {}
-        for k, v in self.model.state_dict().items():
-            full = v.full_tensor() if hasattr(v, "full_tensor") else v
-            out[k] = gather_full_tensor(full, params[k], self.mesh) if k in params else full.detach().clone()
-        return out
-
-    def load_full_model_state(self, sd: dict[str, torch.Tensor]) -> None:
-        """Copy this rank's piece (its tp slice, then its dim-0 dp shard) of full tensors into the model."""
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        with torch.no_grad():
-            for k, t in self.model.state_dict().items():
-                src = shard_of(sd[k], params[k], self.mesh) if k in params else sd[k]
-                local = _local(t)
-                if hasattr(t, "to_local") and local.numel():
-                    start = _dim0_start(src.shape[0], *self._shard_of(params.get(k, t)))
-                    src = src[start:start + local.shape[0]]
-                if local.numel():
-                    local.copy_(src)
 
 
 # ------------------------------------------------------------------------------------------- the optimizer
@@ -392,82 +369,6 @@ class ShardedOptimizer:
         return sum(v.numel() * v.element_size() for st in self.inner.state.values() for v in st.values()
                    if torch.is_tensor(v) and v.ndim > 0)
 
-    # ------------------------------------------------------------------------------------------ checkpoints
-
-    def _gather(self, key: str) -> list[torch.Tensor]:
-        """State ``key`` of every parameter at its tp-local full size: each rank writes its segments into a
-        zero buffer of the whole (tp-local) model and one all-reduce over dp assembles it (checkpoint time
-        only; any layout works because the pieces are disjoint)."""
-        numels = [math.prod(p.shape) for _, p in self.named_params]
-        offsets = [0]
-        for n in numels:
-            offsets.append(offsets[-1] + n)
-        flat = torch.zeros(offsets[-1], dtype=torch.float32, device=self.mesh.device)
-        for t, s in zip(self.tensors, self.segments, strict=True):
-            v = self.inner.state[t][key].reshape(-1)
-            a = offsets[s.owner] + s.start
-            flat[a:a + v.numel()] = v
-        if self.mesh.ep > 1 and any(is_expert_param(p) for _, p in self.named_params):
-            # Expert pieces are spread over edp only (each ep rank holds other experts at the same offsets): sum
-            # over edp first, then the dense pieces alone over ep, which completes their sum over all of dp.
-            comm.all_reduce(flat, self.mesh.edp_group, recorder=self.mesh.recorder)
-            dense = torch.ones_like(flat, dtype=torch.bool)
-            for i, (_, p) in enumerate(self.named_params):
-                if is_expert_param(p):
-                    dense[offsets[i]:offsets[i + 1]] = False
-            rest = comm.all_reduce(flat * dense, self.mesh.ep_group, recorder=self.mesh.recorder)
-            flat = torch.where(dense, rest, flat)
-        else:
-            comm.all_reduce(flat, self.layout.group, recorder=self.mesh.recorder)
-        return [flat[offsets[i]:offsets[i + 1]].view(tuple(p.shape)) for i, (_, p) in enumerate(self.named_params)]
-
-    def _step_count(self) -> torch.Tensor:
-        count = torch.zeros((), dtype=torch.float32)
-        for st in self.inner.state.values():
-            count = st["step"].detach().float().cpu().clone()
-            break
-        count = count.to(self.mesh.device)
-        return comm.all_reduce(count, self.layout.group, op="max", recorder=self.mesh.recorder).cpu()
-
-    def full_state(self) -> dict:
-        """{'state': {fqn: {'step', 'exp_avg', 'exp_avg_sq'}}}: full tensors under parameter names, as
-        megaloom.parallel.state.full_optim_state gives for a plain AdamW. Collective over dp and tp."""
-        step = self._step_count()
-        gathered = {k: self._gather(k) for k in ("exp_avg", "exp_avg_sq")}
-        state = {}
-        for i, (name, p) in enumerate(self.named_params):
-            state[name] = {"step": step.clone(),
-                           **{k: gather_full_tensor(v[i], p, self.mesh) for k, v in gathered.items()}}
-        return {"state": state}
-
-    def full_model_state(self) -> dict[str, torch.Tensor]:
-        """The model's layout-free state (full tensors under their names), whatever the ZeRO stage: a checkpoint
-        writer that holds this optimizer needs nothing else. Collective over dp and tp."""
-        if isinstance(self.layout, FullyShardedGrads):
-            return self.layout.full_model_state()
-        return full_model_state(self.layout.model, self.mesh)  # its state_dict pre-hook waits for the gathers
-
-    def load_full_model_state(self, model_sd: dict[str, torch.Tensor]) -> None:
-        if isinstance(self.layout, FullyShardedGrads):
-            self.layout.load_full_model_state(model_sd)
-        else:  # parameters are views of the bucket buffers, so the copy lands there (master weights included)
-            self.layout.wait_params()
-            load_full_state(self.layout.model, None, model_sd, None, self.mesh)
-            self.weights_loaded(masters_loaded=False)
-
-    def load_full_state(self, optim_sd: dict) -> None:
-        """Keep this rank's pieces of full tensors (its tp slice, then its segments of the flat shard)."""
-        entries = optim_sd["state"]
-        for t, s in zip(self.tensors, self.segments, strict=True):
-            name, p = self.named_params[s.owner]
-            st = self.inner.state[t]
-            for k, v in entries[name].items():
-                if k == "step":
-                    st["step"].copy_(torch.as_tensor(v, dtype=torch.float32))
-                    continue
-                local = shard_of(v, p, self.mesh).reshape(-1)
-                st[k].copy_(local[s.start:s.start + t.numel()].view_as(st[k]))
-
 
 # ------------------------------------------------------------------------------------------------ building
 
@@ -495,12 +396,3 @@ def param_gather_dtype(precision: str) -> torch.dtype:
     fp8, whose other ops run in bf16); fp32 otherwise (fp16 keeps fp32 parameters: its range is too narrow
     for weights without a scale)."""
     return torch.bfloat16 if precision in ("bf16", "fp8") else torch.float32
-
-
-def full_optimizer_state(optimizer: ShardedOptimizer) -> dict:
-    """Layout-free optimizer state (see ShardedOptimizer.full_state)."""
-    return optimizer.full_state()
-
-
-def load_full_optimizer_state(optimizer: ShardedOptimizer, optim_sd: dict) -> None:
-    optimizer.load_full_state(optim_sd)

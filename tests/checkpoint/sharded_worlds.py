@@ -17,9 +17,9 @@ from megaloom.checkpoint.store import load_checkpoint, save_checkpoint
 from megaloom.config import load_config
 from megaloom.models import Transformer
 from megaloom.parallel.mesh import Mesh
-from megaloom.parallel.state import full_model_state
 from megaloom.parallel.tensor import parallelize_tensor
 from megaloom.parallel.zero import ShardedOptimizer, build_data_parallel
+from tests.parallel.full_state import full_model_state, full_optimizer_state
 
 # ~34M parameters: big enough that a gathered state stands out from allocator noise, small enough for CI.
 SETTINGS = ["model.vocab_size=8192", "model.d_model=512", "model.n_layers=8", "model.n_heads=8", "model.n_kv_heads=8",
@@ -95,7 +95,7 @@ def save_load_peak(rank: int, world: int, device, root: str) -> dict:
     del model2, opt2
     t0 = time.perf_counter()
     with PeakGrowth() as old, tempfile.TemporaryDirectory(dir=root) as old_dir:  # the gathered save this replaced
-        gathered = {"model": full_model_state(model, mesh), "optim": opt.full_state()}
+        gathered = {"model": full_model_state(model, mesh), "optim": full_optimizer_state(opt)}
         dcp.save(gathered, checkpoint_id=old_dir)
         del gathered
     gathered_s = time.perf_counter() - t0

@@ -18,8 +18,8 @@ from megaloom.checkpoint.async_save import AsyncCheckpointer
 from megaloom.config import load_config
 from megaloom.models import Transformer
 from megaloom.parallel.mesh import Mesh
-from megaloom.parallel.state import full_model_state, full_optim_state
 from megaloom.parallel.tensor import parallelize_tensor, sync_tp_grads
+from tests.parallel.full_state import full_model_state, full_optim_state
 
 SETTINGS = ["model.vocab_size=64", "model.d_model=32", "model.n_layers=1", "model.n_heads=2",
             "model.n_kv_heads=2", "model.ffn_dim=64", "train.seq_len=8", "model.max_seq_len=8",

@@ -19,6 +19,7 @@ from megaloom.parallel.tensor import (
     sync_tp_grads,
 )
 
+from .full_state import sharded_model_state
 from .grad_compare import first_step_grads
 
 VOCAB, SEQ, IMAGE_ID, IMAGE, PATCH, SLOTS = 128, 16, 127, 16, 8, 2
@@ -158,7 +159,7 @@ def llava_dp_case(mesh: Mesh, zero: int, freeze: str = "", steps: int = 4) -> di
         opt.zero_grad(set_to_none=True)
         torch.distributed.all_reduce(total, group=mesh.dp_cp_group)
         losses.append(total.item() / mesh.dp)
-    final = opt.full_model_state()
+    final = sharded_model_state(opt)
     ref_params = dict(ref.named_parameters())
     trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
     return dict(loss=losses, ref_loss=ref_loss,

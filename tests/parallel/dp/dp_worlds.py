@@ -26,15 +26,18 @@ from megaloom.models.registry import get_family
 from megaloom.optim import param_groups
 from megaloom.parallel import comm
 from megaloom.parallel.mesh import Mesh
-from megaloom.parallel.state import ensure_optimizer_state, full_optim_state
+from megaloom.parallel.state import ensure_optimizer_state
 from megaloom.parallel.tensor import gather_full_params, parallelize_tensor
-from megaloom.parallel.zero import (
-    ShardedOptimizer,
-    build_data_parallel,
-    full_optimizer_state,
-    load_full_optimizer_state,
-)
+from megaloom.parallel.zero import ShardedOptimizer, build_data_parallel
 
+from ..full_state import (
+    fsdp_model_state,
+    full_optim_state,
+    full_optimizer_state,
+    load_full_model_state,
+    load_full_optimizer_state,
+    sharded_model_state,
+)
 from ..llava_worlds import llava_dp_case
 from ..worlds import BERT_SOP, tiny_config, token_rows
 
@@ -203,7 +206,7 @@ def imported_check(path: Path, model: nn.Module, grads, opt, mesh: Mesh, zero: i
         return {"imported_equal": False, "fresh_optimizer": False, "error": str(e)}
     single = scrambled(base_model("llama", Mesh.single(mesh.device)))
     load_checkpoint(path, single, None)
-    loaded = grads.full_model_state() if zero == 3 else full_params_after(model, mesh)
+    loaded = fsdp_model_state(grads) if zero == 3 else full_params_after(model, mesh)
     want = dict(single.named_parameters())
     written = dict(base_model("llama", Mesh.single(mesh.device)).named_parameters())
     equal = all(torch.equal(loaded[n], p.detach()) and torch.equal(p, written[n]) for n, p in want.items())
@@ -272,10 +275,10 @@ def dp_case(mesh: Mesh, zero: int, kind: str = "adamw", clip: float = math.inf, 
             l1, n1 = run_steps(model, grads, opt, mesh, batches[:5], micro, clip, rec)
             state = full_optimizer_state(opt) if zero else full_optim_state(model, opt, mesh)
             out["state_err"] = state_error(state["state"], ref["state"])
-            full_params = opt.full_model_state() if zero else full_params_after(model, mesh)
+            full_params = sharded_model_state(opt) if zero else full_params_after(model, mesh)
             model, grads, opt = make_parallel(base, mesh, zero, kind, sp, full_params=None if zero else full_params)
             if zero:  # the sharded optimizer's own loading path for the weights
-                opt.load_full_model_state(full_params)
+                load_full_model_state(opt, full_params)
             load_full_optimizer_state(opt, state)
             l2, n2 = run_steps(model, grads, opt, mesh, batches[5:], micro, clip, rec)
             out["loss"], out["norm"] = l1 + l2, n1 + n2
@@ -295,7 +298,7 @@ def dp_case(mesh: Mesh, zero: int, kind: str = "adamw", clip: float = math.inf, 
     else:
         out["state_bytes"] = sum(v.numel() * v.element_size() for st in opt.state.values()
                                  for v in st.values() if torch.is_tensor(v) and v.ndim > 0)
-    final = grads.full_model_state() if zero == 3 else full_params_after(model, mesh)
+    final = fsdp_model_state(grads) if zero == 3 else full_params_after(model, mesh)
     out["param_err"] = max((final[n] - p).abs().max().item() for n, p in ref["params"].items())
     return out
 
