@@ -111,7 +111,7 @@ def main() -> None:
     # As the trainer: selective recompute re-runs the attention core only under the math kernel.
     kernel = attention_backend(cfg, device.type)
     fp8_summary = apply_train_options(model, t, loss_chunk=args.loss_chunk or None,
-                                      recompute_attention=kernel == "math")
+                                      recompute_attention=kernel == "math", device=device)
     if fp8_summary is not None:
         print(fp8_summary, flush=True)
     if args.compile:
