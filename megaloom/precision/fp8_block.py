@@ -50,11 +50,22 @@ def round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+@torch.compiler.assume_constant_result
+def cuda_major(index: int) -> int:
+    """The compute capability's major version of CUDA device ``index``; a constant to torch.compile (it is asked
+    inside compiled blocks, where a device query would otherwise break the graph)."""
+    return torch.cuda.get_device_capability(index)[0]
+
+
+def is_hopper(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    return cuda_major(device.index if device.index is not None else torch.cuda.current_device()) == 9
+
+
 def backend_for(device: torch.device) -> str:
     """``kernel`` where torch has a block-scaled fp8 GEMM (CUDA compute capability 9.x: Hopper), else ``emulated``."""
-    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9:
-        return KERNEL
-    return EMULATED
+    return KERNEL if is_hopper(device) else EMULATED
 
 
 def describe_backend(device: torch.device) -> str:
@@ -221,9 +232,10 @@ def check_kernel(device: torch.device, tolerance: float = 1e-2) -> None:
     dy = torch.randn(300, 384, device=device, generator=gen)
     got = {}
     for backend in (KERNEL, EMULATED):
-        xb, wb = x.clone().requires_grad_(), w.clone().requires_grad_()
-        y = BlockwiseMatmul.apply(xb, wb, torch.bfloat16, backend)
-        y.backward(dy.to(y.dtype))
+        with torch.enable_grad(), torch.autocast(device.type, enabled=False):
+            xb, wb = x.clone().requires_grad_(), w.clone().requires_grad_()
+            y = BlockwiseMatmul.apply(xb, wb, torch.bfloat16, backend)
+            y.backward(dy.to(y.dtype))
         got[backend] = (y, xb.grad, wb.grad)
     for name, a, b in zip(("forward", "grad-input", "grad-weight"), got[KERNEL], got[EMULATED], strict=True):
         err = _rel(a, b)

@@ -29,16 +29,14 @@ from __future__ import annotations
 import torch
 
 from megaloom.precision.fp8 import E4M3, compute_dtype, quantize
+from megaloom.precision.fp8_block import is_hopper
 
 KERNEL, EMULATED = "kernel", "emulated"
 
 
 def backend_for(device: torch.device) -> str:
     """``kernel`` where torch has an fp8 rowwise grouped GEMM (CUDA compute capability 9.x), else ``emulated``."""
-    if (device.type == "cuda" and hasattr(torch, "_scaled_grouped_mm")
-            and torch.cuda.get_device_capability(device)[0] == 9):
-        return KERNEL
-    return EMULATED
+    return KERNEL if hasattr(torch, "_scaled_grouped_mm") and is_hopper(device) else EMULATED
 
 
 def describe_backend(device: torch.device) -> str:
@@ -55,9 +53,10 @@ def _kernel_grouped(a8: torch.Tensor, a_inv: torch.Tensor, bt8: torch.Tensor, b_
     """``torch._scaled_grouped_mm``: a8 [T, K] row-major, bt8 [E, N, K] contiguous (so ``bt8^T`` [E, K, N] is
     column-major per expert), a_inv [T], b_inv [E, N]; bf16 [T, N]."""
     try:
-        return torch._scaled_grouped_mm(a8.contiguous(), bt8.contiguous().transpose(-2, -1), a_inv.contiguous(),
-                                        b_inv.contiguous(), offs=offs, out_dtype=torch.bfloat16,
-                                        use_fast_accum=fast_accum)
+        out = torch._scaled_grouped_mm(a8.contiguous(), bt8.contiguous().transpose(-2, -1), a_inv.contiguous(),
+                                       b_inv.contiguous(), offs=offs, out_dtype=torch.bfloat16,
+                                       use_fast_accum=fast_accum)
+        return out.contiguous()  # the layout the fake below promises torch.compile
     except (RuntimeError, NotImplementedError, ValueError) as e:
         raise RuntimeError(
             f"train.fp8_experts=true: torch {torch.__version__}'s _scaled_grouped_mm refused the expert GEMM "
@@ -86,12 +85,24 @@ def grouped_mm(a8: torch.Tensor, a_inv: torch.Tensor, bt8: torch.Tensor, b_inv: 
     return out
 
 
+@torch.library.custom_op("megaloom::bf16_grouped_wgrad", mutates_args=())
+def _kernel_wgrad(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """``torch._grouped_mm`` 2D x 2D, groups along the tokens: x^T [K, T] (column-major) times dy [T, N] -> fp32
+    [E, K, N] (the bf16 path's own weight-gradient GEMM, as autograd runs it for torch._grouped_mm)."""
+    xb, gb = x.to(torch.bfloat16).contiguous(), dy.to(torch.bfloat16).contiguous()
+    return torch._grouped_mm(xb.t(), gb, offs=offs).float().contiguous()
+
+
+@_kernel_wgrad.register_fake
+def _(x, dy, offs, n_experts):
+    return x.new_empty((n_experts, x.shape[1], dy.shape[1]), dtype=torch.float32)
+
+
 def _grouped_wgrad(x: torch.Tensor, dy: torch.Tensor, offs: torch.Tensor, n_experts: int,
                    backend: str) -> torch.Tensor:
     """dw [E, K, N] = x_e^T dy_e per group, from bf16 (compute-dtype) operands: fp32 out."""
     if backend == KERNEL:
-        xb, gb = x.to(torch.bfloat16), dy.to(torch.bfloat16)
-        return torch._grouped_mm(xb.t(), gb, offs=offs).float()
+        return _kernel_wgrad(x, dy, offs, n_experts)
     dw = x.new_zeros(n_experts, x.shape[1], dy.shape[1], dtype=torch.float32)
     start = 0
     for e, end in enumerate(offs.tolist()):
@@ -156,9 +167,10 @@ def check_kernel(device: torch.device, tolerance: float = 1e-2) -> None:
     dy = torch.randn(300, 384, device=device, generator=gen)
     got = {}
     for backend in (KERNEL, EMULATED):
-        xb, wb = x.clone().requires_grad_(), w.clone().requires_grad_()
-        y = Float8GroupedMM.apply(xb, wb, offs, torch.bfloat16, True, backend)
-        y.backward(dy.to(y.dtype))
+        with torch.enable_grad(), torch.autocast(device.type, enabled=False):
+            xb, wb = x.clone().requires_grad_(), w.clone().requires_grad_()
+            y = Float8GroupedMM.apply(xb, wb, offs, torch.bfloat16, True, backend)
+            y.backward(dy.to(y.dtype))
         got[backend] = (y, xb.grad, wb.grad)
     for name, a, b in zip(("forward", "grad-input", "grad-weight"), got[KERNEL], got[EMULATED], strict=True):
         err = _rel(a, b)

@@ -318,12 +318,13 @@ def test_backend_choice_is_explicit(monkeypatch) -> None:
     cpu = torch.device("cpu")
     assert fp8_block.backend_for(cpu) == EMULATED == fp8_grouped.backend_for(cpu)
     assert "emulated" in fp8_block.describe_backend(cpu) and "emulated" in fp8_grouped.describe_backend(cpu)
+    gpu = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(torch, "_scaled_grouped_mm", fake_scaled_grouped_mm, raising=False)
-    assert fp8_block.backend_for(torch.device("cuda")) == KERNEL == fp8_grouped.backend_for(torch.device("cuda"))
+    assert fp8_block.backend_for(gpu) == KERNEL == fp8_grouped.backend_for(gpu)
     for cap in [(8, 9), (10, 0), (12, 0)]:  # Ada; Blackwell: torch 2.11's block-scaled GEMM is SM90-only
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=cap: c)
-        assert fp8_block.backend_for(torch.device("cuda")) == EMULATED == fp8_grouped.backend_for(torch.device("cuda"))
+        assert fp8_block.backend_for(gpu) == EMULATED == fp8_grouped.backend_for(gpu)
 
 
 # --------------------------------------------------------------------------------------------- grouped experts
