@@ -54,7 +54,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5, help="steps excluded from the median (compilation, autotune)")
     ap.add_argument("--precision", default="bf16", help="bf16, fp16, fp32 or fp8 (the blocks' linears in float8)")
-    ap.add_argument("--fp8-recipe", default="tensorwise", choices=("tensorwise", "rowwise"))
+    ap.add_argument("--fp8-recipe", default="tensorwise", choices=("tensorwise", "rowwise", "blockwise"))
+    ap.add_argument("--fp8-experts", action="store_true",
+                    help="fp8: the MoE experts' grouped GEMMs in rowwise fp8 too (train.fp8_experts)")
     ap.add_argument("--fp8-keep-first-last", action=argparse.BooleanOptionalAction, default=True,
                     help="fp8: keep the first and last blocks in bf16 (--no-fp8-keep-first-last converts all)")
     ap.add_argument("--fp8-fast-accum", action=argparse.BooleanOptionalAction, default=True,
@@ -102,6 +104,7 @@ def main() -> None:
     t = cfg.train  # the command line's training options, applied to the model exactly as `megaloom train` does
     t.precision, t.fp8_recipe, t.fp8_keep_first_last = args.precision, args.fp8_recipe, args.fp8_keep_first_last
     t.fp8_fast_accum, t.fp8_keep_attention = args.fp8_fast_accum, args.fp8_keep_attention
+    t.fp8_experts = args.fp8_experts and args.precision == "fp8"
     t.recompute, t.recompute_layers, t.fused_loss = args.recompute, args.recompute_layers, args.fused_loss
     t.attention = args.attention
     if t.bf16_residual == "auto":  # as `megaloom train` chooses it on this device (levers.py)
@@ -111,7 +114,7 @@ def main() -> None:
     # As the trainer: selective recompute re-runs the attention core only under the math kernel.
     kernel = attention_backend(cfg, device.type)
     fp8_summary = apply_train_options(model, t, loss_chunk=args.loss_chunk or None,
-                                      recompute_attention=kernel == "math")
+                                      recompute_attention=kernel == "math", device=device)
     if fp8_summary is not None:
         print(fp8_summary, flush=True)
     if args.compile:
@@ -183,6 +186,7 @@ def main() -> None:
         "fp8_keep_first_last": args.fp8_keep_first_last if args.precision == "fp8" else None,
         "fp8_fast_accum": args.fp8_fast_accum if args.precision == "fp8" else None,
         "fp8_keep_attention": args.fp8_keep_attention if args.precision == "fp8" else None,
+        "fp8_experts": t.fp8_experts if args.precision == "fp8" else None,
         "compile": args.compile,
         "fused_loss": args.fused_loss,
         "loss_chunk": (args.loss_chunk or None) if args.fused_loss else None,

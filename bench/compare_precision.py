@@ -3,9 +3,24 @@
     python bench/compare_precision.py DIR        # DIR holds metrics_<name>.jsonl files
 
 Names are ``<precision>[_<variant>][_seed<N>]`` as `run_precision.sh` writes them: ``bf16``, ``fp8``,
-``fp8_rowwise``, ``bf16_seed2``, ``fp8_seed2``, ... A run without ``_seed<N>`` used the default seed. Each
-non-bf16 run is compared with the bf16 run of the same seed: the mean training loss over the last
-``--tail`` logged steps, and the eval loss at the end. bf16 runs of different seeds give the noise floor.
+``fp8_rowwise``, ``fp8_blockwise_seed2``, ``bf16_seed2``, ... A run without ``_seed<N>`` used the default seed.
+Each non-bf16 run is compared with the bf16 run of the same seed: the mean training loss over the last ``--tail``
+logged steps, and the eval loss at the end. A pair that did not reach the same step (one run stopped by its
+timeout) is compared at the last step both reached, and says so. bf16 runs of different seeds give the noise floor.
+
+Blockwise fp8 against bf16 over 2,000 steps at three seeds, and the qwen3-moe-2.6b speed of fp8 experts, in one
+device call on one H200 (every run has its own timeout, 300 s for the six side by side and 125 s for each speed
+run, so the call ends inside 10 minutes; a loss run stopped by its timeout is compared where it stopped):
+
+    bash bench/run_precision.sh block moe_fp8
+
+``block``: a 25M-parameter Llama-style model (d_model 512, 6 layers, FFN 1536: every GEMM dimension a multiple of
+512, so the kernel runs unpadded) on the embedded corpus, sequence 512, batch 4, 2,000 steps (4.1M tokens, about
+three epochs), eval every 500 steps; bf16 and ``train.fp8_recipe=blockwise`` (first and last blocks bf16, the
+default) at seeds 1, 2, 3, the six runs side by side on the GPU (small models are launch-bound, so they share it;
+their tokens/s are not speeds); then this script over $OUT. ``moe_fp8``: `bench_train.py` on qwen3-moe-2.6b (seq
+4096, micro-batch 4, compiled, fused loss, cuDNN attention) with fp8 tensorwise linears, without and with
+``--fp8-experts``; RESULT rows in $OUT/results.jsonl (``MOE_RUNS="bf16 fp8 fp8_experts"`` adds bf16, a longer call).
 """
 
 from __future__ import annotations
@@ -25,11 +40,19 @@ DEFAULT_SEED = "default"
 
 def summarize(path: Path, tail: int) -> dict:
     rows = read_metrics(path)
-    losses = [r["loss"] for r in rows if "loss" in r]
-    evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
-    return {"train": sum(losses[-tail:]) / len(losses[-tail:]) if losses else float("nan"),
-            "eval": evals[-1] if evals else float("nan"), "steps": rows[-1]["step"] if rows else 0,
-            "tokens_per_s": rows[-1].get("tokens_per_s") if rows else None}
+    losses = [(r["step"], r["loss"]) for r in rows if "loss" in r]
+    evals = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+    out = {"steps": rows[-1]["step"] if rows else 0, "tokens_per_s": rows[-1].get("tokens_per_s") if rows else None,
+           "losses": losses, "evals": evals, "tail": tail}
+    return {**out, **_until(out, out["steps"])}
+
+
+def _until(s: dict, step: int) -> dict:
+    """``s``'s train loss (mean of the last ``tail`` logged losses) and eval loss (the last) up to ``step``."""
+    losses = [x for st, x in s["losses"] if st <= step][-s["tail"]:]
+    evals = [x for st, x in s["evals"] if st <= step]
+    return {"train": sum(losses) / len(losses) if losses else float("nan"),
+            "eval": evals[-1] if evals else float("nan")}
 
 
 def split_name(name: str) -> tuple[str, str]:
@@ -46,8 +69,11 @@ def compare(runs: dict[str, dict]) -> list[dict]:
         ref = by_key.get(("bf16", seed))
         if kind == "bf16" or ref is None:
             continue
+        at = min(s["steps"], ref["steps"])
+        if s["steps"] != ref["steps"] and "losses" in s and "losses" in ref:  # one stopped early: the common step
+            s, ref = _until(s, at), _until(ref, at)
         out.append({"run": kind, "seed": seed, "train_gap_pct": 100 * (s["train"] - ref["train"]) / ref["train"],
-                    "eval_gap_pct": 100 * (s["eval"] - ref["eval"]) / ref["eval"]})
+                    "eval_gap_pct": 100 * (s["eval"] - ref["eval"]) / ref["eval"], "at_step": at})
     return out
 
 
@@ -69,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     if rows:
         print(f"\n{'vs bf16 (same seed)':<22}{'seed':>8}{'train gap':>11}{'eval gap':>10}")
         for r in rows:
-            print(f"{r['run']:<22}{r['seed']:>8}{r['train_gap_pct']:>+10.2f}%{r['eval_gap_pct']:>+9.2f}%")
+            print(f"{r['run']:<22}{r['seed']:>8}{r['train_gap_pct']:>+10.2f}%{r['eval_gap_pct']:>+9.2f}%"
+                  f"   at step {r['at_step']}")
         for kind in sorted({r["run"] for r in rows}):
             gaps = [r["train_gap_pct"] for r in rows if r["run"] == kind]
             evals = [r["eval_gap_pct"] for r in rows if r["run"] == kind]

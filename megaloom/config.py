@@ -277,13 +277,23 @@ class TrainConfig:
     precision: str = _f("auto", "auto = fp32 on CPU, bf16 on GPU; fp8 = the blocks' attention and MLP linears in "
                         "float8 (compute capability >= 8.9), the rest bf16.", ("auto", "fp32", "bf16", "fp16", "fp8"))
     fp8_recipe: str = _f("tensorwise", "With precision=fp8: tensorwise (one current scale per tensor, e4m3 forward, "
-                         "e5m2 gradients) or rowwise (a scale per row, e4m3, weight gradient in bf16).",
-                         ("tensorwise", "rowwise"))
+                         "e5m2 gradients), rowwise (a scale per row, e4m3, weight gradient in bf16) or blockwise "
+                         "(DeepSeek-V3's: e4m3 everywhere, a scale per 1x128 tile of activations and gradients and "
+                         "per 128x128 block of weights, fp32 accumulation, all three GEMMs in fp8; shapes are "
+                         "zero-padded to whole blocks, never refused; torch._scaled_mm's block-scaled kernel on "
+                         "compute capability 9.x, an fp32 emulation elsewhere, logged; precision/fp8_block.py).",
+                         ("tensorwise", "rowwise", "blockwise"))
     fp8_keep_first_last: bool = _f(True, "With precision=fp8: keep the first and last transformer blocks in bf16.")
     fp8_keep_attention: bool = _f(False, "With precision=fp8: keep the attention projections (q, k, v, o) in bf16 "
                                          "and run only the MLP linears in fp8 (more accurate, less speed-up).")
     fp8_fast_accum: bool = _f(True, "With precision=fp8: the forward GEMM accumulates in the tensor cores' fast, "
                                     "reduced-precision mode (torchao's default); false promotes partial sums to fp32.")
+    fp8_experts: bool = _f(False, "With precision=fp8 and an MoE model: the grouped experts' GEMMs in fp8 too "
+                                  "(rowwise e4m3 forward and grad-input, weight gradient bf16; "
+                                  "torch._scaled_grouped_mm on compute capability 9.x, an fp32 emulation elsewhere, "
+                                  "logged; precision/fp8_grouped.py). model.d_model and the expert width per "
+                                  "tensor-parallel rank must be multiples of 16. The first and last blocks' experts "
+                                  "follow train.fp8_keep_first_last.")
     recompute: str = _f("none", "Activation recomputation.", ("none", "selective", "full"))
     recompute_layers: int = _f(0, "With recompute=full: recompute only the first N blocks of each pipeline stage "
                                   "(of the model without pipeline); 0 = all.")
@@ -799,6 +809,7 @@ def validate(cfg: Config) -> None:
     _require(t.recompute_casts is not True or t.compile is not False,
              "train.recompute_casts=true changes what compiled blocks save, and train.compile=false compiles none; "
              "set train.compile=true (or auto, on a GPU) or leave train.recompute_casts at auto.")
+    _check_fp8_experts(m, t, p, family)
     _require(t.bf16_residual is not True or t.precision in ("auto", "bf16", "fp8"),
              f"train.bf16_residual=true with train.precision={t.precision}: a bf16 residual stream needs bf16 "
              "autocast. Use train.precision=bf16 (or fp8), or train.bf16_residual=false.")
@@ -828,6 +839,23 @@ def validate(cfg: Config) -> None:
                  "give one weight per path or none.")
     r = cfg.checkpoint.resume
     _require(r in ("auto", "none") or bool(r), "checkpoint.resume must be auto, none or a checkpoint directory.")
+
+
+def _check_fp8_experts(m: ModelConfig, t: TrainConfig, p: ParallelConfig, family: Family) -> None:
+    """train.fp8_experts: fp8 training of a model with MoE layers whose expert GEMMs fp8 kernels can take."""
+    if not t.fp8_experts:
+        return
+    _require(t.precision == "fp8", f"train.fp8_experts=true runs the MoE experts' GEMMs in float8 and needs "
+                                   f"train.precision=fp8 (got {t.precision}); set train.precision=fp8 or "
+                                   "train.fp8_experts=false.")
+    _require(bool(m.moe_every), "train.fp8_experts=true but this model has no MoE layers (model.moe_every=0); set "
+                                "train.fp8_experts=false.")
+    width = m.expert_ffn_dim or m.ffn_dim or family.traits.default_ffn_dim(m.d_model)
+    local = width // p.tp if width % p.tp == 0 else width  # a width tp does not divide is refused where it is split
+    _require(m.d_model % 16 == 0 and local % 16 == 0,
+             f"train.fp8_experts=true: the fp8 grouped GEMMs need model.d_model ({m.d_model}) and the expert width "
+             f"per tensor-parallel rank ({local}: model.expert_ffn_dim or the MLP width, / parallel.tp={p.tp}) to be "
+             "multiples of 16; change them or set train.fp8_experts=false.")
 
 
 def _check_mla(m: ModelConfig, traits) -> None:

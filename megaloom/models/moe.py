@@ -6,7 +6,8 @@ One MoE forward is four steps, each replaceable on its own:
     dispatch  LocalDispatcher.dispatch: copy every kept (token, expert) pair into a buffer grouped by expert,
               applying the capacity limit (dropless when capacity_factor <= 0)
     compute   GroupedExperts: SwiGLU of every expert on its contiguous rows (torch._grouped_mm on sm90 bf16,
-              otherwise a loop of torch.mm over the groups)
+              otherwise a loop of torch.mm over the groups; with train.fp8_experts, rowwise fp8 grouped GEMMs set
+              by precision/fp8_convert.py)
     combine   LocalDispatcher.combine: weight each row by its router weight and sum back per token
 
 An expert-parallel dispatcher (megaloom.parallel.expert: all-to-all) only has to provide the same
@@ -22,6 +23,7 @@ loss, and the aux losses are reported on their own.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -202,13 +204,17 @@ def _grouped_mm_ok(x: torch.Tensor, *dims: int) -> bool:
 
 
 class GroupedExperts(nn.Module):
-    """n_experts SwiGLU MLPs stored stacked: gate/up [E, D, F], down [E, F, D]."""
+    """n_experts SwiGLU MLPs stored stacked: gate/up [E, D, F], down [E, F, D].
+
+    ``fp8_mm``: None (bf16 / fp32 GEMMs), or set by `megaloom.precision.fp8_convert` (train.fp8_experts) to the
+    grouped GEMM ``fp8_mm(x [T, K], w [E, K, N], offs) -> [T, N]`` that runs the three in fp8."""
 
     def __init__(self, n_experts: int, d_model: int, ffn_dim: int):
         super().__init__()
         self.w_gate = nn.Parameter(torch.empty(n_experts, d_model, ffn_dim))
         self.w_up = nn.Parameter(torch.empty(n_experts, d_model, ffn_dim))
         self.w_down = nn.Parameter(torch.empty(n_experts, ffn_dim, d_model))
+        self.fp8_mm: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02, out_std: float | None = None) -> None:
@@ -218,6 +224,8 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [N, D] with expert e's rows contiguous, counts [E] -> [N, D]."""
+        if self.fp8_mm is not None:
+            return self._fp8(x, counts)
         if _grouped_mm_ok(x, *self.w_gate.shape[1:]):
             return self._grouped(x, counts)
         return self._looped(x, counts)
@@ -228,6 +236,14 @@ class GroupedExperts(nn.Module):
         gate = torch._grouped_mm(xb, self.w_gate.to(torch.bfloat16), offs=offs)
         up = torch._grouped_mm(xb, self.w_up.to(torch.bfloat16), offs=offs)
         return torch._grouped_mm(F.silu(gate) * up, self.w_down.to(torch.bfloat16), offs=offs)
+
+    def _fp8(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        mm = self.fp8_mm
+        return mm(F.silu(mm(x, self.w_gate, offs)) * mm(x, self.w_up, offs), self.w_down, offs)
+
+    def extra_repr(self) -> str:
+        return "fp8 grouped GEMMs" if self.fp8_mm is not None else ""
 
     def _looped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         outs, start = [], 0

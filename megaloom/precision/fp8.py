@@ -7,6 +7,10 @@ the GEMM multiplies by the inverse scales in its epilogue, accumulating in fp32.
   recipe      forward y = x W^T        grad_input dx = dy W       grad_weight dW = dy^T x
   tensorwise  e4m3 x e4m3, per tensor  e5m2 x e4m3, per tensor    e5m2 x e4m3, per tensor
   rowwise     e4m3 x e4m3, per row     e4m3 x e4m3, per row       high precision (bf16) GEMM
+  blockwise   e4m3, 1x128 x 128x128    e4m3, 1x128 x 128x128      e4m3, 1x128 x 1x128 along tokens
+
+``blockwise`` (DeepSeek-V3's recipe) lives in `megaloom.precision.fp8_block`: one scale per 1x128 tile of the
+activations and gradients and per 128x128 block of the weight, fp32 accumulation; `float8_linear` hands it over.
 
 The forward GEMM uses Hopper's fast fp8 accumulation by default (as torchao does): partial sums stay in the
 tensor cores' reduced-precision accumulator (about 14 bits, per DeepSeek-V3's report) instead of being promoted
@@ -37,7 +41,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-RECIPES = ("tensorwise", "rowwise")
+from megaloom.precision.fp8_block import blockwise_matmul
+
+RECIPES = ("tensorwise", "rowwise", "blockwise")
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 EPS = 1e-12  # amax floor: an all-zero tensor gets a large finite scale instead of inf
 
@@ -150,11 +156,16 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                   recipe: str = "tensorwise", fast_accum: bool = True) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` with the matmul in fp8; x is [..., K], weight [N, K] (K, N multiples of 16
-    on CUDA). The result has the dtype F.linear would give (bf16 under bf16 autocast)."""
+    on CUDA for tensorwise and rowwise; blockwise pads). The result has the dtype F.linear would give (bf16 under
+    bf16 autocast). ``fast_accum``: the forward GEMM's accumulation (tensorwise, rowwise; blockwise always promotes
+    its partial sums to fp32 per 128-wide block, as DeepSeek-V3 does)."""
     dtype = compute_dtype(x)
     k, n = weight.shape[1], weight.shape[0]
     with torch.autocast(x.device.type, enabled=False):
-        y = _Float8Matmul.apply(x.reshape(-1, k), weight, recipe, dtype, fast_accum).view(*x.shape[:-1], n)
+        if recipe == "blockwise":
+            y = blockwise_matmul(x.reshape(-1, k), weight, dtype).view(*x.shape[:-1], n)
+        else:
+            y = _Float8Matmul.apply(x.reshape(-1, k), weight, recipe, dtype, fast_accum).view(*x.shape[:-1], n)
         if bias is not None:
             y = y + bias.to(dtype)
     return y

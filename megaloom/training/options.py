@@ -19,17 +19,18 @@ def mtp_loss_weight_at(step: int, t: TrainConfig) -> float:
 
 
 def apply_train_options(model: torch.nn.Module, t: TrainConfig, loss_chunk: int | None = None,
-                        recompute_attention: bool = True):
+                        recompute_attention: bool = True, device: torch.device | None = None):
     """What train.* changes in the built (tensor-parallel) model before pipeline stages and compile: the blocks'
     linears in float8 (precision=fp8; tp collectives stay bf16), activation recomputation, and the fused
     head + loss (validate() refuses it with tp > 1). Shared with bench/bench_train.py, so that what is measured is
     what trains. ``loss_chunk``: tokens per fused-loss chunk (None: the default). ``recompute_attention``: selective
-    recompute includes the attention core (only worth it for the math kernel: `apply_recompute`). Returns the fp8
+    recompute includes the attention core (only worth it for the math kernel: `apply_recompute`). ``device``: where
+    the model will train (it may still be on the meta device), for the choice of fp8 GEMM backend. Returns the fp8
     summary or None."""
     summary = None
     if t.precision == "fp8":
         summary = convert_to_float8(model, t.fp8_recipe, t.fp8_keep_first_last, t.fp8_fast_accum,
-                                    t.fp8_keep_attention)
+                                    t.fp8_keep_attention, experts=t.fp8_experts, device=device)
     apply_recompute(model, t.recompute, t.recompute_layers or None, core_attention=recompute_attention)
     # Under autocast only (Transformer.embed checks): the cast has no effect on an fp32 run.
     model.residual_dtype = torch.bfloat16 if t.bf16_residual is True else None

@@ -337,7 +337,8 @@ class Trainer:
         self.seq_shard = SequenceShard(mesh.cp, mesh.cp_rank) if mesh.cp > 1 else None
         # Selective recompute re-runs the attention core only where the kernel keeps the scores (math).
         kernel = attention_backend(cfg, self.device.type, cfg.parallel.tp)
-        fp8_summary = apply_train_options(model, t, recompute_attention=kernel == "math")  # before stages, compile
+        fp8_summary = apply_train_options(model, t, recompute_attention=kernel == "math",  # before stages, compile
+                                          device=self.device)
         freeze_for_training(model, cfg.model)  # before the gradient buckets and the optimizer, which skip them
         if fp8_summary is not None:
             log.info(f"megaloom: {fp8_summary}")

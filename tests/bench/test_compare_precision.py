@@ -31,3 +31,14 @@ def test_pairs_by_seed_and_reports_relative_gaps(tmp_path, capsys) -> None:
     assert main([str(tmp_path), "--tail", "1"]) == 0
     out = capsys.readouterr().out
     assert "mean over 2 seeds: train gap +0.00%" in out and "bf16 across 2 seeds" in out
+
+
+def test_a_run_stopped_early_is_compared_at_the_common_step(tmp_path, capsys) -> None:
+    """One run of a pair killed by its timeout: both are compared at the last step both logged, not one's end
+    against the other's middle."""
+    _write(tmp_path, "bf16_seed1", [5.0, 4.0, 3.0, 1.0], 2.0)
+    _write(tmp_path, "fp8_blockwise_seed1", [5.0, 4.0, 3.03], 9.0)  # stopped after step 30
+    runs = {p.stem.removeprefix("metrics_"): summarize(p, 1) for p in tmp_path.glob("metrics_*.jsonl")}
+    (row,) = compare(runs)
+    assert row["run"] == "fp8_blockwise" and row["at_step"] == 30 and round(row["train_gap_pct"], 6) == 1.0
+    assert main([str(tmp_path), "--tail", "1"]) == 0 and "at step 30" in capsys.readouterr().out

@@ -164,7 +164,7 @@ def test_convert_skips_shapes_fp8_gemms_cannot_take_and_moe_routers() -> None:
         convert_to_float8(tiny_model(), "delayed")
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
 def test_fp8_model_trains(recipe) -> None:
     model = tiny_model()
     convert_to_float8(model, recipe)
@@ -214,7 +214,7 @@ def test_convert_a_pipeline_stage_counts_blocks_globally() -> None:
 
 
 # ------------------------------------------------------------------------------------------ tensor parallel
-@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "blockwise"])
 @pytest.mark.parametrize("modes", [("copy", "reduce"), ("gather", "reduce_scatter")])
 def test_tp_pair_on_one_rank_matches_float8_linear(recipe, modes) -> None:
     torch.manual_seed(2)
