@@ -9,6 +9,7 @@ on one GPU keeps its full width and shape and fewer layers (`--layers`); the row
 
     python bench/hf_fullsize.py --out results.jsonl [--models llama-3.1-8b,qwen3-30b-a3b] [--seq 512]
     python bench/hf_fullsize.py --tiny     # the same code at tiny sizes on CPU (a smoke test of the script)
+    python bench/hf_fullsize.py --models qwen3-30b-a3b --layers 2   # full width, fewer layers (a small machine)
 """
 
 from __future__ import annotations
@@ -105,6 +106,8 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="tiny sizes on CPU: a smoke test of this script")
     ap.add_argument("--out", default=None, help="append one JSON row per model here")
     ap.add_argument("--atol", type=float, default=1e-4, help="the bar on max |logit difference|")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="keep this many layers of every model (full width; for a machine too small for them all)")
     args = ap.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -117,7 +120,8 @@ def main() -> int:
             hf.update({k: v for k, v in TINY.items() if k in hf or k != "moe_intermediate_size"})
             if "head_dim" in hf:
                 hf["head_dim"] = TINY["hidden_size"] // TINY["num_attention_heads"]
-        elif layers is not None:
+        elif args.layers is not None or layers is not None:
+            layers = args.layers if args.layers is not None else layers
             hf["num_hidden_layers"] = layers
         try:
             row = check(name, hf, 32 if args.tiny else args.seq, device)
