@@ -27,7 +27,8 @@ PARITY = ["parity-llama-tp2-sp0", "parity-llama-tp2-sp1", "parity-gpt2-tp2-sp0",
           "parity-mla-tp2-sp1-async", "parity-mtp-tp2-sp1"]
 
 
-COMPILED = ["parity-llama-tp2-sp1-compiled", "parity-qwen3-tp2-sp1-compiled", "parity-gpt2-tp2-sp0-compiled"]
+COMPILED = ["parity-llama-tp2-sp1-compiled", "parity-qwen3-tp2-sp1-compiled", "parity-gpt2-tp2-sp0-compiled",
+            "parity-mla-tp2-sp1-compiled"]  # latent attention: its down-projections replicated, heads split
 
 
 @pytest.fixture(scope="module")

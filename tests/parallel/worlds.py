@@ -544,7 +544,7 @@ def suite_world2(rank: int, world: int, device: torch.device) -> dict:
     res["parity-mla-tp2-sp1-async"] = parity_case(mesh, MLA, True, steps=3, async_tp=True)  # ring regions
     # multi-token prediction: its blocks split as the model's, its norms and projection on the sp stream
     res["parity-mtp-tp2-sp1"] = parity_case(mesh, MTP, True, steps=3)
-    for arch, sp in (("llama", True), ("qwen3", True), ("gpt2", False)):  # compiled blocks, borders traced
+    for arch, sp in (("llama", True), ("qwen3", True), ("gpt2", False), (MLA, True)):  # compiled, borders traced
         res[f"parity-{arch}-tp2-sp{int(sp)}-compiled"] = parity_case(mesh, arch, sp, steps=3, compiled=True)
     for sp, lean in ((True, False), (True, True), (False, False)):  # the compiled save-set at tp 2
         res[f"compiled-saves-sp{int(sp)}-lean{int(lean)}"] = compiled_saves_case(mesh, sp, lean)
