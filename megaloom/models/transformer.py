@@ -332,8 +332,8 @@ class Transformer(nn.Module):
         if self.tok_emb is not None:
             return self.tok_emb(tokens)
         if self.mtp_lookup is None:
-            raise RuntimeError("multi-token prediction on a stage without the embedding needs tied embeddings "
-                               "(the head's copy of them)")
+            raise RuntimeError("multi-token prediction on a stage without the embedding needs its copy "
+                               "(parallel/pipeline/stage.py: the head's tied copy, or embedding_copy)")
         return self.mtp_lookup(tokens)
 
     def run_layers(self, x: torch.Tensor, rope, layers: Sequence[int], caches: list[KVCache] | None = None,

@@ -616,6 +616,8 @@ def analytic_params(cfg: Config, layers: list[int], has_embedding: bool = True, 
         head_mm = vocab
         if not (m.tie_embeddings and has_embedding):
             root += vocab  # its own head weight (untied, or the tied copy on the last pipeline stage)
+        if m.mtp_depth and not m.tie_embeddings and not has_embedding:
+            root += vocab  # multi-token prediction's copy of the untied input embedding (pipeline/stage.py)
     if has_embedding or has_head:
         largest = max(largest, vocab)
     counts = ParamCounts(sum(blocks.values()) + root, mm_layers, head_mm, blocks, root, largest, exact=False,

@@ -143,10 +143,6 @@ def refuse_unbuilt_mtp(cfg: Config) -> None:
         raise ConfigError(f"model.mtp_depth={m.mtp_depth} with data.format={cfg.data.format}: multi-token prediction "
                           "reads the tokens ahead from the labels, which chat data masks (-100 outside the "
                           "assistant's turns); use data.format=tokens (or model.mtp_depth=0).")
-    if p.pp > 1 and not m.tie_embeddings:
-        raise ConfigError(f"model.mtp_depth={m.mtp_depth} with parallel.pp={p.pp} needs model.tie_embeddings=true: the "
-                          "last stage looks the tokens ahead up in its tied copy of the embedding (an untied "
-                          "embedding lives on the first stage only); set model.tie_embeddings=true or parallel.pp=1.")
     if m.lora.rank > 0:
         raise ConfigError(f"model.mtp_depth={m.mtp_depth} with model.lora.rank={m.lora.rank} is not available yet: "
                           "the adapters go on the model's blocks, so the prediction modules would train frozen; set "

@@ -243,7 +243,8 @@ class Trainer:
         if not fsdp:
             self._materialize(model)
         if stage is not None:  # a schedule executor runs the micro-batches across stages
-            emb_group = build_embedding_groups(mesh) if cfg.model.tie_embeddings else None  # collective
+            # collective; multi-token prediction keeps an embedding copy on the last stage, tied or not
+            emb_group = build_embedding_groups(mesh) if cfg.model.tie_embeddings or cfg.model.mtp_depth else None
             auto = lambda: forward_ctx(self.precision, device, t.offload_activations)  # noqa: E731
             residual = torch.bfloat16 if t.bf16_residual is True and self.precision != "fp32" else None  # messages
             pipe = PipelineExecutor(stage, build_schedule(cfg.parallel.schedule, mesh.pp, cfg.parallel.vpp,

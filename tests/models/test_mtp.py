@@ -119,9 +119,30 @@ def test_weight_schedule():
 @pytest.mark.parametrize("extra,words", [
     (["model.arch=gpt2", "model.n_kv_heads=0"], "rotary positions"),
     (["parallel.cp=2"], "parallel.cp"),
-    (["parallel.pp=2", "model.tie_embeddings=false", "train.micro_batch_size=1"], "tie_embeddings"),
 ])
 def test_what_it_does_not_run_with_is_refused(extra, words):
     with pytest.raises(ConfigError, match=words):
         cfg = load_config(None, ["model.preset=tiny", "model.mtp_depth=1", *extra])
         refuse_unbuilt(cfg)
+
+
+def test_untied_mtp_under_pipelines_trains_the_single_process_run(small_corpus, tmp_path):
+    """DeepSeek-V3's arrangement: untied embeddings, an MTP module on the last of 2 pipeline stages, which keeps a
+    copy of the input embedding summed with the first stage's (parallel/pipeline/stage.py). `megaloom train` under
+    torchrun equals the single process, and its checkpoint resumes in one process."""
+    from megaloom.train import train
+    from tests.conftest import tiny_overrides
+    from tests.parallel.test_trainer_parallel import losses, torchrun
+
+    base = ["model.mtp_depth=1", "model.tie_embeddings=false", "train.steps=4", "train.micro_batch_size=2",
+            "checkpoint.every=2", "train.grad_clip=0.5"]
+    ref = train(load_config(None, tiny_overrides(small_corpus, tmp_path / "ref", *base))).losses
+    torchrun(2, tiny_overrides(small_corpus, tmp_path / "pp2", *base, "parallel.pp=2"))
+    got = losses(tmp_path / "pp2")
+    for step in range(1, 5):
+        assert got[step] == pytest.approx(ref[step], rel=1e-5), step
+    ckpt = tmp_path / "pp2" / "checkpoints" / "step_00000002"
+    resumed = train(load_config(None, tiny_overrides(small_corpus, tmp_path / "resumed", *base,
+                                                     f"checkpoint.resume={ckpt}"))).losses
+    for step in (3, 4):
+        assert resumed[step] == pytest.approx(ref[step], rel=1e-5), step

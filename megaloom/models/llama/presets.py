@@ -33,8 +33,8 @@ PRESETS: dict[str, dict] = {
     # pretraining ran at 4096 without it, which is what this preset trains (model.rope_scaling=yarn
     # model.rope_factor=40 model.rope_original_max_len=4096 model.max_seq_len=163840 adds it; an import has it).
     # Its sequence-wise balance loss (alpha 1e-4) is approximated by megaloom's batch-wise one. It also trained one
-    # multi-token-prediction module, left out here: model.mtp_depth=1 adds it (with pipelines megaloom needs tied
-    # embeddings for it, which DeepSeek-V3's are not).
+    # multi-token-prediction module, left out here (the plans of the planner's checks are of the main model):
+    # model.mtp_depth=1 adds it, under pipelines too (the last stage keeps a copy of the untied input embedding).
     "deepseek-v3": dict(n_layers=61, d_model=7168, n_heads=128, n_kv_heads=0, ffn_dim=18432, vocab_size=129280,
                         max_seq_len=4096, tie_embeddings=False, rope_theta=10000.0, norm_eps=1e-6,
                         attention="mla", q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,

@@ -24,10 +24,10 @@ from torch import nn
 from megaloom.models.transformer import Span, Transformer
 from megaloom.parallel import comm
 from megaloom.parallel.groups import partition_group
-from megaloom.parallel.layout import copy_layout, set_layout, single_model_name
+from megaloom.parallel.layout import copy_layout, layout_of, set_layout, single_model_name
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.pipeline.partition import Partition
-from megaloom.parallel.tp_layers import ColumnParallelLinear, lookup_vocab_rows
+from megaloom.parallel.tp_layers import ColumnParallelLinear, VocabParallelEmbedding, lookup_vocab_rows
 
 
 def prune_to_stages(model: Transformer, partition: Partition, pp_rank: int) -> Transformer:
@@ -39,6 +39,10 @@ def prune_to_stages(model: Transformer, partition: Partition, pp_rank: int) -> T
     tied = model.tie_embeddings_active()
     has_embedding, has_head = 0 in stages, partition.n_stages - 1 in stages
     model.layers = nn.ModuleDict({k: b for k, b in model.layers.items() if int(k) in keep})
+    if has_head and not has_embedding and not tied and getattr(model, "mtp", None) is not None:
+        # Multi-token prediction looks the tokens ahead up in the (untied) input embedding, which lives on the first
+        # stage: this stage keeps an equal copy, summed with it over the embedding group like a tied one.
+        model.mtp_lookup = embedding_copy(model.tok_emb)
     if not has_embedding:
         for name in model.embedding_parts():
             setattr(model, name, None)
@@ -53,6 +57,21 @@ def prune_to_stages(model: Transformer, partition: Partition, pp_rank: int) -> T
         if getattr(model, "mtp", None) is not None:  # its tokens ahead are looked up in that copy
             model.mtp_lookup = TiedRowsLookup(model.head)
     return model
+
+
+def embedding_copy(emb: nn.Module) -> nn.Module:
+    """A copy of the token embedding module ``emb`` (plain or vocabulary-parallel) over a new Parameter of equal
+    values, laid out as a ``tied_copy``: it checkpoints as ``tok_emb.weight`` and a norm counts it once."""
+    w = emb.weight
+    copy = nn.Parameter(w.detach().clone(), requires_grad=w.requires_grad)
+    copy_layout(w, copy)
+    if isinstance(emb, VocabParallelEmbedding):
+        out = VocabParallelEmbedding(copy, emb.mesh, emb.output_mode)
+    else:
+        out = nn.Embedding(*w.shape, device="meta")  # its own weight is replaced at once
+        out.weight = copy
+    set_layout(copy, layout_of(w), tied_copy=True)
+    return out
 
 
 class TiedRowsLookup:
@@ -78,6 +97,7 @@ class PipelineStage:
 
     def __init__(self, model: Transformer, partition: Partition, pp_rank: int) -> None:
         tied = model.tie_embeddings_active()
+        mtp_untied = not tied and getattr(model, "mtp", None) is not None  # the last stage keeps an embedding copy
         self.model = prune_to_stages(model, partition, pp_rank)
         self.cfg, self.partition, self.pp_rank = model.cfg, partition, pp_rank
         self.stages = partition.stages_of_rank(pp_rank)
@@ -85,7 +105,8 @@ class PipelineStage:
         self.has_embedding = 0 in self.stages
         self.has_head = self.last_stage in self.stages
         self.spans = [Span(tuple(partition.layers(s)), s == 0, s == self.last_stage) for s in self.stages]
-        self.tied_across_stages = tied and partition.pp > 1 and (self.has_embedding or self.has_head)
+        # The embedding's copy on the last stage: the head (tied), or multi-token prediction's lookup (untied)
+        self.tied_across_stages = (tied or mtp_untied) and partition.pp > 1 and (self.has_embedding or self.has_head)
 
     def __call__(self, x: torch.Tensor, chunk: int = 0, labels: torch.Tensor | None = None,
                  seq_len: int | None = None, **kwargs) -> torch.Tensor:
@@ -141,7 +162,11 @@ def tied_parameter(stage: PipelineStage) -> nn.Parameter | None:
     """The embedding (first stage) or head copy (last stage) whose gradient is summed across stages."""
     if not stage.tied_across_stages:
         return None
-    return stage.model.tok_emb.weight if stage.has_embedding else stage.model.head.weight
+    m = stage.model
+    if stage.has_embedding:
+        return m.tok_emb.weight
+    lookup = getattr(m, "mtp_lookup", None)
+    return lookup.weight if isinstance(lookup, nn.Module) else m.head.weight
 
 
 def sync_tied_grads(stage: PipelineStage, group: Any, mesh: Mesh) -> None:

@@ -19,7 +19,7 @@ from megaloom.parallel.pipeline.executor import PipelineExecutor
 from megaloom.parallel.pipeline.grads import PipelineGradientSync
 from megaloom.parallel.pipeline.partition import partition_layers
 from megaloom.parallel.pipeline.schedules import build_schedule, forward_only
-from megaloom.parallel.pipeline.stage import build_embedding_groups, build_stage
+from megaloom.parallel.pipeline.stage import build_embedding_groups, build_stage, tied_parameter
 from megaloom.parallel.tensor import gather_full_grads, parallelize_tensor
 from megaloom.step import micro_batches
 
@@ -66,7 +66,7 @@ def pipeline_case(mesh: Mesh, emb_group, schedule: str, m: int, vpp: int = 1, n_
     base_before = base_params(full) if lora else {}
     stage = build_stage(full, partition_layers(n_layers, mesh.pp, vpp), mesh)
     ex = PipelineExecutor(stage, build_schedule(schedule, mesh.pp, vpp, m), mesh, MICRO, SEQ, sp=sp, timing=timing)
-    sync = PipelineGradientSync(stage, mesh, emb_group if tie else None)
+    sync = PipelineGradientSync(stage, mesh, emb_group if stage.tied_across_stages else None)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
     opt = torch.optim.AdamW(stage.parameters(), lr=3e-3, weight_decay=0.1)
     replicas = mesh.dp if split_data else 1
@@ -116,8 +116,8 @@ def pipeline_case(mesh: Mesh, emb_group, schedule: str, m: int, vpp: int = 1, n_
     if lora:
         out["base_changed"] = base_changed(stage.model, {n: base_before[n] for n, _ in
                                                          stage.model.named_parameters() if n in base_before})
-    tied = stage.model.tok_emb.weight if stage.has_embedding else stage.model.head.weight if stage.has_head else None
-    out["tied_weight"] = tied.detach().clone() if tie and tied is not None else None
+    tied = tied_parameter(stage)  # the embedding, or its last-stage copy (tied head, or MTP's lookup)
+    out["tied_weight"] = tied.detach().clone() if tied is not None else None
     if timing:
         out["events"] = [(a.kind, a.microbatch, a.stage, a.start, a.end) for a in ex.events]
     # Evaluation: a forward-only schedule gives the reference's loss on new data.
@@ -155,6 +155,8 @@ def suite_pipeline_world4(rank: int, world: int, device: torch.device) -> dict:
     res["pp2-1f1b-m4-mla"] = pipeline_case(mesh, group, "1f1b", 4, arch=MLA)  # latent attention across stages
     # multi-token prediction on the last stage, its tokens looked up in the head's tied copy of the embedding
     res["pp2-1f1b-m4-mtp"] = pipeline_case(mesh, group, "1f1b", 4, arch=MTP)
+    # untied (DeepSeek-V3's way): the last stage looks them up in its copy of the input embedding
+    res["pp2-1f1b-m4-mtp-untied"] = pipeline_case(mesh, group, "1f1b", 4, arch=MTP, tie=False)
     # gemma: its own module (sandwich norms, scaled embedding on the first stage, alternating windows of 5)
     res["pp2-1f1b-m4-gemma"] = pipeline_case(mesh, group, "1f1b", 4, arch="gemma")
     # The encoder: its embedding side (segment embedding, embedding norm) stays on the first stage, the MLM head
@@ -171,6 +173,7 @@ def suite_pipeline_world4(rank: int, world: int, device: torch.device) -> dict:
     res["pp2-tp2-sp-1f1b-m4-bert"] = pipeline_case(mesh, group, "1f1b", 4, sp=True, arch="bert")
     res["pp2-tp2-sp-1f1b-m4-mla"] = pipeline_case(mesh, group, "1f1b", 4, sp=True, arch=MLA)
     res["pp2-tp2-sp-1f1b-m4-mtp"] = pipeline_case(mesh, group, "1f1b", 4, sp=True, arch=MTP)  # vocab-row lookup
+    res["pp2-tp2-sp-1f1b-m4-mtp-untied"] = pipeline_case(mesh, group, "1f1b", 4, sp=True, arch=MTP, tie=False)
     res["pp2-tp2-sp-1f1b-m4-lora"] = pipeline_case(mesh, group, "1f1b", 4, sp=True, lora=True, clip=0.2, steps=3)
     res["pp2-tp2-sp-1f1b-m4-gemma"] = pipeline_case(mesh, group, "1f1b", 4, sp=True, arch="gemma")
     res["coords"] = dict(pp=mesh.pp_rank, tp=mesh.tp_rank)
