@@ -120,9 +120,10 @@ def _cmd_tokenizer(args: argparse.Namespace) -> int:
 def _cmd_generate(args: argparse.Namespace) -> int:
     import torch
 
+    from megaloom import accelerator
     from megaloom.generate import generate, load_for_generation
 
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = accelerator.default_device()
     model, tok = load_for_generation(Path(args.run), device)
     images = None
     if args.image:  # a multimodal run: the images' tokens, then the question (if any)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -344,8 +345,11 @@ class TrainConfig:
     log_every: int = _f(10, "Steps between metric lines (loss is averaged over the interval).")
     eval_every: int = _f(200, "Steps between evaluations on the validation split; 0 = only at the end.")
     eval_batches: int = _f(4, "Global batches per evaluation.")
-    device: str = _f("auto", "auto = cuda if available else cpu; or cpu / cuda (each rank on the GPU of its local "
-                             "rank) / cuda:N (one process per node only: several on one GPU are refused).")
+    device: str = _f("auto", "auto = this machine's accelerator (torch.accelerator: cuda, xpu, mps, ...) if one is "
+                             "available, else cpu; or cpu; or an accelerator type torch knows (cuda, xpu, musa, npu, "
+                             "mps, ...: each rank on the device of its local rank); or TYPE:N (one process per node "
+                             "only: several on one device are refused). The process group's backend is torch's for "
+                             "the type (nccl, xccl, gloo, ...; megaloom/accelerator.py). Tested: cpu, cuda.")
 
 
 @dataclass
@@ -680,6 +684,13 @@ def config_from_dict(d: dict) -> Config:
     return cfg
 
 
+# train.device's form: auto, cpu, or TYPE[:N]. Whether this torch knows TYPE and the machine has one is checked by
+# megaloom/accelerator.py (`check_type` in preflight, `check` when the rank picks its device), which imports torch;
+# config.py does not (every command, `megaloom status` too, loads it), so the form and the names live here.
+DEVICE_FORM = re.compile(r"auto|cpu|(?!cpu:|auto:)[a-z][a-z0-9_]*(:\d+)?")
+DEVICE_TYPES_NAMED = "cuda, xpu, musa, npu, mps, ..."  # the accelerator types messages name (any torch knows works)
+
+
 def _require(cond: bool, msg: str) -> None:
     if not cond:
         raise ConfigError(msg)
@@ -825,8 +836,9 @@ def validate(cfg: Config) -> None:
     _require(t.micro_batch_size == 0 or t.global_batch_size % t.micro_batch_size == 0,
              f"train.global_batch_size ({t.global_batch_size}) must be a multiple of train.micro_batch_size "
              f"({t.micro_batch_size}) times the data-parallel size.")
-    _require(t.device in ("auto", "cpu", "cuda") or t.device.startswith("cuda:"),
-             f"train.device: {t.device!r} is not auto, cpu, cuda or cuda:N.")
+    _require(DEVICE_FORM.fullmatch(t.device) is not None,
+             f"train.device: {t.device!r} is not auto, cpu, or an accelerator type with an optional index (TYPE or "
+             f"TYPE:N, lower case as torch.device spells it: {DEVICE_TYPES_NAMED}).")
     for name in cfg.run.trackers:
         _require(name in TRACKERS, f"run.trackers: {name!r} is not one of {', '.join(TRACKERS)}."
                                    f"{_suggest(name, list(TRACKERS))}")

@@ -20,6 +20,7 @@ import functools
 
 import torch
 
+from megaloom import accelerator
 from megaloom.errors import ConfigError
 
 
@@ -99,9 +100,10 @@ def fa4_importable() -> bool:
 
 def fa4_problem(device: torch.device) -> str | None:
     """Why train.attention=fa4 cannot run on ``device`` (None: it can). Cheap: an import and a capability read."""
-    if device.type != "cuda":
+    capability = accelerator.cuda_capability(device)
+    if capability is None:
         return "it needs a CUDA GPU"
-    major, minor = torch.cuda.get_device_capability(device)
+    major, minor = capability
     if major not in (9, 10):
         return f"FA4 runs on compute capability 9.0 or 10.x, this GPU is {major}.{minor}"
     if (error := _import_error()) is not None:

@@ -53,6 +53,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from megaloom import accelerator
 from megaloom.config import ConfigError, TrainConfig
 from megaloom.lamb import Lamb, tp_norm_sync
 from megaloom.observe.log import get_logger
@@ -108,7 +109,7 @@ class OnebitOptimizer:
         self.m = [zeros(b) for b in buckets]
         self.v = [zeros(b) for b in buckets]
         self.fresh = [zeros(b) for b in buckets] if kind == "lamb" else []
-        fused = device.type == "cuda" and kind == "adam"
+        fused = accelerator.fused_optimizer(device) and kind == "adam"
         if kind == "adam":
             self.inner: torch.optim.Optimizer = torch.optim.AdamW(
                 groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused,

@@ -7,6 +7,7 @@ import math
 import torch
 from torch import nn
 
+from megaloom import accelerator
 from megaloom.config import TrainConfig
 from megaloom.lamb import build_lamb
 from megaloom.param_groups import param_groups
@@ -16,8 +17,8 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device, me
     """AdamW or LAMB over whole (possibly tensor-parallel) parameters; ZeRO uses parallel.zero's optimizer."""
     if cfg.optimizer == "lamb":
         return build_lamb(model, cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), eps=1e-6, mesh=mesh)
-    # The fused kernel on GPU (one launch for all parameters); foreach (multi-tensor) on CPU.
-    fused = device.type == "cuda"
+    # The fused kernel on an accelerator torch has it for (one launch for all parameters); foreach on CPU.
+    fused = accelerator.fused_optimizer(device)
     return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                              eps=1e-8, fused=fused, foreach=None if fused else True)
 

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megaloom import accelerator
 from megaloom.config import Config, ConfigError
 from megaloom.observe.log import get_logger
 from megaloom.resilience import flight_recorder
@@ -33,19 +34,14 @@ class Runtime:
 
 
 def pick_device(choice: str, local_rank: int) -> torch.device:
-    if choice == "cpu":
-        return torch.device("cpu")
-    if choice.startswith("cuda") or (choice == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise ConfigError(f"train.device={choice} but no CUDA device is visible; use train.device=cpu.")
-        dev = torch.device(choice if ":" in choice else f"cuda:{local_rank}")
-        torch.cuda.set_device(dev)
-        return dev
-    return torch.device("cpu")
+    """``train.device`` for this rank, made current (`accelerator.pick`: refused, naming the fix, where this machine
+    has no such device)."""
+    return accelerator.pick(choice, local_rank)
 
 
 def init_runtime(cfg: Config) -> Runtime:
-    """Read torchrun's environment; start the process group (NCCL on GPUs, gloo on CPUs) when world > 1."""
+    """Read torchrun's environment; start the process group (the device type's backend: NCCL on CUDA GPUs, gloo on
+    CPUs) when world > 1."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -61,13 +57,14 @@ def start_process_group(device: torch.device, rank: int, world: int, timeout: ti
                         store: dist.Store | None = None, init_method: str | None = None, backend: str | None = None,
                         bind: torch.device | None = None) -> None:
     """The one way megaloom starts torch.distributed (`init_runtime`; the test worlds, tests/parallel/harness.py,
-    call it too, so they take the same path): NCCL on a CUDA device, gloo otherwise (``backend`` overrides), and
+    call it too, so they take the same path): torch's default backend for the device's type (`accelerator.backend`:
+    NCCL on a CUDA device, XCCL on XPU, gloo on CPU; ``backend`` overrides), and
     the device bound to the default group (``device_id``) when it is an accelerator. The binding is what lets
     `Mesh.build` split communicators (`parallel.groups.can_split`); torch refuses to bind a CPU device, so a gloo
     world on CPU makes its groups with ``new_group``. ``bind``: the device to bind when it is not ``device`` (a
     test binding a gloo world to the one GPU of its host)."""
     bind = bind if bind is not None else device
-    dist.init_process_group(backend or ("nccl" if device.type == "cuda" else "gloo"), init_method=init_method,
+    dist.init_process_group(backend or accelerator.backend(device), init_method=init_method,
                             store=store, rank=rank, world_size=world,
                             device_id=bind if bind.type != "cpu" else None, timeout=timeout)
 
@@ -106,8 +103,7 @@ def shorten_timeouts(groups: list[Any], timeout: timedelta, host_barrier: Callab
     the device is finished and every rank has arrived (``host_barrier``, a gloo group's) first, so that no rank
     still inside step 1, legitimately slow under the long timeout, meets a peer's shortened one (TorchTitan's
     order)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    accelerator.synchronize(device)
     host_barrier()
     seen: set[int] = set()
     for g in [dist.group.WORLD, *groups]:
@@ -156,13 +152,14 @@ def seed_everything(seed: int) -> None:
 def resolve_precision(cfg: Config, device: torch.device) -> str:
     p = cfg.train.precision
     if p == "auto":
-        p = "bf16" if device.type == "cuda" else "fp32"
+        p = "bf16" if accelerator.is_accelerator(device) else "fp32"
         if p == "fp32" and cfg.train.bf16_residual is True:
             raise ConfigError("train.bf16_residual=true: precision auto is fp32 on this device (no autocast); set "
                               "train.precision=bf16 or train.bf16_residual=false.")
         return p
     if p == "fp8":
-        if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9):
-            raise ConfigError("train.precision=fp8 needs an FP8-capable GPU (Hopper/Ada, compute capability "
+        capability = accelerator.cuda_capability(device)
+        if capability is None or capability < (8, 9):
+            raise ConfigError("train.precision=fp8 needs an FP8-capable NVIDIA GPU (Hopper/Ada, compute capability "
                               ">= 8.9); this device has none. Use bf16.")
     return p

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from megaloom.accelerator import CUDA
 from megaloom.data.image_text.batch import ImageTextBatch
 from megaloom.data.objective import inputs_and_labels, objective_kwargs
 from megaloom.models.documents import Documents
@@ -49,10 +50,11 @@ def forward_ctx(precision: str, device: torch.device, offload: bool = False):
 
 
 def attention_ctx(backend: str, device: torch.device):
-    """Prefer one SDPA kernel on GPU (`train.attention`): cuDNN's is the fastest for causal attention on Hopper
-    (../shared/bench probe: 2.6 ms vs flash 4.2 ms per layer at seq 4096); `torch` (and an unresolved `auto`) leaves
-    PyTorch's choice. `fa4`: the blocks' causal core runs FA4 (megaloom.fa4); SDPA calls left prefer cuDNN."""
-    if backend in ("auto", "torch") or device.type != "cuda":
+    """Prefer one SDPA kernel on a CUDA GPU (`train.attention`; PyTorch's order elsewhere): cuDNN's is the fastest
+    for causal attention on Hopper (../shared/bench probe: 2.6 ms vs flash 4.2 ms per layer at seq 4096); `torch`
+    (and an unresolved `auto`) leaves PyTorch's choice. `fa4`: the blocks' causal core runs FA4 (megaloom.fa4);
+    SDPA calls left prefer cuDNN."""
+    if backend in ("auto", "torch") or device.type != CUDA:
         return contextlib.nullcontext()
     first = SDPA_BACKENDS["cudnn" if backend == "fa4" else backend]
     return sdpa_kernel([first] + [b for b in SDPA_BACKENDS.values() if b != first], set_priority=True)

@@ -365,3 +365,90 @@ def test_the_family_check_sees_a_family_name():
     literals = {n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
                 and id(n) not in docs}
     assert literals == {"bert", "model.preset=llava-tiny"}
+
+
+# ------------------------------------------------------------------------------ devices: megaloom/accelerator.py
+
+# megaloom/accelerator.py is the one module that names a device type or calls a device runtime (issue 37: any
+# accelerator torch knows, with its distributed backend). Everywhere else in megaloom/: no ``torch.cuda`` (nor an
+# import of it), no ``.cuda`` / ``.is_cuda`` / ``.CUDA`` attribute (a tensor's ``.cuda()``, ``ProfilerActivity.CUDA``)
+# but the module's own API (``accelerator.is_cuda``), and no string literal containing "cuda" in any case (a device
+# type compared or built, "cuda:0", an autocast type, an env variable). Not checked: docstrings, comments and config
+# help (`_f(default, help)`), which are documentation. CUDA-only paths compare with ``accelerator.CUDA`` or ask
+# ``accelerator.is_cuda`` / ``cuda_capability``, so each stays visibly CUDA's.
+# (path under megaloom/, the literal's text) -> why that literal may name CUDA.
+CUDA_NAMED_ALLOWED = {
+    ("config.py", "cuda, xpu, musa, npu, mps, ..."):
+        "the accelerator types train.device's messages name; config.py imports no torch (every command loads it), "
+        "so it cannot ask megaloom/accelerator.py, which imports this constant instead",
+    ("fa4.py", "it needs a CUDA GPU"):
+        "FA4 is a CUDA kernel (flash-attn-4): the refusal names what train.attention=fa4 needs as a fact",
+    ("training/levers.py", "CUDA"):
+        "levers.MEASURED_ON: the speed levers were measured on CUDA (an H200), the reason each choice states",
+}
+
+
+def _cuda_names(rel: str, tree: ast.Module) -> list[tuple[str, int, str]]:
+    """(path, line, what) for every use of CUDA by name in one module's code (see above)."""
+    docs = _documentation(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.lower() in ("cuda", "is_cuda") and not (
+                isinstance(node.value, ast.Name) and node.value.id == "accelerator"):
+            found.append((rel, node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Import | ast.ImportFrom):
+            module = node.module if isinstance(node, ast.ImportFrom) else None
+            names = [a.name for a in node.names] + ([module] if module else [])
+            if any(n == "torch.cuda" or n.startswith("torch.cuda.") for n in names) or (
+                    module == "torch" and any(a.name == "cuda" for a in node.names)):
+                found.append((rel, node.lineno, ast.unparse(node)))
+        elif (isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs
+              and "cuda" in node.value.lower() and (rel, node.value) not in CUDA_NAMED_ALLOWED):
+            found.append((rel, node.lineno, repr(node.value)))
+    return found
+
+
+def cuda_outside_accelerator() -> list[tuple[str, int, str]]:
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel != "accelerator.py":
+            found += _cuda_names(rel, _tree(path))
+    return found
+
+
+def test_no_cuda_outside_the_accelerator_module():
+    found = cuda_outside_accelerator()
+    assert not found, ("CUDA named outside megaloom/accelerator.py (ask the module: accelerator.is_accelerator, "
+                       "is_cuda / CUDA for a CUDA-only path, synchronize, max_memory_allocated, streams, backend ...; "
+                       "see CUDA_NAMED_ALLOWED for messages that may name it):\n"
+                       + "\n".join(f"megaloom/{rel}:{line}: {what}" for rel, line, what in found))
+
+
+def test_cuda_allowances_are_still_needed():
+    seen = set()
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        tree = _tree(path)
+        docs = _documentation(tree)
+        seen |= {(rel, n.value) for n in ast.walk(tree)
+                 if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs}
+    stale = [key for key in CUDA_NAMED_ALLOWED if key not in seen]
+    assert not stale, f"CUDA_NAMED_ALLOWED entries that no literal needs any more (remove them): {stale}"
+
+
+def test_the_cuda_check_sees_cuda():
+    source = '''
+"""A docstring may say torch.cuda."""
+import torch.cuda
+from torch import cuda
+from megaloom import accelerator
+x = torch.cuda.synchronize()
+y = t.is_cuda or t.cuda() or ProfilerActivity.CUDA
+z = d.type == "cuda" or f"cuda:{i}" or "CUDA_VISIBLE_DEVICES"
+ok = accelerator.is_cuda(d) and accelerator.cuda_capability(d) and d.type == CUDA
+help = _f("auto", "cuda if available")
+'''
+    found = _cuda_names("example.py", ast.parse(source))
+    assert sorted(line for _, line, _ in found) == [3, 4, 6, 7, 7, 7, 8, 8, 8]
+    assert ("example.py", 6, "torch.cuda") in found

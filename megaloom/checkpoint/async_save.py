@@ -32,6 +32,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from megaloom import accelerator
 from megaloom.checkpoint.group import CheckpointGroup
 from megaloom.checkpoint.sharded import Slices, SlicesSavePlanner, sharded_state
 from megaloom.checkpoint.store import (
@@ -97,13 +98,15 @@ class _HostBuffers:
     def _copy_once(self, name: str, value: torch.Tensor, seen: dict) -> torch.Tensor:
         same = (value.device, value.data_ptr(), value.shape, value.stride(), value.dtype)
         if same not in seen:
-            seen[same] = self._buffer(name, value).copy_(value.detach(), non_blocking=value.is_cuda)
+            seen[same] = self._buffer(name, value).copy_(value.detach(),
+                                                          non_blocking=accelerator.pin_memory(value.device))
         return seen[same]
 
     def _buffer(self, name: str, like: torch.Tensor) -> torch.Tensor:
         buf = self._bufs.get(name)
         if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
-            buf = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=like.is_cuda)
+            buf = torch.empty(like.shape, dtype=like.dtype, device="cpu",
+                              pin_memory=accelerator.pin_memory(like.device))
             self._bufs[name] = buf
         return buf
 
@@ -183,8 +186,8 @@ class AsyncCheckpointer:
         updater = _updater(optimizer)
         in_place = updater is not None and _on_host(state)
         snapshot = self._buffers.copy(state, in_place=in_place)
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            torch.cuda.synchronize()  # the non-blocking device-to-host copies must land before the thread reads
+        if (kind := accelerator.started()) is not None:
+            accelerator.synchronize(kind)  # the non-blocking device-to-host copies must land before the thread reads
         if optimizer is not None:
             write_rng(tmp, rank, rng_state())
         barrier()  # every rank's RNG file is in tmp before rank 0's manifest lists them

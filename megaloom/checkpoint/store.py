@@ -40,6 +40,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import CheckpointException
 
+from megaloom import accelerator
 from megaloom.checkpoint.group import CheckpointGroup
 from megaloom.checkpoint.safe_metadata import check_metadata, safe_load
 from megaloom.checkpoint.sharded import (
@@ -93,16 +94,14 @@ def _quiet_single_process():
 
 
 def rng_state() -> dict[str, torch.Tensor]:
-    state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
+    """The CPU's generator ("torch") and, once this process has started it, the accelerator's (keyed by its type:
+    "cuda" as always on NVIDIA GPUs)."""
+    return {"torch": torch.get_rng_state(), **accelerator.rng_states()}
 
 
 def set_rng_state(state: dict[str, torch.Tensor]) -> None:
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    accelerator.set_rng_states(state)
 
 
 def _os_errors(e: BaseException | None, seen: set[int] | None = None):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megaloom.accelerator import CUDA
 from megaloom.precision.fp32_gemm import fp32_out_gemm
 
 IGNORE_INDEX = -100
@@ -93,7 +94,7 @@ _compiled_chunk = None
 
 def _chunk_function(device: torch.device):
     global _compiled_chunk
-    if not COMPILE_CHUNK or device.type != "cuda" or torch.compiler.is_compiling():
+    if not COMPILE_CHUNK or device.type != CUDA or torch.compiler.is_compiling():
         return _chunk_inplace
     if _compiled_chunk is None:
         _compiled_chunk = torch.compile(_chunk_pure, dynamic=False)

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megaloom.accelerator import CUDA, cuda_capability
 from megaloom.models.layers import MLP
 
 # Set False to force the torch.mm fallback everywhere (debugging, or kernels that misbehave).
@@ -194,12 +195,12 @@ class LocalDispatcher:
 
 # ----------------------------------------------------------------------------------------------------- experts
 def _grouped_mm_ok(x: torch.Tensor, *dims: int) -> bool:
-    if not (USE_GROUPED_MM and hasattr(torch, "_grouped_mm") and x.is_cuda):
+    if not (USE_GROUPED_MM and hasattr(torch, "_grouped_mm") and x.device.type == CUDA):
         return False
-    if torch.cuda.get_device_capability(x.device)[0] != 9:
+    if cuda_capability(x.device)[0] != 9:
         return False
-    bf16 = x.dtype == torch.bfloat16 or (torch.is_autocast_enabled("cuda")
-                                          and torch.get_autocast_dtype("cuda") == torch.bfloat16)
+    bf16 = x.dtype == torch.bfloat16 or (torch.is_autocast_enabled(CUDA)
+                                          and torch.get_autocast_dtype(CUDA) == torch.bfloat16)
     return bf16 and all(d % 8 == 0 for d in dims)  # 16-byte aligned rows
 
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from megaloom.accelerator import CUDA
 from megaloom.config import ModelConfig, resolved_head_dim
 from megaloom.models.attention import Attention, KVCache
 from megaloom.models.attention_shapes import is_mla, rope_dim
@@ -281,7 +282,7 @@ class Transformer(nn.Module):
         span = span or self.full_span()
         positions = docs.positions if docs is not None else None
         if docs is not None:  # the mask once for all layers; FlexAttention's block mask on GPUs (dropout: SDPA)
-            docs = docs.with_mask(self.cfg.sliding_window, flex=x.is_cuda and self.cfg.dropout == 0.0)
+            docs = docs.with_mask(self.cfg.sliding_window, flex=x.device.type == CUDA and self.cfg.dropout == 0.0)
         if span.embed:
             seq_len = x.shape[1]
             if pos + seq_len > self.cfg.max_seq_len:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from megaloom import accelerator
 from megaloom.config import ModelConfig
 
 # Dense bf16 tensor-core peaks in FLOP/s (no sparsity), by substring of the device name.
@@ -55,10 +56,11 @@ def image_flops(model: torch.nn.Module) -> float:
 
 
 def device_peak_flops(device: torch.device) -> float | None:
-    """bf16 dense peak of a CUDA device, or None (CPU, or an unknown GPU: MFU is then reported as null)."""
-    if device.type != "cuda":
+    """bf16 dense peak of an accelerator named in PEAK_BF16, or None (CPU, or an unknown device: MFU is then
+    reported as null)."""
+    if not accelerator.is_accelerator(device):
         return None
-    name = torch.cuda.get_device_name(device)
+    name = accelerator.device_name(device)
     for key, peak in PEAK_BF16.items():
         if key in name:
             return peak

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import math
 
+from megaloom.accelerator import CUDA
 from megaloom.config import Config, ConfigError
 from megaloom.observe.memory_plan import GB, MemoryPlan, plan_memory
 from megaloom.parallel.context import check_context
@@ -27,10 +28,10 @@ def resolve_for_planning(cfg: Config) -> Config:
     tokenizer's vocabulary when model.vocab_size = 0)."""
     cfg = copy.deepcopy(cfg)
     resolve_model_shape(cfg, cfg.data.default_vocab_size, pad_multiple=math.lcm(64, cfg.parallel.tp))
-    return resolve_levers(cfg, "cuda")[0]  # the levers left at auto, as a GPU run would choose them
+    return resolve_levers(cfg, CUDA)[0]  # the levers left at auto, as a CUDA run would choose them
 
 
-def worst_stage(cfg: Config, world_size: int, device: str = "cuda") -> tuple[int, MemoryPlan]:
+def worst_stage(cfg: Config, world_size: int, device: str = CUDA) -> tuple[int, MemoryPlan]:
     """(pipeline rank, plan) of the stage with the highest predicted peak."""
     plans = [(r, plan_memory(cfg, world_size=world_size, device=device, pp_rank=r)) for r in range(cfg.parallel.pp)]
     return max(plans, key=lambda rp: rp[1].peak)

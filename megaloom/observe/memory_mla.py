@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 
+from megaloom.accelerator import is_cuda
 from megaloom.config import ModelConfig
 
 
@@ -60,10 +61,10 @@ def mla_attention_bytes(m: ModelConfig, *, n: int, n_r: int, b: int, t: int, hea
         out["q, k, v (padded heads)"] = 2 * q + v_saved
         out["attention out"] = q
         out["logsumexp"] = 4 * b * heads * (32 * math.ceil(t / 32) if attention == "efficient" else t)
-        if device == "cuda":
+        if is_cuda(device):
             out["rng seed, offset"] = 16
         if m.sliding_window:  # the boolean window mask as an additive one in the compute dtype
-            out["window mask"] = a * t * (16 * math.ceil(t / 16) if device == "cuda" else t)
+            out["window mask"] = a * t * (16 * math.ceil(t / 16) if is_cuda(device) else t)
     else:
         e = 4
         if selective:

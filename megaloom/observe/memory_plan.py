@@ -3,7 +3,7 @@
 `plan_memory(cfg, model)` is called at start-up, after the model is built, parallelised and (with pipelines)
 cut into this rank's stage; it counts this rank's parameters exactly from the module and everything else
 from the config. No forward pass is run. The trainer prints `MemoryPlan.table()` and, after the first
-steps, the prediction next to the CUDA allocator's peak (``torch.cuda.max_memory_allocated``).
+steps, the prediction next to the device allocator's peak (`accelerator.max_memory_allocated`).
 
 Persistent state (megaloom keeps fp32 parameters and runs bf16/fp16 under autocast):
 
@@ -93,6 +93,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from torch import nn
 
+from megaloom.accelerator import CUDA, fused_optimizer, is_accelerator, is_cuda
 from megaloom.config import Config, ModelConfig, resolved_head_dim
 from megaloom.observe.log import get_logger
 from megaloom.observe.memory_mla import is_mla, mla_attention_bytes
@@ -135,7 +136,7 @@ def attention_backend(cfg: Config, device: str, tp: int = 1) -> str:
     "efficient" (GPU fp32 without grouped-query heads) or "math" (GPU fp32 with grouped-query heads, which
     the fused kernels do not take in fp32; train.attention=math; CPU with dropout)."""
     m = cfg.model
-    if device == "cuda":
+    if is_cuda(device):
         if cfg.train.attention == "math":
             return "math"
         if compute_precision(cfg, device) == "fp32":
@@ -181,7 +182,7 @@ def _norm_bytes(norm: str, n: int, d: int, device: str) -> int:
         return 4 * n * d + 8 * n  # native_layer_norm: input, mean, rstd
     if norm != "rmsnorm":
         raise ValueError(f"memory plan: no save-set known for norm {norm!r} (layernorm, rmsnorm)")
-    if device == "cuda":
+    if is_cuda(device):
         return 4 * n * d + 4 * n  # fused RMSNorm: input, rstd
     return 8 * n * d + 4 * n  # composite RMSNorm (CPU): input, rsqrt, x * rsqrt
 
@@ -192,7 +193,7 @@ def _qk_norm_bytes(rows: int, hd: int, device: str, autocast: bool) -> int:
     2.11 on an H200). A bf16 input with the fp32 weight cannot take the fused kernel, on CPU or CUDA: the
     composite runs in fp32 and keeps the input's fp32 upcast, rsqrt and x * rsqrt; so does fp32 on CPU (its input
     is the projection's output itself). fp32 on CUDA: the fused kernel, input and rstd."""
-    if device == "cuda" and not autocast:
+    if is_cuda(device) and not autocast:
         return 4 * rows * hd + 4 * rows
     return 8 * rows * hd + 4 * rows
 
@@ -208,7 +209,7 @@ def _linear_input_bytes(dm: _Dims, n_linears: int, in_bytes: int = 2, region: bo
 
 
 def block_activation_bytes(cfg: Config, *, tokens: int, batch: int, layer: int = 0, tp: int = 1,
-                           sp: bool = False, device: str = "cuda", recompute: str | None = None,
+                           sp: bool = False, device: str = CUDA, recompute: str | None = None,
                            attention: str | None = None, grouped_mm: bool | None = None,
                            fp8: bool = False) -> dict[str, int]:
     """Bytes one transformer block saves for backward in one micro-batch, by what saves them (weight casts
@@ -279,10 +280,10 @@ def _gqa_attention_bytes(cfg: Config, dm: _Dims, device: str, attention: str, se
         # Selective recompute leaves the fused kernels' core alone (apply_recompute): its logsumexp stays saved.
         t_lse = 32 * math.ceil(dm.t / 32) if attention == "efficient" else dm.t  # efficient pads it to 32
         out["logsumexp"] = 4 * dm.b * dm.hl * t_lse
-        if device == "cuda":
+        if is_cuda(device):
             out["rng seed, offset"] = 16
         if m.sliding_window:  # boolean window mask converted to an additive one in the compute dtype
-            t_pad = dm.t if device != "cuda" else 16 * math.ceil(dm.t / 16)
+            t_pad = dm.t if not is_cuda(device) else 16 * math.ceil(dm.t / 16)
             out["window mask"] = a * dm.t * t_pad
     else:  # math: computed in fp32 (bf16/fp16 inputs are upcast); scaled q, k^T, v (k, v expanded to all heads)
         e = 4
@@ -306,7 +307,7 @@ def _compiled_save_set_known(cfg: Config, dm: _Dims, device: str, recompute: str
     (parallel/traced_comm.py). Other blocks keep the eager save-set (an over-estimate of what compile keeps)."""
     m, t = cfg.model, cfg.train
     tr = _traits(m)
-    return (device == "cuda" and t.compile is True and dm.autocast and cfg.parallel.cp == 1
+    return (is_cuda(device) and t.compile is True and dm.autocast and cfg.parallel.cp == 1
             and recompute in ("none", "selective") and not moe and not fp8
             and attention in ("flash", "cudnn", "efficient") and tr.norm == "rmsnorm"
             and tr.gated_mlp and tr.positions == "rope" and not tr.bias and not tr.post_norm
@@ -362,7 +363,7 @@ def _moe_bytes(cfg: Config, dm: _Dims, device: str, grouped_mm: bool | None, sel
     n, d, a, e, k = dm.n, dm.d, dm.a, m.n_experts, m.top_k
     rows = n * k  # dropless: every (token, expert) pair; a capacity limit only lowers it
     if grouped_mm is None:
-        grouped_mm = device == "cuda" and dm.autocast and d % 8 == 0 and fe % 8 == 0
+        grouped_mm = is_cuda(device) and dm.autocast and d % 8 == 0 and fe % 8 == 0
     out: dict[str, int] = {}
     out["router input"] = 0 if shares_input else _linear_input_bytes(dm, 1)
     out["router probs, top-k, weights"] = 4 * n * e + 8 * n * k + 4 * n * k + 8 * n
@@ -390,11 +391,11 @@ def _moe_bytes(cfg: Config, dm: _Dims, device: str, grouped_mm: bool | None, sel
 
 def _mask_bytes(device: str, input_bytes: int) -> int:
     """Dropout keeps a bool mask on CUDA (native_dropout) and a scaled noise tensor of the input's dtype on CPU."""
-    return 1 if device == "cuda" else input_bytes
+    return 1 if is_cuda(device) else input_bytes
 
 
 def embedding_activation_bytes(cfg: Config, *, tokens: int, batch: int, tp: int = 1,
-                               device: str = "cuda") -> dict[str, int]:
+                               device: str = CUDA) -> dict[str, int]:
     m = cfg.model
     out = {"token ids": 8 * tokens}
     if tp > 1:
@@ -421,7 +422,7 @@ def _fused_chunk_tokens(vocab: int) -> int:
 
 
 def head_activation_bytes(cfg: Config, *, tokens: int, tp: int = 1, sp: bool = False,
-                          device: str = "cuda") -> dict[str, int]:
+                          device: str = CUDA) -> dict[str, int]:
     """Saved by the final norm, the head and the loss for one micro-batch (the head's weight cast excluded)."""
     m = cfg.model
     autocast = compute_precision(cfg, device) != "fp32"
@@ -444,7 +445,7 @@ def head_activation_bytes(cfg: Config, *, tokens: int, tp: int = 1, sp: bool = F
 
 
 def mtp_activation_bytes(cfg: Config, *, tokens: int, batch: int, tp: int = 1, sp: bool = False,
-                         device: str = "cuda") -> dict[str, int]:
+                         device: str = CUDA) -> dict[str, int]:
     """What multi-token prediction (model.mtp_depth, models/mtp.py) saves for backward in one micro-batch, on top
     of the head's bytes: per depth the token ids looked up, its two input norms (the states' norm shares its input
     with the norm before the head when that input is already fp32: the model's fp32 residual stream at depth 1, or
@@ -472,7 +473,7 @@ def mtp_activation_bytes(cfg: Config, *, tokens: int, batch: int, tp: int = 1, s
     return out
 
 
-def loss_transients(cfg: Config, *, tokens: int, tp: int = 1, device: str = "cuda") -> dict[str, int]:
+def loss_transients(cfg: Config, *, tokens: int, tp: int = 1, device: str = CUDA) -> dict[str, int]:
     """Bytes live beyond the saved ones while the loss runs: forward (logits in the compute dtype and their
     fp32 copy) and backward (the fp32 gradients), per megaloom.models.transformer.cross_entropy (tp = 1) or
     megaloom.parallel.vocab_ce (tp > 1); and the head's backward (logit gradient, weight gradient). With
@@ -704,7 +705,7 @@ class MemoryPlan:
             ("workspaces", self.workspace, "cuBLAS, 32 MiB per thread running matmuls"),
             ("ckpt (host)", self.checkpoint_host,
              "async saves: pinned host copy of this rank's share (host memory, not in the peak)"
-             if s.get("device") == "cuda" else "async saves write the state in place (no copy)"),
+             if is_accelerator(s.get("device", "")) else "async saves write the state in place (no copy)"),
         ]
         lines = [head]
         for name, v, what in rows:
@@ -719,7 +720,7 @@ class MemoryPlan:
 
     def attention_name(self) -> str:
         name = _ATTN_NAMES.get(self.setup.get("attention"), "?")
-        return "flash (CPU kernel)" if name == "flash/cuDNN" and self.setup.get("device") != "cuda" else name
+        return "flash (CPU kernel)" if name == "flash/cuDNN" and not is_cuda(self.setup.get("device", "")) else name
 
     def error_pct(self) -> float:
         if not self.measured_peak:
@@ -756,13 +757,14 @@ def _schedule_events(name: str, pp: int, vpp: int, n_micro: int, pp_rank: int) -
     return tuple((a.kind.value, a.microbatch, a.stage) for a in schedule.ranks[pp_rank] if not a.is_comm)
 
 
-def plan_memory(cfg: Config, model: nn.Module | None = None, *, world_size: int = 1, device: str = "cuda",
+def plan_memory(cfg: Config, model: nn.Module | None = None, *, world_size: int = 1, device: str = CUDA,
                 pp_rank: int = 0, n_micro: int | None = None, update: bool = True) -> MemoryPlan:
     """Predict this rank's memory for ``cfg`` (model shape resolved: vocab_size > 0).
 
     ``model``: this rank's built, parallelised (and staged) module, whose parameters are counted exactly;
     without it they are counted from the config. ``world_size``: the number of processes (dp = world /
-    (tp * pp * cp)); ``device``: "cuda" (the GPU kernels' save-sets) or "cpu"; ``pp_rank``: this rank's
+    (tp * pp * cp)); ``device``: a device type, CUDA's (its kernels' save-sets) or "cpu" (the portable ones, which
+    another accelerator is planned with: unverified there); ``pp_rank``: this rank's
     pipeline stage; ``n_micro``: micro-batches per step on this rank (default from the config); ``update=False``:
     steps that never call ``optimizer.step()`` (a dry run that leaves the update out to fit a machine), so no
     optimizer state and no update temporaries; the "optimizer step" phase is then the gradient reduction and
@@ -978,7 +980,7 @@ def _stage_activations(lay: _Layout, rank: _RankModel, blocks: _Blocks) -> _Acti
     loss = loss_transients(cfg, tokens=lay.tokens, tp=lay.tp, device=lay.device)
     saved, casts, saved_casts, recompute = {}, {}, {}, {}
     # Activation offload: the blocks' saved tensors wait in host memory; one block's come back during its backward.
-    offload = bool(getattr(t, "offload_activations", False)) and lay.device == "cuda"
+    offload = bool(getattr(t, "offload_activations", False)) and is_cuda(lay.device)
     for s, ls in rank.stages.items():
         act = 0 if offload else sum(sum(blocks.saved(i).values()) for i in ls)
         act += emb if s == 0 else 0
@@ -1077,7 +1079,7 @@ def _persistent_state(lay: _Layout, counts: ParamCounts) -> _State:
     return _State(weights=weights, optimizer=optimizer, p_opt=p_opt,
                   grad_persistent=grad_persistent, grad_after_backward=grad_after_backward,
                   grad_at_step=grad_at_step, fsdp_gather=fsdp_gather,
-                  workspace=CUBLAS_WORKSPACE if lay.device == "cuda" else 0, buckets=buckets, fsdp=fsdp,
+                  workspace=CUBLAS_WORKSPACE if is_cuda(lay.device) else 0, buckets=buckets, fsdp=fsdp,
                   checkpoint_host=host)
 
 
@@ -1089,12 +1091,12 @@ def _largest_segment(cfg: Config, largest: int, dp: int) -> int:
 
 
 def _checkpoint_host(lay: _Layout, counts: ParamCounts, optimizer: int, written: int, masters: bool) -> int:
-    """Host bytes an asynchronous save adds (checkpoint/async_save.py): on a GPU the pinned copy of what this rank
-    writes, its parameters' share (ZeRO-1/2: its own segment of the weights, or its fp32 master shard, which
+    """Host bytes an asynchronous save adds (checkpoint/async_save.py): on an accelerator the pinned copy of what
+    this rank writes, its parameters' share (ZeRO-1/2: its own segment of the weights, or its fp32 master shard, which
     ``optimizer`` already counts; frozen parameters whole) and its optimizer state. 0 on CPU (the state is
     written where it lives) and without async saves."""
     c = lay.cfg.checkpoint
-    if lay.device != "cuda" or not c.async_save or not (c.every > 0 or c.final):
+    if not is_accelerator(lay.device) or not c.async_save or not (c.every > 0 or c.final):
         return 0
     return (0 if masters else 4 * written) + 4 * counts.frozen + optimizer
 
@@ -1195,7 +1197,7 @@ def _grad_note(zero: int, state: _State) -> str:
 def _notes(lay: _Layout, counts: ParamCounts) -> list[str]:
     m, t = lay.cfg.model, lay.cfg.train
     notes = []
-    if lay.device == "cuda" and lay.attention == "flash" and m.sliding_window:
+    if is_cuda(lay.device) and lay.attention == "flash" and m.sliding_window:
         notes.append("sliding-window mask bytes are an estimate (efficient-attention kernel)")
     if lay.precision == "fp8":
         notes.append("fp8 is approximated (1-byte saved inputs, no weight copy in converted linears)")
@@ -1259,8 +1261,8 @@ def _step_transient(cfg: Config, device: str, p_opt: int, largest: int, tp: int,
             opt += 4 * largest  # after the warm-up: a parameter's frozen and fresh denominators at once
     elif t.optimizer == "onebit_adam":
         opt = 4 * p_opt  # after the warm-up: every parameter's sqrt of the frozen variance (foreach)
-    elif device == "cuda":
-        opt = 0  # fused AdamW: none
+    elif fused_optimizer(device):
+        opt = 0  # fused AdamW (megaloom.optim, on CUDA): none
     elif sharded:  # foreach: sqrt(exp_avg_sq) of one parameter group, groups of STEP_GROUP_ELEMENTS + a segment
         opt = 4 * min(p_opt, STEP_GROUP_ELEMENTS + _largest_segment(cfg, largest, dp))
     else:
@@ -1288,12 +1290,12 @@ class MemoryReport:
     update on) print the prediction next to the measured peak and add the measurement to memory.json."""
 
     def __init__(self, plan: MemoryPlan, path, device) -> None:
-        import torch
+        from megaloom import accelerator
 
         self.plan, self.path, self.device = plan, path, device
         self.done = False
-        cuda = device.type == "cuda"
-        self.setup_peak = torch.cuda.max_memory_allocated(device) if cuda else None  # before the first step
+        on_device = accelerator.is_accelerator(device)
+        self.setup_peak = accelerator.max_memory_allocated(device) if on_device else None  # before the first step
 
     @classmethod
     def start(cls, cfg: Config, model: nn.Module, *, world_size: int, device, pp_rank: int, n_micro: int,
@@ -1327,16 +1329,15 @@ class MemoryReport:
         """Call after a logged step; reports once, at the first one with step >= 2 (or the last step)."""
         if self.done or (step < 2 and step < total_steps):
             return None
-        import torch
-
+        from megaloom import accelerator
         from megaloom.observe.memory import peak_memory_gb
 
         self.done = True
         measured_gb = peak_memory_gb(self.device)
         predicted_gb = self.plan.peak / GB
         extra = {"measured_at_step": step}
-        if self.device.type == "cuda":
-            self.plan.measured_peak = torch.cuda.max_memory_allocated(self.device)
+        if accelerator.is_accelerator(self.device):
+            self.plan.measured_peak = accelerator.max_memory_allocated(self.device)
             line = (f"memory: predicted peak {predicted_gb:.2f} GB, measured {measured_gb:.2f} GB "
                     f"({self.plan.error_pct():+.1f}%; predicted at the {self.plan.peak_phase})")
             if self.setup_peak is not None and self.plan.measured_peak <= self.setup_peak:

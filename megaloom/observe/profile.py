@@ -1,12 +1,14 @@
 """Where one training step's time goes: a PyTorch profiler trace split into kinds of work, and the step's floor.
 
 Used by `megaloom train --dry-run` on a GPU (one profiled step after the timed ones) and by the benchmarks
-(bench/bench_train.py --profile, bench/profile_breakdown.py re-reads a saved trace).
-Kinds are read from kernel names (CUDA) or operator names (CPU): GEMM (cuBLAS / CUTLASS / nvjet / scaled and
-grouped mm), attention (flash / cuDNN / efficient SDPA kernels), optimizer (multi-tensor Adam and the clipping
-norm), communication (NCCL), the loss's softmax, copies (memcpy / memset / copy kernels), and everything else
-(norms, RoPE, SwiGLU, residual adds, casts: mostly Triton kernels under compile). Idle = the step's wall time
-minus the union of the device's busy intervals: launch gaps, host syncs (and the profiler's own overhead).
+(bench/bench_train.py --profile, bench/profile_breakdown.py re-reads a saved trace). On an accelerator the
+device's kernel spans are read (tested on CUDA; another accelerator's trace is read the same way, unverified), on
+CPU the top-level operators. Kinds are read from kernel names (CUDA) or operator names (CPU): GEMM (cuBLAS /
+CUTLASS / nvjet / scaled and grouped mm), attention (flash / cuDNN / efficient SDPA kernels), optimizer
+(multi-tensor Adam and the clipping norm), communication (NCCL), the loss's softmax, copies (memcpy / memset / copy
+kernels), and everything else (norms, RoPE, SwiGLU, residual adds, casts: mostly Triton kernels under compile).
+Idle = the step's wall time minus the union of the device's busy intervals: launch gaps, host syncs (and the
+profiler's own overhead).
 
 For an MoE model (`moe=True`) three more kinds come first: the experts' grouped GEMM (CUTLASS grouped kernels),
 the routing (top-k selection) and dispatch / combine (the permutation into expert-contiguous rows and back:
@@ -70,12 +72,19 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def _spans(trace_path: Path, device_type: str) -> tuple[list[dict], list[dict]]:
+def _on_device(device_type: str) -> bool:
+    """Whether a trace of ``device_type`` holds device kernels (an accelerator's) or only CPU operators."""
+    from megaloom.accelerator import is_accelerator  # (torch: re-reading a saved trace needs it no other way)
+
+    return is_accelerator(device_type)
+
+
+def _spans(trace_path: Path, on_device: bool) -> tuple[list[dict], list[dict]]:
     """(kernel or top-level operator spans, all events) of a saved trace."""
     opener = gzip.open if str(trace_path).endswith(".gz") else open
     with opener(trace_path, "rt") as f:
         events = json.load(f)["traceEvents"]
-    if device_type == "cuda":
+    if on_device:
         spans = [e for e in events if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     else:  # CPU (a smoke test of the tool more than a measurement): top-level operators of each thread only
         spans = []
@@ -90,7 +99,8 @@ def _spans(trace_path: Path, device_type: str) -> tuple[list[dict], list[dict]]:
 
 def breakdown(trace_path: Path, device_type: str, moe: bool = False) -> dict:
     """Busy time per kind (ms) from a Chrome trace written by `torch.profiler.profile.export_chrome_trace`."""
-    spans, events = _spans(trace_path, device_type)
+    on_device = _on_device(device_type)
+    spans, events = _spans(trace_path, on_device)
     per_kind: dict[str, float] = {}
     for e in spans:
         k = kind_of(e.get("name", ""), moe)
@@ -102,7 +112,7 @@ def breakdown(trace_path: Path, device_type: str, moe: bool = False) -> dict:
     wall = sum(e["dur"] for e in step) / 1e3 if step else None
     busy = _union_us([(e["ts"], e["ts"] + e.get("dur", 0.0)) for e in spans]) / 1e3
     out = {"wall_ms": wall, "busy_ms": busy, "kinds_ms": dict(sorted(per_kind.items(), key=lambda kv: -kv[1]))}
-    if spans and device_type == "cuda":
+    if spans and on_device:
         # Idle = the device's own span (first kernel start to last kernel end) less its busy time: gaps between
         # kernels, independent of how far the host ran ahead.
         span = (max(e["ts"] + e.get("dur", 0.0) for e in spans) - min(e["ts"] for e in spans)) / 1e3
@@ -151,7 +161,7 @@ def table(b: dict, step_ms: float | None = None, floor: dict[str, float] | None 
 def top_kernels(trace_path: Path, device_type: str, moe: bool = False, n: int = 5) -> dict[str, list]:
     """Each kind's `n` largest kernels by total time: [(ms, calls, name)], to check the classification."""
     per: dict[tuple[str, str], list[float]] = {}
-    for e in _spans(trace_path, device_type)[0]:
+    for e in _spans(trace_path, _on_device(device_type))[0]:
         name = e.get("name", "")
         acc = per.setdefault((kind_of(name, moe), name), [0.0, 0])
         acc[0] += e.get("dur", 0.0) / 1e3
@@ -165,16 +175,17 @@ def top_kernels(trace_path: Path, device_type: str, moe: bool = False, n: int = 
 
 def profile_step(run_step, out_dir: Path, device_type: str, moe: bool = False) -> dict:
     """Profile one call of `run_step()` (after warm-up), save the trace and the breakdown; return the breakdown."""
-    import torch
     from torch.profiler import ProfilerActivity, profile, schedule
 
+    from megaloom import accelerator
+
     out_dir.mkdir(parents=True, exist_ok=True)
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device_type == "cuda" else [])
+    device_activity = accelerator.profiler_activity(device_type)
+    acts = [ProfilerActivity.CPU] + ([device_activity] if device_activity is not None else [])
     with profile(activities=acts, schedule=schedule(wait=0, warmup=1, active=1, repeat=1)) as prof:
         for _ in range(2):
             run_step()
-            if device_type == "cuda":
-                torch.cuda.synchronize()
+            accelerator.synchronize(device_type)
             prof.step()
     trace = out_dir / "trace.json"
     prof.export_chrome_trace(str(trace))
@@ -186,7 +197,7 @@ def profile_step(run_step, out_dir: Path, device_type: str, moe: bool = False) -
     return b
 
 
-# Measured ceilings per GPU (a substring of torch.cuda.get_device_name): the bf16 matmul rate at 8192^3 and the
+# Measured ceilings per GPU (a substring of `accelerator.device_name`): the bf16 matmul rate at 8192^3 and the
 # HBM bandwidth of a large copy, both on an H200 (bench/RESULTS.md: bench_matmul.py, bench_optimizer.py).
 DEVICE_CEILINGS = {"H200": {"gemm_tflops": 760.0, "hbm_tbps": 4.26}}
 
@@ -200,5 +211,5 @@ def device_ceilings(device_name: str) -> dict[str, float] | None:
 
 
 def kernel_count(trace_path: Path) -> int:
-    """Kernels launched in a saved CUDA trace."""
-    return sum(1 for e in _spans(trace_path, "cuda")[0] if e.get("cat") == "kernel")
+    """Kernels launched in a saved trace of a device."""
+    return sum(1 for e in _spans(trace_path, on_device=True)[0] if e.get("cat") == "kernel")

@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megaloom import accelerator
+
 if TYPE_CHECKING:
     from megaloom.parallel.mesh import Mesh
 
@@ -44,8 +46,9 @@ class RNGTracker:
 
     def __init__(self, salts: dict[str, int] | None = None, device: torch.device | str = "cpu") -> None:
         self._salts: dict[str, int] = dict(salts or {})
-        # Dropout on a CUDA tensor draws from that device's generator, so that one is forked too.
+        # Dropout on an accelerator's tensor draws from that device's generator, so that one is forked too.
         self.device = torch.device(device)
+        self._device_rng = accelerator.device_rng(self.device)  # None on CPU
 
     @classmethod
     def for_mesh(cls, mesh: Mesh) -> RNGTracker:
@@ -68,18 +71,15 @@ class RNGTracker:
         base = int(torch.randint(0, _SEED_SPACE, (1,)).item())
         seed = (base + (self._salts[name] + 1) * _MIX) % _SEED_SPACE
         cpu_state = torch.get_rng_state()
-        cuda = self.device.type == "cuda"
-        if cuda:
-            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-            cuda_state = torch.cuda.get_rng_state(index)  # (initialises CUDA if nothing has yet)
-            torch.cuda.default_generators[index].manual_seed(seed)
+        device_rng = self._device_rng
+        saved = device_rng.fork(seed) if device_rng is not None else None
         torch.default_generator.manual_seed(seed)
         try:
             yield
         finally:
             torch.set_rng_state(cpu_state)
-            if cuda:
-                torch.cuda.set_rng_state(cuda_state, index)
+            if device_rng is not None:
+                device_rng.restore(saved)
 
 
 class ForkedDropout(nn.Module):

@@ -39,6 +39,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from megaloom import accelerator
 from megaloom.config import ConfigError
 from megaloom.lamb import Lamb
 from megaloom.parallel import comm
@@ -290,7 +291,7 @@ class ShardedOptimizer:
         no_decay = [i for i, s in enumerate(self.segments) if self.named_params[s.owner][1].ndim < 2]
         # (indices, weight decay) per parameter group; an empty group would be refused on some ranks
         split = [(idx, wd) for idx, wd in ((decay, weight_decay), (no_decay, 0.0)) if idx]
-        fused = device.type == "cuda"
+        fused = accelerator.fused_optimizer(device)
         if optimizer == "adamw" and not fused:
             # The foreach AdamW allocates sqrt(exp_avg_sq) for a whole parameter group at once (4 bytes per element
             # of the shard); stepping groups of about STEP_GROUP_ELEMENTS bounds it. Elementwise: the same values.

@@ -1,6 +1,6 @@
 """`megaloom doctor --calibrate`: measure this machine's GPU into a calibration file for `megaloom plan`.
 
-What it times (CUDA events, the median of repeats after warm-up, on random data):
+What it times (the device's timing events, CUDA's on a GPU, the median of repeats after warm-up, on random data):
 
 - bf16 GEMMs of [S, k] x [k, S] for the smallest dimension k in `GEMM_DIMS` (S = 8192; k = 8192 is the square
   ceiling), as TFLOP/s;
@@ -10,8 +10,10 @@ What it times (CUDA events, the median of repeats after warm-up, on random data)
 - the host time of a tiny kernel's launch, microseconds.
 
 The node and network (GPUs per node, NVLink and NIC bandwidth, latencies) are not measured here: they come from
-the options, or from the kind's datasheet file when ``--like`` names one. On a machine without CUDA the same code
-runs on the CPU (wall-clock timing): a smoke test of the command, not a calibration anyone should plan with.
+the options, or from the kind's datasheet file when ``--like`` names one. The device is the machine's accelerator
+(`accelerator.default_device`: CUDA on the machines this was built for; another accelerator is timed the same way,
+untested). On a machine without one the same code runs on the CPU (wall-clock timing): a smoke test of the command,
+not a calibration anyone should plan with.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from megaloom import accelerator
 from megaloom.planning.hardware import GPU_DIR, gpu_to_dict, load_gpu
 
 GEMM_DIMS = (128, 256, 512, 1024, 2048, 4096, 8192)
@@ -41,9 +44,10 @@ def _timer(device: torch.device, fn: Callable[[], object], repeats: int, warmup:
     for _ in range(warmup):
         fn()
     times = []
+    streams = accelerator.streams(device)
     for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if streams is not None:
+            start, end = streams.event(timing=True), streams.event(timing=True)
             start.record()
             fn()
             end.record()
@@ -56,8 +60,13 @@ def _timer(device: torch.device, fn: Callable[[], object], repeats: int, warmup:
     return statistics.median(times)
 
 
+def _dtype(device: torch.device) -> torch.dtype:
+    """bf16 on an accelerator (what training runs), fp32 on CPU (a smoke test)."""
+    return torch.bfloat16 if accelerator.is_accelerator(device) else torch.float32
+
+
 def gemm_rates(device: torch.device, size: int = 8192, dims=GEMM_DIMS, repeats: int = 10) -> list[list[float]]:
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = _dtype(device)
     out = []
     for k in dims:
         a = torch.randn(size, k, device=device, dtype=dtype)
@@ -69,7 +78,7 @@ def gemm_rates(device: torch.device, size: int = 8192, dims=GEMM_DIMS, repeats: 
 
 def attention_rates(device: torch.device, seqs=ATTENTION_SEQS, head_sizes=(64, 128), tokens: int = 32768,
                     repeats: int = 5) -> list[list[float]]:
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = _dtype(device)
     out = []
     for hd in head_sizes:
         heads = 2048 // hd  # d_model 2048 worth of heads
@@ -97,14 +106,12 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2 * 2**30, repeats: int =
 
 def launch_us(device: torch.device, n: int = 2000) -> float:
     x = torch.zeros(16, device=device)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    accelerator.synchronize(device)
     t0 = time.perf_counter()
     for _ in range(n):
         x.add_(1.0)
     host = time.perf_counter() - t0
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    accelerator.synchronize(device)
     return round(1e6 * host / n, 2)
 
 
@@ -114,18 +121,18 @@ def calibrate(device: torch.device, name: str | None = None, like: str | None = 
     base = gpu_to_dict(load_gpu(like)) if like else {
         "gpus_per_node": 8, "nvlink_gbps": 360.0, "nic_gbps": 50.0, "nvlink_latency_us": 8.0,
         "nic_latency_us": 15.0, "collective_us": 30.0}
-    cuda = device.type == "cuda"
+    on_device = accelerator.is_accelerator(device)
     size, dims, seqs, tokens, nbytes = ((256, (32, 64, 128), (128, 256), 512, 2**20) if quick
                                         else (8192, GEMM_DIMS, ATTENTION_SEQS, 32768, 2 * 2**30))
-    props = torch.cuda.get_device_properties(device) if cuda else None
+    total = accelerator.total_memory(device)
     from megaloom.observe.flops import device_peak_flops
 
     out = dict(base)
     out.update({
-        "name": name or (props.name if props else "cpu"),
-        "source": "measured" if cuda else "measured on CPU (a smoke test, not for planning)",
-        "peak_tflops": (device_peak_flops(device) or 0.0) / 1e12 if cuda else base.get("peak_tflops", 1.0),
-        "memory_gb": round(props.total_memory / 1e9, 1) if props else base.get("memory_gb", 1.0),
+        "name": name or accelerator.device_name(device),
+        "source": "measured" if on_device else "measured on CPU (a smoke test, not for planning)",
+        "peak_tflops": (device_peak_flops(device) or 0.0) / 1e12 if on_device else base.get("peak_tflops", 1.0),
+        "memory_gb": round(total / 1e9, 1) if total is not None else base.get("memory_gb", 1.0),
         "gemm": gemm_rates(device, size, dims, repeats=3 if quick else 10),
         "attention": attention_rates(device, seqs, tokens=tokens, repeats=2 if quick else 5),
         "hbm_tbps": copy_bandwidth(device, nbytes, repeats=3 if quick else 10),
@@ -139,7 +146,7 @@ def calibrate(device: torch.device, name: str | None = None, like: str | None = 
 
 
 def calibrate_command(out: str | None, name: str | None, like: str | None, quick: bool = False) -> int:
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    device = accelerator.default_device()
     data = calibrate(device, name, like, quick)
     path = Path(out) if out else GPU_DIR / f"{(name or data['name']).lower().replace(' ', '-')}.json"
     path.write_text(json.dumps(data, indent=1) + "\n")

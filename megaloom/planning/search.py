@@ -18,6 +18,7 @@ import copy
 import dataclasses
 from collections.abc import Iterator
 
+from megaloom.accelerator import CUDA
 from megaloom.config import Config, ConfigError, validate
 from megaloom.observe.memory_plan import GB, MemoryPlan, plan_memory
 from megaloom.parallel.mesh import tp_sizes_for_model
@@ -75,10 +76,10 @@ def _layout(cfg: Config, *, tp: int, cp: int, pp: int, vpp: int, ep: int, mb: in
 
 
 def resolved(cfg: Config) -> Config:
-    """The levers left at auto, as a GPU run of this layout chooses them (training/levers.py)."""
+    """The levers left at auto, as a CUDA run of this layout chooses them (training/levers.py)."""
     from megaloom.training.levers import resolve_levers
 
-    return resolve_levers(cfg, "cuda")[0]
+    return resolve_levers(cfg, CUDA)[0]
 
 
 def accepted(cfg: Config, world: int) -> bool:
@@ -104,7 +105,7 @@ def fit_memory(cfg: Config, world: int, gpu: GpuKind) -> tuple[Config, MemoryPla
     for lean in options:
         trial = copy.deepcopy(cfg)
         trial.train.recompute_casts = lean
-        plans = [(plan_memory(trial, world_size=world, device="cuda", pp_rank=r, n_micro=n_micro), r)
+        plans = [(plan_memory(trial, world_size=world, device=CUDA, pp_rank=r, n_micro=n_micro), r)
                  for r in stages]
         plan, stage = max(plans, key=lambda pr: pr[0].peak)
         if plan.peak <= budget:

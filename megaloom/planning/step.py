@@ -25,6 +25,7 @@ import copy
 import functools
 from dataclasses import dataclass, field
 
+from megaloom.accelerator import CUDA
 from megaloom.config import Config
 from megaloom.models.attention_shapes import core_widths
 from megaloom.observe.flops import flops_per_token
@@ -225,7 +226,7 @@ def predict(cfg: Config, world: int, gpu: GpuKind, mode: str = "cluster", memory
 
 
 def _add_memory(pred: Prediction, cfg: Config, world: int, gpu: GpuKind) -> None:
-    plans = [(r, plan_memory(cfg, world_size=world, device="cuda", pp_rank=r, n_micro=pred.n_micro))
+    plans = [(r, plan_memory(cfg, world_size=world, device=CUDA, pp_rank=r, n_micro=pred.n_micro))
              for r in sorted({0, cfg.parallel.pp - 1})]
     stage, plan = max(plans, key=lambda rp: rp[1].peak)
     pred.memory_gb, pred.memory_stage, pred.memory_phase = plan.peak / GB, stage, plan.peak_phase

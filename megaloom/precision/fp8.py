@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megaloom.accelerator import CUDA
 from megaloom.precision.fp8_block import blockwise_matmul
 
 RECIPES = ("tensorwise", "rowwise", "blockwise")
@@ -90,7 +91,7 @@ def _rowwise_mm(a8: torch.Tensor, b8: torch.Tensor, a_inv: torch.Tensor, b_inv: 
     """a8 @ b8 scaled by a_inv [M, 1] and b_inv [1, N], in bf16 (the CUDA rowwise kernel: fp32 accumulation, scales
     in the epilogue, bf16 out). CPU kernels before torch 2.13 take only per-tensor scales: the same arithmetic
     there with unit scales and the epilogue written out."""
-    if a8.device.type == "cuda":
+    if a8.device.type == CUDA:
         return torch._scaled_mm(a8, b8, scale_a=a_inv, scale_b=b_inv, out_dtype=torch.bfloat16,
                                 use_fast_accum=fast_accum)
     one = torch.ones((), device=a8.device)

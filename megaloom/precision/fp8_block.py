@@ -38,6 +38,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megaloom import accelerator
+
 BLOCK = 128
 E4M3 = torch.float8_e4m3fn
 FMAX = torch.finfo(E4M3).max  # 448
@@ -50,17 +52,10 @@ def round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-@torch.compiler.assume_constant_result
-def cuda_major(index: int) -> int:
-    """The compute capability's major version of CUDA device ``index``; a constant to torch.compile (it is asked
-    inside compiled blocks, where a device query would otherwise break the graph)."""
-    return torch.cuda.get_device_capability(index)[0]
-
-
 def is_hopper(device: torch.device) -> bool:
-    if device.type != "cuda":
-        return False
-    return cuda_major(device.index if device.index is not None else torch.cuda.current_device()) == 9
+    """A CUDA GPU of compute capability 9.x (asked inside compiled blocks: `accelerator.cuda_major` is a constant
+    to torch.compile)."""
+    return accelerator.cuda_major(device) == 9
 
 
 def backend_for(device: torch.device) -> str:
@@ -73,17 +68,18 @@ def describe_backend(device: torch.device) -> str:
     if backend_for(device) == KERNEL:
         return (f"blockwise GEMMs on torch._scaled_mm with 1x128 / 128x128 block scales (cuBLAS, "
                 f"{_device_name(device)}; contracted dimensions padded to multiples of 512)")
-    why = ("no block-scaled fp8 kernel on CPU" if device.type != "cuda" else
-           f"no block-scaled fp8 kernel on {_device_name(device)} (torch's needs compute capability 9.x)")
+    why = ("no block-scaled fp8 kernel on CPU" if not accelerator.is_accelerator(device) else
+           f"no block-scaled fp8 kernel on {_device_name(device)}"
+           + (" (torch's needs compute capability 9.x)" if accelerator.is_cuda(device) else ""))
     return (f"blockwise GEMMs emulated: {why}; the blocks are dequantised and multiplied in fp32 (the numerics of "
             "blockwise fp8, slower than bf16)")
 
 
 def _device_name(device: torch.device) -> str:
-    if device.type != "cuda":
+    capability = accelerator.cuda_capability(device)
+    if capability is None:
         return device.type
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"{torch.cuda.get_device_name(device)}, compute capability {major}.{minor}"
+    return f"{accelerator.device_name(device)}, compute capability {capability[0]}.{capability[1]}"
 
 
 # ------------------------------------------------------------------------------------------------ quantisation
@@ -140,9 +136,9 @@ def _kernel_mm(a8: torch.Tensor, a_inv: torch.Tensor, b8: torch.Tensor, b_inv: t
         raise RuntimeError(
             f"train.fp8_recipe=blockwise: torch {torch.__version__}'s _scaled_mm refused the 1x128/128x128 block "
             f"scales on this GPU (A {tuple(a8.shape)}, B {tuple(b8.shape)}, scale_a {tuple(scale_a.shape)} strides "
-            f"{scale_a.stride()}, scale_b {tuple(scale_b.shape)} strides {scale_b.stride()}): {e}. It needs CUDA "
-            "compute capability 9.x, cuBLAS >= 12.9 and torch >= 2.9; use train.fp8_recipe=rowwise or tensorwise "
-            "here.") from e
+            f"{scale_a.stride()}, scale_b {tuple(scale_b.shape)} strides {scale_b.stride()}): {e}. It needs an "
+            "NVIDIA GPU of compute capability 9.x (Hopper), cuBLAS >= 12.9 and torch >= 2.9; use "
+            "train.fp8_recipe=rowwise or tensorwise here.") from e
 
 
 @_kernel_mm.register_fake

@@ -27,6 +27,7 @@ from functools import partial
 import torch
 from torch import nn
 
+from megaloom import accelerator
 from megaloom.models.moe import MoE
 from megaloom.observe.log import get_logger
 from megaloom.parallel.tp_layers import ColumnParallelLinear, RowParallelLinear
@@ -151,5 +152,5 @@ def _choose_backends(device: torch.device, summary: Float8Summary, blockwise: bo
         summary.backends.append(mod.describe_backend(device))
         if mod.backend_for(device) == mod.KERNEL:
             mod.check_kernel(device)
-        elif device.type == "cuda":
-            log.warning(f"megaloom: {key} on a GPU without the fast kernel: {mod.describe_backend(device)}")
+        elif accelerator.is_accelerator(device):
+            log.warning(f"megaloom: {key} on a device without the fast kernel: {mod.describe_backend(device)}")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import torch
 
+from megaloom import accelerator
 from megaloom.precision.fp8 import E4M3, compute_dtype, quantize
 from megaloom.precision.fp8_block import is_hopper
 
@@ -42,7 +43,8 @@ def backend_for(device: torch.device) -> str:
 def describe_backend(device: torch.device) -> str:
     if backend_for(device) == KERNEL:
         return "expert GEMMs on torch._scaled_grouped_mm (rowwise e4m3, weight gradient bf16)"
-    where = "CPU" if device.type != "cuda" else "this GPU (torch's kernel needs compute capability 9.x)"
+    where = ("this GPU (torch's kernel needs compute capability 9.x)" if accelerator.is_cuda(device)
+             else device.type if accelerator.is_accelerator(device) else "CPU")
     return (f"expert GEMMs emulated: no fp8 grouped GEMM on {where}; dequantised and multiplied expert by expert in "
             "fp32 (the numerics of fp8 experts, slower than bf16)")
 

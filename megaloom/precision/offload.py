@@ -19,8 +19,11 @@ import contextlib
 import torch
 from torch import nn
 
+from megaloom import accelerator
+from megaloom.accelerator import CUDA
+
 MIN_BYTES = 1 << 20  # tensors below 1 MiB stay on the device
-OFFLOAD_FROM = {"cuda"}  # device types whose activations move (tests add "cpu" to exercise the hooks)
+OFFLOAD_FROM = {CUDA}  # device types whose activations move, measured on CUDA (tests add "cpu" to exercise the hooks)
 
 
 def _is_param(t: torch.Tensor) -> bool:
@@ -36,7 +39,7 @@ def _is_param(t: torch.Tensor) -> bool:
 def _pack(t: torch.Tensor):
     if t.device.type not in OFFLOAD_FROM or _is_param(t) or t.numel() * t.element_size() < MIN_BYTES:
         return t
-    host = torch.empty(t.size(), dtype=t.dtype, pin_memory=t.is_cuda)
+    host = torch.empty(t.size(), dtype=t.dtype, pin_memory=accelerator.pin_memory(t.device))
     host.copy_(t, non_blocking=True)
     return (t.device, host)
 

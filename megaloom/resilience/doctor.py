@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megaloom import accelerator
 from megaloom.observe.log import get_logger
 from megaloom.parallel import comm
 from megaloom.parallel.host_group import HostGroup
@@ -47,8 +48,8 @@ def run_checks(device: torch.device, matmul_n: int, comm_mb: float, repeats: int
                group=None) -> dict:
     """This rank's timings; the collectives run over ``group`` (default: the world) on ``device`` tensors."""
     group = dist.group.WORLD if group is None else group
-    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    sync = lambda: accelerator.synchronize(device)  # noqa: E731  (nothing on CPU)
+    dtype = torch.bfloat16 if accelerator.is_accelerator(device) else torch.float32
     a = torch.randn(matmul_n, matmul_n, device=device, dtype=dtype)
     b = torch.randn(matmul_n, matmul_n, device=device, dtype=dtype)
     extra = fault.slow_seconds()
@@ -94,12 +95,10 @@ def doctor(factor: float = 2.0, matmul_n: int = 512, comm_mb: float = 4.0, repea
     ``group``: the group whose collectives are timed (default: the world). The table and the verdict always
     travel over a gloo side group, whatever the world's backend. ``run_dir``: the nodes of unhealthy ranks are
     recorded there for the next restart to leave out (suspects.py, `megaloom evict`)."""
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    device = accelerator.pick("auto", int(os.environ.get("LOCAL_RANK", 0)))  # the local rank's accelerator, or CPU
     started = not dist.is_initialized()
     if started:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=120))
+        dist.init_process_group(accelerator.backend(device), timeout=timedelta(seconds=120))
     host = HostGroup(timeout_s=120)
     rank, world = dist.get_rank(), dist.get_world_size()
     keys = ["matmul_s", "all_reduce_s", "all_gather_s", "p2p_s"]

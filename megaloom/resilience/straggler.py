@@ -5,10 +5,11 @@ slow):
 
 - on CPU: the step's wall time minus the host time spent inside collectives (gloo blocks the host until done);
 - on a GPU: the host cannot tell (NCCL calls return once enqueued, so the wait lands in the next host sync and
-  every rank looks equally slow). `DeviceSpans` records CUDA events on the compute stream at the step's start and
-  end and around every collective (`comm`'s recorder: the stream waits for the collective there, peers included),
-  never waiting for them; a step's device compute is its span minus those collective spans. The events are read
-  once they have completed (`Event.query`, no sync) or, for the last steps, when the report is due.
+  every rank looks equally slow). `DeviceSpans` records the device's timing events (CUDA's on a GPU) on the
+  compute stream at the step's start and end and around every collective (`comm`'s recorder: the stream waits for
+  the collective there, peers included), never waiting for them; a step's device compute is its span minus those
+  collective spans. The events are read once they have completed (`Event.query`, no sync) or, for the last steps,
+  when the report is due.
 
 Every `resilience.straggler_every` steps the averages are all-gathered once over the run's host-side (gloo)
 control group, never over the training groups: on GPUs those are NCCL groups, which have no CPU backend. A rank
@@ -18,12 +19,14 @@ all ranks come from one sort (`medians_of_others`): O(world log world), 8,192 ra
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
+from megaloom import accelerator
 from megaloom.parallel.host_group import HostGroup
 
 
@@ -58,18 +61,14 @@ def slower_than_others(values: np.ndarray, factor: float, include: np.ndarray | 
     return (med > 0) & (np.asarray(values, dtype=np.float64) > factor * med)
 
 
-def cuda_timing_event() -> Any:
-    return torch.cuda.Event(enable_timing=True)
-
-
 class DeviceSpans:
     """Per-step device compute from events on the current stream: the step's span minus its collectives' spans.
 
     ``event``: makes an event with ``record()``, ``query()``, ``synchronize()`` and ``elapsed_time(later)`` in
-    milliseconds (CUDA's by default; the CPU tests pass a simulated clock). Nothing here waits for the device
-    except `take`, when the report is due."""
+    milliseconds (a timing event of the device's, `for_device`; the CPU tests pass a simulated clock). Nothing here
+    waits for the device except `take`, when the report is due."""
 
-    def __init__(self, event: Callable[[], Any] = cuda_timing_event) -> None:
+    def __init__(self, event: Callable[[], Any]) -> None:
         self.event = event
         self._start: Any = None
         self._open: Any = None
@@ -128,7 +127,7 @@ class StragglerDetector:
     def __init__(self, world_size: int, factor: float, recorder, group: HostGroup | None = None,
                  spans: DeviceSpans | None = None):
         """``group``: the run's host-side control group (None: one process, nothing to gather). ``spans``: device
-        timing (`DeviceSpans`; what a CUDA run uses, see `for_device`), told by ``recorder`` (a
+        timing (`DeviceSpans`; what a run on an accelerator uses, see `for_device`), told by ``recorder`` (a
         `comm.LastOpRecorder`) about every collective; None: host timing."""
         self.world_size, self.factor, self.recorder, self.group = world_size, factor, recorder, group
         self.spans = spans
@@ -140,8 +139,10 @@ class StragglerDetector:
     @classmethod
     def for_device(cls, device: torch.device, world_size: int, factor: float, recorder,
                    group: HostGroup | None = None) -> StragglerDetector:
-        """Device timing on a CUDA device, host timing elsewhere."""
-        return cls(world_size, factor, recorder, group, DeviceSpans() if device.type == "cuda" else None)
+        """Device timing on an accelerator with events (its timing events, looked up once), host timing elsewhere."""
+        streams = accelerator.streams(device)
+        spans = DeviceSpans(functools.partial(streams.event_class, enable_timing=True)) if streams is not None else None
+        return cls(world_size, factor, recorder, group, spans)
 
     def start_step(self) -> None:
         self._comm_mark = getattr(self.recorder, "seconds", 0.0)

@@ -14,7 +14,8 @@ reports:
 - build times: mesh (every process group), model (meta build, plan, pipeline cut), materialize, optimizer;
 - memory: the memory plan's prediction for this rank (`plan_memory` with the built module) beside what was
   measured: the peak resident set above the one before the build on CPU (``/proc/self/status`` VmHWM, reset
-  before each phase), ``torch.cuda.max_memory_allocated`` on GPU; weights and optimizer state also counted;
+  before each phase), the caching allocator's peak on an accelerator (`accelerator.max_memory_allocated`);
+  weights and optimizer state also counted;
 - the collectives of each step, calls and bytes per group (`comm.CommTally` on ``mesh.recorder``): tp, pp, dp
   (named with the kinds that share the group, e.g. dp/dp_cp/edp), the tied-embedding pair, point-to-point
   sends and receives one by one. Compiled blocks issue their tensor-parallel collectives from inside their
@@ -59,6 +60,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megaloom import accelerator
 from megaloom.config import Config, ConfigError, resolved_head_dim
 from megaloom.observe.log import get_logger
 from megaloom.observe.memory_plan import GB, MemoryPlan, plan_memory
@@ -159,17 +161,17 @@ def _status_kb(field_name: str) -> int | None:
 
 
 class MemoryProbe:
-    """Bytes this process holds for tensors, per phase: on GPU the caching allocator's peak; on CPU the peak
-    resident set (VmHWM, reset by writing 5 to /proc/self/clear_refs) above the resident set at `start`."""
+    """Bytes this process holds for tensors, per phase: on an accelerator the caching allocator's peak; on CPU the
+    peak resident set (VmHWM, reset by writing 5 to /proc/self/clear_refs) above the resident set at `start`."""
 
     def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
+        self.on_device = accelerator.is_accelerator(device)
         self.device = device
         self.base = 0
 
     def current(self) -> int:
-        if self.cuda:
-            return torch.cuda.memory_allocated(self.device)
+        if self.on_device:
+            return accelerator.memory_allocated(self.device)
         kb = _status_kb("VmRSS")
         return kb * 1024 if kb is not None else 0
 
@@ -178,8 +180,8 @@ class MemoryProbe:
         self.base = self.current()
 
     def reset_peak(self) -> None:
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
+        if self.on_device:
+            accelerator.reset_peak_memory_stats(self.device)
             return
         try:
             Path("/proc/self/clear_refs").write_text("5")
@@ -188,8 +190,8 @@ class MemoryProbe:
 
     def peak(self) -> int:
         """Peak since the last reset, above the baseline."""
-        if self.cuda:
-            return torch.cuda.max_memory_allocated(self.device) - self.base
+        if self.on_device:
+            return accelerator.max_memory_allocated(self.device) - self.base
         kb = _status_kb("VmHWM")
         if kb is None:
             kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // (1024 if sys.platform == "darwin" else 1)
@@ -210,9 +212,9 @@ def return_freed_memory() -> bool:
 
 
 def default_budget(device: torch.device) -> int | None:
-    """Bytes a dry run may plan to use: the GPU's memory, or 90% of the memory available now (Linux)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
+    """Bytes a dry run may plan to use: the accelerator's memory, or 90% of the memory available now (Linux)."""
+    if accelerator.is_accelerator(device):
+        return accelerator.total_memory(device)
     try:
         m = re.search(r"^MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.M)
     except OSError:
@@ -436,7 +438,7 @@ def _build_and_step(report: DryRunReport, dcfg: Config, rt, steps: int, budget: 
         report.memory_note = ("resident set, malloc returning freed blocks" if return_freed_memory()
                               else "resident set (freed blocks may stay in malloc's heap: an upper bound)")
     else:
-        report.memory_note = "torch.cuda.max_memory_allocated"
+        report.memory_note = f"the {device.type} caching allocator's peak (max_memory_allocated)"
     probe.start()
     report.memory["start"] = probe.base  # what the process held before the build (interpreter, libraries)
     probe.reset_peak()
@@ -517,7 +519,7 @@ def _build_and_step(report: DryRunReport, dcfg: Config, rt, steps: int, budget: 
         batch = next(batches)
         float(ts(batch.to(device) if batch is not None else None).loss)
 
-    if steps and device.type == "cuda":
+    if steps and accelerator.is_accelerator(device):
         report.profile = profile_rank(trainer, one_step, report, Path(cfg.run.dir) / "profile")
     if steps and cfg.train.compile:
         # Compiled blocks call no recorder (parallel/traced_comm.py): count one eager step that issues the same
@@ -556,7 +558,7 @@ def profile_rank(trainer, one_step, report: DryRunReport, out_dir: Path) -> dict
     t = cfg.train
     timed = [report.seconds[f"step_{i + 1}"] for i in range(len(report.losses))]
     step_ms = 1e3 * float(np.median(timed[1:] if len(timed) > 1 else timed))
-    b = profile_step(one_step, out_dir, "cuda", moe=cfg.model.moe_every > 0)
+    b = profile_step(one_step, out_dir, mesh.device.type, moe=cfg.model.moe_every > 0)
     b["kernels"] = kernel_count(out_dir / "trace.json.gz")
     tokens = trainer.n_micro * t.micro_batch_size * t.seq_len // mesh.cp  # this rank's tokens per step
     mm = matmul_params(model)
@@ -574,7 +576,7 @@ def profile_rank(trainer, one_step, report: DryRunReport, out_dir: Path) -> dict
     grads = trainer.train_step.grads
     if cfg.parallel.zero in (1, 2) and hasattr(grads, "shard_numel"):
         updated = grads.shard_numel()  # ZeRO: this rank updates its 1/dp shard
-    name = torch.cuda.get_device_name(mesh.device)
+    name = accelerator.device_name(mesh.device)
     ceilings = device_ceilings(name)
     prof = {"step_ms": step_ms, "busy_ms": b["busy_ms"], "kernel_ms": sum(b["kinds_ms"].values()),
             "kinds_ms": b["kinds_ms"], "kernels": b["kernels"], "gpu_busy": min(1.0, b["busy_ms"] / step_ms),

@@ -3,7 +3,8 @@ train.grad_accum_fusion), chosen for the device.
 
 A run typed with only the model and the batch should take the fastest path that is proven equal to the plain
 one. Each lever turns on where it is supported and was measured to pay (one H200, llama3-1b-untied, seq 4096, bf16;
-bench/RESULTS.md), and stays off elsewhere, so CPU runs are what they were:
+bench/RESULTS.md), and stays off elsewhere, so CPU runs are what they were; on an accelerator other than CUDA (xpu,
+musa, npu, mps: none measured) each stays off as on CPU, but precision auto is bf16 there as on CUDA:
 
 - ``train.compile``: each block compiled (57.8k -> 61.9k tok/s together with the fused loss; fp8 needs it to pay;
   the MoE preset qwen3-moe-2.6b: 50.4k -> 71.5k). Off on CPU (compile time dominates tiny models) and with
@@ -36,17 +37,18 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from megaloom import accelerator
 from megaloom.config import Config
 from megaloom.fa4 import fa4_importable
 from megaloom.models.registry import get_family
 
 
 def compute_precision(cfg: Config, device: str) -> str:
-    """train.precision with "auto" resolved as megaloom.runtime does (bf16 on GPU, fp32 on CPU). Here, with the
-    other "auto" choices, rather than in the memory plan that reads it: the plan asks the levers for the whole
+    """train.precision with "auto" resolved as megaloom.runtime does (bf16 on an accelerator, fp32 on CPU). Here,
+    with the other "auto" choices, rather than in the memory plan that reads it: the plan asks the levers for the whole
     resolved config (the levers used to ask the plan for this, an import circle, issue 37)."""
     p = cfg.train.precision
-    return ("bf16" if device == "cuda" else "fp32") if p == "auto" else p
+    return ("bf16" if accelerator.is_accelerator(device) else "fp32") if p == "auto" else p
 
 
 @dataclass(frozen=True)
@@ -60,47 +62,56 @@ class LeverChoice:
         return f"{self.key.removeprefix('train.')} {shown} ({self.why})"
 
 
+MEASURED_ON = "CUDA"  # where the levers were measured (an H200, bench/RESULTS.md): the reason each says on or off
+
+
+def _off_cuda(device: str) -> str:
+    """Why a lever measured on CUDA alone stays off on ``device``."""
+    return "not on CPU" if not accelerator.is_accelerator(device) else f"measured on {MEASURED_ON} only, not {device}"
+
+
 def _compile(cfg: Config, device: str) -> LeverChoice:
-    if device != "cuda":
-        return LeverChoice("train.compile", False, "not on CPU")
+    if not accelerator.is_cuda(device):
+        return LeverChoice("train.compile", False, _off_cuda(device))
     if cfg.parallel.async_tp and cfg.parallel.tp > 1:
         return LeverChoice("train.compile", False, "parallel.async_tp runs eagerly")
-    return LeverChoice("train.compile", True, "CUDA")
+    return LeverChoice("train.compile", True, MEASURED_ON)
 
 
 def _fused_loss(cfg: Config, device: str) -> LeverChoice:
-    if device != "cuda":
-        return LeverChoice("train.fused_loss", False, "not on CPU")
+    if not accelerator.is_cuda(device):
+        return LeverChoice("train.fused_loss", False, _off_cuda(device))
     if cfg.parallel.tp > 1:
         return LeverChoice("train.fused_loss", False, "tp>1 has its vocab-parallel loss")
     if cfg.parallel.cp > 1:
         return LeverChoice("train.fused_loss", False, "not with cp>1")
     if get_family(cfg.model.arch).traits.head_bias:
         return LeverChoice("train.fused_loss", False, f"the head has a bias ({cfg.model.arch})")
-    return LeverChoice("train.fused_loss", True, "CUDA, tp=1")
+    return LeverChoice("train.fused_loss", True, f"{MEASURED_ON}, tp=1")
 
 
 def _attention(device: str, capability: tuple[int, int] | None) -> LeverChoice:
-    if device == "cuda" and capability is not None and capability >= (9, 0):
+    if accelerator.is_cuda(device) and capability is not None and capability >= (9, 0):
         cc = f"compute capability {capability[0]}.{capability[1]}"
         if capability[0] in (9, 10) and fa4_importable():
             return LeverChoice("train.attention", "fa4", f"{cc}, flash-attn-4 installed")
         return LeverChoice("train.attention", "cudnn", cc)
-    why = "not on CPU" if device != "cuda" else "before Hopper" if capability is not None else "GPU unknown"
+    why = (_off_cuda(device) if not accelerator.is_cuda(device) else "before Hopper" if capability is not None
+           else "GPU unknown")
     return LeverChoice("train.attention", "torch", why)
 
 
 def _bf16_residual(cfg: Config, device: str) -> LeverChoice:
     precision = compute_precision(cfg, device)
-    if device != "cuda":
-        return LeverChoice("train.bf16_residual", False, "not on CPU")
+    if not accelerator.is_cuda(device):
+        return LeverChoice("train.bf16_residual", False, _off_cuda(device))
     if precision not in ("bf16", "fp8"):
         return LeverChoice("train.bf16_residual", False, f"precision {precision}")
     if not get_family(cfg.model.arch).dense_decoder:  # the family says whether its model is the measured code
         return LeverChoice("train.bf16_residual", False, f"{cfg.model.arch}: not measured")
     if cfg.model.moe_every:
         return LeverChoice("train.bf16_residual", False, "MoE: not measured")
-    return LeverChoice("train.bf16_residual", True, f"CUDA, {precision}, dense decoder")
+    return LeverChoice("train.bf16_residual", True, f"{MEASURED_ON}, {precision}, dense decoder")
 
 
 def _grad_accum_fusion(cfg: Config, device: str, compiled: bool) -> LeverChoice:
@@ -110,8 +121,8 @@ def _grad_accum_fusion(cfg: Config, device: str, compiled: bool) -> LeverChoice:
 
 
 def choose_levers(cfg: Config, device: str, capability: tuple[int, int] | None = None) -> list[LeverChoice]:
-    """The choice for every lever of ``cfg`` left at "auto" on ``device`` ("cuda" or "cpu"; ``capability``: the
-    GPU's compute capability when known)."""
+    """The choice for every lever of ``cfg`` left at "auto" on ``device`` (a device type: "cpu", CUDA's, another
+    accelerator's; ``capability``: a CUDA GPU's compute capability when known)."""
     t = cfg.train
     out = []
     if t.compile == "auto":

@@ -2,8 +2,8 @@
 
 AdamW reads and writes 28 bytes per fp32 parameter: on an H200 it is 15 ms of a 256 ms llama3-1b step (6%), run
 while nothing else runs, although the next forward needs the embedding's and block 0's new weights first and the
-head's last. Here the update runs on a side CUDA stream in that order, chunk by chunk (embedding, block 0, 1, ...,
-final norm and head), and the main stream waits for a chunk's event only just before the module that reads it
+head's last. Here the update runs on a side stream of the device in that order, chunk by chunk (embedding, block 0,
+1, ..., final norm and head), and the main stream waits for a chunk's event only just before the module that reads it
 (forward pre-hooks, kept out of torch.compile): block i's forward overlaps the updates of the blocks after it.
 
 The arithmetic is the optimizer's own: each chunk is one `optimizer.step()` over a view of the parameter groups
@@ -16,15 +16,19 @@ marked as used on the side stream (`record_stream`), so the caching allocator do
 next forward before the update has read them. Anything that reads or writes the weights outside a forward (a
 checkpoint save, a rollback, the end of training) calls `wait_all()` first. One process or data parallelism
 without ZeRO (zero=0), no pipeline: the config refuses the rest. On CPU (tests) the same chunks run in order on
-the one stream.
+the one stream. Streams and events are the device module's (`accelerator.streams`: torch.cuda's on CUDA, where this
+was measured; another accelerator whose module has streams takes the same path, untested).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
+
+from megaloom import accelerator
 
 
 def forward_order_chunks(model: nn.Module) -> list[tuple[nn.Module, list[nn.Parameter]]]:
@@ -61,8 +65,9 @@ class OverlappedStep:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
         self.optimizer, self.device = optimizer, device
         self.chunks = forward_order_chunks(model)
-        self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.pending: dict[int, torch.cuda.Event] = {}  # chunk -> its update's event, until a forward waits for it
+        self.streams = accelerator.streams(device)  # None on CPU: the chunks run in order on the one stream
+        self.side = self.streams.new_stream() if self.streams is not None else None
+        self.pending: dict[int, Any] = {}  # chunk -> its update's event, until a forward waits for it
         # Each chunk's parameters per optimizer group, split once (the groups' parameter lists never change).
         chunk_ids = [{id(p) for p in params} for _, params in self.chunks]
         self.group_params = [[[p for p in g["params"] if id(p) in ids] for g in optimizer.param_groups]
@@ -77,7 +82,7 @@ class OverlappedStep:
         def wait(_module, _args) -> None:
             event = self.pending.pop(i, None)
             if event is not None:
-                torch.cuda.current_stream(self.device).wait_event(event)
+                self.streams.current().wait_event(event)
         return wait
 
     def _states_ready(self) -> bool:
@@ -87,7 +92,7 @@ class OverlappedStep:
         return self._ready
 
     def step(self) -> None:
-        """The update, chunk by chunk; on CUDA queued on the side stream after everything queued so far."""
+        """The update, chunk by chunk; on an accelerator queued on the side stream after everything queued so far."""
         self.wait_all()  # an update never overtakes the previous one (a step without a forward in between)
         if not self._states_ready():  # the first step creates the optimizer state: unchunked, on the main stream
             self.optimizer.step()
@@ -96,13 +101,13 @@ class OverlappedStep:
             for i in range(len(self.chunks)):
                 self._step_chunk(i)
             return
-        main = torch.cuda.current_stream(self.device)
+        main = self.streams.current()
         self.side.wait_stream(main)  # the gradients, their reduction and the clip coefficient are ready
         scale = getattr(self.optimizer, "grad_scale", None)
-        with torch.cuda.stream(self.side):
+        with self.streams.use(self.side):
             for i in range(len(self.chunks)):
                 self._step_chunk(i)
-                event = torch.cuda.Event()
+                event = self.streams.event()
                 event.record(self.side)
                 self.pending[i] = event
         # Read on the side stream after the host drops them (zero_grad, the next step's clip coefficient).
@@ -126,7 +131,7 @@ class OverlappedStep:
     def wait_all(self) -> None:
         """The main stream waits for every update still pending (a GPU-side wait: no host sync)."""
         for event in self.pending.values():
-            torch.cuda.current_stream(self.device).wait_event(event)
+            self.streams.current().wait_event(event)
         self.pending.clear()
 
     def remove(self) -> None:

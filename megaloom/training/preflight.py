@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from megaloom import accelerator
 from megaloom.config import Config, ConfigError, ModelConfig
 from megaloom.data.chat.settings import check_chat_config
 from megaloom.models.registry import get_family
@@ -55,15 +56,23 @@ def preflight(cfg: Config, world_size: int, local_world_size: int | None = None)
 
 
 def check_device(cfg: Config, local_world_size: int) -> None:
-    """train.device=cuda:N with several processes on a node puts all of them on GPU N (NCCL then fails with
-    "Duplicate GPU detected", or they share one GPU's memory): refused, naming the fix. One process per node
-    (multi-node, --nproc-per-node 1) may pick its GPU so."""
+    """train.device=TYPE:N with several processes on a node puts all of them on device N (NCCL then fails with
+    "Duplicate GPU detected", or they share one device's memory): refused, naming the fix, for every accelerator
+    type. One process per node (multi-node, --nproc-per-node 1) may pick its device so. Then the type itself:
+    refused where this torch does not know it (`accelerator.check_type`; whether this machine has one is asked
+    when the rank picks its device, `accelerator.check`, still before any process group, data or model)."""
     d = cfg.train.device
-    if d.startswith("cuda:") and local_world_size > 1:
+    kind, _, index = d.partition(":")
+    if index and local_world_size > 1:
+        cuda = accelerator.is_cuda(kind)
+        noun = "GPU" if cuda else f"{kind} device"
+        symptom = ' (NCCL: "Duplicate GPU detected")' if cuda else ""
+        env = accelerator.visible_devices_env(kind)
+        restrict = f" (restrict the {noun}s used with {env})" if env else ""
         raise ConfigError(f"train.device={d} with {local_world_size} processes on this node would put every rank on "
-                          f"GPU {d[len('cuda:'):]} (NCCL: \"Duplicate GPU detected\"); set train.device=cuda (or auto) "
-                          "so that each rank takes the GPU of its local rank (restrict the GPUs used with "
-                          "CUDA_VISIBLE_DEVICES).")
+                          f"{noun} {index}{symptom}; set train.device={kind} (or auto) so that each rank takes the "
+                          f"{noun} of its local rank{restrict}.")
+    accelerator.check_type(d)
 
 
 def preflight_launch(cfg: Config, world_size: int) -> Checked:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from megaloom import accelerator
 from megaloom.config import Config, ConfigError
 from megaloom.observe.log import get_logger
 from megaloom.observe.memory_fit import auto_micro_batch, choose_recompute_casts
@@ -59,12 +60,18 @@ def with_micro_batch(cfg: Config, micro_batch_size: int) -> Config:
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=micro_batch_size))
 
 
+def _budget_gb(device: torch.device) -> float | None:
+    """The accelerator's memory in GB, the budget the memory plan fills (None on CPU: no device limit)."""
+    total = accelerator.total_memory(device)
+    return total / GB if total is not None else None
+
+
 def resolve_recompute_casts(cfg: Config, rt: Runtime, device: torch.device) -> Config:
     """train.recompute_casts=auto -> on where the memory plan needs it (`choose_recompute_casts`), said on a GPU.
     The same on every rank: the plan is the worst stage's and the budget the (uniform) GPU's."""
     if cfg.train.recompute_casts != "auto":
         return cfg
-    budget = torch.cuda.get_device_properties(device).total_memory / GB if device.type == "cuda" else None
+    budget = _budget_gb(device)
     choice, why = choose_recompute_casts(cfg, rt.world_size, budget)
     if budget is not None and rt.is_main:
         log.info(f"megaloom: train.recompute_casts=auto -> {str(choice).lower()} ({why})")
@@ -74,7 +81,7 @@ def resolve_recompute_casts(cfg: Config, rt: Runtime, device: torch.device) -> C
 def choose_micro_batch(cfg: Config, rt: Runtime, device: torch.device) -> int:
     """train.micro_batch_size=0: the largest micro-batch the memory plan fits on this GPU (`auto_micro_batch`);
     every rank takes the smallest of the ranks' choices, so that all run the same schedule. A collective."""
-    budget = torch.cuda.get_device_properties(device).total_memory / GB if device.type == "cuda" else None
+    budget = _budget_gb(device)
     mb, peak = auto_micro_batch(cfg, rt.world_size, budget)
     world = torch.distributed.group.WORLD if rt.world_size > 1 else None
     mb = int(comm.all_reduce(torch.tensor([mb], device=device), world, op="min").item())

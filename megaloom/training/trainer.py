@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megaloom import accelerator
 from megaloom.checkpoint.group import CheckpointGroup
 from megaloom.checkpoint.store import remove_partial_saves
 from megaloom.config import Config, ConfigError
@@ -206,12 +207,13 @@ class Trainer:
         cfg = resolve_config(self.requested, precision=self.precision, tokenizer_path=self.tokenizer.path,
                              tokenizer_vocab=(self.objective or self.tokenizer).vocab_size,
                              image_token_id=getattr(self.tokenizer, "image_id", None))
-        capability = torch.cuda.get_device_capability(self.device) if self.device.type == "cuda" else None
+        capability = accelerator.cuda_capability(self.device)
         cfg, levers = resolve_levers(cfg, self.device.type, capability)  # the speed levers left at "auto"
         if levers and self.rt.is_main:  # on CPU every lever stays off: said at debug level only
-            (log.info if self.device.type == "cuda" else log.debug)(f"megaloom: {describe_levers(levers)}")
-        if cfg.train.attention == "fa4" and self.device.type == "cuda":
-            check_fa4(self.device)  # before the build: refused where it cannot run, naming the fix
+            (log.info if accelerator.is_accelerator(self.device) else log.debug)(
+                f"megaloom: {describe_levers(levers)}")
+        if cfg.train.attention == "fa4" and accelerator.is_accelerator(self.device):
+            check_fa4(self.device)  # before the build: refused where it cannot run (not CUDA), naming the fix
         elif cfg.train.attention == "fa4":  # a GPU job's config tried on CPU (a dry run): SDPA, as cudnn would be
             (log.info if self.rt.is_main else log.debug)("megaloom: train.attention=fa4 runs on GPUs; on CPU the "
                                                          "attention is PyTorch's SDPA (train.attention=torch)")
@@ -480,7 +482,8 @@ class Trainer:
                               rank_size=self.local_batch, start_step=step + self.data_offset, n_steps=t.steps - step)
         if not self.reads_data:
             return itertools.repeat(None, t.steps - step)
-        return make_loader(batches, cfg.data.num_workers, cfg.data.prefetch, pin_memory=self.device.type == "cuda")
+        return make_loader(batches, cfg.data.num_workers, cfg.data.prefetch,
+                           pin_memory=accelerator.pin_memory(self.device))
 
     def _train_one_step(self, batch: torch.Tensor | None) -> bool:
         """One optimizer step, then its metric line if due; True when the run must roll back."""
@@ -504,8 +507,8 @@ class Trainer:
         self.skipped += int(out.skipped)
         self.step += 1
         self.interval.steps += 1
-        if self.device.type == "cuda" and self.step % t.log_every == 0:
-            torch.cuda.synchronize(self.device)  # so the interval's timing covers the GPU work it queued
+        if self.step % t.log_every == 0:
+            accelerator.synchronize(self.device)  # so the interval's timing covers the device work it queued
         wall = time.perf_counter() - step_t0
         self.interval.compute_s += wall
         if not self._warm:

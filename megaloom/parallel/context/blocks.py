@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from megaloom.accelerator import CUDA
+
 
 def _repeat_kv(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
@@ -32,7 +34,7 @@ def _sum_kv(g: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def _use_flash(q: torch.Tensor) -> bool:
-    return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+    return q.device.type == CUDA and q.dtype in (torch.float16, torch.bfloat16)
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:

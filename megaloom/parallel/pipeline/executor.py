@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megaloom import accelerator
 from megaloom.data.image_text.batch import ImageTextBatch
 from megaloom.data.objective import inputs_and_labels
 from megaloom.models.documents import Documents
@@ -209,13 +210,10 @@ class PipelineExecutor:
         if not self.timing:
             fn()
             return
-        cuda = self.mesh.device.type == "cuda"
-        if cuda:
-            torch.cuda.synchronize(self.mesh.device)
+        accelerator.synchronize(self.mesh.device)  # (nothing on CPU)
         start = time.perf_counter()
         fn()
-        if cuda:
-            torch.cuda.synchronize(self.mesh.device)
+        accelerator.synchronize(self.mesh.device)
         self.events.append(TimedAction(self.rank, kind, mb, stage, start - self._t0, time.perf_counter() - self._t0,
                                        label))
 
