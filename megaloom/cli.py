@@ -130,13 +130,21 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         from megaloom.generate import image_prompt
 
         prompt, images = image_prompt(model, tok, args.prompt, args.image, device)
+    elif args.chat:
+        from megaloom.generate import chat_prompt
+
+        ids, stops = chat_prompt(Path(args.run), tok, args.prompt, args.system)
+        prompt = torch.tensor([ids], device=device)
     else:
         prompt = torch.tensor([tok.encode(args.prompt) or [tok.eod_id]], device=device)
     out = generate(model, prompt, args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                   use_cache=not args.no_cache, seed=args.seed, eod_id=tok.eod_id, images=images)
+                   use_cache=not args.no_cache, seed=args.seed, eod_id=stops if args.chat else tok.eod_id,
+                   images=images)
     ids = out[0].tolist()
-    if images is not None:  # the answer only: the image tokens and the question are the prompt
+    if images is not None or args.chat:  # the answer only: the prompt is the images and question, or the chat
         ids = ids[prompt.shape[1]:]
+        if args.chat and ids and ids[-1] in stops:
+            ids = ids[:-1]  # the end-of-turn token itself
     print(tok.decode(ids))
     return 0
 
@@ -280,6 +288,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser("generate", help="sample text from a run's latest checkpoint")
     g.add_argument("--run", required=True, help="run directory")
     g.add_argument("--prompt", default="")
+    g.add_argument("--chat", action="store_true",
+                   help="--prompt is a user's message to a chat-tuned run: rendered with the run's chat template "
+                        "(data.chat_template), the answer printed alone, ending at the end of the assistant's turn")
+    g.add_argument("--system", default="", help="with --chat: a system message before the user's")
     g.add_argument("--max-new-tokens", type=int, default=200)
     g.add_argument("--temperature", type=float, default=0.8)
     g.add_argument("--top-k", type=int, default=50)

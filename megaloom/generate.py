@@ -4,6 +4,7 @@ keys/values built once)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -38,11 +39,14 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
 @torch.no_grad()
 def generate(model: Transformer, prompt: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
              top_k: int = 0, top_p: float = 1.0, use_cache: bool = True, seed: int = 0,
-             eod_id: int | None = None, images: dict | None = None) -> torch.Tensor:
+             eod_id: int | Sequence[int] | None = None, images: dict | None = None) -> torch.Tensor:
     """Continue prompt [B, T]; returns [B, T + n]. With use_cache=False every step re-runs the whole prefix
     (the reference that the cached path must agree with). ``images``: a multimodal model's image keywords
-    (``images``, ``n_images``) for the prompt's <image> tokens, passed with every forward from position 0."""
+    (``images``, ``n_images``) for the prompt's <image> tokens, passed with every forward from position 0.
+    ``eod_id``: the token (or tokens: a chat's end of turn and the end of document) that stops a row."""
     images = images or {}
+    stops = None if eod_id is None else torch.tensor([eod_id] if isinstance(eod_id, int) else list(eod_id),
+                                                     device=prompt.device)
     model.eval()
     gen = torch.Generator(device=prompt.device).manual_seed(seed)
     if hasattr(model, "start_decoding"):  # an encoder-decoder: the prompt is the encoder's input
@@ -56,7 +60,7 @@ def generate(model: Transformer, prompt: torch.Tensor, max_new_tokens: int, temp
     for _ in range(max_new_tokens):
         nxt = sample_next(logits, temperature, top_k, top_p, gen)
         out = torch.cat([out, nxt[:, None]], dim=1)
-        if eod_id is not None and bool((nxt == eod_id).all()):
+        if stops is not None and bool(torch.isin(nxt, stops).all()):
             break
         if out.shape[1] >= limit:
             break
@@ -130,3 +134,29 @@ def image_prompt(model: Transformer, tok: Tokenizer, text: str, image_files: lis
     pixels = torch.stack([torch.from_numpy(decode(f, model.cfg.image_size, f)) for f in image_files])
     return (torch.tensor(ids[:-1], dtype=torch.long, device=device)[None],  # without the closing end-of-document
             {"images": pixels[None].to(device), "n_images": torch.tensor([len(image_files)], device=device)})
+
+
+# Tokens that end an assistant's turn in the built-in templates and the common released ones (ChatML / Qwen,
+# Llama 3, Gemma, Mistral-style end of sequence); those the run's vocabulary has stop a chat answer.
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<end_of_turn>", "</s>", "<|endoftext|>")
+
+
+def chat_prompt(run_dir: Path, tok: Tokenizer, message: str, system: str = "") -> tuple[list[int], list[int]]:
+    """(prompt ids, stop ids) for one user ``message`` (and a ``system`` prompt) to a chat-tuned run: rendered with
+    the run's own template (its data.chat_template, as training rendered the conversations), the assistant's turn
+    opened, the markup tokenized as special tokens; the answer stops at the template's end of turn."""
+    from megaloom.data.chat.encode import _markup_as_specials
+    from megaloom.data.chat.templates import resolve_template, special_tokens
+    from megaloom.train import load_run_config
+
+    cfg = load_run_config(run_dir)
+    vocab = tok.hf.get_vocab()
+    template = resolve_template(cfg.data.chat_template, cfg.data.tokenizer, vocab)
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": message}]
+    with _markup_as_specials(tok):
+        ids = tok.encode(template.render(messages, True))
+    eos = special_tokens(Path(cfg.data.tokenizer).expanduser().parent, vocab).get("eos_token")
+    names = {*END_OF_TURN, *([eos] if eos else [])}
+    stops = sorted({vocab[n] for n in names if n in vocab} | {tok.eod_id})
+    return ids, stops
+

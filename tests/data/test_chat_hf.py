@@ -81,3 +81,16 @@ def test_readme_fine_tune_path(tmp_path, chat_tokenizer, capsys, lora: bool):
     model = transformers.AutoModelForCausalLM.from_pretrained(out)
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     assert model(**ids).logits.shape[-1] == model.config.vocab_size
+
+    # `megaloom generate --chat` renders the same prompt transformers does and answers from the run itself
+    from megaloom.data.tokenizer import Tokenizer
+    from megaloom.generate import chat_prompt
+
+    mine, stops = chat_prompt(run, Tokenizer.from_file(run / "tokenizer.json"), "what is 2 + 2?")
+    assert mine == tok(prompt, add_special_tokens=False)["input_ids"]  # the text apply_chat_template rendered
+    assert tok.convert_tokens_to_ids("<|eot_id|>") in stops
+    capsys.readouterr()
+    assert main(["generate", "--run", str(run), "--chat", "--prompt", "what is 2 + 2?", "--max-new-tokens", "4",
+                 "--temperature", "0"]) == 0
+    answer = capsys.readouterr().out
+    assert "<|start_header_id|>" not in answer and "what is 2 + 2" not in answer  # the answer alone
