@@ -97,7 +97,7 @@ def main() -> int:
             Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
         return 0
     from megaloom.config import load_config
-    from megaloom.observe.memory_plan import GB
+    from megaloom.planning.memory_plan import GB
     from megaloom.training.dryrun import dry_run
 
     t0 = time.perf_counter()
@@ -140,7 +140,7 @@ def result_row(cfg, report, overrides: list[str], run_id: str | None, wall_s: fl
 
     import torch
 
-    from megaloom.observe.memory_plan import GB
+    from megaloom.planning.memory_plan import GB
 
     prof = report.profile
     commit = os.environ.get("MEGALOOM_COMMIT") or subprocess.run(  # the GPU machine's copy has no .git

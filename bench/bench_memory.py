@@ -2,7 +2,7 @@
 
 For each configuration: build the model on the GPU as `megaloom train` does on one process (fp32 master
 weights, AdamW fused, `TrainStep` under bf16 autocast), predict its peak with
-`megaloom.observe.memory_plan.plan_memory`, run a few steps on synthetic tokens, and compare with
+`megaloom.planning.memory_plan.plan_memory`, run a few steps on synthetic tokens, and compare with
 ``torch.cuda.max_memory_allocated`` (peak bytes since the configuration was built). One JSON line per
 configuration; exits 1 when a prediction misses by more than --tolerance percent.
 
@@ -30,10 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megaloom.config import load_config  # noqa: E402
 from megaloom.models import apply_recompute  # noqa: E402
 from megaloom.models.transformer import build_on_device  # noqa: E402
-from megaloom.observe.memory_plan import GB, attention_backend, plan_memory  # noqa: E402
 from megaloom.optim import build_optimizer  # noqa: E402
+from megaloom.planning.levers import resolve_levers  # noqa: E402
+from megaloom.planning.memory_plan import GB, attention_backend, plan_memory  # noqa: E402
 from megaloom.step import TrainStep  # noqa: E402
-from megaloom.training.levers import resolve_levers  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_train import git_commit  # noqa: E402  (one definition of the commit stamp)

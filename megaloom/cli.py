@@ -205,7 +205,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 
 def _cmd_memory(args: argparse.Namespace) -> int:
-    from megaloom.observe.memory_fit import memory_command
+    from megaloom.planning.memory_fit import memory_command
 
     print(memory_command(load_config(args.config, args.overrides), args.nproc, args.gpu_gb))
     return 0

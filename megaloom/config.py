@@ -60,7 +60,7 @@ def _choices(f: dataclasses.Field) -> tuple | None:
 TRACKERS = ("tensorboard", "wandb", "mlflow")  # run.trackers (megaloom/observe/trackers/)
 
 # A switch that "auto" leaves to megaloom (train.compile, train.fused_loss): true, false or "auto", resolved to a
-# bool for the device before the run's config.yaml is written (megaloom/training/levers.py).
+# bool for the device before the run's config.yaml is written (megaloom/planning/levers.py).
 AutoBool = bool | str
 AUTO_BOOL = ("auto", True, False)
 
@@ -317,7 +317,7 @@ class TrainConfig:
     offload_activations: bool = _f(False, "Keep the large tensors saved for backward in pinned CPU memory "
                                           "(GPU only; trades PCIe traffic for activation memory).")
     compile: AutoBool = _f("auto", "torch.compile each transformer block. auto = on CUDA (measured to pay for dense "
-                                   "and MoE models; megaloom/training/levers.py), off on CPU and with "
+                                   "and MoE models; megaloom/planning/levers.py), off on CPU and with "
                                    "parallel.async_tp.", AUTO_BOOL)
     fused_loss: AutoBool = _f("auto", "Compute the output head and cross-entropy fused, in chunks of tokens, never "
                                       "holding the full [tokens, vocab] logits (megaloom.models.fused_ce); needs "

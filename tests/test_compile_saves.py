@@ -10,7 +10,7 @@ import torch
 
 from megaloom.config import load_config
 from megaloom.models.transformer import build_on_device
-from megaloom.observe.memory_plan import block_activation_bytes
+from megaloom.planning.memory_plan import block_activation_bytes
 from megaloom.training.compile_saves import set_lean_saves
 
 
@@ -76,7 +76,7 @@ def test_lean_saves_drop_the_weight_copies_and_keep_the_gradients(preset: str, e
 
 
 def test_the_memory_plan_keeps_no_weight_casts_with_the_lever() -> None:
-    from megaloom.observe.memory_plan import plan_memory
+    from megaloom.planning.memory_plan import plan_memory
 
     args = ["model.preset=llama3-1b-untied", "train.seq_len=4096", "train.micro_batch_size=4",
             "train.global_batch_size=4", "train.compile=true", "train.precision=bf16"]
@@ -87,7 +87,7 @@ def test_the_memory_plan_keeps_no_weight_casts_with_the_lever() -> None:
 
 
 def test_auto_turns_the_lever_on_only_where_the_plan_needs_it() -> None:
-    from megaloom.observe.memory_fit import choose_recompute_casts, resolve_for_planning
+    from megaloom.planning.memory_fit import choose_recompute_casts, resolve_for_planning
 
     def choice(*args: str, budget: float | None = 141.0) -> bool:
         cfg = resolve_for_planning(load_config(None, [*args, "train.precision=bf16"]))  # levers as on a GPU

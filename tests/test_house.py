@@ -383,7 +383,7 @@ CUDA_NAMED_ALLOWED = {
         "so it cannot ask megaloom/accelerator.py, which imports this constant instead",
     ("fa4.py", "it needs a CUDA GPU"):
         "FA4 is a CUDA kernel (flash-attn-4): the refusal names what train.attention=fa4 needs as a fact",
-    ("training/levers.py", "CUDA"):
+    ("planning/levers.py", "CUDA"):
         "levers.MEASURED_ON: the speed levers were measured on CUDA (an H200), the reason each choice states",
 }
 

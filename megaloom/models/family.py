@@ -122,7 +122,7 @@ class Family:
     # token rows are shifted by one (causal LM).
     objective: Callable[..., Any] | None = None
     # True: the family's model is the shared causal pre-norm decoder alone (no module of its own: no image
-    # encoder, no second stack, not an encoder), the code the measured fast paths ran on; training/levers.py turns
+    # encoder, no second stack, not an encoder), the code the measured fast paths ran on; planning/levers.py turns
     # those on at "auto" for it (train.bf16_residual). False (the default) keeps them off, as "not measured".
     dense_decoder: bool = False
 

@@ -1,8 +1,8 @@
 """What autograd really saves for backward: the measurement the memory plan's activation model is checked against.
 
-`megaloom.observe.memory_plan` enumerates saved tensors from the config; the functions here count them by
+`megaloom.planning.memory_plan` enumerates saved tensors from the config; the functions here count them by
 running a forward under `torch.autograd.graph.saved_tensors_hooks`. A contributor adding a model family (or
-changing a module) compares the two: tests/observe/test_family_memory_plan.py does it for every registered
+changing a module) compares the two: tests/planning/test_family_memory_plan.py does it for every registered
 family, so a family whose block saves something the plan does not know fails there.
 """
 

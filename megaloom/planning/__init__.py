@@ -1,7 +1,14 @@
-"""The time half of planning a job: what one step of a layout costs on a cluster, and the search over layouts.
+"""Planning a job before it runs, in one package below the training loop: what a layout needs and what it costs.
 
-`hardware` (a GPU kind's calibration and the cluster's links), `compute` (one rank's kernels per micro-batch,
-from the same shapes the dry run executes), `comm` (collectives by an alpha-beta model), `step` (a layout's step:
-pipeline schedule, exposed communication, memory from `observe.memory_plan`), `search` (every valid layout of a
-world, best first) and `command` (`megaloom plan`). docs/planner.md says how each piece was checked.
+The memory half: `shape` (the model's "auto" sizes), `levers` (which speed settings `auto` picks for a shape and
+device), `memory_plan` (one rank's peak, component by component; `memory_mla` for latent attention) and
+`memory_fit` (`megaloom memory`: the worst stage, the largest micro-batch that fits). The time half: `hardware`
+(a GPU kind's calibration and the cluster's links), `compute` (one rank's kernels per micro-batch, from the same
+shapes the dry run executes), `comm` (collectives by an alpha-beta model), `step` (a layout's step: pipeline
+schedule, exposed communication, memory from `memory_plan`), `search` (every valid layout of a world, best first),
+`calibrate` (`megaloom doctor --calibrate`) and `command` (`megaloom plan`). Nothing here imports the training
+loop (the trainer, the step): `training/` calls down into it (`training/resolve.py` applies a plan to a run).
+It does read `training/preflight.py`, the checks `megaloom train` runs before any work, so that nothing planned
+would be refused.
+docs/planner.md says how each piece was checked.
 """

@@ -26,7 +26,7 @@ def _shaped(cfg: Config) -> Config:
     """A copy with the vocabulary and sizes filled in as `megaloom train` would (the default tokenizer's)."""
     import math
 
-    from megaloom.training.resolve import resolve_model_shape
+    from megaloom.planning.shape import resolve_model_shape
 
     out = copy.deepcopy(cfg)
     resolve_model_shape(out, out.data.default_vocab_size, pad_multiple=math.lcm(64, out.parallel.tp))

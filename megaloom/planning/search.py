@@ -20,9 +20,9 @@ from collections.abc import Iterator
 
 from megaloom.accelerator import CUDA
 from megaloom.config import Config, ConfigError, validate
-from megaloom.observe.memory_plan import GB, MemoryPlan, plan_memory
 from megaloom.parallel.mesh import tp_sizes_for_model
 from megaloom.planning.hardware import GpuKind
+from megaloom.planning.memory_plan import GB, MemoryPlan, plan_memory
 from megaloom.planning.step import Prediction, predict
 
 HEADROOM = 0.95  # of the GPU's memory a plan may use (as memory_fit)
@@ -76,8 +76,8 @@ def _layout(cfg: Config, *, tp: int, cp: int, pp: int, vpp: int, ep: int, mb: in
 
 
 def resolved(cfg: Config) -> Config:
-    """The levers left at auto, as a CUDA run of this layout chooses them (training/levers.py)."""
-    from megaloom.training.levers import resolve_levers
+    """The levers left at auto, as a CUDA run of this layout chooses them (planning/levers.py)."""
+    from megaloom.planning.levers import resolve_levers
 
     return resolve_levers(cfg, CUDA)[0]
 

@@ -12,7 +12,7 @@
 - data parallelism: the gradient reduction (an all-reduce, or ZeRO's reduce-scatter) starts during the last
   micro-batch's backward and only its excess over that backward shows; ZeRO's parameter all-gather overlaps the
   next step's first forward likewise; the optimizer runs at HBM bandwidth on what this rank updates;
-- memory: `observe.memory_plan.plan_memory` of the first and the last pipeline stage (the stages with the most
+- memory: `planning.memory_plan.plan_memory` of the first and the last pipeline stage (the stages with the most
   in-flight activations and with the head), the larger one reported.
 
 ``mode="dry-run"`` predicts `megaloom train --dry-run` on the fake process group instead: the same compute,
@@ -29,11 +29,11 @@ from megaloom.accelerator import CUDA
 from megaloom.config import Config
 from megaloom.models.attention_shapes import core_widths
 from megaloom.observe.flops import flops_per_token
-from megaloom.observe.memory_plan import GB, _resolved, analytic_params, is_moe_layer, plan_memory
 from megaloom.parallel.mesh import validate_layout
 from megaloom.planning import comm
 from megaloom.planning.compute import ChunkWork, chunk_work, optimizer_seconds
 from megaloom.planning.hardware import GpuKind
+from megaloom.planning.memory_plan import GB, _resolved, analytic_params, is_moe_layer, plan_memory
 
 
 @dataclass
@@ -144,13 +144,13 @@ def _makespan(schedule: str, pp: int, vpp: int, n_micro: int, b_over_f: float, c
 def predict(cfg: Config, world: int, gpu: GpuKind, mode: str = "cluster", memory: bool = True,
             pp_rank: int | None = None) -> Prediction:
     """The step of ``cfg``'s layout at ``world`` GPUs of kind ``gpu`` (module doc). ``cfg`` must be resolved
-    (model.vocab_size set: observe.memory_fit.resolve_for_planning). ``pp_rank``: the pipeline rank whose step a
+    (model.vocab_size set: planning.memory_fit.resolve_for_planning). ``pp_rank``: the pipeline rank whose step a
     dry run measures (default: the busiest)."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
     sizes = validate_layout(cfg, world)
     dp = sizes["dp"]
     if t.recompute_casts == "auto":  # as `megaloom train` decides it: on only where the plan does not fit without
-        from megaloom.observe.memory_fit import choose_recompute_casts
+        from megaloom.planning.memory_fit import choose_recompute_casts
 
         cfg = copy.deepcopy(cfg)
         cfg.train.recompute_casts = choose_recompute_casts(cfg, world, 0.95 * gpu.memory_gb)[0]

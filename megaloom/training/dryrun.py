@@ -63,9 +63,9 @@ import torch.distributed as dist
 from megaloom import accelerator
 from megaloom.config import Config, ConfigError, resolved_head_dim
 from megaloom.observe.log import get_logger
-from megaloom.observe.memory_plan import GB, MemoryPlan, plan_memory
 from megaloom.parallel import comm
 from megaloom.parallel.mesh import DEFAULT_ORDER, Mesh, rank_coords
+from megaloom.planning.memory_plan import GB, MemoryPlan, plan_memory
 from megaloom.training.preflight import preflight
 
 log = get_logger(__name__)
@@ -418,7 +418,7 @@ def dry_run(cfg: Config, world: int, rank: str | int = 0, steps: int = 1, memory
 
 def _planned(cfg: Config, world: int, device: torch.device, pp_rank: int, update: bool, model=None,
              n_micro: int | None = None) -> MemoryPlan:
-    from megaloom.observe.memory_fit import resolve_for_planning
+    from megaloom.planning.memory_fit import resolve_for_planning
 
     plan_cfg = resolve_for_planning(cfg) if cfg.model.vocab_size <= 0 else copy.deepcopy(cfg)
     if plan_cfg.train.micro_batch_size == 0:  # auto: any size gives the weights

@@ -18,15 +18,15 @@ import torch
 from megaloom import accelerator
 from megaloom.config import Config, ConfigError
 from megaloom.observe.log import get_logger
-from megaloom.observe.memory_fit import auto_micro_batch, choose_recompute_casts
-from megaloom.observe.memory_plan import GB
 from megaloom.parallel import comm
-from megaloom.runtime import Runtime
+from megaloom.planning.memory_fit import auto_micro_batch, choose_recompute_casts
+from megaloom.planning.memory_plan import GB
 
 # The model shape's "auto" sizes (a module of their own, which the memory plan uses too); these names stay here.
-from megaloom.training.shape import resolve_model_shape as resolve_model_shape
-from megaloom.training.shape import resolved_model as resolved_model
-from megaloom.training.shape import vocab_pad_multiple as vocab_pad_multiple
+from megaloom.planning.shape import resolve_model_shape as resolve_model_shape
+from megaloom.planning.shape import resolved_model as resolved_model
+from megaloom.planning.shape import vocab_pad_multiple as vocab_pad_multiple
+from megaloom.runtime import Runtime
 
 log = get_logger(__name__)
 

@@ -46,7 +46,6 @@ from megaloom.observe.flops import (
 )
 from megaloom.observe.log import get_logger
 from megaloom.observe.memory import peak_memory_gb
-from megaloom.observe.memory_plan import MemoryReport, attention_backend
 from megaloom.observe.metrics import MetricsSink, console_line, format_eta
 from megaloom.onebit import KINDS as ONEBIT_KINDS
 from megaloom.onebit import PAD_MULTIPLE as ONEBIT_PAD
@@ -61,6 +60,8 @@ from megaloom.parallel.pipeline.stage import build_embedding_groups, build_stage
 from megaloom.parallel.random import dropout_seed
 from megaloom.parallel.tensor import parallelize_tensor
 from megaloom.parallel.zero import ShardedOptimizer, build_data_parallel, param_gather_dtype
+from megaloom.planning.levers import describe_levers, resolve_levers
+from megaloom.planning.memory_plan import MemoryReport, attention_backend
 from megaloom.resilience import suspects
 from megaloom.resilience.guard import Resilience
 from megaloom.resilience.peers import PeerLost, describe, peer_loss
@@ -80,7 +81,6 @@ from megaloom.training.checkpoints import RunCheckpoints
 from megaloom.training.compile_saves import set_lean_saves
 from megaloom.training.data import default_builder, load_rank_datasets
 from megaloom.training.evaluate import eval_batches, evaluate, evaluate_pipeline
-from megaloom.training.levers import describe_levers, resolve_levers
 from megaloom.training.options import apply_train_options, mtp_loss_weight_at
 from megaloom.training.preflight import Checked, preflight, preflight_vocab, world_size_from_env
 from megaloom.training.records import Interval, dp_mean, moe_fields

@@ -118,7 +118,7 @@ def fit_peak(rank: int, world: int, device, root: str) -> dict:
     the resident set before the build, next to the memory plan of the rank and the whole model's weights + Adam
     state. The process has run a save and a load before (`sharded_suite`): libraries and their code pages are
     loaded, so what grows is this run's memory."""
-    from megaloom.observe.memory_plan import plan_memory
+    from megaloom.planning.memory_plan import plan_memory
     from megaloom.runtime import Runtime
     from megaloom.training.dryrun import synthetic_datasets
     from megaloom.training.trainer import Trainer

@@ -66,7 +66,7 @@ def test_train_loop_with_fused_loss_matches(small_corpus, tmp_path, monkeypatch)
 
 
 def test_config_key_and_tp_refusal():
-    assert load_config(None, []).train.fused_loss == "auto"  # resolved per device (megaloom/training/levers.py)
+    assert load_config(None, []).train.fused_loss == "auto"  # resolved per device (megaloom/planning/levers.py)
     assert load_config(None, ["train.fused_loss=false"]).train.fused_loss is False
     assert load_config(None, ["train.fused_loss=true"]).train.fused_loss is True
     with pytest.raises(ConfigError, match=r"train\.fused_loss.*parallel\.tp"):

@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 
 from megaloom.config import ConfigError, load_config
-from megaloom.observe.memory_plan import GB, plan_memory
 from megaloom.parallel.pipeline.checker import simulate
 from megaloom.parallel.pipeline.schedules import build_schedule
 from megaloom.planning import comm
 from megaloom.planning.command import _shaped, plan_command
 from megaloom.planning.compute import block_work
 from megaloom.planning.hardware import load_gpu
+from megaloom.planning.memory_plan import GB, plan_memory
 from megaloom.planning.search import accepted, resolved, search
 from megaloom.planning.step import _makespan, predict
 

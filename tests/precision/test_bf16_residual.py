@@ -13,7 +13,7 @@ import torch
 
 from megaloom.config import ConfigError, load_config
 from megaloom.models import Transformer, apply_recompute
-from megaloom.observe.memory_plan import block_activation_bytes
+from megaloom.planning.memory_plan import block_activation_bytes
 from megaloom.runtime import resolve_precision
 
 B, T, VOCAB = 2, 32, 256
@@ -70,7 +70,7 @@ def test_without_autocast_nothing_changes():
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 def test_memory_plan_matches_what_is_saved(arch, recompute):
-    from tests.observe.test_memory_plan import saved_bytes
+    from tests.planning.test_memory_plan import saved_bytes
 
     x, y = _batch()
     measured = {}

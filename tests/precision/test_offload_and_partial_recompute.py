@@ -5,7 +5,7 @@ import torch
 
 from megaloom.config import load_config
 from megaloom.models import Transformer, apply_recompute
-from megaloom.observe.memory_plan import plan_memory
+from megaloom.planning.memory_plan import plan_memory
 from megaloom.precision import offload
 from megaloom.step import forward_ctx
 

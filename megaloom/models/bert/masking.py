@@ -112,7 +112,7 @@ class MaskedLMObjective:
             raise ConfigError(f"parallel.cp={p.cp} with model.arch={cfg.model.arch}: context parallelism splits "
                               "causal attention; bidirectional attention over split sequences is not built; set "
                               "parallel.cp=1.")
-        if cfg.train.fused_loss is True:  # "auto" turns it off for a head with a bias (training/levers.py)
+        if cfg.train.fused_loss is True:  # "auto" turns it off for a head with a bias (planning/levers.py)
             raise ConfigError(f"train.fused_loss=true with model.arch={cfg.model.arch}: the masked-LM head has a "
                               "bias, which the fused head + loss does not support; set train.fused_loss=false.")
         if cfg.train.seq_len < 3:

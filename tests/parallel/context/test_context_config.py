@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from megaloom.config import ConfigError, load_config
-from megaloom.observe.memory_fit import memory_command
-from megaloom.observe.memory_plan import plan_memory
 from megaloom.parallel.context import choose_mode
+from megaloom.planning.memory_fit import memory_command
+from megaloom.planning.memory_plan import plan_memory
 from megaloom.training.preflight import preflight
 
 SMALL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",

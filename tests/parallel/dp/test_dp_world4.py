@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from megaloom.observe.memory_plan import plan_memory
+from megaloom.planning.memory_plan import plan_memory
 
 from ..harness import run_world
 from ..worlds import tiny_config

@@ -23,8 +23,8 @@ Persistent state (megaloom keeps fp32 parameters and runs bf16/fp16 under autoca
                written where it lives (the next update waits for the write)
 
 Activations, saved for backward per micro-batch, enumerated from what megaloom's own modules save (verified
-tensor by tensor with saved-tensor hooks, tests/observe/test_memory_plan.py; one block of every registered
-family, tests/observe/test_family_memory_plan.py). The model's shape comes from its family's traits
+tensor by tensor with saved-tensor hooks, tests/planning/test_memory_plan.py; one block of every registered
+family, tests/planning/test_family_memory_plan.py). The model's shape comes from its family's traits
 (`megaloom.models.family.Traits`: norm kind, gated MLP, biases, positions, QK-norm), never from its name. Per
 block, with n tokens per micro-batch on this rank (micro_batch x seq_len / cp), n_r = n / tp in
 sequence-parallel regions, a = 2 bytes under autocast (4 in fp32):
@@ -96,9 +96,9 @@ from torch import nn
 from megaloom.accelerator import CUDA, fused_optimizer, is_accelerator, is_cuda
 from megaloom.config import Config, ModelConfig, resolved_head_dim
 from megaloom.observe.log import get_logger
-from megaloom.observe.memory_mla import is_mla, mla_attention_bytes
 from megaloom.parallel.layout import layout_of
-from megaloom.training.levers import compute_precision, resolve_levers
+from megaloom.planning.levers import compute_precision, resolve_levers
+from megaloom.planning.memory_mla import is_mla, mla_attention_bytes
 
 log = get_logger(__name__)
 GB = 1e9  # the report's unit, as megaloom.observe.memory.peak_memory_gb
@@ -235,7 +235,7 @@ def block_activation_bytes(cfg: Config, *, tokens: int, batch: int, layer: int =
     tr = _traits(m)
     out["attn_norm"] = _norm_bytes(tr.norm, n_r, d, device)
     selective = recompute == "selective"
-    if is_mla(m):  # multi-head latent attention: its own save-set (observe/memory_mla.py)
+    if is_mla(m):  # multi-head latent attention: its own save-set (planning/memory_mla.py)
         out.update(mla_attention_bytes(m, n=n, n_r=n_r, b=dm.b, t=dm.t, heads=dm.hl, a=a, autocast=dm.autocast,
                                        sp=dm.sp, attention=attention, selective=selective, device=device,
                                        dropout_mask=_mask_bytes(device, 4)))

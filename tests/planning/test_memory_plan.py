@@ -23,7 +23,8 @@ import torch
 
 from megaloom.config import load_config
 from megaloom.models import Transformer, apply_recompute
-from megaloom.observe.memory_plan import (
+from megaloom.observe.saved_tensors import SavedStorages
+from megaloom.planning.memory_plan import (
     analytic_params,
     attention_backend,
     block_activation_bytes,
@@ -32,7 +33,6 @@ from megaloom.observe.memory_plan import (
     head_activation_bytes,
     plan_memory,
 )
-from megaloom.observe.saved_tensors import SavedStorages
 
 B, T, VOCAB = 4, 64, 512
 SHAPE = ["model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
@@ -346,7 +346,7 @@ def test_async_checkpoint_host_copy_is_the_rank_share_on_gpu_and_none_on_cpu():
     assert plan_memory(_big("none", *over), world_size=4, device="cpu").checkpoint_host == 0
 
 
-if __name__ == "__main__":  # the numbers behind the tests: python tests/observe/test_memory_plan.py
+if __name__ == "__main__":  # the numbers behind the tests: python tests/planning/test_memory_plan.py
     cases = [(a, p, r) for a in ("gpt2", "llama") for p in ("fp32", "bf16") for r in ("none", "selective", "full")]
     cases += [("moe", p, r, *MOE) for p in ("fp32", "bf16") for r in ("none", "selective", "full")]
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from megaloom.config import load_config
-from megaloom.observe.memory_plan import (
+from megaloom.planning.memory_plan import (
     analytic_params,
     block_activation_bytes,
     embedding_activation_bytes,

@@ -6,15 +6,15 @@ import pytest
 
 from megaloom.cli import main
 from megaloom.config import ConfigError, load_config
-from megaloom.observe.memory_fit import (
+from megaloom.parallel.mesh import validate_layout
+from megaloom.planning.memory_fit import (
     HEADROOM,
     auto_micro_batch,
     fit_micro_batch,
     resolve_for_planning,
     worst_stage,
 )
-from megaloom.observe.memory_plan import GB
-from megaloom.parallel.mesh import validate_layout
+from megaloom.planning.memory_plan import GB
 
 
 def test_fit_orders_recompute_modes_and_respects_the_budget():

@@ -1,7 +1,7 @@
 """What multi-head latent attention (model.attention=mla, megaloom/models/mla.py) saves for backward in one block
 and micro-batch: the memory plan's attention term for it (`memory_plan.block_activation_bytes` calls this in
 place of the grouped-query one). Checked tensor by tensor with saved-tensor hooks on CPU, fp32 and bf16, with
-and without query compression (tests/observe/test_memory_mla.py).
+and without query compression (tests/planning/test_memory_mla.py).
 
 With n tokens in the region (n_r in the sp residual stream), h heads on this rank, w = max(q/k head, v head)
 the head size the core runs at (the narrower side padded, mla.py), a bytes per activation element:

@@ -13,11 +13,11 @@ import math
 
 from megaloom.accelerator import CUDA
 from megaloom.config import Config, ConfigError
-from megaloom.observe.memory_plan import GB, MemoryPlan, plan_memory
 from megaloom.parallel.context import check_context
 from megaloom.parallel.mesh import validate_layout
-from megaloom.training.levers import resolve_levers
-from megaloom.training.shape import resolve_model_shape
+from megaloom.planning.levers import resolve_levers
+from megaloom.planning.memory_plan import GB, MemoryPlan, plan_memory
+from megaloom.planning.shape import resolve_model_shape
 
 HEADROOM = 0.95  # the caching allocator's fragmentation: keep 5% of the budget free
 NO_BUDGET_MICRO = 8  # train.micro_batch_size auto without a device memory limit (CPU): at most this

@@ -1,5 +1,5 @@
 """train.compile / train.fused_loss / train.attention / train.bf16_residual left at "auto": chosen per device
-(megaloom/training/levers.py);
+(megaloom/planning/levers.py);
 CPU runs as before, the measured fast path on a GPU, explicit values untouched."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from megaloom.config import ConfigError, load_config
-from megaloom.training.levers import choose_levers, describe_levers, resolve_levers
+from megaloom.planning.levers import choose_levers, describe_levers, resolve_levers
 
 
 def chosen(overrides: list[str], device: str, capability=None) -> dict:
@@ -21,7 +21,7 @@ def test_cpu_keeps_the_plain_path():
 
 
 def test_hopper_takes_the_measured_fast_path(monkeypatch):
-    monkeypatch.setattr("megaloom.training.levers.fa4_importable", lambda: False)  # flash-attn-4: the test below
+    monkeypatch.setattr("megaloom.planning.levers.fa4_importable", lambda: False)  # flash-attn-4: the test below
     assert chosen([], "cuda", (9, 0)) == {"train.compile": True, "train.fused_loss": True, "train.attention": "cudnn",
                                           "train.bf16_residual": True, "train.grad_accum_fusion": False}
     assert chosen([], "cuda", (8, 0))["train.attention"] == "torch"  # cuDNN measured faster on Hopper only
@@ -76,7 +76,7 @@ def test_auto_values_parse_and_bad_ones_name_the_key():
 
 
 def test_attention_takes_fa4_where_it_is_installed(monkeypatch):
-    import megaloom.training.levers as levers
+    import megaloom.planning.levers as levers
 
     monkeypatch.setattr(levers, "fa4_importable", lambda: True)
     assert chosen([], "cuda", (9, 0))["train.attention"] == "fa4"
@@ -96,7 +96,7 @@ def test_grad_accum_fusion_is_refused_where_no_buckets_keep_the_gradients() -> N
 
 def test_grad_accum_fusion_stays_off_at_auto_until_measured_on_a_gpu() -> None:
     from megaloom.config import load_config
-    from megaloom.training.levers import resolve_levers
+    from megaloom.planning.levers import resolve_levers
 
     for device in ("cuda", "cpu"):
         off, choices = resolve_levers(load_config(None, ["parallel.zero=1"]), device, (9, 0))
