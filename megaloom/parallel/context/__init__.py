@@ -85,7 +85,9 @@ class ContextAttention:
 
     def __init__(self, mode: str, mesh, window: int = 0, scale: float | None = None) -> None:
         self.mode, self.mesh, self.window, self.scale = mode, mesh, window, scale
+        self.group_name = None
         if mode == "ring" and mesh.cp_group is not None:  # compiled blocks' ring reports to the mesh's recorder
+            self.group_name = mesh.cp_group.group_name
             register_recorder(mesh.cp_group, lambda: self.mesh.recorder)
 
     def __call__(self, q, k, v, pos: int = 0, docs=None):
@@ -96,7 +98,8 @@ class ContextAttention:
             raise RuntimeError("context parallelism splits training sequences; decoding with a KV cache runs on "
                                "one process (parallel.cp=1)")
         if self.mode == "ring":
-            return ring_attention(q, k, v, self.mesh.cp_group, self.mesh.recorder, scale=self.scale)
+            return ring_attention(q, k, v, self.mesh.cp_group, self.mesh.recorder, scale=self.scale,
+                                  group_name=self.group_name)
         return alltoall_attention(q, k, v, self.mesh.cp_group, self.mesh.recorder, self.window, mask=mask,
                                   scale=self.scale)
 

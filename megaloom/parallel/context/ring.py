@@ -158,7 +158,9 @@ def _group_and_recorder(group_name: str):
     return group, recorder() if recorder is not None else None
 
 
-@torch.library.custom_op("megaloom::ring_attention", mutates_args=())
+# (explicit schemas: nothing read from the annotations, which `from __future__ import annotations` makes strings)
+@torch.library.custom_op("megaloom::ring_attention", mutates_args=(),
+                         schema="(Tensor q, Tensor k, Tensor v, str group_name, float scale) -> (Tensor, Tensor)")
 def _ring_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str,
                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     return _ring_forward(q, k, v, *_group_and_recorder(group_name), scale)
@@ -169,7 +171,9 @@ def _(q, k, v, group_name, scale):
     return _attention_output(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-@torch.library.custom_op("megaloom::ring_attention_backward", mutates_args=())
+@torch.library.custom_op("megaloom::ring_attention_backward", mutates_args=(),
+                         schema="(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, str group_name, "
+                                "float scale) -> (Tensor, Tensor, Tensor)")
 def _ring_attention_backward_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                 out: torch.Tensor, lse: torch.Tensor, group_name: str,
                                 scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -197,10 +201,11 @@ _ring_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, recorder=None,
-                   scale: float | None = None) -> torch.Tensor:
+                   scale: float | None = None, group_name: str | None = None) -> torch.Tensor:
     """Causal attention of this cp rank's queries q [B, H, T/cp, D] over the whole sequence, whose keys and
     values k, v [B, Hkv, T/cp, D] are spread over ``group`` in the load-balanced split (layout.py). Returns
-    [B, H, T/cp, D] in q's dtype: what full causal SDPA gives for these rows.
+    [B, H, T/cp, D] in q's dtype: what full causal SDPA gives for these rows. ``group_name``: the group's name,
+    read eagerly by the caller (`ContextAttention`), so that compiled code need not read it off the group.
 
     Document masks (packed samples) will enter here as per-token document ids that travel with the key/value
     blocks; the per-step kernels (blocks.py) then take a mask instead of the plain causal / unmasked cases."""
@@ -209,5 +214,5 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, rec
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                                                 enable_gqa=q.shape[1] != k.shape[1])
     if torch.compiler.is_compiling():  # one node of the compiled block's graph (module doc)
-        return _ring_attention_op(q, k, v, group.group_name, scale)[0]
+        return _ring_attention_op(q, k, v, group_name or group.group_name, scale)[0]
     return RingAttention.apply(q, k, v, group, recorder, scale)
