@@ -10,6 +10,10 @@ the functions here instead: the same collectives over the same group, written wi
 AOTAutograd put into the graph, and Inductor schedules), so a block with its borders is one forward graph and
 one backward graph.
 
+The all-to-all (Ulysses) mode of context parallelism (parallel/context/alltoall.py) exchanges heads for sequence
+with `all_to_all` here under torch.compile, for the same reason. Ring attention does not come here: its
+exchanges run inside one opaque custom op (parallel/context/ring.py says why).
+
 What stays the same: the arithmetic (a sum over the same ranks; the gathered sequence in rank order) and so the
 results, which the tp + sp world tests compare with the single process for compiled blocks too. What differs:
 collectives inside a compiled graph are not seen by ``mesh.recorder`` (no Python runs per call there): the
@@ -100,3 +104,23 @@ def reduce_scatter_to_seq(x: torch.Tensor, group) -> torch.Tensor:
     n, b, t = group.size(), x.shape[0], x.shape[1]
     chunks = x.view(b, n, t // n, *x.shape[2:]).movedim(1, 0).reshape(n * b, t // n, *x.shape[2:])
     return _wait(_reduce_scatter(chunks.contiguous(), "sum", 0, group)).view(b, t // n, *x.shape[2:])
+
+
+class _AllToAll(Function):
+    """Equal chunks of dim 0: rank i's chunk j lands as chunk i of rank j; the gradient takes the reverse route
+    (the same exchange, since every chunk goes back to where it came from)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return _wait(funcol.all_to_all_single(x.contiguous(), None, None, group))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _wait(funcol.all_to_all_single(grad.contiguous(), None, None, ctx.group)), None
+
+
+def all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+    """Differentiable all-to-all of equal chunks along dim 0 (``comm.all_to_all`` with equal splits)."""
+    return _AllToAll.apply(x, group)
+

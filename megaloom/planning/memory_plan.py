@@ -73,10 +73,10 @@ it is is reported with it. Steady state is assumed (optimizer state exists, i.e.
 ``update=False`` plans steps that never call the optimizer (a dry run that leaves the update out).
 
 torch.compile (train.compile) changes what is saved: for compiled dense decoder blocks (RMSNorm, SwiGLU, RoPE,
-QK-norm or not, fused attention, no or selective recompute, any tp with or without sp, cp 1) the plan counts the
-partitioner's own save-set (`_compiled_block_bytes`, checked against compiled blocks' saved tensors at tp 1 and
-tp 2), with train.recompute_casts the leaner one; other compiled blocks are planned as eager, which
-over-estimates them.
+QK-norm or not, fused attention, no or selective recompute, any tp with or without sp, any cp in either mode) the
+plan counts the partitioner's own save-set (`_compiled_block_bytes`, checked against compiled blocks' saved
+tensors at tp 1 and tp 2, and at cp 2 with tp 1 and 2), with train.recompute_casts the leaner one; other
+compiled blocks are planned as eager, which over-estimates them.
 
 Not modelled: the CUDA caching allocator's rounding and fragmentation (the comparison is with
 max_memory_allocated, not reserved), cuBLAS workspaces, the gradient temporaries inside one block's backward,
@@ -227,7 +227,7 @@ def block_activation_bytes(cfg: Config, *, tokens: int, batch: int, layer: int =
     if _compiled_save_set_known(cfg, dm, device, recompute, attention, moe, fp8):
         residual = 2 if dm.autocast and getattr(t, "bf16_residual", False) is True else 4
         return _compiled_block_bytes(m, dm, lean=t.recompute_casts is True, selective=recompute == "selective",
-                                     residual=residual)
+                                     residual=residual, alltoall_cp=_alltoall_cp(cfg))
     lin_in = 1 if fp8 and getattr(t, "fp8_recipe", "tensorwise") == "tensorwise" else 2
     attn_in = 2 if getattr(t, "fp8_keep_attention", False) else lin_in  # projections kept bf16: 2-byte inputs
     out: dict[str, int] = {}
@@ -298,16 +298,26 @@ def _gqa_attention_bytes(cfg: Config, dm: _Dims, device: str, attention: str, se
     return out
 
 
+def _alltoall_cp(cfg: Config) -> bool:
+    """Whether attention runs in context parallelism's all-to-all (Ulysses) mode."""
+    if cfg.parallel.cp == 1:
+        return False
+    from megaloom.parallel.context import choose_mode
+
+    return choose_mode(cfg) == "alltoall"
+
+
 def _compiled_save_set_known(cfg: Config, dm: _Dims, device: str, recompute: str, attention: str, moe: bool,
                              fp8: bool) -> bool:
     """Whether `_compiled_block_bytes` describes this block: a compiled dense pre-norm decoder block (RMSNorm,
     SwiGLU, RoPE, with or without QK-norm; no parallel block, window or dropout) under bf16/fp16 autocast with a
-    fused attention kernel, no full recomputation or fp8, and no context parallelism (whose ring attention is not
-    traced into the block's graph). Tensor parallelism, with or without sp, traces into one graph
-    (parallel/traced_comm.py). Other blocks keep the eager save-set (an over-estimate of what compile keeps)."""
+    fused attention kernel, no full recomputation or fp8. Tensor parallelism, with or without sp, and context
+    parallelism's all-to-all exchanges trace into one graph (parallel/traced_comm.py); ring attention is one
+    custom op in it (parallel/context/ring.py). Other blocks keep the eager save-set (an over-estimate of what
+    compile keeps)."""
     m, t = cfg.model, cfg.train
     tr = _traits(m)
-    return (is_cuda(device) and t.compile is True and dm.autocast and cfg.parallel.cp == 1
+    return (is_cuda(device) and t.compile is True and dm.autocast
             and recompute in ("none", "selective") and not moe and not fp8
             and attention in ("flash", "cudnn", "efficient") and tr.norm == "rmsnorm"
             and tr.gated_mlp and tr.positions == "rope" and not tr.bias and not tr.post_norm
@@ -315,7 +325,7 @@ def _compiled_save_set_known(cfg: Config, dm: _Dims, device: str, recompute: str
 
 
 def _compiled_block_bytes(m: ModelConfig, dm: _Dims, lean: bool, selective: bool = False,
-                          residual: int = 4) -> dict[str, int]:
+                          residual: int = 4, alltoall_cp: bool = False) -> dict[str, int]:
     """What a compiled block (`_compiled_save_set_known`) saves for backward, as AOTAutograd's partitioner picks it
     (read with saved-tensor hooks on a compiled block: tests/test_compile_saves.py at tp 1, and tp 2 with and without
     sp in tests/parallel/test_world2.py). By default it keeps, besides the block input (``residual`` bytes an
@@ -329,7 +339,13 @@ def _compiled_block_bytes(m: ModelConfig, dm: _Dims, lean: bool, selective: bool
     the partitioner does not recompute a collective) and o_proj's reduce-scattered output as a [n / tp, d] bf16
     shard. Selective recompute (``selective``; the fused attention core is never recomputed) drops the product
     either way. Which tensor is which is read from shapes; the byte counts are what the tests check. With QK-norm
-    the q and k projections' outputs before their norms and the norms' 1/rms are kept too."""
+    the q and k projections' outputs before their norms and the norms' 1/rms are kept too.
+
+    Context parallelism (``dm`` holds this rank's tokens): ring attention saves what the flash kernel saves (q, k,
+    v of the local tokens, its output, laid out for o_proj's view, and the log-sum-exp), so the set is the same.
+    The all-to-all mode (``alltoall_cp``) saves the kernel's tensors for all tokens and 1/cp of the heads
+    (the same bytes), plus o_proj's input, a copy in the local layout after the exchange back (q's bytes).
+    Measured at cp 2, tp 1 and 2: tests/parallel/context/test_context_world.py."""
     n, n_r, d, a = dm.n, dm.n_r, dm.d, dm.a
     q, kv = a * n * dm.hl * dm.hd, a * n * dm.hkvl * dm.hd
     out = {
@@ -353,6 +369,8 @@ def _compiled_block_bytes(m: ModelConfig, dm: _Dims, lean: bool, selective: bool
     if _traits(m).qk_norm:
         out["q, k before their norms"] = q + kv
         out["q/k norms 1/rms"] = 4 * n * (dm.hl + dm.hkvl)
+    if alltoall_cp:
+        out["o_proj input (all-to-all layout)"] = q
     return out
 
 

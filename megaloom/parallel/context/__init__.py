@@ -19,7 +19,7 @@ from torch import nn
 from megaloom.config import Config, ConfigError
 from megaloom.parallel.context.alltoall import alltoall_attention
 from megaloom.parallel.context.layout import SequencePositions, SequenceShard, shard_sequence
-from megaloom.parallel.context.ring import ring_attention
+from megaloom.parallel.context.ring import register_recorder, ring_attention
 
 __all__ = ["ContextAttention", "SequencePositions", "SequenceShard", "alltoall_attention", "check_context",
            "choose_mode", "parallelize_context", "ring_attention", "shard_sequence"]
@@ -85,6 +85,10 @@ class ContextAttention:
 
     def __init__(self, mode: str, mesh, window: int = 0, scale: float | None = None) -> None:
         self.mode, self.mesh, self.window, self.scale = mode, mesh, window, scale
+        self.group_name = None
+        if mode == "ring" and mesh.cp_group is not None:  # compiled blocks' ring reports to the mesh's recorder
+            self.group_name = mesh.cp_group.group_name
+            register_recorder(mesh.cp_group, lambda: self.mesh.recorder)
 
     def __call__(self, q, k, v, pos: int = 0, docs=None):
         mask = docs.mask if docs is not None else None
@@ -94,7 +98,8 @@ class ContextAttention:
             raise RuntimeError("context parallelism splits training sequences; decoding with a KV cache runs on "
                                "one process (parallel.cp=1)")
         if self.mode == "ring":
-            return ring_attention(q, k, v, self.mesh.cp_group, self.mesh.recorder, scale=self.scale)
+            return ring_attention(q, k, v, self.mesh.cp_group, self.mesh.recorder, scale=self.scale,
+                                  group_name=self.group_name)
         return alltoall_attention(q, k, v, self.mesh.cp_group, self.mesh.recorder, self.window, mask=mask,
                                   scale=self.scale)
 

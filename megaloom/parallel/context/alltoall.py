@@ -5,7 +5,9 @@ tokens, it runs ordinary full-sequence SDPA (flash / cuDNN on GPU, any mask such
 second all-to-all gives the heads back. Two all-to-alls of q, k, v and out per layer instead of cp-1 ring steps:
 cheaper on fast links, but it needs the (tensor-parallel-local) query and key/value head counts to be multiples
 of cp. The gathered sequence arrives in rank order of the load-balanced split (layout.py) and is put into
-natural order for the core, then back.
+natural order for the core, then back. Under torch.compile the exchanges are functional all-to-alls
+(`traced_comm.all_to_all`), so a compiled block stays one graph (the in-place c10d op and the recorder's
+bookkeeping would split it).
 """
 
 from __future__ import annotations
@@ -14,27 +16,49 @@ import torch
 import torch.nn.functional as F
 
 from megaloom.models.attention import attention_mask
-from megaloom.parallel import comm
-from megaloom.parallel.context.layout import natural_order
+from megaloom.parallel import comm, traced_comm
 
 
-def _seq_to_heads(x: torch.Tensor, group, recorder, order: torch.Tensor) -> torch.Tensor:
+def _exchange(x: torch.Tensor, group, recorder, chunk: int) -> torch.Tensor:
+    """Equal chunks of ``chunk`` rows of dim 0 to every rank, differentiable (gradients take the way back)."""
+    if torch.compiler.is_compiling():  # one graph per compiled block (traced_comm)
+        return traced_comm.all_to_all(x, group)
+    cp = comm.group_size(group)
+    return comm.all_to_all(x, group, [chunk] * cp, [chunk] * cp, recorder)
+
+
+def _rank_to_natural(x: torch.Tensor, cp: int) -> torch.Tensor:
+    """[B, H, cp, T/cp, D] (every rank's two chunks, in rank order) -> [B, H, T, D] in natural token order: rank r
+    holds chunks r and 2cp-1-r (layout.py), so the ranks' first chunks are chunks 0 .. cp-1 in order and their
+    second chunks, in reverse rank order, chunks cp .. 2cp-1. A copy by slices, which saves no index tensor for
+    backward (``layout.natural_order`` gives the same permutation as an index)."""
+    b, h, _, t, d = x.shape
+    halves = x.view(b, h, cp, 2, t // 2, d)
+    return torch.cat([halves[:, :, :, 0], halves[:, :, :, 1].flip(2)], dim=2).view(b, h, cp * t, d)
+
+
+def _natural_to_rank(y: torch.Tensor, cp: int) -> torch.Tensor:
+    """The inverse of `_rank_to_natural`: [B, H, T, D] -> [B, H, cp, T/cp, D]."""
+    b, h, n, d = y.shape
+    halves = y.view(b, h, 2, cp, n // (2 * cp), d)
+    return torch.stack([halves[:, :, 0], halves[:, :, 1].flip(2)], dim=3).view(b, h, cp, n // cp, d)
+
+
+def _seq_to_heads(x: torch.Tensor, group, recorder) -> torch.Tensor:
     """[B, H, T/cp, D] (all heads, local tokens) -> [B, H/cp, T, D] (local heads, every token, natural order)."""
     cp = comm.group_size(group)
     b, h, t, d = x.shape
     rows = x.permute(1, 0, 2, 3).contiguous()  # head j's rows go to rank j // (h / cp)
-    got = comm.all_to_all(rows, group, [h // cp] * cp, [h // cp] * cp, recorder)
-    full = got.view(cp, h // cp, b, t, d).permute(2, 1, 0, 3, 4).reshape(b, h // cp, cp * t, d)
-    return full.index_select(2, order)
+    got = _exchange(rows, group, recorder, h // cp)
+    return _rank_to_natural(got.view(cp, h // cp, b, t, d).permute(2, 1, 0, 3, 4), cp)
 
 
-def _heads_to_seq(y: torch.Tensor, group, recorder, inverse: torch.Tensor) -> torch.Tensor:
+def _heads_to_seq(y: torch.Tensor, group, recorder) -> torch.Tensor:
     """The inverse of `_seq_to_heads`: [B, H/cp, T, D] -> [B, H, T/cp, D]."""
     cp = comm.group_size(group)
     b, hl, n, d = y.shape
-    t = n // cp
-    by_rank = y.index_select(2, inverse).view(b, hl, cp, t, d).permute(2, 1, 0, 3, 4).reshape(cp * hl, b, t, d)
-    got = comm.all_to_all(by_rank, group, [hl] * cp, [hl] * cp, recorder)  # from rank j: its heads, our tokens
+    by_rank = _natural_to_rank(y, cp).permute(2, 1, 0, 3, 4).reshape(cp * hl, b, n // cp, d)
+    got = _exchange(by_rank, group, recorder, hl)  # from rank j: its heads, our tokens
     return got.permute(1, 0, 2, 3)
 
 
@@ -46,14 +70,11 @@ def alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group,
     documents, models/documents.py: a dense bool [B, 1, T, T] for SDPA or a FlexAttention block mask). ``scale``:
     the softmax scale (None: 1 / sqrt(D))."""
     cp = comm.group_size(group)
-    h, hkv, t = q.shape[1], k.shape[1], q.shape[2]
+    h, hkv = q.shape[1], k.shape[1]
     if h % cp or hkv % cp:
         raise ValueError(f"all-to-all attention needs the query heads ({h}) and key/value heads ({hkv}) on this "
                          f"rank to be multiples of parallel.cp={cp}; use parallel.cp_mode=ring")
-    order = natural_order(cp, t // 2, q.device)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=q.device)
-    qf, kf, vf = (_seq_to_heads(x, group, recorder, order) for x in (q, k, v))
+    qf, kf, vf = (_seq_to_heads(x, group, recorder) for x in (q, k, v))
     gqa = qf.shape[1] != kf.shape[1]
     if mask is not None and not isinstance(mask, torch.Tensor):  # a block mask: FlexAttention (GPUs, compiled)
         from torch.nn.attention.flex_attention import flex_attention
@@ -69,4 +90,4 @@ def alltoall_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group,
     else:
         y = F.scaled_dot_product_attention(qf, kf, vf, is_causal=True, dropout_p=dropout_p, enable_gqa=gqa,
                                            scale=scale)
-    return _heads_to_seq(y, group, recorder, inverse)
+    return _heads_to_seq(y, group, recorder)

@@ -1,9 +1,11 @@
 """What the context-parallel world (4 gloo processes) runs: the distributed attention modes against full causal
-attention, `Trainer` runs at several cp layouts (compared with the single process by the test), and the
+attention, `Trainer` runs at several cp layouts (compared with the single process by the test), compiled blocks
+at cp 2 (graph breaks and graphs counted, losses and gradients against the eager single process), and the
 activation bytes a cp rank saves for backward."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -12,11 +14,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megaloom.config import load_config
+from megaloom.models.documents import Documents
 from megaloom.models.transformer import Transformer
 from megaloom.observe.saved_tensors import SavedStorages
+from megaloom.parallel import comm
 from megaloom.parallel.context import alltoall_attention, parallelize_context, ring_attention, shard_sequence
 from megaloom.parallel.mesh import Mesh
-from megaloom.parallel.tensor import gather_full_params
+from megaloom.parallel.tensor import gather_full_grads, gather_full_params, parallelize_tensor, sync_tp_grads
 from megaloom.runtime import Runtime
 from megaloom.training.trainer import Trainer
 from tests.conftest import tiny_overrides
@@ -167,8 +171,143 @@ def activation_case(rank: int, world: int, device: torch.device) -> dict[str, in
     return out
 
 
+# Compiled cases: name -> (cp mode, tp, kv heads, packed documents). cp 2 with dp 2 or tp 2 (+ sp) in the world of
+# 4; all-to-all at tp 2 needs the kv heads to split over tp x cp (MHA).
+COMPILED = {"compiled-cp2dp2-ring": ("ring", 1, 2, False), "compiled-cp2dp2-alltoall": ("alltoall", 1, 2, False),
+            "compiled-cp2tp2sp-ring": ("ring", 2, 2, False), "compiled-cp2tp2sp-alltoall": ("alltoall", 2, 4, False),
+            "compiled-cp2dp2-alltoall-docs": ("alltoall", 1, 4, True)}
+
+
+def compiled_case(rank: int, world: int, device: torch.device, mode: str, tp: int, kv: int, docs: bool,
+                  steps: int = 3) -> dict:
+    """Every block of a cp 2 llama (with tp 2 + sp, or beside dp 2) compiled as train.compile does (AOTAutograd
+    with the eager backend: forward and backward graphs traced and partitioned, no C++ compiler needed), against
+    the same model eager on one process over the whole sequence, for ``steps`` AdamW steps on the same batches:
+    graph breaks and graphs compiled (torch._dynamo's counters), the loss of every step (each rank's mean over its
+    tokens, averaged over cp: the whole sequence's mean), and the first step's gradients (summed over cp / cp, as
+    the data-parallel reduction over dp x cp does; gathered over tp), with the recorder a dry run installs (a
+    `CommTally`, which compiled code must not call: it would split the graph). ``docs``: packed documents
+    (token 0 ends one), masked by the all-to-all core."""
+    over = ["model.arch=llama", "model.vocab_size=128", "model.d_model=64", "model.n_layers=2", "model.n_heads=4",
+            f"model.n_kv_heads={kv}", "model.ffn_dim=128", "model.max_seq_len=32", "train.seq_len=32",
+            "parallel.cp=2", f"parallel.tp={tp}", f"parallel.sp={tp > 1}", f"parallel.cp_mode={mode}",
+            "train.micro_batch_size=2", f"train.global_batch_size={2 * world // (2 * tp)}"]
+    cfg = load_config(None, over)
+    mesh = Mesh.build(cfg, world, rank, device)
+    torch.manual_seed(0)
+    ref = Transformer(cfg.model)
+    model = copy.deepcopy(ref)
+    if tp > 1:
+        model = parallelize_tensor(model, mesh, sp=True)
+    parallelize_context(model, mesh, cfg)
+    mesh.recorder = comm.CommTally(mesh.group_names())
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    for layer in model.layers.values():
+        layer.compile(backend="aot_eager")
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1, eps=1e-6)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1, eps=1e-6)
+    gen = torch.Generator().manual_seed(99)
+    out: dict = {"loss": [], "loss_ref": []}
+    for step in range(steps):
+        tokens = torch.randint(0, 128, (2, 33), generator=gen)  # the same batch on every rank
+        if docs:
+            tokens[:, 5::9] = 0
+            tokens[1, 3] = 0
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        kw_ref = {"docs": Documents.from_tokens(x, 0)} if docs else {}
+        kw = {"docs": kw_ref["docs"].sharded(lambda t: shard_sequence(t, 2, mesh.cp_rank))} if docs else {}
+        loss_ref = ref(x, y, **kw_ref)
+        loss_ref.backward()
+        loss = model(shard_sequence(x, 2, mesh.cp_rank), shard_sequence(y, 2, mesh.cp_rank), **kw)
+        loss.backward()
+        for p in model.parameters():
+            comm.all_reduce(p.grad, mesh.cp_group).div_(2)
+        sync_tp_grads(model, mesh)
+        if step == 0:
+            grads = gather_full_grads(model, mesh)
+            out["grad_err"] = {n: ((grads[n] - p.grad).abs().max().item(), p.grad.abs().max().item())
+                               for n, p in ref.named_parameters()}
+        out["loss"].append(comm.all_reduce(loss.detach().clone(), mesh.cp_group).item() / 2)
+        out["loss_ref"].append(loss_ref.item())
+        for o in (opt_ref, opt):
+            o.step()
+            o.zero_grad(set_to_none=True)
+    counters = torch._dynamo.utils.counters
+    out["graph_breaks"] = {k.splitlines()[0]: n for k, n in counters["graph_break"].items()}
+    out["graphs"] = counters["stats"]["unique_graphs"]
+    cp_name = mesh.recorder.name_of(mesh.cp_group)  # what the compiled core told the recorder
+    out["tallied"] = {op: n for (g, op), n in mesh.recorder.calls.items() if g == cp_name}
+    return out
+
+
+# What compiled cp blocks save: name -> (cp mode, tp (sp with it), train.recompute_casts).
+COMPILED_SAVES = {"saves-ring-tp1-lean0": ("ring", 1, False), "saves-ring-tp2sp-lean1": ("ring", 2, True),
+                  "saves-alltoall-tp1-lean1": ("alltoall", 1, True),
+                  "saves-alltoall-tp2sp-lean0": ("alltoall", 2, False)}
+
+
+def compiled_saves_case(rank: int, world: int, device: torch.device, mode: str, tp: int, lean: bool) -> dict:
+    """What one compiled block at cp 2 saves for backward under bf16 autocast (Inductor, as train.compile runs
+    it; saved-tensor hooks), against the memory plan's compiled save-set: the activation bytes, neither the
+    resident fp32 parameters nor their bf16 copies (which the plan counts apart), as test_world2's tp cases."""
+    from megaloom.models.transformer import build_on_device
+    from megaloom.planning.memory_plan import block_activation_bytes
+    from megaloom.training.compile_saves import set_lean_saves
+
+    seq, b, sp = 40, 3, tp > 1
+    over = ["model.preset=mixtral-tiny", "model.vocab_size=512", "model.moe_every=0", "model.d_model=128",
+            "model.n_heads=4", f"model.n_kv_heads={4 if mode == 'alltoall' and tp > 1 else 2}", "model.ffn_dim=352",
+            f"train.seq_len={seq}", f"model.max_seq_len={seq}", "parallel.cp=2", f"parallel.cp_mode={mode}",
+            f"parallel.tp={tp}", f"parallel.sp={sp}", f"train.micro_batch_size={b}",
+            f"train.global_batch_size={b * world // (2 * tp)}"]
+    cfg = load_config(None, over)
+    mesh = Mesh.build(cfg, world, rank, device)
+    torch.manual_seed(0)
+    model = build_on_device(cfg.model, torch.device("cpu"))
+    if tp > 1:
+        model = parallelize_tensor(model, mesh, sp)
+    parallelize_context(model, mesh, cfg)
+    block, local = model.layers["0"], seq // 2
+    x = torch.randn(b, local // tp, 128, requires_grad=True)  # (tp 2 with sp: this rank's share of its tokens)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    set_lean_saves(lean)
+    saved: list[tuple[tuple[int, ...], torch.dtype]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append((tuple(t.shape), t.dtype))
+        return t
+
+    try:
+        compiled = torch.compile(block)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = compiled(x, model.rope(local))
+        out.float().square().mean().backward()
+    finally:
+        set_lean_saves(False)
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        torch._dynamo.reset()
+    weights = {tuple(p.shape) for p in block.parameters()}
+    weights |= {s[::-1] for s in weights}
+    measured = sum(torch.Size(s).numel() * d.itemsize for s, d in saved  # not parameters, nor their bf16 copies
+                   if not (d == torch.float32 and s in weights) and not (d == torch.bfloat16 and s in weights
+                                                                          and len(s) == 2))
+    plan_cfg = load_config(None, over + ["train.compile=true", f"train.recompute_casts={str(lean).lower()}",
+                                         "train.precision=bf16"])
+    planned = block_activation_bytes(plan_cfg, tokens=b * local, batch=b, tp=tp, sp=sp, device="cuda",
+                                     attention="flash")
+    return {"measured": measured, "planned": sum(planned.values()), "saved": saved, "plan": planned,
+            "graphs": graphs}
+
+
 def suite_context_world4(rank: int, world: int, device: torch.device, corpus: dict, root: str) -> dict:
     res: dict = {"attention": attention_cases(rank), "activations": activation_case(rank, world, device)}
+    for name, args in COMPILED.items():
+        res[name] = compiled_case(rank, world, device, *args)
+    for name, args in COMPILED_SAVES.items():
+        res[name] = compiled_saves_case(rank, world, device, *args)
     for name, (model, extra) in CASES.items():
         res[name] = trainer_case(rank, world, device, corpus, Path(root) / name, model, extra)
     return res

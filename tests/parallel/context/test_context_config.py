@@ -56,8 +56,8 @@ def test_supported_layouts_pass_preflight():
 
 
 def test_memory_plan_divides_activations_by_cp():
-    # (auto would fuse the loss at cp=1 only, on a GPU; compiled blocks are planned by their one-graph save-set at
-    # cp=1 only: ring attention splits a cp block's graph, so it is planned as eager)
+    # (auto would fuse the loss at cp=1 only, on a GPU; eager blocks: the compiled save-set at cp is checked in the
+    # cp world, test_context_world.py)
     plain = ["train.fused_loss=false", "train.compile=false"]
     one = plan_memory(cfg(*plain), world_size=1, device="cuda")
     two = plan_memory(cfg("parallel.cp=2", *plain), world_size=2, device="cuda")

@@ -3,7 +3,10 @@ causal attention (forward and backward, also with a given softmax scale), `Train
 cp2 x tp2 (+sp), cp2 x dp2 ZeRO-1, cp2 x pp2 and cp2 x ep2 (MoE with latent attention), in both modes, latent
 attention at cp2 x tp2 + sp all-to-all, packed documents (masked under all-to-all at cp4 and cp2 x tp2,
 restarting positions under ring), against the single process (loss and gradient norm at each of 5
-steps, weights after them, within 1e-5), and the activation bytes a cp rank saves (about 1/cp)."""
+steps, weights after them, within 1e-5), compiled blocks at cp2 x dp2 and cp2 x tp2 + sp in both modes (and
+packed documents under all-to-all): no graph break, one graph for every block, losses and gradients of the eager
+single process within 1e-5, and what they save for backward against the memory plan; and the activation bytes
+a cp rank saves (about 1/cp)."""
 
 from __future__ import annotations
 
@@ -12,7 +15,16 @@ import pytest
 from megaloom.training.trainer import Trainer
 
 from ..harness import run_world
-from .context_worlds import CASES, MODELS, config, metrics, short_documents, suite_context_world4
+from .context_worlds import (
+    CASES,
+    COMPILED,
+    COMPILED_SAVES,
+    MODELS,
+    config,
+    metrics,
+    short_documents,
+    suite_context_world4,
+)
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +77,34 @@ def test_trainer_matches_single_process(world, references, case):
             assert err < 1e-4, (case, name, err)
             seen.add(name)
     assert seen == set(ref["params"]), (case, set(ref["params"]) - seen)
+
+
+@pytest.mark.parametrize("case", list(COMPILED))
+def test_compiled_blocks_are_one_graph_and_match_the_single_process(world, case):
+    """Compiled cp blocks (all-to-all: functional collectives, parallel/traced_comm.py; ring: one custom op,
+    parallel/context/ring.py): no graph break, one graph for every block and step (the blocks share it), the
+    losses of 3 steps and the first step's gradients those of the eager single process. The ring's op tells
+    the mesh's recorder of its transfers (per step and layer: 1 forward, 3 backward batches at cp 2); the traced
+    all-to-alls tell none (a dry run counts them in an eager step)."""
+    for res in world:
+        r = res[case]
+        assert r["graph_breaks"] == {} and r["graphs"] == 1, (case, r["graph_breaks"], r["graphs"])
+        for loss, ref in zip(r["loss"], r["loss_ref"], strict=True):
+            assert abs(loss - ref) <= 1e-5 * abs(ref), (case, r["loss"], r["loss_ref"])
+        bad = {n: e for n, (e, top) in r["grad_err"].items() if e > 1e-5 * top}
+        assert not bad and len(r["grad_err"]) == 20, (case, bad)  # 2 blocks x 9, the embedding, the final norm
+        ring = COMPILED[case][0] == "ring"
+        assert r["tallied"] == ({"send_recv batch": 3 * 2 * 4, "send": 3 * 2 * 8, "recv": 3 * 2 * 8} if ring else {})
+
+
+@pytest.mark.parametrize("case", list(COMPILED_SAVES))
+def test_the_memory_plan_knows_what_compiled_cp_blocks_save(world, case):
+    """The plan's compiled save-set at cp 2 (ring: the flash kernel's; all-to-all: plus o_proj's input copy and
+    the natural-order indices), tp 1 and tp 2 + sp, lean or not, is what Inductor's partitioner saves, byte for
+    byte (one graph per block)."""
+    for res in world:
+        r = res[case]
+        assert r["graphs"] == 1 and r["measured"] == r["planned"], (case, r["plan"], r["saved"])
 
 
 def test_activation_bytes_fall_to_one_cp_th(world):
