@@ -10,7 +10,7 @@ import torch
 
 from megaloom.config import load_config
 from megaloom.models.transformer import build_on_device
-from megaloom.planning.memory_plan import block_activation_bytes
+from megaloom.planning.memory_activations import block_activation_bytes
 from megaloom.training.compile_saves import set_lean_saves
 
 

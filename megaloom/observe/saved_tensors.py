@@ -72,7 +72,7 @@ def measured_block_activation_bytes(block: nn.Module, x: torch.Tensor,
     it (the first norm does: the plan's fp32 residual input). It is taken as a block input in training is: a
     non-leaf copy that requires grad (what is saved depends on it: a norm keeps less for an input without gradient).
 
-    This is what `memory_plan.block_activation_bytes` predicts for the same config, tokens = b x t and
+    This is what `memory_activations.block_activation_bytes` predicts for the same config, tokens = b x t and
     x's device type (the CPU save-sets: composite RMSNorm, the CPU flash-attention kernel)."""
     exclude = [*block.parameters(), *block.buffers(), *(rope or ())]
     # Not a leaf, as in training (a block's input comes from the embedding or the block before): autocast caches

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from megaloom.config import Config
 from megaloom.models.attention_shapes import attention_projections, core_head_dim, core_widths, qk_head_dim, v_head_dim
 from megaloom.planning.hardware import GpuKind
-from megaloom.planning.memory_plan import _resolved, is_moe_layer
+from megaloom.planning.memory_activations import _resolved, is_moe_layer
 
 ACT_BYTES = 10.9  # bytes moved per byte of a block's main activations (fitted, module doc)
 WEIGHT_BYTES = 42.6  # bytes moved per local weight per micro-batch: casts, gradient casts and bucket adds (fitted)

@@ -1,5 +1,5 @@
 """What multi-head latent attention (model.attention=mla, megaloom/models/mla.py) saves for backward in one block
-and micro-batch: the memory plan's attention term for it (`memory_plan.block_activation_bytes` calls this in
+and micro-batch: the memory plan's attention term for it (`memory_activations.block_activation_bytes` calls this in
 place of the grouped-query one). Checked tensor by tensor with saved-tensor hooks on CPU, fp32 and bf16, with
 and without query compression (tests/planning/test_memory_mla.py).
 

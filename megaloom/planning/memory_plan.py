@@ -1,5 +1,9 @@
 """The memory report: predicted bytes per rank for weights, gradients, optimizer state and activations.
 
+Three modules by concern: `memory_params.py` (the resident state: parameters, gradients, optimizer state, host
+buffers of a save), `memory_activations.py` (what each micro-batch saves for backward, block by block) and this
+one (the rank's layout, the step's events played in order to find the peak, and the report).
+
 `plan_memory(cfg, model)` is called at start-up, after the model is built, parallelised and (with pipelines)
 cut into this rank's stage; it counts this rank's parameters exactly from the module and everything else
 from the config. No forward pass is run. The trainer prints `MemoryPlan.table()` and, after the first
@@ -85,593 +89,46 @@ and NCCL buffers. fp8 is approximated (converted linears save a 1-byte input, no
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
-import math
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 from torch import nn
 
 from megaloom.accelerator import CUDA, fused_optimizer, is_accelerator, is_cuda
-from megaloom.config import Config, ModelConfig, resolved_head_dim
+from megaloom.config import Config
 from megaloom.observe.log import get_logger
-from megaloom.parallel.layout import layout_of
 from megaloom.planning.levers import compute_precision, resolve_levers
-from megaloom.planning.memory_mla import is_mla, mla_attention_bytes
+from megaloom.planning.memory_activations import (
+    _compiled_save_set_known,
+    _dims,
+    _resolved,
+    _traits,
+    attention_backend,
+    block_activation_bytes,
+    embedding_activation_bytes,
+    fused_loss,
+    head_activation_bytes,
+    is_moe_layer,
+    loss_transients,
+    mtp_activation_bytes,
+)
+from megaloom.planning.memory_params import (
+    ParamCounts,
+    RankLayout,
+    _largest_segment,
+    _persistent_state,
+    _State,
+    analytic_params,
+    count_model_params,
+    master_shards,
+)
 
 log = get_logger(__name__)
 GB = 1e9  # the report's unit, as megaloom.observe.memory.peak_memory_gb
 _ATTN_NAMES = {"flash": "flash/cuDNN", "efficient": "mem-efficient", "math": "math"}
-# cuBLAS takes its workspace from PyTorch's allocator, 32 MiB per thread that runs matmuls (Hopper; measured on
-# an H200, torch 2.11): the training thread and autograd's backward thread.
-CUBLAS_WORKSPACE = 2 * 32 * 2**20
 PHASES = ("forward", "loss forward", "loss backward", "head backward", "backward", "recompute", "optimizer step")
 
-
-def _traits(m: ModelConfig):
-    """The family's `megaloom.models.family.Traits`: what the plan asks instead of testing ``model.arch``."""
-    from megaloom.models.registry import get_family
-
-    return get_family(m.arch).traits
-
-
-def _resolved(m: ModelConfig) -> tuple[int, int, int, int]:
-    """(n_kv_heads, ffn_dim, expert_ffn_dim, head_dim) with the "auto" zeros filled in."""
-    from megaloom.models.transformer import resolved_ffn_dim
-
-    kv = m.n_kv_heads or m.n_heads
-    ffn = resolved_ffn_dim(m)
-    return kv, ffn, m.expert_ffn_dim or ffn, resolved_head_dim(m)
-
-
-def is_moe_layer(m: ModelConfig, index: int) -> bool:
-    from megaloom.models.moe import is_moe_block
-
-    return is_moe_block(m, index)
-
-
-def attention_backend(cfg: Config, device: str, tp: int = 1) -> str:
-    """Which SDPA save-set applies: "flash" (flash or cuDNN on GPU in bf16/fp16; the CPU flash kernel),
-    "efficient" (GPU fp32 without grouped-query heads) or "math" (GPU fp32 with grouped-query heads, which
-    the fused kernels do not take in fp32; train.attention=math; CPU with dropout)."""
-    m = cfg.model
-    if is_cuda(device):
-        if cfg.train.attention == "math":
-            return "math"
-        if compute_precision(cfg, device) == "fp32":
-            kv = m.n_kv_heads or m.n_heads
-            return "efficient" if m.n_heads // tp == max(kv // tp, 1) else "math"
-        return "flash"
-    return "math" if m.dropout > 0 else "flash"  # CPU's flash kernel has no dropout
-
-
-# ----------------------------------------------------------------------------------------- activations
-
-
-@dataclass(frozen=True)
-class _Dims:
-    """Everything the activation enumeration needs, local to one rank."""
-
-    n: int  # tokens per micro-batch entering the tensor-parallel regions (full sequence / cp)
-    n_r: int  # tokens in the residual stream (n / tp with sequence parallelism)
-    b: int  # sequences per micro-batch
-    t: int  # tokens per sequence on this rank
-    d: int
-    hl: int  # query heads on this rank
-    hkvl: int  # kv heads on this rank (replicated when tp > n_kv_heads)
-    hd: int
-    fl: int  # dense MLP hidden size on this rank
-    a: int  # bytes per element of activations in the compute dtype
-    autocast: bool
-    tp: int
-    sp: bool
-
-
-def _dims(cfg: ModelConfig, tokens: int, batch: int, precision: str, tp: int, sp: bool) -> _Dims:
-    kv, ffn, _, hd = _resolved(cfg)
-    autocast = precision != "fp32"
-    return _Dims(n=tokens, n_r=tokens // tp if (sp and tp > 1) else tokens, b=batch, t=tokens // batch,
-                 d=cfg.d_model, hl=cfg.n_heads // tp, hkvl=max(kv // tp, 1), hd=hd, fl=ffn // tp,
-                 a=2 if autocast else 4, autocast=autocast, tp=tp, sp=sp and tp > 1)
-
-
-def _norm_bytes(norm: str, n: int, d: int, device: str) -> int:
-    """Saved by one norm of kind ``norm`` (Traits.norm) over an fp32 [n, d] input."""
-    if norm == "layernorm":
-        return 4 * n * d + 8 * n  # native_layer_norm: input, mean, rstd
-    if norm != "rmsnorm":
-        raise ValueError(f"memory plan: no save-set known for norm {norm!r} (layernorm, rmsnorm)")
-    if is_cuda(device):
-        return 4 * n * d + 4 * n  # fused RMSNorm: input, rstd
-    return 8 * n * d + 4 * n  # composite RMSNorm (CPU): input, rsqrt, x * rsqrt
-
-
-def _qk_norm_bytes(rows: int, hd: int, device: str, autocast: bool) -> int:
-    """Saved by the per-head q and k RMSNorms (Traits.qk_norm) over ``rows`` = tokens x (q + kv heads) of ``hd``.
-    Their input is the projection's output in the compute dtype, their weight fp32 (measured: torch 2.13 on CPU,
-    2.11 on an H200). A bf16 input with the fp32 weight cannot take the fused kernel, on CPU or CUDA: the
-    composite runs in fp32 and keeps the input's fp32 upcast, rsqrt and x * rsqrt; so does fp32 on CPU (its input
-    is the projection's output itself). fp32 on CUDA: the fused kernel, input and rstd."""
-    if is_cuda(device) and not autocast:
-        return 4 * rows * hd + 4 * rows
-    return 8 * rows * hd + 4 * rows
-
-
-def _linear_input_bytes(dm: _Dims, n_linears: int, in_bytes: int = 2, region: bool = False) -> int:
-    """Saved inputs of ``n_linears`` linears reading one [n, d] fp32 tensor: a cast each under autocast
-    (``in_bytes``: 2 for bf16, 1 for tensorwise fp8), the shared fp32 tensor otherwise. ``region``: the column-
-    parallel linears of a tensor-parallel region (not fp8): with sp they save one shard of n_r tokens in the
-    compute dtype, for all of them (megaloom.parallel.sp_linear)."""
-    if region and dm.sp:
-        return dm.a * dm.n_r * dm.d
-    return n_linears * in_bytes * dm.n * dm.d if dm.autocast else 4 * dm.n * dm.d
-
-
-def block_activation_bytes(cfg: Config, *, tokens: int, batch: int, layer: int = 0, tp: int = 1,
-                           sp: bool = False, device: str = CUDA, recompute: str | None = None,
-                           attention: str | None = None, grouped_mm: bool | None = None,
-                           fp8: bool = False) -> dict[str, int]:
-    """Bytes one transformer block saves for backward in one micro-batch, by what saves them (weight casts
-    excluded: see `weight_cast_bytes`). ``tokens``: micro_batch x seq_len / cp on this rank; ``layer``: the
-    block's index (MoE placement); ``fp8``: this block's linears run in float8."""
-    m, t = cfg.model, cfg.train
-    recompute = recompute or t.recompute
-    dm = _dims(m, tokens, batch, compute_precision(cfg, device), tp, sp)
-    if recompute == "full":  # the residual stream: fp32, or bf16 with train.bf16_residual under autocast
-        residual = 2 if dm.autocast and getattr(t, "bf16_residual", False) is True else 4
-        return {"block input (full recompute)": residual * dm.n_r * m.d_model}
-    attention = attention or attention_backend(cfg, device, tp)
-    moe = is_moe_layer(m, layer)
-    # Compiled blocks: the partitioner's own save-set (selective recompute drops the SwiGLU product from it).
-    if _compiled_save_set_known(cfg, dm, device, recompute, attention, moe, fp8):
-        residual = 2 if dm.autocast and getattr(t, "bf16_residual", False) is True else 4
-        return _compiled_block_bytes(m, dm, lean=t.recompute_casts is True, selective=recompute == "selective",
-                                     residual=residual, alltoall_cp=_alltoall_cp(cfg))
-    lin_in = 1 if fp8 and getattr(t, "fp8_recipe", "tensorwise") == "tensorwise" else 2
-    attn_in = 2 if getattr(t, "fp8_keep_attention", False) else lin_in  # projections kept bf16: 2-byte inputs
-    out: dict[str, int] = {}
-    n, n_r, d, a = dm.n, dm.n_r, dm.d, dm.a
-    tr = _traits(m)
-    out["attn_norm"] = _norm_bytes(tr.norm, n_r, d, device)
-    selective = recompute == "selective"
-    if is_mla(m):  # multi-head latent attention: its own save-set (planning/memory_mla.py)
-        out.update(mla_attention_bytes(m, n=n, n_r=n_r, b=dm.b, t=dm.t, heads=dm.hl, a=a, autocast=dm.autocast,
-                                       sp=dm.sp, attention=attention, selective=selective, device=device,
-                                       dropout_mask=_mask_bytes(device, 4)))
-    else:
-        out.update(_gqa_attention_bytes(cfg, dm, device, attention, selective, fp8, attn_in))
-    if not m.parallel_block:
-        out["mlp_norm"] = _norm_bytes(tr.norm, n_r, d, device)
-    # fp32 and a parallel block: one normed x (or, with sp, its shard) saved for both branches; an MoE layer
-    # gathers its own copy under sp (megaloom.parallel.expert).
-    shares_input = not dm.autocast and m.parallel_block
-    if moe:
-        out.update(_moe_bytes(cfg, dm, device, grouped_mm, selective, shares_input and not dm.sp))
-    else:
-        gated = tr.gated_mlp
-        out["mlp inputs"] = 0 if shares_input else _linear_input_bytes(dm, 2 if gated else 1, lin_in,
-                                                                      region=not fp8)
-        if gated:
-            out["gate, up, silu, product"] = (3 if selective else 4) * a * n * dm.fl
-        else:
-            out["up, gelu"] = 2 * a * n * dm.fl
-    if m.dropout > 0:  # masks of the residual dropouts on o_proj's and down_proj's outputs (MoE: its own)
-        out["dropout masks"] = (1 if moe else 2) * _mask_bytes(device, a) * n_r * d
-    return out
-
-
-def _gqa_attention_bytes(cfg: Config, dm: _Dims, device: str, attention: str, selective: bool, fp8: bool,
-                         attn_in: int) -> dict[str, int]:
-    """The attention half of a grouped-query block's save-set (module doc: linears, QK-norm, attention)."""
-    m, t = cfg.model, cfg.train
-    n, a = dm.n, dm.a
-    tr = _traits(m)
-    out: dict[str, int] = {}
-    # One tensor enters each region (with sp: its shard, saved once for the region's linears unless in fp8).
-    keep_attn = bool(getattr(t, "fp8_keep_attention", False))
-    out["q/k/v inputs"] = _linear_input_bytes(dm, 3, attn_in, region=not fp8 or keep_attn)
-    if tr.qk_norm:  # an RMSNorm over each query and key head of the projections' outputs, before RoPE
-        out["q/k norms"] = _qk_norm_bytes(n * (dm.hl + dm.hkvl), dm.hd, device, dm.autocast)
-    q, kv = a * n * dm.hl * dm.hd, a * n * dm.hkvl * dm.hd
-    if attention in ("flash", "efficient"):
-        out["q, k, v"] = q + 2 * kv
-        out["attention out"] = q  # o_proj reads it through a view (the kernels write [b, s, h, hd])
-        # Selective recompute leaves the fused kernels' core alone (apply_recompute): its logsumexp stays saved.
-        t_lse = 32 * math.ceil(dm.t / 32) if attention == "efficient" else dm.t  # efficient pads it to 32
-        out["logsumexp"] = 4 * dm.b * dm.hl * t_lse
-        if is_cuda(device):
-            out["rng seed, offset"] = 16
-        if m.sliding_window:  # boolean window mask converted to an additive one in the compute dtype
-            t_pad = dm.t if not is_cuda(device) else 16 * math.ceil(dm.t / 16)
-            out["window mask"] = a * dm.t * t_pad
-    else:  # math: computed in fp32 (bf16/fp16 inputs are upcast); scaled q, k^T, v (k, v expanded to all heads)
-        e = 4
-        if selective:
-            out["q, k, v"] = q + 2 * kv
-        else:
-            out["q, k, v (math)"] = 3 * e * n * dm.hl * dm.hd
-            out["attention probs (math)"] = e * dm.b * dm.hl * dm.t * dm.t
-            if m.dropout > 0:  # the mask (bool on CUDA, the input's dtype on CPU) and the dropped probs
-                out["attention dropout (math)"] = (_mask_bytes(device, e) + e) * dm.b * dm.hl * dm.t * dm.t
-        out["o_proj input (math)"] = a * n * dm.hl * dm.hd
-    return out
-
-
-def _alltoall_cp(cfg: Config) -> bool:
-    """Whether attention runs in context parallelism's all-to-all (Ulysses) mode."""
-    if cfg.parallel.cp == 1:
-        return False
-    from megaloom.parallel.context import choose_mode
-
-    return choose_mode(cfg) == "alltoall"
-
-
-def _compiled_save_set_known(cfg: Config, dm: _Dims, device: str, recompute: str, attention: str, moe: bool,
-                             fp8: bool) -> bool:
-    """Whether `_compiled_block_bytes` describes this block: a compiled dense pre-norm decoder block (RMSNorm,
-    SwiGLU, RoPE, with or without QK-norm; no parallel block, window or dropout) under bf16/fp16 autocast with a
-    fused attention kernel, no full recomputation or fp8. Tensor parallelism, with or without sp, and context
-    parallelism's all-to-all exchanges trace into one graph (parallel/traced_comm.py); ring attention is one
-    custom op in it (parallel/context/ring.py). Other blocks keep the eager save-set (an over-estimate of what
-    compile keeps)."""
-    m, t = cfg.model, cfg.train
-    tr = _traits(m)
-    return (is_cuda(device) and t.compile is True and dm.autocast
-            and recompute in ("none", "selective") and not moe and not fp8
-            and attention in ("flash", "cudnn", "efficient") and tr.norm == "rmsnorm"
-            and tr.gated_mlp and tr.positions == "rope" and not tr.bias and not tr.post_norm
-            and not m.parallel_block and not m.sliding_window and m.dropout == 0 and not is_mla(m))
-
-
-def _compiled_block_bytes(m: ModelConfig, dm: _Dims, lean: bool, selective: bool = False,
-                          residual: int = 4, alltoall_cp: bool = False) -> dict[str, int]:
-    """What a compiled block (`_compiled_save_set_known`) saves for backward, as AOTAutograd's partitioner picks it
-    (read with saved-tensor hooks on a compiled block: tests/test_compile_saves.py at tp 1, and tp 2 with and without
-    sp in tests/parallel/test_world2.py). By default it keeps, besides the block input (``residual`` bytes an
-    element: 2 with train.bf16_residual) and each norm's 1/rms: three [n, d] bf16 tensors (the normed inputs of
-    attention and MLP, the attention output in the o_proj layout, or under tp its all-reduced output), q, k, v of
-    this rank's heads, the attention output and its logsumexp, and three [n, ffn/tp] bf16 tensors (gate, up, their
-    SwiGLU product); weight casts are counted apart. With ``lean`` (train.recompute_casts) it recomputes the normed
-    inputs, the o_proj layout and the product from what it keeps: one [n, d] bf16 tensor (o_proj's output), gate
-    and up; the fp32 weights it saves are parameters, resident anyway. With sequence parallelism the block input
-    and norms hold n / tp tokens, the two normed inputs are kept as all-gathered ([n, d] bf16 each, lean or not:
-    the partitioner does not recompute a collective) and o_proj's reduce-scattered output as a [n / tp, d] bf16
-    shard. Selective recompute (``selective``; the fused attention core is never recomputed) drops the product
-    either way. Which tensor is which is read from shapes; the byte counts are what the tests check. With QK-norm
-    the q and k projections' outputs before their norms and the norms' 1/rms are kept too.
-
-    Context parallelism (``dm`` holds this rank's tokens): ring attention saves what the flash kernel saves (q, k,
-    v of the local tokens, its output, laid out for o_proj's view, and the log-sum-exp), so the set is the same.
-    The all-to-all mode (``alltoall_cp``) saves the kernel's tensors for all tokens and 1/cp of the heads
-    (the same bytes), plus o_proj's input, a copy in the local layout after the exchange back (q's bytes).
-    Measured at cp 2, tp 1 and 2: tests/parallel/context/test_context_world.py."""
-    n, n_r, d, a = dm.n, dm.n_r, dm.d, dm.a
-    q, kv = a * n * dm.hl * dm.hd, a * n * dm.hkvl * dm.hd
-    out = {
-        "block input": residual * n_r * d,
-        "norms 1/rms": 2 * 4 * n_r,
-        "rope tables": 2 * 4 * dm.t * dm.hd,
-    }
-    if dm.sp:
-        out["normed inputs, all-gathered (bf16)"] = 2 * a * n * d
-        out["o_proj output shard (bf16)"] = a * n_r * d
-    elif lean:
-        out["o_proj output"] = a * n * d
-    else:  # [n, d] all three, also with model.head_dim (heads x head_dim != d): tests/test_compile_saves.py
-        out["[n, d] bf16 (normed inputs, o_proj input)"] = 3 * a * n * d
-    out.update({
-        "q, k, v": q + 2 * kv,
-        "attention out": q,
-        "logsumexp": 4 * dm.b * dm.hl * dm.t,
-        "gate, up" + ("" if lean or selective else ", product"): (2 if lean or selective else 3) * a * n * dm.fl,
-    })
-    if _traits(m).qk_norm:
-        out["q, k before their norms"] = q + kv
-        out["q/k norms 1/rms"] = 4 * n * (dm.hl + dm.hkvl)
-    if alltoall_cp:
-        out["o_proj input (all-to-all layout)"] = q
-    return out
-
-
-def _moe_bytes(cfg: Config, dm: _Dims, device: str, grouped_mm: bool | None, selective: bool,
-               shares_input: bool) -> dict[str, int]:
-    m = cfg.model
-    _, _, fe, _ = _resolved(m)
-    n, d, a, e, k = dm.n, dm.d, dm.a, m.n_experts, m.top_k
-    rows = n * k  # dropless: every (token, expert) pair; a capacity limit only lowers it
-    if grouped_mm is None:
-        grouped_mm = is_cuda(device) and dm.autocast and d % 8 == 0 and fe % 8 == 0
-    out: dict[str, int] = {}
-    out["router input"] = 0 if shares_input else _linear_input_bytes(dm, 1)
-    out["router probs, top-k, weights"] = 4 * n * e + 8 * n * k + 4 * n * k + 8 * n
-    out["dispatch index"] = 8 * rows
-    if dm.autocast:
-        out["expert inputs"] = (1 if grouped_mm else 2) * 2 * rows * d
-    else:
-        out["expert inputs"] = 4 * rows * d
-    out["expert gate, up, silu, product"] = 4 * a * rows * fe
-    out["combine (fp32)"] = 8 * rows * d + 4 * rows
-    if grouped_mm:
-        out["group offsets"] = 4 * e
-    if m.n_shared_experts:
-        fs = m.n_shared_experts * fe
-        out["shared expert inputs"] = 2 * 2 * n * d if dm.autocast else 0
-        out["shared expert hidden"] = (3 if selective else 4) * a * n * fs
-    if m.aux_loss_weight:
-        out["load-balancing loss"] = 4 * n + 4 * e
-    if m.z_loss_weight:
-        out["z-loss"] = 4 * n * e + 4 * n
-    if m.dropout > 0:
-        out["moe dropout mask"] = _mask_bytes(device, 4) * n * d
-    return out
-
-
-def _mask_bytes(device: str, input_bytes: int) -> int:
-    """Dropout keeps a bool mask on CUDA (native_dropout) and a scaled noise tensor of the input's dtype on CPU."""
-    return 1 if is_cuda(device) else input_bytes
-
-
-def embedding_activation_bytes(cfg: Config, *, tokens: int, batch: int, tp: int = 1,
-                               device: str = CUDA) -> dict[str, int]:
-    m = cfg.model
-    out = {"token ids": 8 * tokens}
-    if tp > 1:
-        out["vocab-parallel mask"] = tokens
-    if _traits(m).positions == "learned":
-        out["position ids"] = 8 * (tokens // batch)
-    if m.dropout > 0:
-        out["embedding dropout mask"] = _mask_bytes(device, 4) * tokens * m.d_model
-    return out
-
-
-def fused_loss(cfg: Config) -> bool:
-    """train.fused_loss: the head and loss fused in chunks (megaloom.models.fused_ce; tensor parallelism uses its
-    vocab-parallel loss instead)."""
-    return getattr(cfg.train, "fused_loss", False) is True and cfg.parallel.tp == 1  # "auto": resolved by _layout
-
-
-def _fused_chunk_tokens(vocab: int) -> int:
-    try:
-        from megaloom.models.fused_ce import default_chunk_tokens
-    except ImportError:  # the same rule: one chunk's fp32 logits ~ 2**28 values, a multiple of 256 tokens
-        return max(256, (2**28 // max(vocab, 1)) // 256 * 256)
-    return default_chunk_tokens(vocab)
-
-
-def head_activation_bytes(cfg: Config, *, tokens: int, tp: int = 1, sp: bool = False,
-                          device: str = CUDA) -> dict[str, int]:
-    """Saved by the final norm, the head and the loss for one micro-batch (the head's weight cast excluded)."""
-    m = cfg.model
-    autocast = compute_precision(cfg, device) != "fp32"
-    n_r = tokens // tp if (sp and tp > 1) else tokens
-    v = m.vocab_size // tp
-    out = {"final norm": _norm_bytes(_traits(m).norm, n_r, m.d_model, device)}
-    if fused_loss(cfg):  # the gradients are computed in the forward and kept for backward (fp32, as x and W)
-        out["fused loss: grad of head input"] = 4 * tokens * m.d_model
-        out["fused loss: grad of head weight"] = 4 * v * m.d_model + 4
-        return out
-    # With sp the head saves its input shard, gathered again in backward (megaloom.parallel.sp_linear).
-    out["head input"] = (2 if autocast else 4) * n_r * m.d_model
-    if tp > 1:
-        out["softmax (fp32, vocab-parallel)"] = 4 * tokens * v
-        out["labels"] = 8 * tokens + 2 * tokens + 8  # local labels, owned & valid masks, the token count
-    else:
-        out["log-softmax (fp32)"] = 4 * tokens * v
-        out["labels"] = 8 * tokens + 4
-    return out
-
-
-def mtp_activation_bytes(cfg: Config, *, tokens: int, batch: int, tp: int = 1, sp: bool = False,
-                         device: str = CUDA) -> dict[str, int]:
-    """What multi-token prediction (model.mtp_depth, models/mtp.py) saves for backward in one micro-batch, on top
-    of the head's bytes: per depth the token ids looked up, its two input norms (the states' norm shares its input
-    with the norm before the head when that input is already fp32: the model's fp32 residual stream at depth 1, or
-    any depth without autocast), the projection's input (the concatenation, or its bf16 cast), its block (indexed
-    after the model's) and its own head and loss. Weight casts: `ParamCounts.matmul_mtp`."""
-    m, t = cfg.model, cfg.train
-    autocast = compute_precision(cfg, device) != "fp32"
-    n_r = tokens // tp if (sp and tp > 1) else tokens
-    d, norm = m.d_model, _traits(m).norm
-    head = sum(head_activation_bytes(cfg, tokens=tokens, tp=tp, sp=sp, device=device).values())
-    bf16_stream = autocast and getattr(t, "bf16_residual", False) is True
-    eager = dataclasses.replace(cfg, train=dataclasses.replace(t, compile=False))
-    out: dict[str, int] = {}
-    for k in range(m.mtp_depth):
-        shared = not autocast or (k == 0 and not bf16_stream)  # the states are fp32 already: one saved copy
-        # the modules' blocks are neither recomputed nor compiled (train.recompute and train.compile take the
-        # model's blocks): saved as eager blocks without recomputation
-        block = block_activation_bytes(eager, tokens=tokens, batch=batch, layer=m.n_layers + k, tp=tp, sp=sp,
-                                       device=device, recompute="none")
-        out[f"mtp {k + 1}: token ids, norms, projection input"] = (
-            8 * tokens + (tokens if tp > 1 else 0) + 2 * _norm_bytes(norm, n_r, d, device)
-            - (4 * n_r * d if shared else 0) + (2 if autocast else 4) * n_r * 2 * d)
-        out[f"mtp {k + 1}: block"] = sum(block.values())
-        out[f"mtp {k + 1}: head and loss"] = head
-    return out
-
-
-def loss_transients(cfg: Config, *, tokens: int, tp: int = 1, device: str = CUDA) -> dict[str, int]:
-    """Bytes live beyond the saved ones while the loss runs: forward (logits in the compute dtype and their
-    fp32 copy) and backward (the fp32 gradients), per megaloom.models.transformer.cross_entropy (tp = 1) or
-    megaloom.parallel.vocab_ce (tp > 1); and the head's backward (logit gradient, weight gradient). With
-    train.fused_loss only one chunk of logits exists at a time (megaloom.models.fused_ce)."""
-    m = cfg.model
-    a = 4 if compute_precision(cfg, device) == "fp32" else 2
-    v = m.vocab_size // tp
-    d = m.d_model
-    if fused_loss(cfg):
-        c = min(tokens, _fused_chunk_tokens(v))
-        cv = c * v
-        if a == 2:  # bf16 W copy; per chunk: bf16 logits + fp32 copy, or the gradient's bf16 g + g^T x (bf16, fp32)
-            fwd = 2 * v * d + 9 * tokens + 2 * c * d + max(6 * cv, 2 * cv + 6 * v * d)
-        else:
-            fwd = 9 * tokens + 4 * cv
-        return {"loss forward": fwd, "loss backward": 4 * tokens * d + 4 * v * d, "head backward": 0}
-    nv = tokens * v
-    fp32_copy = 4 * nv if a == 2 else 0
-    fwd = a * nv + fp32_copy
-    if tp > 1:  # softmax saved (counted); grad = softmax * g (fp32) and its cast back to the logits' dtype
-        bwd = 4 * nv + (2 * nv if a == 2 else 0)
-    else:  # log-softmax output saved (counted); nll's gradient and log-softmax's gradient, both fp32
-        bwd = 8 * nv
-    # The logit gradient, the weight gradient in the compute dtype (added into an existing .grad) and, under
-    # autocast, its fp32 copy (the backward of the weight's cast), the input gradient; log-softmax is freed by now.
-    head_bwd = a * nv + (a + (4 if a == 2 else 0)) * v * d + a * tokens * d - 4 * nv
-    return {"loss forward": fwd, "loss backward": bwd, "head backward": head_bwd}
-
-
-# ----------------------------------------------------------------------------------------- parameters
-
-
-@dataclass
-class ParamCounts:
-    """This rank's parameters (elements). ``local`` is what the rank stores; ``matmul`` what autocast casts to
-    bf16 (linear, router and expert weights and the head; embedding lookups are not cast)."""
-
-    local: int
-    matmul_layers: dict[int, int]  # per block index on this rank
-    matmul_head: int
-    block_params: dict[int, int]  # all parameters per block (full size, for FSDP2's gathers)
-    root_params: int  # embeddings, final norm, head
-    largest: int  # the largest single parameter (optimizer temporaries)
-    exact: bool  # counted from the module (True) or from the config
-    embedding: int = 0  # the token embedding's weight on this rank (0 without one)
-    expert: int = 0  # of ``local``, the expert-parallel weights (ZeRO shards them over edp, not dp x cp)
-    frozen: int = 0  # parameters trained frozen (model.freeze): stored, but no gradient and no optimizer state
-    matmul_mtp: int = 0  # the multi-token-prediction modules' matmul weights (model.mtp_depth; cast under autocast)
-
-
-def _local_numel(p) -> int:
-    return p.to_local().numel() if hasattr(p, "to_local") else p.numel()
-
-
-def count_model_params(model: nn.Module) -> ParamCounts:
-    """Exact counts from the built (parallelised / staged) module of this rank."""
-    seen: set[int] = set()
-    local = largest = root = 0
-    mm_layers: dict[int, int] = {}
-    blocks: dict[int, int] = {}
-    head_w = getattr(getattr(model, "head", None), "weight", None)
-    mm_head = head_w.numel() if head_w is not None else 0
-    emb_w = getattr(getattr(model, "tok_emb", None), "weight", None)
-    embedding = _local_numel(emb_w) if emb_w is not None else 0
-    expert = frozen = mm_mtp = 0
-    for name, p in model.named_parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        nl = _local_numel(p)
-        if p.requires_grad:
-            local += nl
-            expert += nl if layout_of(p).expert else 0
-            largest = max(largest, nl)
-        else:  # frozen (model.freeze): stored and cast all the same, but no gradient and no optimizer state
-            frozen += nl
-        parts = name.split(".")
-        if parts[0] == "mtp" and p.ndim >= 2:
-            mm_mtp += p.numel()
-        if parts[0] == "layers" and len(parts) > 1 and parts[1].isdigit():
-            i = int(parts[1])
-            blocks[i] = blocks.get(i, 0) + p.numel()
-            if p.ndim >= 2:
-                mm_layers[i] = mm_layers.get(i, 0) + p.numel()
-        else:
-            root += p.numel()
-    for i in blocks:
-        mm_layers.setdefault(i, 0)
-    return ParamCounts(local, mm_layers, mm_head, blocks, root, largest, exact=True, embedding=embedding,
-                       expert=expert, frozen=frozen, matmul_mtp=mm_mtp)
-
-
-def analytic_params(cfg: Config, layers: list[int], has_embedding: bool = True, has_head: bool = True,
-                    tp: int = 1, ep: int = 1) -> ParamCounts:
-    """The same counts from the config (no module): this rank's blocks ``layers``, embedding and head. MoE
-    layers hold n_experts / ep experts, each split by hidden units over tp like the shared experts; the router
-    is replicated."""
-    m = cfg.model
-    kv, ffn, fe, hd = _resolved(m)
-    tr = _traits(m)
-    d, bias = m.d_model, tr.bias
-    qkv_bias = tr.bias or m.qkv_bias  # q/k/v biases (model.qkv_bias) without the others
-    hkvl, q = max(kv // tp, 1), m.n_heads // tp * hd  # q: this rank's query heads x head width (d / tp by default)
-    norm = 2 * d if tr.norm == "layernorm" else d  # LayerNorm: weight and bias
-    qk_norm = 2 * hd if tr.qk_norm else 0  # q_norm, k_norm: one weight of head_dim each (replicated over tp)
-    from megaloom.models.attention_shapes import attention_norm_params, attention_projections
-
-    qk_norm += attention_norm_params(m)  # latent attention's norms over its latents (replicated over tp)
-    projections = attention_projections(m, tp)
-    mm_layers, blocks = {}, {}
-    largest = expert = 0
-    # multi-token prediction's blocks go with the head, indexed after the model's (models/mtp.py)
-    mtp_blocks = list(range(m.n_layers, m.n_layers + m.mtp_depth)) if has_head else []
-    for i in [*layers, *mtp_blocks]:
-        attn_mm = sum(p.numel for p in projections)
-        attn_b = ((q + 2 * hkvl * hd) if qkv_bias and not is_mla(m) else 0) + (d if bias else 0)
-        if is_moe_layer(m, i):
-            mlp_mm = (d * m.n_experts + 3 * (m.n_experts // ep) * d * (fe // tp)
-                      + 3 * d * (m.n_shared_experts * fe // tp))
-            expert += 3 * (m.n_experts // ep) * d * (fe // tp) if ep > 1 else 0
-            mlp_b = 0
-        else:
-            mlp_mm = (3 if tr.gated_mlp else 2) * d * (ffn // tp)
-            mlp_b = (ffn // tp + d) if bias else 0
-        norms = norm * (1 if m.parallel_block else 2)
-        mm_layers[i] = attn_mm + mlp_mm
-        blocks[i] = attn_mm + mlp_mm + attn_b + mlp_b + norms + qk_norm
-        largest = max(largest, d * (ffn // tp), (m.n_experts // ep) * d * (fe // tp) if is_moe_layer(m, i) else 0,
-                      max(p.numel for p in projections))
-    mtp_mm = sum(mm_layers.pop(i) + 2 * d * d for i in mtp_blocks)  # (+ eh_proj)
-    root = sum(blocks.pop(i) + 2 * d * d + 3 * norm for i in mtp_blocks)  # (+ eh_proj and three norms)
-    vocab = m.vocab_size // tp * d
-    if has_embedding:
-        root += vocab + (m.max_seq_len * d if tr.positions == "learned" else 0)
-        root += tr.token_types * d + (norm if tr.embed_norm else 0)  # an encoder's segment embedding and its norm
-    head_mm = 0
-    if has_head:
-        root += norm
-        # An encoder's masked-LM head: the transform's dense layer (replicated) and the vocabulary bias (split).
-        root += (d * d + d if tr.head_transform else 0) + (m.vocab_size // tp if tr.head_bias else 0)
-        head_mm = vocab
-        if not (m.tie_embeddings and has_embedding):
-            root += vocab  # its own head weight (untied, or the tied copy on the last pipeline stage)
-        if m.mtp_depth and not m.tie_embeddings and not has_embedding:
-            root += vocab  # multi-token prediction's copy of the untied input embedding (pipeline/stage.py)
-    if has_embedding or has_head:
-        largest = max(largest, vocab)
-    counts = ParamCounts(sum(blocks.values()) + root, mm_layers, head_mm, blocks, root, largest, exact=False,
-                         embedding=vocab if has_embedding else 0, expert=expert, matmul_mtp=mtp_mm)
-    return _with_adapters(counts, m, layers, tp) if m.lora.rank > 0 else counts
-
-
-def _adapter_shapes(m: ModelConfig, tp: int, moe: bool) -> list[tuple[int, int]]:
-    """(A, B) elements on one tp rank of each LoRA adapter of one block: a column-parallel base keeps A whole and
-    its rows of B, a row-parallel one its columns of A and B whole (parallel/tp_lora.py)."""
-    kv, ffn, _, hd = _resolved(m)
-    d, r = m.d_model, m.lora.rank
-    column_out = {"q_proj": d // tp, "k_proj": max(kv // tp, 1) * hd, "v_proj": max(kv // tp, 1) * hd,
-                  "gate_proj": ffn // tp, "up_proj": ffn // tp}
-    row_in = {"o_proj": d // tp, "down_proj": ffn // tp}
-    out = []
-    for t in m.lora.targets:
-        if moe and t in ("gate_proj", "up_proj", "down_proj"):  # an MoE block has no dense MLP to adapt
-            continue
-        out.append((r * d, column_out[t] * r) if t in column_out else (r * row_in[t], d * r))
-    return out
-
-
-def _with_adapters(counts: ParamCounts, m: ModelConfig, layers: list[int], tp: int) -> ParamCounts:
-    """model.lora: every base parameter trains frozen (stored, cast, but no gradient and no optimizer state); the
-    adapters are what trains."""
-    per_layer = {i: _adapter_shapes(m, tp, is_moe_layer(m, i)) for i in layers}
-    sums = {i: sum(a + b for a, b in shapes) for i, shapes in per_layer.items()}
-    largest = max((max(a, b) for shapes in per_layer.values() for a, b in shapes), default=0)
-    return replace(counts, local=sum(sums.values()), frozen=counts.local, expert=0, largest=largest,
-                               matmul_layers={i: n + sums[i] for i, n in counts.matmul_layers.items()},
-                               block_params={i: n + sums[i] for i, n in counts.block_params.items()})
-
-
-# ----------------------------------------------------------------------------------------------- the plan
 
 
 @dataclass
@@ -809,7 +266,7 @@ def plan_memory(cfg: Config, model: nn.Module | None = None, *, world_size: int 
                       build=_build_peak(lay, rank.counts, state))
 
 
-def _build_peak(lay: _Layout, counts: ParamCounts, state: _State) -> int:
+def _build_peak(lay: RankLayout, counts: ParamCounts, state: _State) -> int:
     """What building this rank holds at most: its weights, the gradient buckets the data-parallel wrapper
     allocates at once (zero 0/1; zero 2 allocates them at the first backward), ZeRO's fp32 master shard (made
     with the optimizer; its moments come at the first step) and the largest parameter's initialisation
@@ -818,41 +275,8 @@ def _build_peak(lay: _Layout, counts: ParamCounts, state: _State) -> int:
     return state.weights + state.grad_persistent + master + 4 * counts.largest
 
 
-@dataclass(frozen=True)
-class _Layout:
-    """The quantities every part of the plan shares: the config (train.precision resolved) and this rank's
-    place in the parallel layout."""
-
-    cfg: Config  # train.precision resolved for the device ("auto" -> bf16 / fp32)
-    device: str
-    world_size: int
-    tp: int
-    pp: int
-    vpp: int
-    cp: int
-    dp: int
-    zero: int
-    pp_rank: int
-    n_micro: int  # micro-batches per step on this rank
-    precision: str
-    tokens: int  # per micro-batch on this rank: micro_batch x seq_len / cp
-    batch: int  # sequences per micro-batch
-    sp: bool  # sequence parallelism in effect (tp > 1)
-    attention: str  # the SDPA save-set (`attention_backend`)
-    update: bool = True  # steps call optimizer.step() (False: a dry run's steps without the update)
-
-    @property
-    def autocast(self) -> bool:
-        return self.precision != "fp32"
-
-    @property
-    def n_r(self) -> int:
-        """Tokens in the residual stream (tokens / tp with sequence parallelism)."""
-        return self.tokens // self.tp if self.sp else self.tokens
-
-
 def _layout(cfg: Config, world_size: int, device: str, pp_rank: int, n_micro: int | None,
-            update: bool = True) -> _Layout:
+            update: bool = True) -> RankLayout:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     if m.vocab_size <= 0:
         raise ValueError("plan_memory: model.vocab_size must be resolved (> 0) first")
@@ -864,13 +288,10 @@ def _layout(cfg: Config, world_size: int, device: str, pp_rank: int, n_micro: in
     if precision != t.precision:
         cfg = _with_precision(cfg, precision)
     cfg = resolve_levers(cfg, device)[0]  # compile / fused loss "auto": as training on `device`
-    return _Layout(cfg=cfg, device=device, world_size=world_size, tp=tp, pp=pp, vpp=p.vpp, cp=cp, dp=dp,
+    return RankLayout(cfg=cfg, device=device, world_size=world_size, tp=tp, pp=pp, vpp=p.vpp, cp=cp, dp=dp,
                    zero=p.zero, pp_rank=pp_rank, n_micro=n_micro, precision=precision,
                    tokens=t.micro_batch_size * t.seq_len // cp, batch=t.micro_batch_size, sp=p.sp and tp > 1,
                    attention=attention_backend(cfg, device, tp), update=update)
-
-
-# ------------------------------------------------------------------------------ this rank's blocks and parameters
 
 
 @dataclass(frozen=True)
@@ -900,7 +321,7 @@ class _RankModel:
         return self.last in self.stages
 
 
-def _rank_model(lay: _Layout, model: nn.Module | None) -> _RankModel:
+def _rank_model(lay: RankLayout, model: nn.Module | None) -> _RankModel:
     """This rank's stages (the pipeline partition), events and parameter counts: exact from ``model``, from the
     config without it (or for a module without named blocks)."""
     m, p = lay.cfg.model, lay.cfg.parallel
@@ -921,7 +342,7 @@ def _rank_model(lay: _Layout, model: nn.Module | None) -> _RankModel:
     return _RankModel(stages, last, events, counts)
 
 
-def _fp8_layers(lay: _Layout) -> frozenset[int]:
+def _fp8_layers(lay: RankLayout) -> frozenset[int]:
     """fp8: the blocks whose linears save a 1-byte input and no weight copy (first/last kept in bf16 by default)."""
     if lay.precision != "fp8":
         return frozenset()
@@ -930,15 +351,12 @@ def _fp8_layers(lay: _Layout) -> frozenset[int]:
     return frozenset(i for i in range(m.n_layers) if not (keep and i in (0, m.n_layers - 1)))
 
 
-# ------------------------------------------------------------------------------------- activations per stage
-
-
 @dataclass(frozen=True)
 class _Blocks:
     """One block of this rank, one micro-batch: what it saves and the weight casts it holds. recompute=full with
     recompute_layers=N: only the first N blocks of each stage recompute, the others keep everything."""
 
-    lay: _Layout
+    lay: RankLayout
     counts: ParamCounts
     position: dict[int, int]  # block index -> its place within its stage
     fp8: frozenset[int]
@@ -984,7 +402,7 @@ class _Activations:
     offload: bool  # activation offload: the blocks' saved tensors wait in host memory
 
 
-def _stage_activations(lay: _Layout, rank: _RankModel, blocks: _Blocks) -> _Activations:
+def _stage_activations(lay: RankLayout, rank: _RankModel, blocks: _Blocks) -> _Activations:
     cfg, t = lay.cfg, lay.cfg.train
     full = t.recompute == "full"
     emb = sum(embedding_activation_bytes(cfg, tokens=lay.tokens, batch=lay.batch, tp=lay.tp,
@@ -1015,113 +433,6 @@ def _stage_activations(lay: _Layout, rank: _RankModel, blocks: _Blocks) -> _Acti
     return _Activations(saved, casts, saved_casts, recompute, emb, head, head_cast, loss, offload)
 
 
-# ------------------------------------------------------------------------------------------- persistent state
-
-
-@dataclass(frozen=True)
-class _State:
-    """Weights, optimizer state, gradients (persistent, and as they live through a step), FSDP2's gathered blocks
-    and the CUDA workspaces."""
-
-    weights: int
-    optimizer: int
-    p_opt: int  # parameters whose optimizer state this rank keeps
-    grad_persistent: int
-    grad_after_backward: int  # gradient bytes live once a backward of the step has run
-    grad_at_step: int  # gradient bytes live during the optimizer step
-    fsdp_gather: int
-    workspace: int
-    buckets: bool  # data parallel with flat gradient buckets (megaloom.parallel.data_parallel)
-    fsdp: bool  # ZeRO-3 through FSDP2
-    checkpoint_host: int = 0  # host bytes an async save adds (`_checkpoint_host`; not in a GPU's peak)
-
-    @property
-    def gradients(self) -> int:
-        return self.grad_persistent + max(self.grad_at_step, self.grad_after_backward)
-
-    @property
-    def static(self) -> int:
-        """Live at every event of the step."""
-        return self.weights + self.optimizer + self.grad_persistent + self.workspace
-
-
-def master_shards(cfg: Config, precision: str) -> bool:
-    """ZeRO-1/2 gathering parameters in bf16 (parallel.param_gather=auto in bf16/fp8) keeps fp32 master shards."""
-    return cfg.parallel.param_gather == "auto" and precision in ("bf16", "fp8")
-
-
-def _persistent_state(lay: _Layout, counts: ParamCounts) -> _State:
-    zero, dp, p_local = lay.zero, lay.dp, counts.local
-    fsdp = zero == 3 and lay.world_size > 1
-    onebit = lay.cfg.train.optimizer.startswith("onebit")  # on the buckets, in one process too (megaloom/onebit.py)
-    buckets = (lay.world_size > 1 or onebit) and not fsdp  # pipelines too: each stage's gradients in buckets
-    weights = 4 * (p_local + counts.frozen)  # frozen parameters are stored, fp32, whole on every replica
-    # ZeRO shards dense parameters over dp x cp, expert weights over edp (the dp ranks holding the same experts)
-    ep = lay.cfg.parallel.ep
-    shard = (p_local - counts.expert) // (dp * lay.cp) + counts.expert // max(1, dp // ep * lay.cp)
-    p_opt = shard if (zero >= 1 and buckets) or fsdp else p_local
-    if fsdp and counts.exact:
-        p_opt = p_local  # the module's parameters are already the 1/dp shards
-    if fsdp and not counts.exact:
-        weights, p_opt = 4 * (shard + counts.frozen), shard
-    grad_persistent = 0
-    if buckets:
-        # zero 1 reduce-scatters in place (the 1/dp chunk is the bucket's own); zero 2 keeps its chunks apart
-        grad_persistent = (4 * p_local if zero in (0, 1) else 0) + (4 * shard if zero == 2 else 0)
-    full_local = sum(counts.block_params.values()) + counts.root_params  # unsharded (tp-local) size
-    if buckets:
-        grad_after_backward = 4 * p_local if zero == 2 else 0  # zero 2: buckets live from first grad to reduction
-        grad_at_step = 0
-    elif fsdp:
-        grad_after_backward = 4 * full_local if lay.n_micro > 1 else 0  # FSDP2 accumulates unsharded without sync
-        grad_at_step = 4 * p_opt
-    else:
-        grad_after_backward = grad_at_step = 4 * p_local
-    fsdp_gather = 0
-    if fsdp:  # FSDP2 all-gathers blocks just in time (current + prefetched); the root stays gathered
-        blocks_sorted = sorted(counts.block_params.values(), reverse=True)
-        fsdp_gather = 4 * (counts.root_params + sum(blocks_sorted[:2]))
-    optimizer = 8 * p_opt
-    if onebit:
-        optimizer += 4 * p_opt if lay.cfg.train.optimizer == "onebit_lamb" else 0  # the fresh variance
-        dense, expert = p_local - counts.expert, counts.expert
-        for n, group in ((dense, dp * lay.cp), (expert, max(1, dp // ep * lay.cp))):
-            if group > 1:  # compressed: worker error of every element, server error of this rank's chunk
-                optimizer += 4 * n + 4 * n // group
-    masters = buckets and zero in (1, 2) and dp > 1 and master_shards(lay.cfg, lay.precision)
-    if masters:
-        optimizer += 4 * p_opt  # fp32 master shard beside the bf16-rounded weights that the all-gather publishes
-    optimizer = optimizer if lay.update else 0
-    sharded = (zero >= 1 and buckets) or fsdp
-    host = _checkpoint_host(lay, counts, optimizer, p_opt if sharded else p_local, masters)
-    return _State(weights=weights, optimizer=optimizer, p_opt=p_opt,
-                  grad_persistent=grad_persistent, grad_after_backward=grad_after_backward,
-                  grad_at_step=grad_at_step, fsdp_gather=fsdp_gather,
-                  workspace=CUBLAS_WORKSPACE if is_cuda(lay.device) else 0, buckets=buckets, fsdp=fsdp,
-                  checkpoint_host=host)
-
-
-def _largest_segment(cfg: Config, largest: int, dp: int) -> int:
-    """The largest ZeRO segment (one parameter's part of a bucket's 1/dp chunk): a parameter of at least a bucket
-    closes its own bucket, so it is split over dp; a smaller one may sit whole in one rank's chunk."""
-    bucket = int(cfg.parallel.bucket_mb * 2**20) // 4
-    return largest if largest < bucket else -(-largest // dp)
-
-
-def _checkpoint_host(lay: _Layout, counts: ParamCounts, optimizer: int, written: int, masters: bool) -> int:
-    """Host bytes an asynchronous save adds (checkpoint/async_save.py): on an accelerator the pinned copy of what
-    this rank writes, its parameters' share (ZeRO-1/2: its own segment of the weights, or its fp32 master shard, which
-    ``optimizer`` already counts; frozen parameters whole) and its optimizer state. 0 on CPU (the state is
-    written where it lives) and without async saves."""
-    c = lay.cfg.checkpoint
-    if not is_accelerator(lay.device) or not c.async_save or not (c.every > 0 or c.final):
-        return 0
-    return (0 if masters else 4 * written) + 4 * counts.frozen + optimizer
-
-
-# ----------------------------------------------------------------------------------------------- the step
-
-
 @dataclass(frozen=True)
 class _Peaks:
     phases: dict[str, int]  # the largest live bytes per phase (PHASES)
@@ -1130,7 +441,7 @@ class _Peaks:
     in_flight: int  # how many micro-batches (x chunks) were in flight then
 
 
-def _play_events(lay: _Layout, rank: _RankModel, acts: _Activations, state: _State, step_transient: int) -> _Peaks:
+def _play_events(lay: RankLayout, rank: _RankModel, acts: _Activations, state: _State, step_transient: int) -> _Peaks:
     """Play this rank's forwards and backwards, then the optimizer step; the live bytes at each event."""
     full = lay.cfg.train.recompute == "full"
     last, lt = rank.last, acts.loss
@@ -1199,9 +510,6 @@ def _stage_gradients(rank: _RankModel, state: _State) -> dict[int, int]:
     return grads
 
 
-# ----------------------------------------------------------------------------------------- notes and setup
-
-
 def _grad_note(zero: int, state: _State) -> str:
     if state.fsdp:
         return "fp32 1/dp shards (FSDP2)"
@@ -1212,7 +520,7 @@ def _grad_note(zero: int, state: _State) -> str:
     return "fp32 p.grad, allocated in backward, freed after the step"
 
 
-def _notes(lay: _Layout, counts: ParamCounts) -> list[str]:
+def _notes(lay: RankLayout, counts: ParamCounts) -> list[str]:
     m, t = lay.cfg.model, lay.cfg.train
     notes = []
     if is_cuda(lay.device) and lay.attention == "flash" and m.sliding_window:
@@ -1239,7 +547,7 @@ def _notes(lay: _Layout, counts: ParamCounts) -> list[str]:
     return notes
 
 
-def _setup(lay: _Layout, rank: _RankModel, acts: _Activations, grad_note: str) -> dict:
+def _setup(lay: RankLayout, rank: _RankModel, acts: _Activations, grad_note: str) -> dict:
     """What the plan was made for (the table's header and memory.json's "setup")."""
     m, t = lay.cfg.model, lay.cfg.train
     return {"preset": m.preset, "arch": m.arch, "precision": lay.precision, "recompute": t.recompute,
@@ -1297,9 +605,6 @@ def _with_precision(cfg: Config, precision: str) -> Config:
     c = copy.deepcopy(cfg)
     c.train.precision = precision
     return c
-
-
-# --------------------------------------------------------------------------------------- the trainer's report
 
 
 class MemoryReport:
@@ -1368,3 +673,4 @@ class MemoryReport:
         log.info(line)
         self.write(extra)
         return line
+

@@ -33,7 +33,9 @@ from megaloom.parallel.mesh import validate_layout
 from megaloom.planning import comm
 from megaloom.planning.compute import ChunkWork, chunk_work, optimizer_seconds
 from megaloom.planning.hardware import GpuKind
-from megaloom.planning.memory_plan import GB, _resolved, analytic_params, is_moe_layer, plan_memory
+from megaloom.planning.memory_activations import _resolved, is_moe_layer
+from megaloom.planning.memory_params import analytic_params
+from megaloom.planning.memory_plan import GB, plan_memory
 
 
 @dataclass

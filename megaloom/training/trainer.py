@@ -61,7 +61,8 @@ from megaloom.parallel.random import dropout_seed
 from megaloom.parallel.tensor import parallelize_tensor
 from megaloom.parallel.zero import ShardedOptimizer, build_data_parallel, param_gather_dtype
 from megaloom.planning.levers import describe_levers, resolve_levers
-from megaloom.planning.memory_plan import MemoryReport, attention_backend
+from megaloom.planning.memory_activations import attention_backend
+from megaloom.planning.memory_plan import MemoryReport
 from megaloom.resilience import suspects
 from megaloom.resilience.guard import Resilience
 from megaloom.resilience.peers import PeerLost, describe, peer_loss

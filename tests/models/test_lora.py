@@ -89,7 +89,8 @@ def test_bad_settings_are_refused_naming_the_setting_and_the_fix() -> None:
 
 
 def test_memory_plan_gives_gradients_and_optimizer_state_to_the_adapters_only() -> None:
-    from megaloom.planning.memory_plan import analytic_params, count_model_params, plan_memory
+    from megaloom.planning.memory_params import analytic_params, count_model_params
+    from megaloom.planning.memory_plan import plan_memory
 
     cfg = tiny("model.lora.rank=8", f"model.lora.targets={ALL}", "train.seq_len=32", "train.micro_batch_size=2",
                "train.global_batch_size=2")

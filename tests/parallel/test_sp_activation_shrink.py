@@ -19,7 +19,7 @@ from megaloom.models import Transformer, apply_recompute
 from megaloom.observe.saved_tensors import measured_block_activation_bytes
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.tensor import parallelize_tensor
-from megaloom.planning.memory_plan import block_activation_bytes
+from megaloom.planning.memory_activations import block_activation_bytes
 
 B, T = 2, 64
 DEGREES = (1, 2, 4, 8)

@@ -369,7 +369,7 @@ def compiled_saves_case(mesh: Mesh, sp: bool, lean: bool) -> dict:
     runs it; saved-tensor hooks), against the memory plan's compiled save-set for tp > 1: the activation bytes
     (neither the resident fp32 parameters nor their bf16 copies, which the plan counts apart)."""
     from megaloom.models.transformer import build_on_device
-    from megaloom.planning.memory_plan import block_activation_bytes
+    from megaloom.planning.memory_activations import block_activation_bytes
     from megaloom.training.compile_saves import set_lean_saves
 
     over = ["model.preset=mixtral-tiny", "model.vocab_size=512", "model.moe_every=0", "model.d_model=128",

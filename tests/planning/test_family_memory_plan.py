@@ -28,7 +28,8 @@ from megaloom.models.layers import rope_tables
 from megaloom.models.registry import FAMILIES
 from megaloom.models.transformer import Block, Transformer
 from megaloom.observe.saved_tensors import SavedStorages, measured_block_activation_bytes
-from megaloom.planning.memory_plan import analytic_params, block_activation_bytes, count_model_params
+from megaloom.planning.memory_activations import block_activation_bytes
+from megaloom.planning.memory_params import analytic_params, count_model_params
 
 B, T, D = 2, 32, 64
 # QK-norm under bf16 autocast: bf16 heads, fp32 norm weight, so PyTorch warns it takes the composite (as planned)

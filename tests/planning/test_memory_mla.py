@@ -10,7 +10,8 @@ import torch
 from megaloom.config import load_config
 from megaloom.models import Transformer
 from megaloom.observe.flops import flops_per_token, matmul_params
-from megaloom.planning.memory_plan import analytic_params, count_model_params, plan_memory
+from megaloom.planning.memory_params import analytic_params, count_model_params
+from megaloom.planning.memory_plan import plan_memory
 
 from .test_memory_plan import check
 

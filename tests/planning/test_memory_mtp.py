@@ -9,7 +9,8 @@ import torch
 
 from megaloom.models import Transformer
 from megaloom.observe.flops import flops_per_token, matmul_params
-from megaloom.planning.memory_plan import analytic_params, count_model_params, mtp_activation_bytes
+from megaloom.planning.memory_activations import mtp_activation_bytes
+from megaloom.planning.memory_params import analytic_params, count_model_params
 
 from .test_memory_plan import VOCAB, B, T, make_cfg, saved_bytes
 

@@ -24,15 +24,14 @@ import torch
 from megaloom.config import load_config
 from megaloom.models import Transformer, apply_recompute
 from megaloom.observe.saved_tensors import SavedStorages
-from megaloom.planning.memory_plan import (
-    analytic_params,
+from megaloom.planning.memory_activations import (
     attention_backend,
     block_activation_bytes,
-    count_model_params,
     embedding_activation_bytes,
     head_activation_bytes,
-    plan_memory,
 )
+from megaloom.planning.memory_params import analytic_params, count_model_params
+from megaloom.planning.memory_plan import plan_memory
 
 B, T, VOCAB = 4, 64, 512
 SHAPE = ["model.d_model=64", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",

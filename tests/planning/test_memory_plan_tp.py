@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from megaloom.config import load_config
-from megaloom.planning.memory_plan import (
-    analytic_params,
+from megaloom.planning.memory_activations import (
     block_activation_bytes,
     embedding_activation_bytes,
     head_activation_bytes,
 )
+from megaloom.planning.memory_params import analytic_params
 
 # the latent norms under bf16 autocast warn that they take the composite (as planned)
 pytestmark = pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight:UserWarning")

@@ -13,7 +13,7 @@ import torch
 
 from megaloom.config import ConfigError, load_config
 from megaloom.models import Transformer, apply_recompute
-from megaloom.planning.memory_plan import block_activation_bytes
+from megaloom.planning.memory_activations import block_activation_bytes
 from megaloom.runtime import resolve_precision
 
 B, T, VOCAB = 2, 32, 256

@@ -252,7 +252,7 @@ def compiled_saves_case(rank: int, world: int, device: torch.device, mode: str, 
     it; saved-tensor hooks), against the memory plan's compiled save-set: the activation bytes, neither the
     resident fp32 parameters nor their bf16 copies (which the plan counts apart), as test_world2's tp cases."""
     from megaloom.models.transformer import build_on_device
-    from megaloom.planning.memory_plan import block_activation_bytes
+    from megaloom.planning.memory_activations import block_activation_bytes
     from megaloom.training.compile_saves import set_lean_saves
 
     seq, b, sp = 40, 3, tp > 1
