@@ -32,38 +32,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd import Function
 
-from megaloom.parallel import comm
 from megaloom.parallel.comm import Group, OpRecorder
-
-
-class Ring:
-    """The tp group as a ring: this rank sends to the next one and receives from the previous one."""
-
-    def __init__(self, group: Group, recorder: OpRecorder | None) -> None:
-        ranks = dist.get_process_group_ranks(group)
-        self.size, self.rank = len(ranks), dist.get_rank(group)
-        self.next, self.prev = ranks[(self.rank + 1) % self.size], ranks[(self.rank - 1) % self.size]
-        self.group, self.recorder = group, recorder
-
-    def shift(self, t: torch.Tensor) -> Callable[[], torch.Tensor]:
-        """Send ``t`` to the next rank and receive the previous rank's tensor of the same shape, without waiting:
-        returns a function that waits and gives what arrived (``t`` is kept alive until then)."""
-        t = t.contiguous()
-        buf = torch.empty_like(t)
-        works = comm.send_recv([(t, self.next)], [(buf, self.prev)], self.group, self.recorder, wait=False)
-
-        def arrived() -> torch.Tensor:
-            for w in works:
-                w.wait()
-            del works[:]
-            return buf
-
-        arrived.sent = t  # type: ignore[attr-defined]  # the backend reads it until the wait
-        return arrived
+from megaloom.parallel.ring import Ring
 
 
 def _chunk(x: torch.Tensor, index: int, n: int) -> torch.Tensor:

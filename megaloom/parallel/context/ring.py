@@ -45,30 +45,7 @@ from torch.autograd import Function
 from megaloom.parallel import comm
 from megaloom.parallel.comm import OpRecorder
 from megaloom.parallel.context.blocks import ring_step_backward, ring_step_forward
-
-
-class _Ring:
-    """This rank's neighbours in the cp group and one non-blocking exchange with them."""
-
-    def __init__(self, group, recorder) -> None:
-        ranks = dist.get_process_group_ranks(group)
-        self.size, self.rank = len(ranks), dist.get_rank(group)
-        self.next, self.prev = ranks[(self.rank + 1) % self.size], ranks[(self.rank - 1) % self.size]
-        self.group, self.recorder = group, recorder
-
-    def pass_on(self, tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], list]:
-        """Send ``tensors`` to the next rank, receive the previous rank's into new buffers; returns (buffers,
-        works to wait on)."""
-        tensors = [t.contiguous() for t in tensors]  # q/k/v arrive as transposed views
-        bufs = [torch.empty_like(t) for t in tensors]
-        works = comm.send_recv([(t, self.next) for t in tensors], [(b, self.prev) for b in bufs],
-                               self.group, self.recorder, wait=False)
-        return bufs, works
-
-
-def _wait(works: list) -> None:
-    for w in works:
-        w.wait()
+from megaloom.parallel.ring import Ring, wait
 
 
 def _attention_output(q: torch.Tensor) -> torch.Tensor:
@@ -85,7 +62,7 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, reco
     # The blocks choose their own precision (fp32 math, or the flash kernel on bf16/fp16 inputs): autocast would
     # turn the fp32 matmuls and the merge back into bf16.
     with torch.autocast(q.device.type, enabled=False):
-        ring = _Ring(group, recorder)
+        ring = Ring(group, recorder)
         out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         lse = torch.full(q.shape[:3], float("-inf"), dtype=torch.float32, device=q.device)
         cur_k, cur_v = k, v
@@ -94,7 +71,7 @@ def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, reco
             ring_step_forward(q, cur_k, cur_v, out, lse, ring.rank, (ring.rank - step) % ring.size, scale)
             if pending is not None:
                 (cur_k, cur_v), works = pending
-                _wait(works)
+                wait(works)
         return _attention_output(q).copy_(out), lse
 
 
@@ -103,7 +80,7 @@ def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                    scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) in the inputs' dtypes, from the final (out, lse) of `_ring_forward`."""
     with torch.autocast(q.device.type, enabled=False):
-        ring = _Ring(group, recorder)
+        ring = Ring(group, recorder)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         cur_k, cur_v = k, v
         acc_wait: tuple[list[torch.Tensor], list] | None = None  # dK/dV of the block we hold, from rank r-1
@@ -113,14 +90,14 @@ def _ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                                         (ring.rank - step) % ring.size, scale)
             if acc_wait is not None:
                 (dk_in, dv_in), works = acc_wait
-                _wait(works)
+                wait(works)
                 dk, dv = dk + dk_in, dv + dv_in
             acc_wait = ring.pass_on([dk, dv])  # after the last step this lands on the block's owner
             if pending is not None:
                 (cur_k, cur_v), works = pending
-                _wait(works)
+                wait(works)
         (dk, dv), works = acc_wait
-        _wait(works)
+        wait(works)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
