@@ -34,8 +34,8 @@ TABLE_1 = [(1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64
            (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163), (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163)]
 
 
-def dry_run_check() -> None:
-    gpu = load_gpu("h200")
+def dry_run_check(gpu_name: str = "h200") -> None:
+    gpu = load_gpu(gpu_name)
     rows = [json.loads(x) for x in (ROOT / "bench" / "results.jsonl").read_text().splitlines() if '"dry_run"' in x]
     seen = set()
     print("| layout (rank) | seq | measured step | predicted | error |\n|---|---:|---:|---:|---:|")
@@ -79,10 +79,12 @@ def main() -> None:
     ap.add_argument("check", choices=("dry-run", "megatron"))
     ap.add_argument("--weight-bytes", type=float, default=None,
                     help="bytes moved per weight per micro-batch (planning/compute.py WEIGHT_BYTES)")
+    ap.add_argument("--gpu", default="h200", help="the calibration of the dry-run check (e.g. h200-doctor: the one "
+                                                  "`megaloom doctor --calibrate` measured)")
     args = ap.parse_args()
     if args.weight_bytes is not None:
         compute.WEIGHT_BYTES = args.weight_bytes
-    dry_run_check() if args.check == "dry-run" else megatron_check()
+    dry_run_check(args.gpu) if args.check == "dry-run" else megatron_check()
 
 
 if __name__ == "__main__":
