@@ -30,11 +30,11 @@ LOG="$OUT/precision.log"  # one log (the device tool brings back at most eight f
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import torch; print('torch', torch.__version__)"; } >> "$LOG" 2>&1
 has() { [[ " $PARTS " == *" $1 "* ]]; }
 if has block_tests; then
-  timeout 420 python3 -m pytest -q -p no:cacheprovider tests/precision/test_fp8_block_gpu.py tests/precision/test_fp8_block.py > "$OUT/block_tests.log" 2>&1
+  timeout -k 10 420 python3 -m pytest -q -rfE -p no:cacheprovider tests/precision/test_fp8_block_gpu.py tests/precision/test_fp8_block.py > "$OUT/block_tests.log" 2>&1
   echo "block tests rc=$?"; tail -15 "$OUT/block_tests.log"
 fi
 if has tests; then
-  timeout 300 python3 -m pytest -q -p no:cacheprovider -m gpu tests/precision tests/observe tests/models tests/test_step.py > "$OUT/gpu_tests.log" 2>&1
+  timeout -k 10 300 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests/precision tests/planning tests/models tests/test_step.py > "$OUT/gpu_tests.log" 2>&1
   echo "gpu tests rc=$?"
 fi
 train() {  # train NAME OVERRIDES...: 300 steps of the model above, metrics to $OUT/metrics_NAME.jsonl
