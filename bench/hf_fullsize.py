@@ -54,7 +54,7 @@ def model_config(hf: dict):
     return cfg.model
 
 
-def check(name: str, hf: dict, seq: int, device: torch.device) -> dict:
+def check(name: str, hf: dict, seq: int, device: torch.device, hf_rope: bool = False) -> dict:
     import transformers
 
     t0 = time.time()
@@ -69,6 +69,7 @@ def check(name: str, hf: dict, seq: int, device: torch.device) -> dict:
     hf_sd = {k: v for k, v in ref.state_dict().items()}
     m = model_config(hf)
     tensors = from_hf_names(m, dict(hf_sd), name)
+    ref_rope = _rope_of(ref)
     del ref
     gc.collect()
     with torch.device("meta"):
@@ -80,6 +81,10 @@ def check(name: str, hf: dict, seq: int, device: torch.device) -> dict:
                 mod._buffers[key] = torch.empty_like(buf, device=device)
     model = model.to(device).eval()
     model.reset_buffers()
+    if hf_rope:  # transformers' own cos/sin tables (angles in float32) instead of megaloom's (float64, then cast)
+        cos, sin = ref_rope(hf_cfg, model.rope_cos.shape[0], device)
+        model.rope_cos.copy_(cos)
+        model.rope_sin.copy_(sin)
     with torch.no_grad():
         got = model(x).float()
     scale = want.abs().max().item()
@@ -99,6 +104,17 @@ def check(name: str, hf: dict, seq: int, device: torch.device) -> dict:
             "seconds": round(time.time() - t0, 1)}
 
 
+def _rope_of(ref):
+    """A function (config, length, device) -> transformers' cos/sin tables [length, head_dim] for ``ref``."""
+    rot = ref.model.rotary_emb
+
+    def tables(_cfg, n: int, device: torch.device):
+        cos, sin = rot(torch.zeros(1, n, 1, device=device), torch.arange(n, device=device)[None])
+        return cos[0].float(), sin[0].float()
+
+    return tables
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=",".join(MODELS))
@@ -106,6 +122,8 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true", help="tiny sizes on CPU: a smoke test of this script")
     ap.add_argument("--out", default=None, help="append one JSON row per model here")
     ap.add_argument("--atol", type=float, default=1e-4, help="the bar on max |logit difference|")
+    ap.add_argument("--hf-rope", action="store_true",
+                    help="give megaloom transformers' RoPE tables (a diagnosis: how much of the gap they explain)")
     ap.add_argument("--layers", type=int, default=None,
                     help="keep this many layers of every model (full width; for a machine too small for them all)")
     args = ap.parse_args()
@@ -124,7 +142,8 @@ def main() -> int:
             layers = args.layers if args.layers is not None else layers
             hf["num_hidden_layers"] = layers
         try:
-            row = check(name, hf, 32 if args.tiny else args.seq, device)
+            row = check(name, hf, 32 if args.tiny else args.seq, device, args.hf_rope)
+            row["hf_rope"] = args.hf_rope
         except Exception as e:  # one model's failure is reported, the others still run
             row = {"model": name, "error": f"{type(e).__name__}: {e}"}
         row.update(bench="hf_fullsize", date=datetime.date.today().isoformat(), torch=torch.__version__,
