@@ -30,3 +30,17 @@ def test_bench_train_runs_on_cpu_with_the_race_options(tmp_path) -> None:
     assert row["run_id"] == "T" and row["fp8_fast_accum"] is False and row["fp8_keep_attention"] is True
     assert row["fused_loss"] and row["tokens_per_s"] > 0 and "profile" in row
     assert (tmp_path / "prof" / "trace.json.gz").is_file()
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("transformers"), reason="needs transformers")
+def test_hf_fullsize_runs_its_tiny_smoke_case(tmp_path) -> None:
+    """bench/hf_fullsize.py at tiny sizes on CPU: every released config through the import and export mappings,
+    logits against transformers; with transformers' RoPE tables the logits are bit-identical."""
+    rows = tmp_path / "rows.jsonl"
+    for extra in ([], ["--hf-rope"]):
+        cmd = [sys.executable, str(ROOT / "bench" / "hf_fullsize.py"), "--tiny", "--models",
+               "llama-3.1-8b,mixtral-8x7b", "--out", str(rows), *extra]
+        subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    got = [json.loads(line) for line in rows.read_text().splitlines()]
+    assert len(got) == 4 and all(r["ok"] and r["export_equal"] for r in got)
+    assert all(r["max_abs_err"] == 0.0 for r in got if r["hf_rope"] and r["model"] == "llama-3.1-8b")
