@@ -1,6 +1,7 @@
 """`megaloom doctor --calibrate`: measure this machine's GPU into a calibration file for `megaloom plan`.
 
-What it times (the device's timing events, CUDA's on a GPU, the median of repeats after warm-up, on random data):
+What it times (the device's timing events around 8 calls issued back to back, CUDA's on a GPU; the median of
+repeats after warm-up, on random data):
 
 - bf16 GEMMs of [S, k] x [k, S] for the smallest dimension k in `GEMM_DIMS` (S = 8192; k = 8192 is the square
   ceiling), as TFLOP/s;
