@@ -19,8 +19,9 @@ M="model.arch=llama model.d_model=768 model.n_layers=14 model.n_heads=12 model.n
    train.lr=1e-3 train.min_lr=1e-4 train.warmup_steps=30 train.eval_every=0 train.log_every=10 checkpoint.every=0
    checkpoint.final=false run.tensorboard=false train.precision=bf16"
 if has tests; then
-  # -k: a test that trains catches SIGTERM (save and stop) and pytest would go on to the next test
-  timeout -k 10 ${TESTS_TIMEOUT:-330} python3 -m pytest -q -rfE -p no:cacheprovider -m gpu --durations=15 tests > "$OUT/gpu_tests.log" 2>&1
+  # -k: a test that trains catches SIGTERM (save and stop) and pytest would go on to the next test; -v: each
+  # test's name and result as it ends, so a log cut short by the call's limit still says which ran and how
+  timeout -k 10 ${TESTS_TIMEOUT:-330} python3 -m pytest -v -rfE -p no:cacheprovider -m gpu --durations=15 tests > "$OUT/gpu_tests.log" 2>&1
   echo "gpu tests rc=$? $(tail -1 "$OUT/gpu_tests.log")"
 fi
 train() {  # train NAME TREE OVERRIDES...: 300 steps of the model above, metrics to $OUT/metrics_NAME.jsonl
