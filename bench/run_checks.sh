@@ -21,7 +21,7 @@ M="model.arch=llama model.d_model=768 model.n_layers=14 model.n_heads=12 model.n
 if has tests; then
   # -k: a test that trains catches SIGTERM (save and stop) and pytest would go on to the next test; -v: each
   # test's name and result as it ends, so a log cut short by the call's limit still says which ran and how
-  timeout -k 10 ${TESTS_TIMEOUT:-330} python3 -m pytest -v -rfE -p no:cacheprovider -m gpu --durations=15 tests > "$OUT/gpu_tests.log" 2>&1
+  timeout -k 10 ${TESTS_TIMEOUT:-450} python3 -m pytest -v -rfE -p no:cacheprovider -m gpu --durations=15 tests > "$OUT/gpu_tests.log" 2>&1
   echo "gpu tests rc=$? $(tail -1 "$OUT/gpu_tests.log")"
 fi
 train() {  # train NAME TREE OVERRIDES...: 300 steps of the model above, metrics to $OUT/metrics_NAME.jsonl
