@@ -217,6 +217,25 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
 
 
+def kernel_disagreement(apply, x: torch.Tensor, w: torch.Tensor, dy: torch.Tensor,
+                        tolerance: float) -> tuple[str, float] | None:
+    """The first of (forward, grad-input, grad-weight) where ``apply(x, w, backend)`` on the kernel and on the
+    emulation differ by ``tolerance`` or more (relative norm), as (name, error); None when they agree. Both read
+    the same fp8 values, so they agree to the outputs' bf16 rounding unless the kernel reads the scales otherwise."""
+    got = {}
+    for backend in (KERNEL, EMULATED):
+        with torch.enable_grad(), torch.autocast(x.device.type, enabled=False):
+            xb, wb = x.clone().requires_grad_(), w.clone().requires_grad_()
+            y = apply(xb, wb, backend)
+            y.backward(dy.to(y.dtype))
+        got[backend] = (y, xb.grad, wb.grad)
+    for name, a, b in zip(("forward", "grad-input", "grad-weight"), got[KERNEL], got[EMULATED], strict=True):
+        err = _rel(a, b)
+        if not err < tolerance:
+            return name, err
+    return None
+
+
 def check_kernel(device: torch.device, tolerance: float = 1e-2) -> None:
     """The kernel against the emulation on ``device``, forward and both gradients of one small linear whose
     dimensions need padding (300 x 640 -> 384): a RuntimeError naming train.fp8_recipe when torch refuses the
@@ -226,18 +245,12 @@ def check_kernel(device: torch.device, tolerance: float = 1e-2) -> None:
     x = torch.randn(300, 640, device=device, generator=gen)
     w = torch.randn(384, 640, device=device, generator=gen) * 0.05
     dy = torch.randn(300, 384, device=device, generator=gen)
-    got = {}
-    for backend in (KERNEL, EMULATED):
-        with torch.enable_grad(), torch.autocast(device.type, enabled=False):
-            xb, wb = x.clone().requires_grad_(), w.clone().requires_grad_()
-            y = BlockwiseMatmul.apply(xb, wb, torch.bfloat16, backend)
-            y.backward(dy.to(y.dtype))
-        got[backend] = (y, xb.grad, wb.grad)
-    for name, a, b in zip(("forward", "grad-input", "grad-weight"), got[KERNEL], got[EMULATED], strict=True):
-        err = _rel(a, b)
-        if not err < tolerance:
-            raise RuntimeError(
-                f"train.fp8_recipe=blockwise: torch {torch.__version__}'s block-scaled _scaled_mm on "
-                f"{_device_name(device)} disagrees with the dequantised reference ({name} GEMM: relative error "
-                f"{err:.3g} > {tolerance}): the block scales are read in another layout than megaloom writes. "
-                "Use train.fp8_recipe=rowwise or tensorwise, and report the torch version.")
+    bad = kernel_disagreement(lambda a, b, backend: BlockwiseMatmul.apply(a, b, torch.bfloat16, backend),
+                              x, w, dy, tolerance)
+    if bad is not None:
+        name, err = bad
+        raise RuntimeError(
+            f"train.fp8_recipe=blockwise: torch {torch.__version__}'s block-scaled _scaled_mm on "
+            f"{_device_name(device)} disagrees with the dequantised reference ({name} GEMM: relative error "
+            f"{err:.3g} > {tolerance}): the block scales are read in another layout than megaloom writes. "
+            "Use train.fp8_recipe=rowwise or tensorwise, and report the torch version.")

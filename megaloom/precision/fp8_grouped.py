@@ -30,9 +30,9 @@ import torch
 
 from megaloom import accelerator
 from megaloom.precision.fp8 import E4M3, compute_dtype, quantize
-from megaloom.precision.fp8_block import is_hopper
+from megaloom.precision.fp8_block import EMULATED, KERNEL, is_hopper, kernel_disagreement
 
-KERNEL, EMULATED = "kernel", "emulated"
+# the backends are fp8_block's (KERNEL, EMULATED): one start-up check compares either kind of GEMM
 
 
 def backend_for(device: torch.device) -> str:
@@ -154,10 +154,6 @@ def float8_grouped_mm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, fast
         return Float8GroupedMM.apply(x, w, offs, dtype, fast_accum, backend or backend_for(x.device))
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)).item()
-
-
 def check_kernel(device: torch.device, tolerance: float = 1e-2) -> None:
     """The kernel against the emulation on ``device`` (forward, both gradients; uneven groups and an empty one):
     a RuntimeError naming train.fp8_experts when torch refuses or disagrees."""
@@ -167,17 +163,11 @@ def check_kernel(device: torch.device, tolerance: float = 1e-2) -> None:
     x = torch.randn(300, 256, device=device, generator=gen)
     w = torch.randn(4, 256, 384, device=device, generator=gen) * 0.05
     dy = torch.randn(300, 384, device=device, generator=gen)
-    got = {}
-    for backend in (KERNEL, EMULATED):
-        with torch.enable_grad(), torch.autocast(device.type, enabled=False):
-            xb, wb = x.clone().requires_grad_(), w.clone().requires_grad_()
-            y = Float8GroupedMM.apply(xb, wb, offs, torch.bfloat16, True, backend)
-            y.backward(dy.to(y.dtype))
-        got[backend] = (y, xb.grad, wb.grad)
-    for name, a, b in zip(("forward", "grad-input", "grad-weight"), got[KERNEL], got[EMULATED], strict=True):
-        err = _rel(a, b)
-        if not err < tolerance:
-            raise RuntimeError(
-                f"train.fp8_experts=true: torch {torch.__version__}'s _scaled_grouped_mm disagrees with the "
-                f"dequantised reference ({name}: relative error {err:.3g} > {tolerance}). Set "
-                "train.fp8_experts=false, and report the torch version.")
+    bad = kernel_disagreement(lambda a, b, backend: Float8GroupedMM.apply(a, b, offs, torch.bfloat16, True, backend),
+                              x, w, dy, tolerance)
+    if bad is not None:
+        name, err = bad
+        raise RuntimeError(
+            f"train.fp8_experts=true: torch {torch.__version__}'s _scaled_grouped_mm disagrees with the "
+            f"dequantised reference ({name}: relative error {err:.3g} > {tolerance}). Set "
+            "train.fp8_experts=false, and report the torch version.")
