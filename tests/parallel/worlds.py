@@ -364,23 +364,14 @@ def parity_case(mesh: Mesh, arch: str, sp: bool, tie: bool = True, steps: int = 
     return out
 
 
-def compiled_saves_case(mesh: Mesh, sp: bool, lean: bool) -> dict:
-    """What a compiled tensor-parallel block saves for backward under bf16 autocast (Inductor, as train.compile
-    runs it; saved-tensor hooks), against the memory plan's compiled save-set for tp > 1: the activation bytes
-    (neither the resident fp32 parameters nor their bf16 copies, which the plan counts apart)."""
-    from megaloom.models.transformer import build_on_device
-    from megaloom.planning.memory_activations import block_activation_bytes
+def compiled_block_saves(block, x: torch.Tensor, rope, lean: bool) -> tuple[int, list, int]:
+    """What ``block`` compiled (Inductor, bf16 autocast, train.recompute_casts=``lean``) saves for backward of one
+    forward and backward on ``x``: (activation bytes, every saved (shape, dtype), graphs compiled). Activation
+    bytes leave out the parameters and their bf16 copies, which the memory plan counts apart."""
     from megaloom.training.compile_saves import set_lean_saves
 
-    over = ["model.preset=mixtral-tiny", "model.vocab_size=512", "model.moe_every=0", "model.d_model=128",
-            "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=352", "train.seq_len=40", "model.max_seq_len=40",
-            f"parallel.tp={mesh.tp}", f"parallel.sp={sp}", "train.micro_batch_size=3", "train.global_batch_size=3"]
-    cfg = load_config(None, over)
-    torch.manual_seed(0)
-    model = parallelize_tensor(build_on_device(cfg.model, torch.device("cpu")), mesh, sp)
-    block = model.layers["0"]
-    x = torch.randn(3, 40 // mesh.tp if sp else 40, 128, requires_grad=True)
     torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
     set_lean_saves(lean)
     saved: list[tuple[tuple[int, ...], torch.dtype]] = []
 
@@ -392,16 +383,36 @@ def compiled_saves_case(mesh: Mesh, sp: bool, lean: bool) -> dict:
         compiled = torch.compile(block)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             with torch.autocast("cpu", dtype=torch.bfloat16):
-                out = compiled(x, model.rope(40))
+                out = compiled(x, rope)
         out.float().square().mean().backward()
     finally:
         set_lean_saves(False)
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
         torch._dynamo.reset()
     weights = {tuple(p.shape) for p in block.parameters()}
     weights |= {s[::-1] for s in weights}
     measured = sum(torch.Size(s).numel() * d.itemsize for s, d in saved  # not parameters, nor their bf16 copies
                    if not (d == torch.float32 and s in weights) and not (d == torch.bfloat16 and s in weights
                                                                           and len(s) == 2))
+    return measured, saved, graphs
+
+
+def compiled_saves_case(mesh: Mesh, sp: bool, lean: bool) -> dict:
+    """What a compiled tensor-parallel block saves for backward under bf16 autocast (Inductor, as train.compile
+    runs it; saved-tensor hooks), against the memory plan's compiled save-set for tp > 1: the activation bytes
+    (neither the resident fp32 parameters nor their bf16 copies, which the plan counts apart)."""
+    from megaloom.models.transformer import build_on_device
+    from megaloom.planning.memory_activations import block_activation_bytes
+
+    over = ["model.preset=mixtral-tiny", "model.vocab_size=512", "model.moe_every=0", "model.d_model=128",
+            "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=352", "train.seq_len=40", "model.max_seq_len=40",
+            f"parallel.tp={mesh.tp}", f"parallel.sp={sp}", "train.micro_batch_size=3", "train.global_batch_size=3"]
+    cfg = load_config(None, over)
+    torch.manual_seed(0)
+    model = parallelize_tensor(build_on_device(cfg.model, torch.device("cpu")), mesh, sp)
+    block = model.layers["0"]
+    x = torch.randn(3, 40 // mesh.tp if sp else 40, 128, requires_grad=True)
+    measured, saved, _ = compiled_block_saves(block, x, model.rope(40), lean)
     plan_cfg = load_config(None, over + ["train.compile=true", f"train.recompute_casts={str(lean).lower()}",
                                          "train.precision=bf16"])
     planned = block_activation_bytes(plan_cfg, tokens=120, batch=3, tp=mesh.tp, sp=sp, device="cuda",

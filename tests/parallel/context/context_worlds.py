@@ -24,6 +24,7 @@ from megaloom.parallel.tensor import gather_full_grads, gather_full_params, para
 from megaloom.runtime import Runtime
 from megaloom.training.trainer import Trainer
 from tests.conftest import tiny_overrides
+from tests.parallel.worlds import compiled_block_saves
 
 BASE = ["train.steps=5", "train.seq_len=32", "train.global_batch_size=8", "train.micro_batch_size=2",
         "train.grad_clip=0.5", "checkpoint.every=0", "checkpoint.final=false", "resilience.heartbeat=false"]
@@ -253,7 +254,6 @@ def compiled_saves_case(rank: int, world: int, device: torch.device, mode: str, 
     resident fp32 parameters nor their bf16 copies (which the plan counts apart), as test_world2's tp cases."""
     from megaloom.models.transformer import build_on_device
     from megaloom.planning.memory_activations import block_activation_bytes
-    from megaloom.training.compile_saves import set_lean_saves
 
     seq, b, sp = 40, 3, tp > 1
     over = ["model.preset=mixtral-tiny", "model.vocab_size=512", "model.moe_every=0", "model.d_model=128",
@@ -270,30 +270,7 @@ def compiled_saves_case(rank: int, world: int, device: torch.device, mode: str, 
     parallelize_context(model, mesh, cfg)
     block, local = model.layers["0"], seq // 2
     x = torch.randn(b, local // tp, 128, requires_grad=True)  # (tp 2 with sp: this rank's share of its tokens)
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    set_lean_saves(lean)
-    saved: list[tuple[tuple[int, ...], torch.dtype]] = []
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        saved.append((tuple(t.shape), t.dtype))
-        return t
-
-    try:
-        compiled = torch.compile(block)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                out = compiled(x, model.rope(local))
-        out.float().square().mean().backward()
-    finally:
-        set_lean_saves(False)
-        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        torch._dynamo.reset()
-    weights = {tuple(p.shape) for p in block.parameters()}
-    weights |= {s[::-1] for s in weights}
-    measured = sum(torch.Size(s).numel() * d.itemsize for s, d in saved  # not parameters, nor their bf16 copies
-                   if not (d == torch.float32 and s in weights) and not (d == torch.bfloat16 and s in weights
-                                                                          and len(s) == 2))
+    measured, saved, graphs = compiled_block_saves(block, x, model.rope(local), lean)
     plan_cfg = load_config(None, over + ["train.compile=true", f"train.recompute_casts={str(lean).lower()}",
                                          "train.precision=bf16"])
     planned = block_activation_bytes(plan_cfg, tokens=b * local, batch=b, tp=tp, sp=sp, device="cuda",
