@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from megaloom.checkpoint.store import find_checkpoints, load_checkpoint
+from megaloom.checkpoint.store import find_checkpoints, load_checkpoint, save_checkpoint
 from megaloom.config import load_config
 from megaloom.models.registry import get_family
 
@@ -22,3 +22,24 @@ def megaloom_from_run(run_dir):
 def hf_logits(model, x: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model(x).logits
+
+
+def saved_run(tmp_path, overrides: list[str], x: torch.Tensor, steps: int):
+    """A run directory (``tmp_path / "run"``) holding a model-only checkpoint of a model of ``overrides`` after
+    ``steps`` AdamW steps on tokens ``x`` (weights off their init, routers included), and that model in eval mode."""
+    from megaloom.models import Transformer
+
+    cfg = load_config(None, overrides)
+    torch.manual_seed(0)
+    model = Transformer(cfg.model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        model(x, x).backward()
+        opt.step()
+        opt.zero_grad()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(cfg.to_yaml())
+    save_checkpoint(run / "checkpoints", steps, model, None, {"model": cfg.model.__dict__}, keep=1)
+    return run, model.eval()
+

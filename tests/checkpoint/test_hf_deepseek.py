@@ -17,8 +17,8 @@ if not hasattr(transformers, "DeepseekV3ForCausalLM"):
 from megaloom.checkpoint import save_checkpoint  # noqa: E402
 from megaloom.config import load_config  # noqa: E402
 from megaloom.convert import ConversionError, from_hf, to_hf  # noqa: E402
-from megaloom.models import Transformer  # noqa: E402
 from tests.checkpoint.hf_common import megaloom_from_run  # noqa: E402
+from tests.checkpoint.hf_common import saved_run as saved_run_of  # noqa: E402
 
 ATOL = 1e-4
 VOCAB = 128
@@ -52,24 +52,15 @@ def tokens(n: int = 24) -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, n), generator=torch.Generator().manual_seed(1))
 
 
+# the saved runs' model (each test adds its overrides)
+RUN_KEYS = [f"model.vocab_size={VOCAB}", "model.d_model=64", "model.n_layers=2", "model.n_heads=4",
+            "model.ffn_dim=96", "model.expert_ffn_dim=32", "model.n_experts=8", "model.max_seq_len=64",
+            "model.tie_embeddings=false", "train.seq_len=32"]
+
+
 def saved_run(tmp_path, *overrides: str, steps: int = 0):
     """A run directory holding a checkpoint of a model of ``overrides`` after ``steps`` AdamW steps."""
-    cfg = load_config(None, [f"model.vocab_size={VOCAB}", "model.d_model=64", "model.n_layers=2", "model.n_heads=4",
-                             "model.ffn_dim=96", "model.expert_ffn_dim=32", "model.n_experts=8", "model.max_seq_len=64",
-                             "model.tie_embeddings=false", "train.seq_len=32", *overrides])
-    torch.manual_seed(0)
-    model = Transformer(cfg.model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    x = tokens(32)
-    for _ in range(steps):  # weights off their init, routers included
-        model(x, x).backward()
-        opt.step()
-        opt.zero_grad()
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "config.yaml").write_text(cfg.to_yaml())
-    save_checkpoint(run / "checkpoints", steps, model, None, {"model": cfg.model.__dict__}, keep=1)
-    return run, model.eval()
+    return saved_run_of(tmp_path, [*RUN_KEYS, *overrides], tokens(32), steps)
 
 
 def hf_model(cfg: dict, tmp_path):
