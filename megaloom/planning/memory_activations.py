@@ -106,9 +106,9 @@ def _qk_norm_bytes(rows: int, hd: int, device: str, autocast: bool) -> int:
 
 def _linear_input_bytes(dm: _Dims, n_linears: int, in_bytes: int = 2, region: bool = False) -> int:
     """Saved inputs of ``n_linears`` linears reading one [n, d] fp32 tensor: a cast each under autocast
-    (``in_bytes``: 2 for bf16, 1 for tensorwise fp8), the shared fp32 tensor otherwise. ``region``: the column-
-    parallel linears of a tensor-parallel region (not fp8): with sp they save one shard of n_r tokens in the
-    compute dtype, for all of them (megaloom.parallel.sp_linear)."""
+    (``in_bytes``: 2 for bf16, 1 for tensorwise or blockwise fp8), the shared fp32 tensor otherwise. ``region``:
+    the column-parallel linears of a tensor-parallel region (not fp8): with sp they save one shard of n_r tokens
+    in the compute dtype, for all of them (megaloom.parallel.sp_linear)."""
     if region and dm.sp:
         return dm.a * dm.n_r * dm.d
     return n_linears * in_bytes * dm.n * dm.d if dm.autocast else 4 * dm.n * dm.d
@@ -134,7 +134,8 @@ def block_activation_bytes(cfg: Config, *, tokens: int, batch: int, layer: int =
         residual = 2 if dm.autocast and getattr(t, "bf16_residual", False) is True else 4
         return _compiled_block_bytes(m, dm, lean=t.recompute_casts is True, selective=recompute == "selective",
                                      residual=residual, alltoall_cp=_alltoall_cp(cfg))
-    lin_in = 1 if fp8 and getattr(t, "fp8_recipe", "tensorwise") == "tensorwise" else 2
+    # tensorwise keeps x in fp8, blockwise x^T in fp8 tiles (+1/32 for their scales, left out); rowwise a bf16 x
+    lin_in = 1 if fp8 and getattr(t, "fp8_recipe", "tensorwise") in ("tensorwise", "blockwise") else 2
     attn_in = 2 if getattr(t, "fp8_keep_attention", False) else lin_in  # projections kept bf16: 2-byte inputs
     out: dict[str, int] = {}
     n, n_r, d, a = dm.n, dm.n_r, dm.d, dm.a

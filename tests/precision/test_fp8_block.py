@@ -157,6 +157,50 @@ def test_blockwise_under_autocast_keeps_dtypes_and_traces_whole() -> None:
     assert torch.equal(yc, float8_linear(x.detach(), w.detach(), None, "blockwise")) and wc.grad is not None
 
 
+def test_compiled_blockwise_equals_eager_under_autocast() -> None:
+    """Inductor under the caller's autocast computes what eager does. Two causes once put them 1.3% apart (weight
+    gradients; the H200 and CPU alike): x^T quantised in backward from a bf16 copy, whose cast inductor fuses away
+    (now quantised once in the forward, from the x at hand), and the emulated backward GEMMs traced inside the
+    autocast region (the backward now turns autocast off, as the forward does)."""
+    torch.manual_seed(1)
+    x = torch.randn(2, 300, 256)
+    w = torch.randn(384, 256) * 0.02
+    g = torch.randn(2, 300, 384, dtype=torch.bfloat16) * 1e-3
+    out = []
+    torch._dynamo.reset()
+    for fn in (float8_linear, torch.compile(float8_linear, fullgraph=True)):
+        xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = fn(xa, wa, None, "blockwise")
+        y.backward(g)
+        out.append((y, xa.grad, wa.grad))
+    for eager, compiled in zip(*out, strict=True):
+        assert eager.dtype == compiled.dtype and rel(compiled, eager) < 1e-6, rel(compiled, eager)
+
+
+def test_blockwise_keeps_fp8_tiles_of_x_for_the_weight_gradient() -> None:
+    """What a blockwise linear saves for backward: the weight (the parameter itself) and x^T as e4m3 tiles with
+    one fp32 scale per 128 tokens, about 1.03 bytes an element where a bf16 copy takes 2."""
+    x = torch.randn(256, 512, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(128, 512) * 0.05)
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        float8_linear(x, w, None, "blockwise")
+    activations = [t for t in saved if t is not w]
+    assert sorted(str(t.dtype) for t in activations) == ["torch.float32", "torch.float8_e4m3fn"]
+    assert sum(t.numel() * t.element_size() for t in activations) == 256 * 512 * (1 + 4 / 128)
+
+    saved.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        float8_linear(x, w.detach(), None, "blockwise")  # a frozen weight: nothing of x is kept
+    assert all(t.dtype != torch.float8_e4m3fn for t in saved)
+
+
 def test_block_scaling_survives_the_outliers_that_ruin_a_tensor_scale() -> None:
     """Block scaling's point: one huge value sets the scale of its own block only. A 10^5 outlier token (or weight
     block) pushes a tensor scale so high that the other values fall into e4m3's subnormals or to zero."""
