@@ -134,9 +134,11 @@ class FullyShardedGrads:
         for block in getattr(model, "layers", {}).values():
             fully_shard(block, mesh=self.device_mesh, mp_policy=policy)
         fully_shard(model, mesh=self.device_mesh, mp_policy=policy)
-        self.named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        for n, p in self.named_params:  # the sharded parameters are new objects: carry the layouts over
+        # The sharded parameters are new objects: carry the layouts over, the frozen ones' too (a LoRA base, a
+        # frozen vision tower): their tp boxes place their initialisation and their checkpoint slices.
+        for n, p in model.named_parameters():
             copy_layout(layouts[n], p)
+        self.named_params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in self.named_params]
         model.set_requires_gradient_sync(False)
         self.stats = ReductionStats()

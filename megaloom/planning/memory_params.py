@@ -241,15 +241,19 @@ def _persistent_state(lay: RankLayout, counts: ParamCounts) -> _State:
     fsdp = zero == 3 and lay.world_size > 1
     onebit = lay.cfg.train.optimizer.startswith("onebit")  # on the buckets, in one process too (megaloom/onebit.py)
     buckets = (lay.world_size > 1 or onebit) and not fsdp  # pipelines too: each stage's gradients in buckets
-    weights = 4 * (p_local + counts.frozen)  # frozen parameters are stored, fp32, whole on every replica
+    weights = 4 * (p_local + counts.frozen)  # frozen parameters are stored, fp32 (whole but under ZeRO-3)
     # ZeRO shards dense parameters over dp x cp, expert weights over edp (the dp ranks holding the same experts)
     ep = lay.cfg.parallel.ep
     shard = (p_local - counts.expert) // (dp * lay.cp) + counts.expert // max(1, dp // ep * lay.cp)
     p_opt = shard if (zero >= 1 and buckets) or fsdp else p_local
     if fsdp and counts.exact:
         p_opt = p_local  # the module's parameters are already the 1/dp shards
+    frozen = counts.frozen  # exact counts hold FSDP2's local shards already
     if fsdp and not counts.exact:
-        weights, p_opt = 4 * (shard + counts.frozen), shard
+        # ZeRO-3 shards the frozen parameters too (a LoRA base, a frozen tower), over dp x cp (frozen experts
+        # would be over edp: not told apart here, so slightly under)
+        frozen = counts.frozen // (dp * lay.cp)
+        weights, p_opt = 4 * (shard + frozen), shard
     grad_persistent = 0
     if buckets:
         # zero 1 reduce-scatters in place (the 1/dp chunk is the bucket's own); zero 2 keeps its chunks apart
@@ -279,7 +283,7 @@ def _persistent_state(lay: RankLayout, counts: ParamCounts) -> _State:
         optimizer += 4 * p_opt  # fp32 master shard beside the bf16-rounded weights that the all-gather publishes
     optimizer = optimizer if lay.update else 0
     sharded = (zero >= 1 and buckets) or fsdp
-    host = _checkpoint_host(lay, counts, optimizer, p_opt if sharded else p_local, masters)
+    host = _checkpoint_host(lay, frozen, optimizer, p_opt if sharded else p_local, masters)
     return _State(weights=weights, optimizer=optimizer, p_opt=p_opt,
                   grad_persistent=grad_persistent, grad_after_backward=grad_after_backward,
                   grad_at_step=grad_at_step, fsdp_gather=fsdp_gather,
@@ -294,13 +298,13 @@ def _largest_segment(cfg: Config, largest: int, dp: int) -> int:
     return largest if largest < bucket else -(-largest // dp)
 
 
-def _checkpoint_host(lay: RankLayout, counts: ParamCounts, optimizer: int, written: int, masters: bool) -> int:
+def _checkpoint_host(lay: RankLayout, frozen: int, optimizer: int, written: int, masters: bool) -> int:
     """Host bytes an asynchronous save adds (checkpoint/async_save.py): on an accelerator the pinned copy of what
     this rank writes, its parameters' share (ZeRO-1/2: its own segment of the weights, or its fp32 master shard, which
-    ``optimizer`` already counts; frozen parameters whole) and its optimizer state. 0 on CPU (the state is
-    written where it lives) and without async saves."""
+    ``optimizer`` already counts; ``frozen``: the frozen parameters it holds, whole but under ZeRO-3) and its
+    optimizer state. 0 on CPU (the state is written where it lives) and without async saves."""
     c = lay.cfg.checkpoint
     if not is_accelerator(lay.device) or not c.async_save or not (c.every > 0 or c.final):
         return 0
-    return (0 if masters else 4 * written) + 4 * counts.frozen + optimizer
+    return (0 if masters else 4 * written) + 4 * frozen + optimizer
 

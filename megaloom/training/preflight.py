@@ -125,10 +125,6 @@ def refuse_unbuilt(cfg: Config) -> None:
     m = cfg.model
     if m.vision_layers:
         refuse_unbuilt_vision(cfg)
-    if m.freeze and p.zero == 3:  # FSDP2 trains with frozen parameters, but its checkpoint shards are then wrong
-        raise ConfigError(f"model.freeze={','.join(m.freeze)} with parallel.zero=3 is not available yet (the "
-                          "checkpoints of FSDP2's frozen parameters do not save); use parallel.zero=1 or 2, whose "
-                          "gradient buckets and optimizer leave frozen parameters out too.")
     if m.mtp_depth:
         refuse_unbuilt_mtp(cfg)
     if m.lora.rank > 0:
@@ -165,10 +161,6 @@ def refuse_unbuilt_lora(cfg: Config) -> None:
         raise ConfigError(f"model.lora.rank={r} with model.attention=mla is not available yet (the adapters know the "
                           "q/k/v/o projections of grouped-query attention, not latent attention's); set "
                           "model.lora.rank=0.")
-    if p.zero == 3:  # as model.freeze: FSDP2's frozen (base) parameters do not checkpoint correctly
-        raise ConfigError(f"model.lora.rank={r} with parallel.zero=3 is not available yet (the base weights train "
-                          "frozen, and FSDP2's frozen parameters do not checkpoint); use parallel.zero=1 or 2: with "
-                          "LoRA the optimizer state and gradients are the adapters' only, already small.")
     if p.async_tp and p.tp > 1:
         raise ConfigError(f"model.lora.rank={r} with parallel.async_tp=true is not available yet (the ring regions "
                           "hand their linears a stand-in of the gathered input, which the adapters would read); set "
