@@ -20,6 +20,8 @@ def add_convert_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
     way.add_argument("--to-peft", nargs=2, metavar=("RUN_OR_CKPT", "OUT"),
                      help="a LoRA run (model.lora) or its checkpoint -> PEFT adapter directory "
                           "(adapter_config.json + adapter_model.safetensors); --to-hf merges the adapters instead")
+    p.add_argument("--peft", metavar="ADAPTER_DIR", help="with --from-hf: a PEFT LoRA adapter trained on that model, "
+                   "imported with it (model.lora from its adapter_config.json): train it on, or --to-hf merges it")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES), help="with --to-hf / --to-peft: weight dtype")
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="with --to-hf: shard size limit (GiB)")
     p.add_argument("--no-progress", action="store_true", help="with --to-hf: no progress bar")
@@ -30,6 +32,10 @@ def add_convert_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentPars
 def run_convert(args: argparse.Namespace) -> int:
     from megaloom.convert.hf import from_hf, to_hf
 
+    if args.peft and not args.from_hf:
+        from megaloom.convert.errors import ConversionError
+
+        raise ConversionError("--peft ADAPTER_DIR goes with --from-hf HF_DIR OUT_RUN (the base model it adapts).")
     if args.to_peft:
         from megaloom.convert.peft import to_peft
 
@@ -41,7 +47,7 @@ def run_convert(args: argparse.Namespace) -> int:
                     max_shard_bytes=int(args.max_shard_gb * 2**30))
         print(f"wrote {out} (load with transformers' AutoModelForCausalLM.from_pretrained)")
     else:
-        ckpt = from_hf(args.from_hf[0], args.from_hf[1])
+        ckpt = from_hf(args.from_hf[0], args.from_hf[1], peft_dir=args.peft)
         print(f"wrote {ckpt}; fine-tune with: megaloom train --config {ckpt.parent.parent / 'config.yaml'} "
               "data.paths=... train.steps=...")
     return 0

@@ -90,9 +90,10 @@ def to_hf(run_or_ckpt_dir: str | Path, out_dir: str | Path, show_progress: bool 
     return out
 
 
-def from_hf(hf_dir: str | Path, out_run_dir: str | Path) -> Path:
+def from_hf(hf_dir: str | Path, out_run_dir: str | Path, peft_dir: str | Path | None = None) -> Path:
     """Import an HF model directory (a model_type some family's HF mapping reads, e.g. LlamaForCausalLM,
-    GPT2LMHeadModel, Qwen3ForCausalLM) as a new megaloom run. Returns the checkpoint.
+    GPT2LMHeadModel, Qwen3ForCausalLM) as a new megaloom run. Returns the checkpoint. ``peft_dir``: a PEFT LoRA
+    adapter trained on that model, imported with it (model.lora from its adapter_config.json; convert/peft.py).
 
     The checkpoint is model-only (no optimizer state, no RNG): training from it starts the optimizer fresh at
     step 0. tokenizer.json, if present, is copied into the run and set as data.tokenizer (with tokenizer_config.json,
@@ -111,11 +112,22 @@ def from_hf(hf_dir: str | Path, out_run_dir: str | Path) -> Path:
     _refuse_existing(run_dir, ("config.yaml", "checkpoints"), "the output run directory")
     cfg = _run_config(settings, run_dir, str(cfg_path))
     tensors = from_hf_names(cfg.model, load_weights(src), str(src))
+    if peft_dir is not None:
+        from megaloom.convert.peft import read_adapter
+
+        lora, adapters = read_adapter(peft_dir, cfg.model, tensors)
+        cfg.model.lora = LoraConfig(**lora)
+        try:
+            validate(cfg)
+        except ConfigError as e:
+            raise ConversionError(f"--peft {peft_dir}: {e}") from e
+        tensors.update(adapters)
     model = get_family(cfg.model.arch).build(cfg.model)  # the family's module (t5: encoder-decoder)
     try:
         model.load_state_dict(tensors, strict=True)
-    except RuntimeError as e:  # shapes that disagree with config.json
-        raise ConversionError(f"{src}: the weights do not match config.json ({e}).") from e
+    except RuntimeError as e:  # shapes that disagree with config.json (or with adapter_config.json's r)
+        raise ConversionError(f"{src}{f' with --peft {peft_dir}' if peft_dir else ''}: the weights do not match "
+                              f"config.json{' and adapter_config.json' if peft_dir else ''} ({e}).") from e
 
     run_dir.mkdir(parents=True, exist_ok=True)
     if (src / "tokenizer.json").is_file():

@@ -103,3 +103,58 @@ def _checkpoint(run, arch: str, rank: int):
     (run / "config.yaml").write_text(cfg.to_yaml())
     return save_checkpoint(run / "checkpoints", 1, get_family(arch).build(cfg.model), None,
                            {"model": cfg.model.__dict__}, keep=1)
+
+
+def test_a_peft_adapter_imports_with_its_base_and_computes_what_peft_does(lora_run, small_corpus, tmp_path) -> None:
+    """`convert --from-hf HF --peft ADAPTER`: a LoRA adapter made by `peft` (non-zero B, three target kinds, its own
+    r / alpha / dropout) on the HF model imports as a LoRA run whose logits equal PeftModel's, whose fine-tuning
+    starts from the adapter, and whose --to-peft export gives back the same tensors."""
+    peft = pytest.importorskip("peft")
+    from safetensors.torch import load_file
+
+    from megaloom.checkpoint import load_newest
+    from megaloom.cli import main
+    from megaloom.config import load_config
+    from megaloom.convert.peft import to_peft
+    from megaloom.models.registry import get_family
+    from megaloom.training.trainer import Trainer
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(lora_run["root"] / "hf").eval()
+    torch.manual_seed(3)
+    adapted = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=12, lora_dropout=0.05, init_lora_weights=False,
+                                                        target_modules=["q_proj", "v_proj", "down_proj"])).eval()
+    adapted.save_pretrained(tmp_path / "adapter")
+    run = tmp_path / "run"
+    assert main(["convert", "--from-hf", str(lora_run["root"] / "hf"), str(run), "--peft",
+                 str(tmp_path / "adapter")]) == 0
+    cfg = load_config(run / "config.yaml")
+    assert (cfg.model.lora.rank, cfg.model.lora.alpha, cfg.model.lora.dropout) == (4, 12.0, 0.05)
+    assert cfg.model.lora.targets == ["down_proj", "q_proj", "v_proj"]
+    model = get_family(cfg.model.arch).build(cfg.model)
+    assert load_newest(run / "checkpoints", model, None, model_cfg=cfg.model.__dict__) is not None
+    with torch.no_grad():
+        want = adapted(lora_run["x"]).logits
+        assert (want - lora_run["hf"](lora_run["x"]).logits).abs().max() > 1e-2  # the adapter matters
+        torch.testing.assert_close(model.eval()(lora_run["x"]), want, atol=1e-4, rtol=0)
+    # the export gives the very tensors back
+    to_peft(run, tmp_path / "again")
+    got, orig = load_file(str(tmp_path / "again" / "adapter_model.safetensors")), \
+        load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    assert sorted(got) == sorted(orig) and all(torch.equal(got[k], orig[k]) for k in orig)
+    # fine-tuning the imported run starts from the adapter (not fresh zeros)
+    keys = [o for o in tiny_overrides(small_corpus, run) if not o.startswith("model.")]
+    trainer = Trainer(load_config(run / "config.yaml", [*keys, "train.steps=1"])).build()
+    b = dict(trainer.model.named_parameters())["layers.0.attn.q_proj.lora_B.weight"]
+    assert trainer.step == 0 and b.abs().max() > 0 and b.requires_grad
+
+
+def test_peft_import_refuses_what_megaloom_cannot_compute(lora_run, tmp_path) -> None:
+    peft = pytest.importorskip("peft")
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(lora_run["root"] / "hf").eval()
+    peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=["q_proj"], use_rslora=True)).save_pretrained(
+        tmp_path / "rs")
+    with pytest.raises(ConversionError, match=r"use_rslora=True is not supported .*merge_and_unload"):
+        from_hf(lora_run["root"] / "hf", tmp_path / "run", peft_dir=tmp_path / "rs")
+    with pytest.raises(ConversionError, match="not a PEFT adapter directory"):
+        from_hf(lora_run["root"] / "hf", tmp_path / "run2", peft_dir=tmp_path)
