@@ -86,8 +86,8 @@ def step_bound(betas: tuple[float, float]) -> float:
     element whose variance was near zero when it froze (a token the last ~1 / (1 - b2) warm-up steps hardly
     touched: with train.beta2=0.95, the last 20) and that later gets a gradient would otherwise step by g / eps,
     and as the largest value of its segment set the segment's 1-bit scale: every element of the segment then moved
-    by it. On the CPU run in docs/parallelism.md (warm-up 400 of 2,000 steps) that sent the loss from 4.1 to 12
-    within 50 steps, exact averaging included; bounded, the run tracks AdamW."""
+    by it. On a 2,000-step CPU run (warm-up 400; docs/parallelism.md) that sent the loss from 4.1 to 12 within 50
+    steps, with exact averaging in place of the compression too; bounded, it trains on."""
     b1, b2 = betas
     return max(1.0, (1 - b1) / math.sqrt(1 - b2))
 
