@@ -36,6 +36,7 @@ from megaloom.config import Config, ConfigError, LoraConfig, ModelConfig, config
 from megaloom.convert.errors import ConversionError
 from megaloom.convert.hf_config import DTYPES, hf_config, model_settings
 from megaloom.convert.hf_names import from_hf_names, to_hf_names
+from megaloom.convert.peft_format import read_adapter
 from megaloom.convert.safetensors_io import DEFAULT_SHARD_BYTES, INDEX, SINGLE, load_weights, save_weights
 from megaloom.models.lora import merge_lora
 from megaloom.models.presets import PRESETS
@@ -113,8 +114,6 @@ def from_hf(hf_dir: str | Path, out_run_dir: str | Path, peft_dir: str | Path | 
     cfg = _run_config(settings, run_dir, str(cfg_path))
     tensors = from_hf_names(cfg.model, load_weights(src), str(src))
     if peft_dir is not None:
-        from megaloom.convert.peft import read_adapter
-
         lora, adapters = read_adapter(peft_dir, cfg.model, tensors)
         cfg.model.lora = LoraConfig(**lora)
         try:

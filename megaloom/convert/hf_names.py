@@ -8,9 +8,12 @@ exports contain (dropped), and the refusal, by name, of missing or unexpected te
 
 from __future__ import annotations
 
+import torch
+
 from megaloom.config import ModelConfig
 from megaloom.convert.hf_config import hf_mapping
 from megaloom.models.hf_common import HFTensors, Tensors
+from megaloom.models.lora import is_adapter_name
 
 
 def to_hf_names(m: ModelConfig, sd: Tensors) -> Tensors:
@@ -38,3 +41,11 @@ def from_hf_names(m: ModelConfig, tensors: Tensors, where: str) -> Tensors:
         sd["head.weight"] = reader.take(hf.head_name)
     reader.check_all_read()
     return {k: v.float().contiguous() for k, v in sd.items()}
+
+
+def hf_weight_names(m: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, str]:
+    """megaloom weight name -> HF tensor name, for the tensors the family's mapping writes unchanged (renamed
+    only: the very same tensor object comes out); fused or transposed ones are absent."""
+    base = {k: v for k, v in sd.items() if not is_adapter_name(k)}
+    by_id = {id(v): k for k, v in base.items()}
+    return {by_id[id(v)]: hf for hf, v in to_hf_names(m, base).items() if id(v) in by_id}

@@ -1,7 +1,5 @@
-"""LoRA adapters between megaloom and PEFT's adapter directories: `megaloom convert --to-peft RUN_OR_CKPT OUT` writes
-a run's adapters, and `megaloom convert --from-hf HF_DIR OUT_RUN --peft ADAPTER_DIR` imports a base model with a
-PEFT adapter on it (`read_adapter`): the run trains that adapter on (model.lora set from adapter_config.json) or
-`--to-hf` merges it.
+"""A LoRA run's adapters as a PEFT adapter directory: `megaloom convert --to-peft RUN_OR_CKPT OUT` (the other way,
+`--from-hf HF_DIR OUT_RUN --peft ADAPTER_DIR`, is convert/peft_format.py's `read_adapter`).
 
     OUT/adapter_model.safetensors   the factors under PEFT's names, e.g. for Llama
                                     base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight  [r, in]
@@ -29,13 +27,9 @@ from megaloom.config import ModelConfig
 from megaloom.convert.errors import ConversionError
 from megaloom.convert.hf import _model_config, _read_model_tensors, _refuse_existing, _resolve_checkpoint
 from megaloom.convert.hf_config import DTYPES, hf_config, hf_mapping
-from megaloom.convert.hf_names import to_hf_names
-from megaloom.models.lora import is_adapter_name
+from megaloom.convert.hf_names import hf_weight_names
+from megaloom.convert.peft_format import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PREFIX
 from megaloom.models.registry import get_family
-
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
-PREFIX = "base_model.model."  # PeftModelForCausalLM wraps the transformers model as base_model.model
 
 
 def to_peft(run_or_ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "float32") -> Path:
@@ -54,7 +48,7 @@ def to_peft(run_or_ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "floa
                               "export the whole model with `megaloom convert --to-hf` (adapters merged).")
     hf_config(m, dtype, None)  # the base must be a transformers model: refused here as --to-hf refuses it
     sd = _read_model_tensors(ckpt, m)
-    names = _hf_weight_names(m, sd)
+    names = hf_weight_names(m, sd)
     tensors: dict[str, torch.Tensor] = {}
     modules: set[str] = set()
     for key in sorted(k for k in sd if k.endswith(".lora_A.weight")):
@@ -98,70 +92,3 @@ def adapter_config(m: ModelConfig, target_modules: list[str]) -> dict:
             "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
             "modules_to_save": None, "layers_to_transform": None, "layers_pattern": None, "rank_pattern": {},
             "alpha_pattern": {}, "base_model_name_or_path": None, "revision": None, "inference_mode": True}
-
-
-def _hf_weight_names(m: ModelConfig, sd: dict[str, torch.Tensor]) -> dict[str, str]:
-    """megaloom weight name -> HF tensor name, for the tensors the family's mapping writes unchanged (renamed
-    only: the very same tensor object comes out); fused or transposed ones are absent."""
-    base = {k: v for k, v in sd.items() if not is_adapter_name(k)}
-    by_id = {id(v): k for k, v in base.items()}
-    return {by_id[id(v)]: hf for hf, v in to_hf_names(m, base).items() if id(v) in by_id}
-
-
-# ------------------------------------------------------------------------------------------------------ import
-# PEFT LoraConfig fields whose non-default values compute something megaloom's adapters do not (each refused)
-_SUPPORTED = {"use_rslora": (False, None), "use_dora": (False, None), "fan_in_fan_out": (False, None),
-              "bias": ("none", None), "modules_to_save": (None, []), "layers_to_transform": (None, []),
-              "rank_pattern": ({}, None), "alpha_pattern": ({}, None)}
-
-
-def read_adapter(adapter_dir: str | Path, m: ModelConfig, base: dict[str, torch.Tensor]) -> tuple[dict, dict]:
-    """A PEFT LoRA adapter directory as (model.lora settings, megaloom adapter tensors) for the model ``m`` whose
-    base weights ``base`` (megaloom names) it was trained on. Refused, naming the field, where PEFT would compute
-    something megaloom's adapters do not (rsLoRA, DoRA, per-layer ranks, trained biases or extra modules), or where
-    an adapter sits on a linear the family's HF layout fuses (no megaloom adapter has its shape)."""
-    from safetensors.torch import load_file
-
-    src = Path(adapter_dir)
-    if not (src / ADAPTER_CONFIG).is_file() or not (src / ADAPTER_WEIGHTS).is_file():
-        raise ConversionError(f"--peft {src}: not a PEFT adapter directory (it needs {ADAPTER_CONFIG} and "
-                              f"{ADAPTER_WEIGHTS}, as peft's save_pretrained writes them).")
-    try:
-        pc = json.loads((src / ADAPTER_CONFIG).read_text())
-    except json.JSONDecodeError as e:
-        raise ConversionError(f"{src / ADAPTER_CONFIG}: not valid JSON ({e}).") from e
-    if pc.get("peft_type") != "LORA":
-        raise ConversionError(f"{src / ADAPTER_CONFIG}: peft_type {pc.get('peft_type')!r}; only LORA adapters "
-                              "import.")
-    for key, allowed in _SUPPORTED.items():
-        if pc.get(key) not in allowed:
-            raise ConversionError(f"{src / ADAPTER_CONFIG}: {key}={pc[key]!r} is not supported by megaloom's LoRA "
-                                  f"(it computes y = W x + (alpha / r) B A x on whole linears); merge the adapter into "
-                                  "the base with peft's merge_and_unload() and import that with --from-hf alone.")
-    names = {hf: ours for ours, hf in _hf_weight_names(m, base).items()}
-    adapters: dict[str, torch.Tensor] = {}
-    targets: set[str] = set()
-    for key, t in load_file(str(src / ADAPTER_WEIGHTS)).items():
-        module, factor = _split_adapter_key(key, src)
-        ours = names.get(f"{module}.weight")
-        if ours is None:
-            raise ConversionError(f"{src / ADAPTER_WEIGHTS}: {key} adapts {module}, which {m.arch}'s megaloom model "
-                                  "has no separate linear for (fused or transposed in megaloom's HF mapping, or "
-                                  "not a linear of the blocks); merge it with peft's merge_and_unload() instead.")
-        adapters[f"{ours[: -len('.weight')]}.{factor}.weight"] = t.float()
-        targets.add(ours[: -len(".weight")].rsplit(".", 1)[-1])
-    r = int(pc["r"])
-    lora = {"rank": r, "alpha": float(pc.get("lora_alpha", r)), "targets": sorted(targets),
-            "dropout": float(pc.get("lora_dropout", 0.0))}
-    return lora, adapters
-
-
-def _split_adapter_key(key: str, src: Path) -> tuple[str, str]:
-    """``base_model.model.<HF module>.lora_A.weight`` -> (HF module, "lora_A"); an adapter name PEFT may keep
-    between them (``.lora_A.default.weight``) is dropped."""
-    parts = key.split(".")
-    if not key.startswith(PREFIX) or parts[-1] != "weight" or not {"lora_A", "lora_B"} & set(parts):
-        raise ConversionError(f"{src / ADAPTER_WEIGHTS}: unexpected tensor {key!r} (a LoRA adapter file holds "
-                              f"{PREFIX}<module>.lora_A.weight and .lora_B.weight only).")
-    i = max(i for i, p in enumerate(parts) if p in ("lora_A", "lora_B"))
-    return ".".join(parts[:i])[len(PREFIX):], parts[i]
