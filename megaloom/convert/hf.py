@@ -94,7 +94,7 @@ def to_hf(run_or_ckpt_dir: str | Path, out_dir: str | Path, show_progress: bool 
 def from_hf(hf_dir: str | Path, out_run_dir: str | Path, peft_dir: str | Path | None = None) -> Path:
     """Import an HF model directory (a model_type some family's HF mapping reads, e.g. LlamaForCausalLM,
     GPT2LMHeadModel, Qwen3ForCausalLM) as a new megaloom run. Returns the checkpoint. ``peft_dir``: a PEFT LoRA
-    adapter trained on that model, imported with it (model.lora from its adapter_config.json; convert/peft.py).
+    adapter trained on that model, imported with it (model.lora from its adapter_config.json; convert/peft_format.py).
 
     The checkpoint is model-only (no optimizer state, no RNG): training from it starts the optimizer fresh at
     step 0. tokenizer.json, if present, is copied into the run and set as data.tokenizer (with tokenizer_config.json,

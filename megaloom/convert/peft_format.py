@@ -62,8 +62,9 @@ def read_adapter(adapter_dir: str | Path, m: ModelConfig, base: dict[str, torch.
             raise ConversionError(f"{src / ADAPTER_WEIGHTS}: {key} adapts {module}, which {m.arch}'s megaloom model "
                                   "has no separate linear for (fused or transposed in megaloom's HF mapping, or "
                                   "not a linear of the blocks); merge it with peft's merge_and_unload() instead.")
-        adapters[f"{ours[: -len('.weight')]}.{factor}.weight"] = t.float()
-        targets.add(ours[: -len(".weight")].rsplit(".", 1)[-1])
+        linear = ours.removesuffix(".weight")
+        adapters[f"{linear}.{factor}.weight"] = t.float()
+        targets.add(linear.rsplit(".", 1)[-1])
     r = int(pc["r"])
     lora = {"rank": r, "alpha": float(pc.get("lora_alpha", r)), "targets": sorted(targets),
             "dropout": float(pc.get("lora_dropout", 0.0))}

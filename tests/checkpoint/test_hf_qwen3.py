@@ -16,7 +16,7 @@ from megaloom.cli import main  # noqa: E402
 from megaloom.config import load_config  # noqa: E402
 from megaloom.convert import ConversionError, from_hf, to_hf  # noqa: E402
 from megaloom.models import Transformer  # noqa: E402
-from tests.checkpoint.hf_common import hf_logits, megaloom_from_run  # noqa: E402
+from tests.checkpoint.hf_common import hf_logits, megaloom_from_run, saved_run  # noqa: E402
 
 ATOL = 1e-5
 VOCAB = 256
@@ -79,22 +79,11 @@ def test_hf_qwen3_imports_with_equal_logits_and_exports_the_same_tensors(tmp_pat
 def test_trained_qwen3_round_trips_through_megaloom_convert(tmp_path, capsys, head_dim):
     """A megaloom qwen3 run -> `megaloom convert --to-hf` -> transformers (equal logits) -> `--from-hf` -> the
     same tensors; with model.head_dim=32 too (heads twice d_model / n_heads)."""
-    cfg = load_config(None, ["model.preset=qwen3-tiny", f"model.vocab_size={VOCAB}", "model.d_model=64",
-                             "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=96",
-                             "model.max_seq_len=64", "model.tie_embeddings=false", "train.seq_len=32",
-                             f"model.head_dim={head_dim}", f"run.dir={tmp_path / 'run'}"])
-    torch.manual_seed(0)
-    model = Transformer(cfg.model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    x = tokens(32)
-    for _ in range(2):  # move the weights (QK-norms included) off their init
-        model(x, x).backward()
-        opt.step()
-        opt.zero_grad()
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "config.yaml").write_text(cfg.to_yaml())
-    save_checkpoint(run / "checkpoints", 2, model, opt, {"model": cfg.model.__dict__}, keep=2)
+    # 2 AdamW steps move the weights (QK-norms included) off their init
+    run, model = saved_run(tmp_path, ["model.preset=qwen3-tiny", f"model.vocab_size={VOCAB}", "model.d_model=64",
+                                      "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=96",
+                                      "model.max_seq_len=64", "model.tie_embeddings=false", "train.seq_len=32",
+                                      f"model.head_dim={head_dim}", f"run.dir={tmp_path / 'run'}"], tokens(32), 2)
 
     assert main(["convert", "--to-hf", str(run), str(tmp_path / "hf"), "--no-progress"]) == 0
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
