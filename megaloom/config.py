@@ -271,6 +271,10 @@ class TrainConfig:
                                        "LAMB before the variance freezes and compression starts. The papers warm up "
                                        "for 15-25% of training (DeepSpeed's BERT runs: 23k of 152k steps); too short "
                                        "a warm-up freezes a variance that is still moving.")
+    onebit_variance_window: float = _f(0.5, "With train.optimizer=onebit_adam / onebit_lamb: the last fraction of the "
+                                            "warm-up whose mean squared gradient becomes the frozen variance (a "
+                                            "less noisy estimate than Adam's average at the warm-up's end, which "
+                                            "0 keeps, as DeepSpeed does).")
     weight_decay: float = _f(0.1, "Decoupled weight decay (not applied to biases and norm weights).")
     beta1: float = _f(0.9, "AdamW beta1.")
     beta2: float = _f(0.95, "AdamW beta2.")
@@ -801,6 +805,9 @@ def validate(cfg: Config) -> None:
         _require(t.onebit_warmup_steps >= 1,
                  f"train.onebit_warmup_steps must be >= 1 (the variance is frozen where the warm-up leaves it), got "
                  f"{t.onebit_warmup_steps}; e.g. train.onebit_warmup_steps={max(1, t.steps // 5)}.")
+        _require(0 <= t.onebit_variance_window <= 1,
+                 f"train.onebit_variance_window is a fraction of the warm-up (0 to 1), got {t.onebit_variance_window}; "
+                 "e.g. train.onebit_variance_window=0.5 (its second half), or 0 for Adam's variance at its end.")
         _require(p.zero == 0,
                  f"train.optimizer={t.optimizer} with parallel.zero={p.zero}: 1-bit compression keeps the momentum and "
                  "the frozen variance of every parameter on every data-parallel rank (each rank updates the whole "

@@ -18,9 +18,13 @@ Compression stage, each step:
   warm-up hardly saw, an update of scale / eps; on the 1.8M-parameter CPU run that diverged (NaN at step ~220 of
   600, clipping off) or, clipped, ended 4.9% above AdamW. DeepSpeed masks known zero rows by hand
   (``exp_avg_mask``); the preconditioned exchange needs no mask;
-- Adam: the variance is frozen where the warm-up left it, w -= lr (m_hat / (sqrt(v_hat) + eps) + wd w) with
-  m_hat = m / (1 - b1^t) and v_hat = v / (1 - b2^T) (T = the warm-up steps; the warm-up's own bias correction,
-  kept: DeepSpeed's 1-bit Adam has none);
+- Adam: the variance is frozen, w -= lr (m_hat / (sqrt(v_hat) + eps) + wd w) with m_hat = m / (1 - b1^t) and
+  v_hat = v / (1 - b2^T) (T = the warm-up steps; the warm-up's own bias correction, kept: DeepSpeed's 1-bit Adam
+  has none). What freezes is the mean of g^2 over the warm-up's last ``train.onebit_variance_window`` (a fraction
+  of it, 0.5 by default), not Adam's exponential average at its end (DeepSpeed's, ``=0``): with beta2=0.95 that
+  average is mostly the last ~20 steps' gradients, a noisy estimate of each element that is then kept for the
+  rest of training; an element frozen low steps too far every step after. On the 2,000-step CPU runs
+  (docs/parallelism.md) the long window took the gap to AdamW from +4.8% to ...;
 - LAMB: the variance is frozen too, and so is the trust ratio: each parameter's ratio ||w|| / ||u|| is averaged
   over the warm-up (an exponential average, beta 0.9, of the ratios other than 1, divided by its weight so a short
   warm-up is not biased low: DeepSpeed's is not divided) and frozen; each step scales it by a factor, the largest
@@ -38,9 +42,12 @@ ep keep their own collectives. A group of one rank is not compressed (exact mome
 
 State: ``exp_avg`` and ``exp_avg_sq`` are AdamW's keys (views into one flat buffer per bucket), so checkpoints keep
 AdamW's layout and load across optimizers; 1-bit LAMB adds ``exp_avg_sq_fresh``, ``lamb_coeff``,
-``lamb_coeff_weight`` and ``last_factor``. The errors of the exchange (per rank: the worker error of every
-element, the server error of its chunk) are checkpointed too (megaloom/checkpoint/sharded.py, ``optim_local``), so
-a resume at the same data-parallel size continues exactly; at another size they restart at zero (said in a line).
+``lamb_coeff_weight`` and ``last_factor``. Inside the variance window (only there: allocated at its first step,
+freed at the freeze) ``exp_avg_sq_window`` holds the sum of the window's squared gradients, so a checkpoint
+written there resumes exactly too (at any data-parallel size: the warm-up's gradients are all-reduced). The
+errors of the exchange (per rank: the worker error of every element, the server error of its chunk) are
+checkpointed too (megaloom/checkpoint/sharded.py, ``optim_local``), so a resume at the same data-parallel size
+continues exactly; at another size they restart at zero (said in a line).
 """
 
 from __future__ import annotations
@@ -79,6 +86,12 @@ def _view(flat: torch.Tensor, offset: int, p: nn.Parameter) -> torch.Tensor:
     return flat[offset:offset + p.numel()].view_as(p)
 
 
+def window_steps(warmup: int, fraction: float) -> int:
+    """How many of the warm-up's last steps the frozen variance averages (``train.onebit_variance_window``: a
+    fraction of the warm-up; 0: none, the variance freezes as Adam's average left it)."""
+    return 0 if fraction <= 0 else max(1, min(warmup, round(fraction * warmup)))
+
+
 def step_bound(betas: tuple[float, float]) -> float:
     """The most one element's preconditioned momentum D x may be in the compressed stage: Adam's own bound on an
     element's step in units of the learning rate, (1 - b1) / sqrt(1 - b2) or 1, whichever is larger (Kingma & Ba
@@ -99,7 +112,7 @@ class OnebitOptimizer:
 
     def __init__(self, model: nn.Module, grads: DataParallelGrads, kind: str = "adam", lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 warmup_steps: int = 100) -> None:
+                 warmup_steps: int = 100, variance_window: float = 0.5) -> None:
         if not isinstance(grads, DataParallelGrads) or grads.zero != 0:
             raise ConfigError("1-bit optimizers keep the whole momentum and variance on every data-parallel rank; "
                               "they need parallel.zero=0.")
@@ -111,6 +124,9 @@ class OnebitOptimizer:
         self.grads, self.mesh, self.kind = grads, grads.mesh, kind
         self.warmup, self.betas, self.eps = warmup_steps, betas, eps
         self.bound = step_bound(betas)
+        self.window_steps = window_steps(warmup_steps, variance_window)
+        self.window: list[torch.Tensor] = []  # per bucket: the sum of the window's g^2 (only inside the window)
+        self._window_from = warmup_steps - self.window_steps  # the step the sums start at
         device = grads.grad_device
         groups = param_groups(model, weight_decay)
         self.params = [p for g in groups for p in g["params"]]
@@ -193,10 +209,12 @@ class OnebitOptimizer:
             hook(self, (), {})
         if self.steps < self.warmup:
             self.inner.step()  # the gradients were all-reduced: plain AdamW / LAMB
+            if self.steps >= self.warmup - self.window_steps:
+                self._add_to_window()
             if self.kind == "lamb":
                 self._average_trust_ratios()
-                if self.steps + 1 == self.warmup:  # the fresh variance starts from the one being frozen
-                    torch._foreach_copy_(self.fresh, self.v)
+            if self.steps + 1 == self.warmup:
+                self._freeze_variance()
         else:
             self._exchange_momentum()
             if self.kind == "adam":
@@ -205,6 +223,41 @@ class OnebitOptimizer:
                 self._lamb_update()
             torch._foreach_add_([self.state[p]["step"] for p in self.params], 1.0)
         self.steps += 1
+
+    # ------------------------------------------------------------------------------- the frozen variance
+
+    def _open_window(self) -> None:
+        """Allocate the window's sums (zeros) and name them in the state, so checkpoints carry them."""
+        self.window = [torch.zeros_like(v) for v in self.v]
+        self._window_from = self.steps  # (a resume inside the window from sums-less checkpoint: a shorter one)
+        for i, b in enumerate(self.grads.buckets):
+            for p, off in zip(b.params, b.offsets, strict=True):
+                self.state[p]["exp_avg_sq_window"] = _view(self.window[i], off, p)
+
+    def _close_window(self) -> None:
+        for p in self.params:
+            self.state[p].pop("exp_avg_sq_window", None)
+        self.window = []
+
+    def _add_to_window(self) -> None:
+        """Add this warm-up step's squared gradient (all-reduced and clipped: what Adam's variance took) to the
+        window's sums; the buckets hold the gradient."""
+        if not self.window:
+            self._open_window()
+        data = [b.data for b in self.grads.buckets]
+        torch._foreach_addcmul_(self.window, data, data)
+
+    def _freeze_variance(self) -> None:
+        """At the warm-up's end: the variance becomes the window's mean of g^2, scaled so that the update's
+        v_hat = v / (1 - b2^T) is that mean; LAMB's fresh variance starts from it."""
+        if self.window:
+            b2 = self.betas[1]
+            count = self.warmup - self._window_from
+            torch._foreach_mul_(self.window, (1 - b2 ** self.warmup) / count)
+            torch._foreach_copy_(self.v, self.window)
+            self._close_window()
+        if self.kind == "lamb":
+            torch._foreach_copy_(self.fresh, self.v)
 
     # ---------------------------------------------------------------------------------- compression stage
 
@@ -349,15 +402,28 @@ class OnebitOptimizer:
             log.info("megaloom: the checkpoint holds no 1-bit error-feedback buffers for this data-parallel size: "
                      "they start at zero (the compression error held at the save is dropped once)")
 
+    def prepare_load(self, saved: set[str]) -> None:
+        """Before a checkpoint load (``saved``: the checkpoint's tensor names): hold the variance window's sums
+        where the checkpoint has them (written inside the window), none where it does not."""
+        if any(k.endswith(".exp_avg_sq_window") for k in saved):
+            if not self.window:
+                self._open_window()
+        else:
+            self._close_window()
+
     def state_loaded(self) -> None:
         """After a checkpoint load: the stage follows the loaded step count."""
         if self.params:
             self.steps = int(self.state[self.params[0]]["step"])
+        self._window_from = self.warmup - self.window_steps
+        if self.window and not self._window_from < self.steps < self.warmup:
+            self._close_window()  # sums from a checkpoint outside this run's window (another window setting)
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state on this rank: momentum and variance (and LAMB's fresh variance) of every
-        parameter, padding included, plus the exchange's worker and server errors."""
-        n = sum(t.numel() for t in self.m + self.v + self.fresh)
+        """Bytes of optimizer state on this rank: momentum and variance (and LAMB's fresh variance, and inside the
+        variance window its sums) of every parameter, padding included, plus the exchange's worker and server
+        errors."""
+        n = sum(t.numel() for t in self.m + self.v + self.fresh + self.window)
         n += sum(ex.worker_error.numel() + ex.server_error.numel() for ex in self.exchanges if ex is not None)
         return 4 * n
 
@@ -368,7 +434,7 @@ def build_onebit(model: nn.Module, grads: DataParallelGrads, cfg: TrainConfig) -
     kind = KINDS[cfg.optimizer]
     return OnebitOptimizer(model, grads, kind, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                            eps=1e-8 if kind == "adam" else 1e-6, weight_decay=cfg.weight_decay,
-                           warmup_steps=cfg.onebit_warmup_steps)
+                           warmup_steps=cfg.onebit_warmup_steps, variance_window=cfg.onebit_variance_window)
 
 
 # ----------------------------------------------------------------------------------- when it pays (a model)

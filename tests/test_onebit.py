@@ -41,9 +41,12 @@ def _onebit(model: Transformer, kind: str, warmup: int) -> OnebitOptimizer:
                            weight_decay=WD, warmup_steps=warmup)
 
 
+def _batch(seed: int) -> torch.Tensor:
+    return torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(seed))
+
+
 def _step(model, opt, seed: int, grads=None) -> None:
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randint(0, 64, (2, 16), generator=gen)
+    x = _batch(seed)
     if grads is not None:
         grads.start_last_microbatch()
     model(x, x).backward()
@@ -84,6 +87,43 @@ def test_warmup_is_plain_adamw_or_lamb_then_the_variance_freezes(kind: str) -> N
 
 
 @pytest.mark.parametrize("kind", ["adam", "lamb"])
+def test_the_frozen_variance_is_the_windows_mean_squared_gradient(kind: str) -> None:
+    """train.onebit_variance_window=0.5 of a 4-step warm-up: the warm-up is still plain AdamW / LAMB (its own
+    exponential variance), and what freezes is the mean g^2 of steps 3 and 4 scaled by (1 - b2^4), so the update's
+    v_hat is that mean; the sums live only inside the window (state key and bytes), then are freed."""
+    base = _model()
+    ref = copy.deepcopy(base)
+    plain = torch.optim.AdamW(param_groups(ref, WD), lr=LR, betas=BETAS, eps=1e-8, foreach=True) if kind == "adam" \
+        else build_lamb(ref, WD, LR, BETAS, 1e-6)
+    model = copy.deepcopy(base)
+    grads = build_data_parallel(model, Mesh.single(), 0, 0.01, pad_multiple=PAD_MULTIPLE)
+    opt = OnebitOptimizer(model, grads, kind, lr=LR, betas=BETAS, eps=1e-8 if kind == "adam" else 1e-6,
+                          weight_decay=WD, warmup_steps=4, variance_window=0.5)
+    squares = {p: torch.zeros_like(p) for p in ref.parameters()}
+    held = []
+    for s in range(4):
+        x = _batch(s)
+        ref(x, x).backward()
+        for p in ref.parameters() if s >= 2 else ():  # the window: the warm-up's last 2 steps
+            squares[p] += p.grad * p.grad
+        plain.step()
+        plain.zero_grad(set_to_none=True)
+        _step(model, opt, s, opt.grads)
+        held.append(("exp_avg_sq_window" in opt.state[opt.params[0]], opt.state_bytes()))
+        for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+            assert torch.equal(p, q), s  # the warm-up is the plain optimizer's
+    assert [h for h, _ in held] == [False, False, True, False]  # open after the window's first step, then freed
+    assert held[2][1] == held[1][1] + 4 * sum(v.numel() for v in opt.v) and held[3][1] == held[1][1]
+    b2 = BETAS[1]
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        want = squares[q] / 2 * (1 - b2 ** 4)
+        torch.testing.assert_close(opt.state[p]["exp_avg_sq"], want, rtol=1e-6, atol=0)
+        assert not torch.equal(opt.state[p]["exp_avg_sq"], plain.state[q]["exp_avg_sq"])  # not Adam's own
+        if kind == "lamb":
+            assert torch.equal(opt.state[p]["exp_avg_sq_fresh"], opt.state[p]["exp_avg_sq"])
+
+
+@pytest.mark.parametrize("kind", ["adam", "lamb"])
 def test_an_element_quiet_when_the_variance_froze_steps_no_further_than_adam_would(kind: str) -> None:
     """An element whose frozen variance is ~0 (untouched in the warm-up's last steps) and then gets a gradient
     steps by at most Adam's own bound (onebit.step_bound: 1 learning rate at beta2=0.95), not by g / eps."""
@@ -113,6 +153,7 @@ def test_an_element_quiet_when_the_variance_froze_steps_no_further_than_adam_wou
     (["train.optimizer=onebit_lamb", "parallel.zero=3"], "train.optimizer=onebit_lamb with parallel.zero=3"),
     (["train.optimizer=onebit_adam", "train.onebit_warmup_steps=0"], "train.onebit_warmup_steps must be >= 1"),
     (["train.optimizer=onebit"], "train.optimizer: 'onebit' is not one of"),
+    (["train.optimizer=onebit_adam", "train.onebit_variance_window=1.5"], "train.onebit_variance_window is a fraction"),
 ])
 def test_config_refusals_name_the_setting_and_the_fix(overrides: list[str], fragment: str) -> None:
     with pytest.raises(ConfigError, match=fragment):

@@ -490,12 +490,16 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     with_optim = optimizer is not None and state.get(OPTIMIZER_FLAG, True) and not model_only
     if with_optim:
         ensure_optimizer_state(model, optimizer)
+    onebit = with_optim and hasattr(optimizer, "prepare_load")  # its tensors depend on what the checkpoint holds
+    saved = check_metadata(path).state_dict_metadata if onebit else {}
+    if onebit:
+        optimizer.prepare_load(set(saved))  # the variance window's sums, where the checkpoint has them
     sd = sharded_state(model, optimizer if with_optim else None, mesh)  # views of the live tensors
     if fresh_adapters:
         from megaloom.models.lora import is_adapter_name
 
         sd["model"] = {k: v for k, v in sd["model"].items() if not is_adapter_name(k)}
-    if "optim_local" in sd and not local_state_fits(sd, check_metadata(path).state_dict_metadata):
+    if "optim_local" in sd and not local_state_fits(sd, saved):
         # 1-bit error feedback saved at another data-parallel size (or not at all): it starts at zero
         del sd["optim_local"]
         optimizer.reset_errors()

@@ -274,6 +274,7 @@ def _persistent_state(lay: RankLayout, counts: ParamCounts) -> _State:
     optimizer = 8 * p_opt
     if onebit:
         optimizer += 4 * p_opt if lay.cfg.train.optimizer == "onebit_lamb" else 0  # the fresh variance
+        optimizer += 4 * p_opt if lay.cfg.train.onebit_variance_window > 0 else 0  # the window's g^2 (warm-up)
         dense, expert = p_local - counts.expert, counts.expert
         for n, group in ((dense, dp * lay.cp), (expert, max(1, dp // ep * lay.cp))):
             if group > 1:  # compressed: worker error of every element, server error of this rank's chunk

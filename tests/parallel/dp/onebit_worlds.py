@@ -36,6 +36,8 @@ from megaloom.parallel.zero import build_data_parallel
 from .dp_worlds import BETAS, BUCKET_MB, EPS, GLOBAL_BATCH, LR, WD, base_model, global_batches, run_steps
 
 WARMUP = 4  # of the 10 steps: 6 compressed
+WINDOW = 0.5  # train.onebit_variance_window: the frozen variance is the mean g^2 of the warm-up's last 2 steps
+WINDOW_STEPS = 2
 BOUND = max(1.0, (1 - BETAS[0]) / math.sqrt(1 - BETAS[1]))  # Adam's per-element step bound (onebit.step_bound)
 
 
@@ -76,6 +78,7 @@ class Simulation:
         self.m = {p: torch.zeros_like(p) for p in self.params}
         self.v = {p: torch.zeros_like(p) for p in self.params}
         self.fresh = {p: torch.zeros_like(p) for p in self.params}
+        self.sq = {p: torch.zeros_like(p) for p in self.params}  # the variance window's sum of g^2
         self.coeff = {p: [0.0, 0.0] for p in self.params}  # trust ratios' average: numerator, weight
         self.last = {p: 1.0 for p in self.params}
         self.worker_err = [[torch.zeros(b[2]) for b in self.buckets] for _ in range(workers)]
@@ -121,9 +124,12 @@ class Simulation:
             for p in self.params:
                 self.m[p] = b1 * self.m[p] + (1 - b1) * g[p]
                 self.v[p] = b2 * self.v[p] + (1 - b2) * g[p] * g[p]
-            if self.t == WARMUP:
-                self.fresh = {p: v.clone() for p, v in self.v.items()}
+                if self.t > WARMUP - WINDOW_STEPS:
+                    self.sq[p] = self.sq[p] + g[p] * g[p]
             self._warmup_update()
+            if self.t == WARMUP:  # frozen: the window's mean g^2 as v_hat = v / (1 - b2^T)
+                self.v = {p: self.sq[p] / WINDOW_STEPS * (1 - b2 ** WARMUP) for p in self.params}
+                self.fresh = {p: v.clone() for p, v in self.v.items()}
             return loss
         if math.isfinite(self.clip):  # every worker's gradient by one coefficient: the RMS of their norms
             rms = math.sqrt(sum(self.norm(g).item() ** 2 for g in grads) / self.n)
@@ -219,7 +225,7 @@ def build_onebit(base, mesh: Mesh, kind: str, sp: bool = False, bucket_mb: float
     grads = build_data_parallel(model, mesh, 0, bucket_mb, pad_multiple=PAD_MULTIPLE)
     opt = OnebitOptimizer(model, grads, "adam" if kind == "onebit_adam" else "lamb", lr=LR, betas=BETAS,
                           eps=EPS["adamw" if kind == "onebit_adam" else "lamb"], weight_decay=WD,
-                          warmup_steps=WARMUP)
+                          warmup_steps=WARMUP, variance_window=WINDOW)
     return model, grads, opt
 
 
@@ -249,12 +255,13 @@ def onebit_case(mesh: Mesh, kind: str, clip: float = math.inf, sp: bool = False,
     model, grads, opt = build_onebit(base, mesh, kind, sp)
     log = DpLog(mesh.dp_cp_group)
     mesh.recorder = log
-    losses = []
+    losses, state_bytes = [], 0
     try:
         for step, batch in enumerate(batches):
             log.step = step
             with autocast:
                 losses += run_steps(model, grads, opt, mesh, [batch], micro, clip, None)[0]
+            state_bytes = max(state_bytes, opt.state_bytes())  # the peak: the variance window's sums included
     finally:
         mesh.recorder = comm.NullRecorder()
     sim_params = dict(sim.model.named_parameters())
@@ -270,7 +277,7 @@ def onebit_case(mesh: Mesh, kind: str, clip: float = math.inf, sp: bool = False,
     other = comm.all_reduce(mine.clone(), mesh.dp_cp_group, op="max")
     return dict(loss=losses, ref_loss=ref, param_err=err, ties=ties, tie_err=diff.max().item(), numel=diff.numel(),
                 replica_err=(other - mine).abs().max().item(),
-                ops=log.ops, warmup=WARMUP, n_buckets=len(grads.buckets), state_bytes=opt.state_bytes(),
+                ops=log.ops, warmup=WARMUP, n_buckets=len(grads.buckets), state_bytes=state_bytes,
                 tp=mesh.tp, world=mesh.world_size,
                 frozen=opt.frozen_trust_ratios().tolist() if kind == "onebit_lamb" else None)
 
@@ -372,6 +379,22 @@ def resume_case(mesh: Mesh, kind: str, elsewhere: Mesh) -> dict:
                 if ex is not None:
                     ex.reset()
         out[name] = run_steps(model, grads, opt, mesh, batches[6:], micro, 0.05, None)[0]
+    # inside the variance window (warm-up steps 3-4): its sums are in the checkpoint, the resume exact
+    model, grads, opt = build_onebit(base, mesh, kind)
+    run_steps(model, grads, opt, mesh, batches[:3], micro, 0.05, None)
+    sums = {n: opt.state[p]["exp_avg_sq_window"].clone() for n, p in model.named_parameters()}
+    early = save_checkpoint(Path(root) / "window", 3, model, opt, {}, keep=1, rank=mesh.rank, barrier=dist.barrier,
+                            mesh=mesh)
+    model, grads, opt = build_onebit(base, mesh, kind)
+    load_checkpoint(early, model, opt, rank=mesh.rank, mesh=mesh)
+    out["window_held"] = len(opt.window)
+    out["window"] = run_steps(model, grads, opt, mesh, batches[3:], micro, 0.05, None)[0]
+    out["window_after"] = len(opt.window) + sum("exp_avg_sq_window" in opt.state[p] for p in opt.params)
+    model, grads, opt = build_onebit(base_model("llama", elsewhere), elsewhere, kind)
+    load_checkpoint(early, model, opt, rank=mesh.rank, mesh=elsewhere)
+    out["window_elsewhere_err"] = max(
+        (gather_full_tensor(opt.state[p]["exp_avg_sq_window"], p, elsewhere) - sums[n]).abs().max().item()
+        for n, p in model.named_parameters())
     model, grads, opt = build_onebit(base_model("llama", elsewhere), elsewhere, kind)
     for ex in opt.exchanges:  # what a run in progress would hold: the load must clear it
         if ex is not None:

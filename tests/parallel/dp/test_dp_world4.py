@@ -96,3 +96,8 @@ def test_onebit_resume_is_exact_with_the_error_buffers(world: list[dict]) -> Non
         assert r["cleared"] != r["whole"][6:]  # without the errors the run continues otherwise
         # at another data-parallel size: the step and momentum load (resharded over tp), the errors restart at 0
         assert r["elsewhere_steps"] == 6 and r["elsewhere_errors"] == 0.0 and r["elsewhere_momentum_err"] == 0.0
+        # written inside the variance window (train.onebit_variance_window): its sums of g^2 load (at tp2 x dp2
+        # too: the warm-up's gradients are all-reduced, every rank's sums are the same) and the run goes on exactly
+        assert r["window_held"] > 0 and r["window_after"] == 0, r  # freed at the freeze
+        assert r["window"] == r["whole"][3:], (r["window"], r["whole"][3:])  # bitwise
+        assert r["window_elsewhere_err"] == 0.0
