@@ -24,7 +24,7 @@ Compression stage, each step:
   of it, 0.5 by default), not Adam's exponential average at its end (DeepSpeed's, ``=0``): with beta2=0.95 that
   average is mostly the last ~20 steps' gradients, a noisy estimate of each element that is then kept for the
   rest of training; an element frozen low steps too far every step after. On the 2,000-step CPU runs
-  (docs/parallelism.md) the long window took the gap to AdamW from +4.8% to ...;
+  (docs/parallelism.md) the window about halved the gap to AdamW's loss (+4.8% to +2.7%: not closed);
 - LAMB: the variance is frozen too, and so is the trust ratio: each parameter's ratio ||w|| / ||u|| is averaged
   over the warm-up (an exponential average, beta 0.9, of the ratios other than 1, divided by its weight so a short
   warm-up is not biased low: DeepSpeed's is not divided) and frozen; each step scales it by a factor, the largest

@@ -28,3 +28,20 @@ def test_train_loop_converts_and_trains_in_fp8(small_corpus, tmp_path, monkeypat
     res = train(cfg)
     assert "fp8 (rowwise): 14 linear layers in fp8" in capsys.readouterr().out
     assert res.losses[16] < res.losses[1] - 0.5, res.losses
+
+
+def test_fp8_trains_with_onebit_adam(small_corpus, tmp_path, monkeypatch, capsys) -> None:
+    """train.precision=fp8 with train.optimizer=onebit_adam (issue 40: 1-bit works with fp8): the fp8 linears'
+    weights are ordinary fp32 parameters in the gradient buckets, warmed up with AdamW, then frozen-variance
+    updates (one process: the exchange of a one-rank group is exact; the compressed one is in the dp worlds)."""
+    from megaloom.train import train
+    from tests.conftest import tiny_overrides
+
+    monkeypatch.setattr("megaloom.training.trainer.resolve_precision", lambda cfg, device: "fp8")
+    cfg = load_config(None, tiny_overrides(small_corpus, tmp_path / "run", "model.n_layers=4", "train.steps=16",
+                                           "checkpoint.every=0", "train.optimizer=onebit_adam",
+                                           "train.onebit_warmup_steps=6"))
+    res = train(cfg)
+    assert "fp8 (tensorwise): 14 linear layers in fp8" in capsys.readouterr().out
+    assert all(loss == loss for loss in res.losses.values())  # finite
+    assert res.losses[16] < res.losses[6] - 0.3 and res.losses[6] < res.losses[1], res.losses
