@@ -170,7 +170,7 @@ class MemoryPlan:
                                          else ")")),
             ("gradients", self.gradients, s.get("grad_note", "fp32")),
             ("optimizer", self.optimizer, f"{s.get('optimizer')} exp_avg + exp_avg_sq (fp32)"
-             + (" + 1-bit error feedback" if str(s.get("optimizer")).startswith("onebit") else "")),
+             + (" + 1-bit error feedback, variance window" if str(s.get("optimizer")).startswith("onebit") else "")),
             ("activations", self.activations, f"saved for backward: {self.layers} blocks x {layer / GB:.3f} GB + "
                                               f"embedding/head {s.get('embedding_head_bytes', 0) / GB:.3f} GB per "
                                               f"micro-batch, {self.in_flight} in flight"),
