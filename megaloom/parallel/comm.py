@@ -16,6 +16,7 @@ All sequence-parallel ones split activations [B, T, D] along the sequence dimens
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -379,14 +380,92 @@ def all_to_all_single_async(output: torch.Tensor, input: torch.Tensor, group: Gr
                        "all_to_all", group)
 
 
+# ------------------------------------------------------------------------ exchanges of objects and sizes
+#
+# Every exchange whose answer the receiving rank *reads on the host* (a Python object, a split size) goes through
+# the functions of this section. Under a dry run's fake process group (torch's "fake" backend) no data moves:
+# a received buffer holds whatever the allocator left there, so an unpickled object is garbage (on a GPU:
+# "invalid load key") and a split size can be negative (Inductor then allocates a buffer of negative size). Here
+# such a group never exchanges anything: each function answers locally with what this rank would receive in a
+# balanced, uniform job (every rank sending what this one sends). Tensors that only flow on through the model
+# (activations, gradients) may stay garbage: the dry run measures time and memory, not values.
+
+
+def is_fake(group: Group) -> bool:
+    """True for a group of the dry run's fake backend (nothing arrives from a peer)."""
+    return group is not None and dist.get_backend(group) == "fake"
+
+
 def all_gather_objects(obj: Any, group: Group, recorder: OpRecorder | None = None) -> list[Any]:
-    """Small Python objects (timelines, reports) from every rank of ``group``, in group-rank order."""
+    """Small Python objects (timelines, reports) from every rank of ``group``, in group-rank order. Under the
+    fake group: ``obj`` from every rank (a uniform job)."""
     if group_size(group) == 1:
         return [obj]
+    if is_fake(group):
+        return [obj] * group_size(group)
     out: list[Any] = [None] * group_size(group)
     with _recording(recorder, "all_gather_object", group):
         dist.all_gather_object(out, obj, group=group)
     return out
+
+
+def gather_objects(obj: Any, group: Group, recorder: OpRecorder | None = None) -> list[Any] | None:
+    """Every rank's ``obj`` on the group's rank 0, in group-rank order (None on the others). Small objects only
+    (checksums, node names): O(world) on rank 0, O(1) elsewhere. Under the fake group: ``obj`` from every rank."""
+    size, rank = group_size(group), group_rank(group)
+    if size == 1:
+        return [obj]
+    if is_fake(group):
+        return [obj] * size if rank == 0 else None
+    out = [None] * size if rank == 0 else None
+    with _recording(recorder, "gather_object", group):
+        dist.gather_object(obj, out, dst=dist.get_global_rank(group, 0), group=group)
+    return out
+
+
+def broadcast_int(value: int, src_group_rank: int, group: Group, recorder: OpRecorder | None = None) -> int:
+    """Group rank ``src_group_rank``'s ``value`` on every rank (an int64 tensor on the host: the group must take
+    CPU tensors, a gloo one). Under the fake group: this rank's own value."""
+    if group_size(group) == 1 or is_fake(group):
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    with _recording(recorder, "broadcast", group, 8):
+        dist.broadcast(t, src=dist.get_global_rank(group, src_group_rank), group=group)
+    return int(t.item())
+
+
+def balanced_counts(total: int, shape: tuple[int, ...], device: torch.device | str = "cpu") -> torch.Tensor:
+    """``total`` rows spread as evenly as integers allow over the cells of ``shape`` (int64; the first
+    ``total % cells`` cells get one more): what a rank receives when routing is balanced."""
+    cells = math.prod(shape)
+    flat = torch.full((cells,), total // cells, dtype=torch.int64, device=device)
+    flat[:total % cells] += 1
+    return flat.view(shape)
+
+
+def exchange_counts(send_counts: torch.Tensor, group: Group, recorder: OpRecorder | None = None) -> torch.Tensor:
+    """The expert dispatch's split sizes: ``send_counts[j, e]`` rows go to rank j's local expert e; returns
+    ``recv[i, e]``, the rows rank i sends to this rank's local expert e (one all-to-all of the counts).
+
+    Under the fake group: balanced routing, this rank's own total spread evenly over (source rank, local
+    expert), as in a job whose router balances the load exactly (the dry run says so in its report)."""
+    if group_size(group) == 1:
+        return send_counts.clone()
+    if is_fake(group):
+        return balanced_counts(int(send_counts.sum()), tuple(send_counts.shape), send_counts.device)
+    recv = torch.empty_like(send_counts)
+    all_to_all_single(recv.view(-1), send_counts.reshape(-1), group, recorder=recorder)
+    return recv
+
+
+def gather_counts(counts: torch.Tensor, group: Group, recorder: OpRecorder | None = None) -> torch.Tensor:
+    """Every rank's ``counts`` stacked along dim 0, in group-rank order (sizes the receiver reads on the host).
+    Under the fake group: this rank's ``counts`` from every rank (a uniform job)."""
+    if group_size(group) == 1:
+        return counts
+    if is_fake(group):
+        return counts.repeat((group_size(group),) + (1,) * (counts.dim() - 1))
+    return gather_along_dim(counts, 0, group, recorder)
 
 
 def barrier(group: Group, recorder: OpRecorder | None = None) -> None:

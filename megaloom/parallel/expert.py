@@ -71,9 +71,7 @@ class AllToAllDispatcher:
         d = self.local.dispatch(x, weights, experts, n_experts, capacity)
         n_local = n_experts // self.ep
         send_counts = d.counts.view(self.ep, n_local)  # [destination rank, its local expert]
-        recv_counts = torch.empty_like(send_counts)  # [source rank, my local expert]
-        comm.all_to_all_single(recv_counts.view(-1), send_counts.reshape(-1), self.mesh.ep_group,
-                               recorder=self.mesh.recorder)
+        recv_counts = comm.exchange_counts(send_counts, self.mesh.ep_group, self.mesh.recorder)  # [source, mine]
         sizes = torch.cat([send_counts.sum(1), recv_counts.sum(1)]).tolist()
         send, recv = sizes[:self.ep], sizes[self.ep:]
         rows = d.x
@@ -141,9 +139,8 @@ class SequenceShardDispatcher:
         n_local = n_experts // ep
         send_counts = torch.zeros(n_experts, dtype=torch.long, device=x.device).index_add_(
             0, row_expert, own.long()).view(ep, n_local)  # [destination ep rank, its local expert]
-        recv_counts = torch.empty_like(send_counts)  # [source ep rank, my local expert]
-        comm.all_to_all_single(recv_counts.view(-1), send_counts.reshape(-1), m.ep_group, recorder=m.recorder)
-        every_recv = comm.gather_along_dim(recv_counts, 0, m.tp_group, m.recorder)  # [tp * ep, local expert]
+        recv_counts = comm.exchange_counts(send_counts, m.ep_group, m.recorder)  # [source ep rank, my local expert]
+        every_recv = comm.gather_counts(recv_counts, m.tp_group, m.recorder)  # [tp * ep, local expert]
         sizes = torch.cat([send_counts.sum(1), every_recv.sum(1)]).tolist()  # the one host sync
         send, got = sizes[:ep], sizes[ep:]
         per_tp = [sum(got[q * ep:(q + 1) * ep]) for q in range(tp)]

@@ -4,7 +4,8 @@ The training groups of a GPU job are NCCL groups, and NCCL has no CPU backend: a
 raises "No backend type associated with device type cpu". Decisions the ranks share about the run itself (the
 straggler check's per-rank times, the doctor's table, checkpoint agreement) are small host-side values, so
 they travel over a gloo group created once, with a timeout of its own. A dry run's fake process group stays
-fake (no peers to meet). Without torch.distributed (one process) every method is local.
+fake (no peers to meet), and its exchanges answer locally (`comm.is_fake`: what a uniform job's rank would
+receive), since a fake group moves no data. Without torch.distributed (one process) every method is local.
 
 The methods issue their collective whenever a group exists, even of size 1, so the code path a job of
 thousands of ranks runs is the one a one-process test runs.
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megaloom.parallel import comm
 from megaloom.parallel.comm import _all_gather_single  # the all-gather's name in this torch version
 
 
@@ -39,20 +41,16 @@ class HostGroup:
         """Every rank's ``obj`` on rank 0 (None elsewhere). Small objects only (checksums, verdicts)."""
         if self.group is None:
             return [obj]
-        out = [None] * self.size if self.rank == 0 else None
-        dist.gather_object(obj, out, dst=0, group=self.group)
-        return out
+        return comm.gather_objects(obj, self.group)
 
     def all_gather(self, obj: Any) -> list[Any]:
         if self.group is None:
             return [obj]
-        out: list[Any] = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        return comm.all_gather_objects(obj, self.group)
 
     def all_true(self, ok: bool) -> bool:
         """True on every rank iff ``ok`` on every rank: one decision for the job."""
-        if self.group is None:
+        if self.group is None or comm.is_fake(self.group):
             return ok
         flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
@@ -66,6 +64,8 @@ class HostGroup:
         mine = torch.tensor(values, dtype=torch.float64).reshape(1, -1)
         if self.group is None:
             return mine
+        if comm.is_fake(self.group):
+            return mine.repeat(self.size, 1)
         out = torch.empty(self.size, mine.shape[1], dtype=torch.float64)
         _all_gather_single(out, mine, group=self.group)
         return out
@@ -74,6 +74,4 @@ class HostGroup:
         """``value`` of global rank ``src`` on every rank."""
         if self.group is None:
             return value
-        t = torch.tensor([value], dtype=torch.int64)
-        dist.broadcast(t, src=src, group=self.group)
-        return int(t.item())
+        return comm.broadcast_int(value, src, self.group)  # the group spans the world: group rank = global rank

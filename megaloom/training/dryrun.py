@@ -38,7 +38,11 @@ The report says which.
 Settings a dry run changes, because they need other processes, files or threads: checkpoint.async_save=false
 (its gloo group cannot start on a fake store), checkpoint.resume=none, data.num_workers=0, run.tensorboard=false,
 run.trackers empty, resilience (nan_guard, watchdog, heartbeat, stragglers) off: garbage in unfilled receive
-buffers must not skip an update. The run directory is a temporary one, removed at the end unless ``keep_dir`` is given.
+buffers must not skip an update. What a rank reads on the host from a peer (Python objects, split sizes: the
+expert dispatch's counts) never crosses the fake group: `comm`'s exchange functions answer locally with what a
+balanced, uniform job's rank would receive (balanced expert routing, said in the report). A CPU test runs dry
+runs on a fake group that returns garbage (tests/garbage_group.py), as a GPU's does.
+The run directory is a temporary one, removed at the end unless ``keep_dir`` is given.
 """
 
 from __future__ import annotations
@@ -330,6 +334,10 @@ class DryRunReport:
             times = ", ".join(f"{sec[f'step_{i + 1}']:.2f}s" for i in range(len(self.losses)))
             lines.append(f"  steps: {times} (losses {', '.join(f'{x:.3f}' for x in self.losses)}: meaningless, the "
                          "fake group moves no data)")
+        if self.sizes.get("ep", 1) > 1:
+            lines.append("  expert dispatch: balanced routing (the fake group exchanges no counts: each ep rank "
+                         "receives as many rows as it sends, spread evenly over its local experts: "
+                         "comm.exchange_counts)")
         m, p = self.memory, self.plan
         if p is not None:
             lines.append(f"  memory (GB = 1e9 bytes)      plan   measured  ({self.memory_note}, above the start)")
