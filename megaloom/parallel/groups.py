@@ -21,16 +21,19 @@ from typing import Any
 
 import torch.distributed as dist
 
+SPLITTING_BACKENDS = ("nccl", "xccl")  # the accelerator backends production splits (ncclCommSplit and XCCL's)
+
 
 def can_split() -> bool:
     """Whether the default group can split communicators (a device bound to it and a backend that splits), which
     is what ``dist.split_group`` requires. A device is bound by `runtime.start_process_group` for an accelerator
     only: torch refuses ``device_id`` for a CPU device (torch 2.11-2.13), so a gloo world on CPU takes
-    ``new_group``, while gloo or NCCL bound to a GPU splits (tests/parallel/test_world2.py checks that torch agrees
-    with this answer)."""
+    ``new_group`` (tests/parallel/test_world2.py checks that torch agrees with this answer). Only the accelerator
+    backends split: a gloo world bound to a GPU (a test's stand-in) makes new groups too, because torch 2.11's
+    ``split_group`` deep-copies the parent backend's options and gloo's cannot be copied (seen on an H100)."""
     pg = dist.group.WORLD
     device = getattr(pg, "bound_device_id", None)
-    if device is None:
+    if device is None or dist.get_backend(pg) not in SPLITTING_BACKENDS:
         return False
     try:
         return bool(pg._get_backend(device).supports_splitting)
