@@ -27,12 +27,13 @@ def pick_backend(world_size: int) -> str:
     return "nccl" if torch.cuda.device_count() >= world_size else "gloo"
 
 
-def _entry(rank: int, world_size: int, backend: str, tmp: str, fn: Callable, args: tuple, bind: str | None) -> None:
+def _entry(rank: int, world_size: int, backend: str, tmp: str, fn: Callable, args: tuple, bind: str | None,
+           compute: str | None = None) -> None:
     torch.set_num_threads(1)  # several ranks share two cores: avoid oversubscription
     # The production start-up (runtime.init_runtime's order): pick and set the device, then start the default
     # group through runtime.start_process_group, which binds an accelerator to it, so that Mesh.build splits
     # communicators (dist.split_group) where torch allows it and makes new groups where it does not.
-    device = pick_device(f"cuda:{rank}" if backend == "nccl" else "cpu", rank)
+    device = pick_device(compute or (f"cuda:{rank}" if backend == "nccl" else "cpu"), rank)
     start_process_group(device, rank, world_size, timedelta(seconds=120), init_method=f"file://{tmp}/init",
                         backend=backend, bind=torch.device(bind) if bind else None)
     try:
@@ -47,20 +48,22 @@ def _entry(rank: int, world_size: int, backend: str, tmp: str, fn: Callable, arg
 
 
 def run_world(world_size: int, fn: Callable, *args: Any, timeout: float = 240.0, backend: str | None = None,
-              bind: str | None = None) -> list[Any]:
+              bind: str | None = None, compute: str | None = None) -> list[Any]:
     """``fn(rank, world_size, device, *args)`` on ``world_size`` processes; returns the results by rank.
 
     ``backend`` overrides the choice by hardware, e.g. "cuda:gloo": a CPU world whose default group has no CPU
     backend, as an NCCL world has none (host-side collectives must then use a group of their own). ``bind``: a
     device to bind to the default group other than the ranks' own (e.g. "cuda:0" for a gloo world on a host with
     one GPU: the ranks compute on CPU and the groups are split from the bound world, as in an NCCL job).
+    ``compute``: the ranks' device when it is not the backend's choice (e.g. "cuda:0" for every rank of a
+    "cuda:gloo" world on a host with one GPU: gloo moves the CUDA tensors through the host).
 
     ``fn`` must be importable (module level). A worker's exception is re-raised here with its traceback
     (torch.multiprocessing stops the other ranks); a world that outlives ``timeout`` is terminated.
     """
     tmp = tempfile.mkdtemp(prefix="megaloom-world-")
     try:
-        ctx = mp.spawn(_entry, args=(world_size, backend or pick_backend(world_size), tmp, fn, args, bind),
+        ctx = mp.spawn(_entry, args=(world_size, backend or pick_backend(world_size), tmp, fn, args, bind, compute),
                        nprocs=world_size, join=False)
         deadline = time.monotonic() + timeout
         while not ctx.join(timeout=1.0):
