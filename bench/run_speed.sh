@@ -102,6 +102,9 @@ dry_layout() {  # the issue-34 layouts: world, then the config overrides
       train.seq_len=8192 model.max_seq_len=8192 train.global_batch_size=1024";;
     mixtral) echo "--world 256 model.preset=mixtral-8x7b train.micro_batch_size=1 parallel.zero=1 parallel.ep=8 \
       parallel.pp=4 train.seq_len=4096 train.global_batch_size=512";;
+    deepseek) echo "--world 2048 model.preset=deepseek-v3 train.micro_batch_size=1 parallel.zero=1 parallel.ep=64 \
+      parallel.pp=16 parallel.pp_first_stage_layers=1 parallel.pp_last_stage_layers=4 train.seq_len=4096 \
+      train.global_batch_size=2048";;  # DeepSeek-V3's published shape (671B) on 2,048 ranks: pp16 x ep64, no tp
     *) echo "unknown layout $1" >&2; return 1;;
   esac
 }
