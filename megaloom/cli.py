@@ -76,6 +76,34 @@ def _peer_lost_line(args: argparse.Namespace, e: BaseException) -> str | None:
     return describe(pattern, int(os.environ.get("RANK", "0")), world, getattr(trainer, "step", None), run_dir)
 
 
+def _say(args: argparse.Namespace, line: str, kind: str, **facts) -> None:
+    """The line this process ends with: printed, or handed to `megaloom train --nproc N`'s launcher, which says one
+    line for the job (resilience/last_words.py)."""
+    from megaloom.resilience.last_words import say
+
+    step = getattr(getattr(args, "trainer", None), "step", None)
+    say(line, kind=kind, step=None if step is None else step + 1, **facts)
+
+
+def _loader_died(args: argparse.Namespace, e: BaseException) -> bool:
+    """A data-loader worker of this rank died (killed, out of memory): one line naming it, the step and the
+    checkpoint the next run resumes from, instead of the DataLoader's traceback; False for any other error."""
+    from megaloom.resilience.last_words import loader_death
+    from megaloom.resilience.peers import restart_note
+
+    cause = loader_death(e) if getattr(args, "command", None) == "train" else None
+    if cause is None:
+        return False
+    trainer = getattr(args, "trainer", None)
+    run_dir = None if trainer is None else getattr(trainer, "run_dir", None) or Path(trainer.requested.run.dir)
+    step = getattr(trainer, "step", None)
+    when = "while the job was starting" if step is None else f"at step {step + 1}"
+    rank = os.environ.get("RANK", "0")
+    _say(args, f"stopped: a data-loader worker of rank {rank} died {when} ({cause}); {restart_note(run_dir)}",
+         "loader", cause=cause)
+    return True
+
+
 def _interrupted_line(args: argparse.Namespace, signal_name: str = "SIGINT") -> str:
     """What a signal stopped: the step reached and the newest checkpoint on disk (to resume from)."""
     trainer = getattr(args, "trainer", None)
@@ -424,25 +452,28 @@ def main(argv: list[str] | None = None) -> int:
         # The run cannot go on and a person must act (diverged, disk full, ...): one line, exit 1.
         if os.environ.get("MEGALOOM_TRACEBACK"):
             raise
-        print(f"megaloom: stopped: {e}", file=sys.stderr)
+        _say(args, f"stopped: {e}", "stopped")
         return 1
     except (ConfigError, ValueError, FileNotFoundError) as e:
         # User errors (bad settings, missing or corrupt data, unusable checkpoints): one clear line, exit 2.
         if os.environ.get("MEGALOOM_TRACEBACK"):
             raise
-        print(f"megaloom: error: {e}", file=sys.stderr)
+        _say(args, f"error: {e}", "error", status=2)
         return 2
     except OSError as e:
         # A full disk while writing metrics, config or heartbeat files: the cause in one line, not a traceback.
         if e.errno not in (errno.ENOSPC, errno.EDQUOT) or os.environ.get("MEGALOOM_TRACEBACK"):
             raise
-        print(f"megaloom: stopped: no space left on the device writing {e.filename or 'a file'} ({e.strerror}); "
-              "free space and start again (a run resumes from its newest checkpoint)", file=sys.stderr)
+        _say(args, f"stopped: no space left on the device writing {e.filename or 'a file'} ({e.strerror}); free "
+             "space and start again (a run resumes from its newest checkpoint)", "disk_full")
         return 1
     except RuntimeError as e:
-        # A rank died while the job was starting (before the training loop, which says it itself): one line.
+        # A rank died while the job was starting (before the training loop, which says it itself), or this rank's
+        # data-loader worker died (killed, out of memory): one line.
+        if os.environ.get("MEGALOOM_TRACEBACK"):
+            raise
         line = _peer_lost_line(args, e)
-        if line is None or os.environ.get("MEGALOOM_TRACEBACK"):
+        if line is None and not _loader_died(args, e):
             raise
         if line:
             print(f"megaloom: stopped: {line}", file=sys.stderr, flush=True)

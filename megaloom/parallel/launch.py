@@ -74,11 +74,15 @@ _EXITS_ENV = "MEGALOOM_WORKER_EXITS"  # file where torchrun_main writes how each
 def run_torchrun(cmd: list[str], run_dir: Path | None = None) -> int:
     """Run torchrun, passing it SIGTERM/SIGINT/SIGUSR1/SIGHUP sent to this launcher, and return the exit status.
 
-    Without a signal: torchrun's. After a signal: 0 (130 for SIGINT) when every rank stopped as asked (it saved
-    the step reached and exited 0, or 130 for Ctrl-C; rank 0 said where); otherwise 1, with one line naming the
-    ranks that did not and the newest checkpoint in ``run_dir``. torchrun runs in its own process group, so a
+    Without a signal: 0 when every rank finished; when a rank died or failed, 1 (2 when it stopped for a user
+    error) and one line naming the rank(s), the cause and the checkpoint the next run resumes from, in place of
+    torchrun's traceback (`_failure_line`). After a signal: 0 (130 for SIGINT) when every rank stopped as asked (it
+    saved the step reached and exited 0, or 130 for Ctrl-C; rank 0 said where); otherwise 1, with one line naming
+    the ranks that did not and the newest checkpoint in ``run_dir``. torchrun runs in its own process group, so a
     terminal's Ctrl-C reaches it once (through here), and it dies with this process (die_with_parent), taking
     its workers with it (each worker does the same: training/trainer startup)."""
+    from megaloom.resilience.last_words import LAUNCHER_ENV
+
     env = dict(os.environ)
     # torchrun's --signals-to-handle (PET_ environment form, which its launcher copies into the variable its
     # process context reads); the latter too for a torch whose torchrun reads it directly
@@ -87,6 +91,7 @@ def run_torchrun(cmd: list[str], run_dir: Path | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="megaloom-launch-") as tmp:
         exits_file = Path(tmp) / "exits.json"
         env[_EXITS_ENV] = str(exits_file)
+        env[LAUNCHER_ENV] = tmp  # the ranks of the last attempt hand their last line here (last_words.py)
         proc = subprocess.Popen(_dying_with_parent(cmd), env=env, process_group=0)
         received: list[int] = []
 
@@ -101,13 +106,21 @@ def run_torchrun(cmd: list[str], run_dir: Path | None = None) -> int:
         finally:
             for s, h in previous.items():
                 signal.signal(s, h)
-        if not received:
-            return rc
+        if not received and rc == 0:
+            return 0
         exits = _read_exits(exits_file)
+        if not received:
+            from megaloom.resilience.last_words import read
+
+            line, status = _failure_line(rc, exits, read(tmp), run_dir)
+            print(f"megaloom: stopped: {line}", file=sys.stderr, flush=True)
+            return status
     name = signal.Signals(received[0]).name
     if exits and all(code in STOPPED_CLEANLY for code in exits.values()):
         return 130 if received[0] == signal.SIGINT else 0
-    print(f"megaloom: stopped: {name} reached the job, but {_not_stopped(exits)}; {_last_checkpoint(run_dir)}",
+    from megaloom.resilience.last_words import last_checkpoint
+
+    print(f"megaloom: stopped: {name} reached the job, but {_not_stopped(exits)}; {last_checkpoint(run_dir)}",
           file=sys.stderr, flush=True)
     return 1
 
@@ -121,37 +134,66 @@ def _read_exits(path: Path) -> dict[int, int | None]:
         return {}
 
 
+def _how(code: int | None) -> str:
+    if code is None:
+        return "still running when torchrun gave up on it"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
+
+
 def _not_stopped(exits: dict[int, int | None]) -> str:
     if not exits:
         return "torchrun ended without saying how the ranks ended (no rank may have saved)"
-
-    def how(code: int | None) -> str:
-        if code is None:
-            return "still running when torchrun gave up on it"
-        if code < 0:
-            try:
-                return f"killed by {signal.Signals(-code).name}"
-            except ValueError:
-                return f"killed by signal {-code}"
-        return f"exit status {code}"
-
     bad = {r: c for r, c in sorted(exits.items()) if c not in STOPPED_CLEANLY}
-    return ("rank(s) " + ", ".join(f"{r} ({how(c)})" for r, c in bad.items())
+    return ("rank(s) " + ", ".join(f"{r} ({_how(c)})" for r, c in bad.items())
             + " did not stop after saving (their output above says why)")
 
 
-def _last_checkpoint(run_dir: Path | None) -> str:
-    """Where the next `megaloom train` resumes from (the newest checkpoint `latest` names)."""
-    if run_dir is None:
-        return "the next run resumes from the newest checkpoint that verifies"
-    root = Path(run_dir) / "checkpoints"
-    try:
-        name = (root / "latest").read_text().strip()
-    except OSError:
-        name = ""
-    if name.startswith("step_") and (root / name).is_dir():
-        return f"the last checkpoint is step {int(name[len('step_'):])} ({root / name}): `megaloom train` resumes there"
-    return "no checkpoint was written: `megaloom train` starts again from step 0"
+def _ranks(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _failure_line(rc: int, exits: dict[int, int | None], words: dict[int, dict],
+                  run_dir: Path | None) -> tuple[str, int]:
+    """(the job's one line after torchrun failed without a signal, the launcher's exit status) from how each rank
+    ended (``exits``: torchrun's statuses, written by torchrun_main) and what the ranks handed over (``words``:
+    resilience/last_words.py). The cause first: a rank that said why it stopped (its data-loader worker died, an
+    error), else the rank(s) a survivor saw die, else the ranks killed by a signal torchrun does not send, else any
+    that failed; then how they ended and the checkpoint the next run resumes from."""
+    from megaloom.resilience.last_words import last_checkpoint
+
+    own = {r: w for r, w in words.items() if w.get("kind") != "peer_lost"}
+    seen = [w for w in words.values() if w.get("kind") == "peer_lost" and w.get("dead")]
+    failed = {r: c for r, c in exits.items() if c != 0}
+    if own:
+        first = min(own)
+        w = own[first]
+        same = sorted(r for r, x in own.items() if x.get("line") == w.get("line") or
+                      (w.get("kind") == x.get("kind") == "loader" and w.get("step") == x.get("step")))
+        when = "" if w.get("step") is None else f" at step {w['step']}"
+        if w.get("kind") == "loader":
+            what = f"a data-loader worker of {_ranks(same)} died{when} ({w.get('cause')})"
+        else:
+            text = str(w.get("line", ""))
+            what = f"{_ranks(same)} stopped{when}: {text.split(': ', 1)[1] if ': ' in text else text}"
+        return f"{what}; {last_checkpoint(run_dir)}", 2 if w.get("kind") == "error" else 1
+    if seen:
+        dead = sorted({r for w in seen for r in w["dead"]})
+        step = seen[0].get("step")
+        when = "while the job was starting" if step is None else f"at step {step}"
+        how = ", ".join(_how(failed[r]) if len(dead) == 1 else f"rank {r} {_how(failed[r])}"
+                        for r in dead if r in failed)
+        return f"{_ranks(dead)} died {when}" + (f" ({how})" if how else "") + f"; {last_checkpoint(run_dir)}", 1
+    terminated = (-signal.SIGTERM, -signal.SIGINT)  # how torchrun stops the ranks that were still running
+    causes = sorted(r for r, c in failed.items() if c is not None and c not in terminated) or sorted(failed)
+    if causes:
+        how = ", ".join(f"rank {r} ({_how(failed[r])})" for r in causes)
+        return f"{how} ended the job (its output above says why); {last_checkpoint(run_dir)}", 1
+    return f"torchrun failed (exit status {rc}; its output above says why); {last_checkpoint(run_dir)}", 1
 
 
 def _dying_with_parent(cmd: list[str]) -> list[str]:
@@ -164,15 +206,22 @@ def _dying_with_parent(cmd: list[str]) -> list[str]:
 
 
 def torchrun_main() -> None:
-    """torchrun (arguments in sys.argv[1:]) that dies with its parent and, stopped by a signal it passed on to
-    the workers, writes how each one ended (for run_torchrun's exit status) and exits 128 + signal without a
-    traceback (the workers have said what they saved)."""
+    """torchrun (arguments in sys.argv[1:]) that dies with its parent and ends without a traceback: stopped by a
+    signal it passed on to the workers, it writes how each one ended (for run_torchrun's exit status) and exits
+    128 + signal (the workers have said what they saved); when a worker failed, it writes how each one ended and
+    exits 1 (run_torchrun says the job's one line). torchrun's log lines that this line replaces (the closing
+    SIGTERM to each worker, "failed (exitcode: -9) local_rank: 1 ...") are left out. MEGALOOM_TRACEBACK=1 keeps
+    torchrun's own output, traceback included."""
     import runpy
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     die_with_parent()
     workers = _track_worker_processes()
+    loud = bool(os.environ.get("MEGALOOM_TRACEBACK"))
+    if not loud:
+        _quiet_torchrun_logs()
     sys.argv[0] = "torchrun"
     try:
         runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)
@@ -181,6 +230,32 @@ def torchrun_main() -> None:
         if os.environ.get(_EXITS_ENV):
             _write_exits(Path(os.environ[_EXITS_ENV]), workers)
         sys.exit(128 + int(e.sigval))
+    except ChildFailedError as e:
+        if loud or not os.environ.get(_EXITS_ENV):
+            raise
+        exits = {str(rank): f.exitcode for rank, f in e.failures.items()}
+        try:
+            Path(os.environ[_EXITS_ENV]).write_text(json.dumps(exits))
+        except OSError:
+            pass
+        sys.exit(1)
+
+
+# What torchrun logs about its workers' ends that the launcher's one line says instead (matched in the message).
+_REPLACED_LOGS = ("Sending process %s closing signal", "failed (exitcode: %s)", "death signal, shutting down",
+                  "local_rank %s FAILED with no error file")
+
+
+def _quiet_torchrun_logs() -> None:
+    import logging
+
+    class Replaced(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return not any(m in str(record.msg) for m in _REPLACED_LOGS)
+
+    for name in ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api",
+                 "torch.distributed.elastic.multiprocessing.errors"):
+        logging.getLogger(name).addFilter(Replaced())
 
 
 def _track_worker_processes() -> list:

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from megaloom.errors import PeerLost as PeerLost
+from megaloom.resilience.last_words import last_checkpoint, restarts, say, to_launcher
 from megaloom.resilience.suspects import node_name
 
 # What a collective on a dead peer raises (gloo's TCP transport, NCCL, the TCPStore), matched in the message.
@@ -72,21 +73,22 @@ def dead_ranks(run_dir: str | Path, world: int) -> tuple[list[int], bool]:
     return dead, unchecked
 
 
-def restart_note() -> str:
-    """What happens next: torchrun's restart (its environment says how many are left), or a resume by hand."""
-    total = os.environ.get("TORCHELASTIC_MAX_RESTARTS")
-    done = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    if total is not None and done < int(total):
-        return (f"torchrun restarts the job (restart {done + 1} of {total}), which resumes from the newest "
+def restart_note(run_dir: str | Path | None = None) -> str:
+    """What happens next: torchrun's restart (its environment says how many are left), or a resume by hand from
+    the checkpoint in ``run_dir`` it names."""
+    r = restarts()
+    if r is not None and r[0] < r[1]:
+        return (f"torchrun restarts the job (restart {r[0] + 1} of {r[1]}), which resumes from the newest "
                 "checkpoint")
-    if total is not None:
-        return (f"no restart left (--max-restarts {total}): `megaloom train` resumes from the newest checkpoint")
-    return "start the job again: it resumes from the newest checkpoint"
+    if r is not None:
+        return f"no restart left (--max-restarts {r[1]}); {last_checkpoint(run_dir)}"
+    return f"start the job again; {last_checkpoint(run_dir)}"
 
 
 def describe(error_pattern: str, rank: int, world: int, step: int | None, run_dir: str | Path,
              settle_s: float = 2.0) -> str:
-    """The one line for the job, or "" when a lower rank still alive will say it. ``step``: the last step this
+    """The one line for the job, or "" when a lower rank still alive will say it, or when this rank handed it to
+    the launcher of `megaloom train --nproc N`, which says it (resilience/last_words.py). ``step``: the last step this
     rank finished (None: while the job was starting). A dying process closes its sockets before it is a zombie, so
     the connection may be lost a moment before the death shows: up to ``settle_s`` is given to it."""
     deadline = time.monotonic() + settle_s
@@ -105,4 +107,9 @@ def describe(error_pattern: str, rank: int, world: int, step: int | None, run_di
     else:
         who = "another rank left the job"
     when = "while the job was starting" if step is None else f"at step {step + 1}"
-    return f"{who} {when} (rank {rank} lost its connection to it: {error_pattern}); {restart_note()}"
+    line = f"{who} {when} (rank {rank} lost its connection to it: {error_pattern}); {restart_note(run_dir)}"
+    if to_launcher() is not None:  # `megaloom train --nproc N` says the job's one line (resilience/last_words.py)
+        say(f"stopped: {line}", kind="peer_lost", dead=dead, step=None if step is None else step + 1,
+            seen_by=rank, pattern=error_pattern)
+        return ""
+    return line

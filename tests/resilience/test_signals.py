@@ -41,8 +41,16 @@ def test_a_signal_saves_the_step_reached_and_resume_is_bit_equal(small_corpus, t
 
 def test_save_on_signal_false_leaves_the_signal_alone(small_corpus, tmp_path, monkeypatch):
     monkeypatch.setenv("MEGALOOM_FAULT", "signal:step=3:sig=2")
-    with pytest.raises(KeyboardInterrupt):  # Ctrl-C as without megaloom: no save, no stop request
-        train(load_config(None, tiny_overrides(small_corpus, tmp_path / "r", *BASE, "resilience.save_on_signal=false")))
+    # Python's own Ctrl-C handler, whatever this process inherited: a shell starts a background job (`pytest &`,
+    # nohup) with SIGINT ignored, and an ignored signal would not reach the run at all.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):  # Ctrl-C as without megaloom: no save, no stop request
+            train(load_config(None, tiny_overrides(small_corpus, tmp_path / "r", *BASE,
+                                                   "resilience.save_on_signal=false")))
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # left alone, as it was found
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert not (tmp_path / "r" / "checkpoints" / "latest").exists()
 
 
