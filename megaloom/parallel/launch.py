@@ -280,3 +280,17 @@ def _write_exits(path: Path, workers: list) -> None:
         path.write_text(json.dumps({str(rank): h.proc.poll() for rank, h in handlers.items()}))
     except OSError:
         pass  # the launcher then reports that it could not learn how the ranks ended
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m megaloom.parallel.launch TORCHRUN_ARGS``: torchrun as `megaloom train --nproc N` runs it, for a
+    job that torchrun itself must start (several nodes, other rendezvous): the same arguments, the same workers, but
+    the exit statuses and the one line of run_torchrun. After SIGTERM/SIGUSR1 it exits 0 when every rank saved and
+    stopped (a plain torchrun exits 1 with a SignalException traceback: docs/resilience.md); when a rank dies, one
+    line instead of torchrun's ChildFailedError traceback."""
+    args = sys.argv[1:] if argv is None else argv
+    return run_torchrun([sys.executable, "-m", "torch.distributed.run", *args])
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
