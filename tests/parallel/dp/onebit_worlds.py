@@ -60,6 +60,51 @@ def _one_bit(x: torch.Tensor, segments: list[tuple[int, int]], base: int = 0) ->
     return out
 
 
+class SignTally:
+    """Where the simulation's sign decisions stand against the ranks' (`Simulation.step` given their bits).
+
+    The two compute every value from the same inputs (each step starts from the ranks' state) but in their own
+    order of float32 operations, so a value may differ from the ranks' by its rounding: ``bound``, at most
+    ROUNDINGS roundings of the magnitudes it is made of (each rounding moves a result by at most eps32 / 2 of
+    its magnitude), plus, for the server, what the workers' scales may differ by. Within the bound the sign is
+    the arithmetic's, not the algorithm's: the simulation takes the ranks' (``near``; ``flips``: where they
+    differ); beyond it the signs must agree (``mismatches``: a defect)."""
+
+    def __init__(self) -> None:
+        self.decisions = self.near = self.flips = self.mismatches = 0
+
+    def decide(self, x: torch.Tensor, real: torch.Tensor | None, bound: torch.Tensor | None) -> torch.Tensor:
+        own = x >= 0
+        if real is None:
+            return own
+        close = x.abs() <= bound  # (zero with a zero bound: padding, an element without gradient)
+        self.decisions += x.numel()
+        self.near += int((close & (bound > 0)).sum())
+        self.flips += int((close & (own != real)).sum())
+        self.mismatches += int((~close & (own != real)).sum())
+        return torch.where(close, real, own)
+
+
+EPS32 = torch.finfo(torch.float32).eps  # 2 u: one rounding moves a result by at most EPS32 / 2 of its magnitude
+ROUNDINGS = 16  # generous: a worker's value takes ~8 roundings (D's four, the momentum's three, the error's one)
+
+
+def _one_bit_against(x: torch.Tensor, segments: list[tuple[int, int]], base: int, real: torch.Tensor | None,
+                     bound: torch.Tensor | None, tally: SignTally) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_one_bit` with the signs decided by ``tally`` against the ranks' ``real`` ones; also returns, per
+    element, how far the ranks' scale of its segment may be from this one: the rounding of a sum of L squares
+    in any order (at most (L - 1) u relative; the square root halves it, the division adds u) and the segment's
+    values' own bound (the norm moves by at most the largest)."""
+    out, scale_err = torch.empty_like(x), torch.empty_like(x)
+    for a, b in segments:
+        seg = slice(a - base, b - base)
+        s = x[seg].norm() / math.sqrt(b - a)
+        sign = tally.decide(x[seg], None if real is None else real[seg], None if bound is None else bound[seg])
+        out[seg] = torch.where(sign, s, -s)
+        scale_err[seg] = s * (b - a + 2) * EPS32 + (0.0 if bound is None else bound[seg].max())
+    return out, scale_err
+
+
 class Simulation:
     """``workers`` data-parallel replicas of one model, simulated in this process (tensor parallelism, if any, is
     real: ``mesh`` is a tp-only mesh)."""
@@ -84,6 +129,41 @@ class Simulation:
         self.worker_err = [[torch.zeros(b[2]) for b in self.buckets] for _ in range(workers)]
         self.server_err = [torch.zeros(b[2]) for b in self.buckets]  # every server's chunk, side by side
         self.t = 0
+        self.tally = SignTally()
+
+    def flat(self, values: dict) -> list[torch.Tensor]:
+        """Per-parameter tensors laid out as the buckets (padding zero)."""
+        out = []
+        for ps, offs, padded, _ in self.buckets:
+            flat = torch.zeros(padded)
+            for p, o in zip(ps, offs, strict=True):
+                flat[o:o + p.numel()] = values[p].reshape(-1)
+            out.append(flat)
+        return out
+
+    @torch.no_grad()
+    def load(self, model, opt: OnebitOptimizer, group) -> None:
+        """Take the ranks' state (between two steps): weights, momentum, variances, LAMB's averaged trust ratios
+        and last factors, and the errors of the exchange (every worker's, every server's chunk: gathered over
+        the data-parallel ``group``), so the next step starts where the ranks' does."""
+        mine = dict(model.named_parameters())
+        for name, p in self.model.named_parameters():
+            q = mine[name]
+            st = opt.state[q]
+            p.copy_(q)
+            self.m[p], self.v[p] = st["exp_avg"].clone(), st["exp_avg_sq"].clone()
+            if self.kind == "onebit_lamb":
+                self.fresh[p] = st["exp_avg_sq_fresh"].clone()
+                self.coeff[p] = [st["lamb_coeff"].item(), st["lamb_coeff_weight"].item()]
+                self.last[p] = st["last_factor"].item()
+        self.t = opt.steps
+        for k, ex in enumerate(opt.exchanges):
+            workers = torch.empty(self.n * ex.plan.numel)
+            comm.all_gather_into(workers, ex.worker_error, group)
+            workers = workers.view(self.n, -1)
+            for w in range(self.n):
+                self.worker_err[w][k] = workers[w].clone()
+            comm.all_gather_into(self.server_err[k], ex.server_error, group)
 
     def local_grads(self, rows: torch.Tensor, micro: int) -> tuple[list[torch.Tensor], float]:
         n_micro = rows.shape[0] // micro
@@ -109,7 +189,10 @@ class Simulation:
         """The whole gradient's norm (tp-sharded pieces counted once: tensor parallelism is only run unclipped)."""
         return torch.cat(flats).norm()
 
-    def step(self, batch: torch.Tensor, micro: int) -> float:
+    def step(self, batch: torch.Tensor, micro: int, real: tuple | None = None) -> float:
+        """One step of every worker. ``real``: the ranks' sign bits of this step, (per worker, per bucket: the
+        worker's; per bucket: the servers'), taken where a value is within its rounding bound of zero
+        (`SignTally`)."""
         local = batch.shape[0] // self.n
         per_worker = [self.local_grads(batch[w * local:(w + 1) * local], micro) for w in range(self.n)]
         grads = [g for g, _ in per_worker]
@@ -142,20 +225,28 @@ class Simulation:
                 m[o:o + p.numel()] = self.m[p].reshape(-1)
                 v[o:o + p.numel()] = self.v[p].reshape(-1)
             d = 1 / ((v / (1 - b2 ** WARMUP)).sqrt() + eps)  # the frozen preconditioner: exchanged is d x
-            sent = []
+            sent, scale_err = [], []
+            lim = BOUND * (1 - b1 ** self.t)
             for w in range(self.n):
-                lim = BOUND * (1 - b1 ** self.t)
-                x = ((grads[w][k] * (1 - b1) + b1 * m) * d).clamp(-lim, lim) + self.worker_err[w][k]
-                c = _one_bit(x, segs)
+                e = self.worker_err[w][k]
+                x = ((grads[w][k] * (1 - b1) + b1 * m) * d).clamp(-lim, lim) + e
+                # the magnitudes x is made of (clamped: a value beyond the limit on both sides is the limit)
+                size = ((grads[w][k].abs() * (1 - b1) + b1 * m.abs()) * d).clamp(max=lim) + e.abs()
+                c, err = _one_bit_against(x, segs, 0, None if real is None else real[0][w][k],
+                                          ROUNDINGS * EPS32 / 2 * size, self.tally)
                 self.worker_err[w][k] = x - c
                 sent.append(c)
+                scale_err.append(err)
             chunk = padded // self.n
             out = torch.empty(padded)
             for r in range(self.n):
                 lo, hi = r * chunk, (r + 1) * chunk
                 y = sum(c[lo:hi] for c in sent) / self.n + self.server_err[k][lo:hi]
+                size = sum(c[lo:hi].abs() for c in sent) / self.n + self.server_err[k][lo:hi].abs()
+                bound = ROUNDINGS * EPS32 / 2 * size + sum(e[lo:hi] for e in scale_err) / self.n
                 mine = [(a, b) for a, b in segs if lo <= a < hi]
-                out[lo:hi] = _one_bit(y, mine, base=lo)
+                out[lo:hi], _ = _one_bit_against(y, mine, lo, None if real is None else real[1][k][lo:hi], bound,
+                                                 self.tally)
                 self.server_err[k][lo:hi] = y - out[lo:hi]
             out = out / d
             for p, o in zip(ps, offs, strict=True):
@@ -240,9 +331,42 @@ class DpLog(comm.OpRecorder):
             self.ops.append((self.step, name))
 
 
+class SignBits:
+    """The ranks' sign bits of one compressed step, gathered over the data-parallel group: every worker's (each
+    exchange's compensated input, recorded as `CompressedAverage.start` leaves it) and every server's (the sign of
+    the momentum the exchange produced: m = out / D with D > 0)."""
+
+    def __init__(self, opt: OnebitOptimizer) -> None:
+        self.opt = opt
+        self.worker: list[torch.Tensor | None] = [None] * len(opt.exchanges)
+        for k, ex in enumerate(opt.exchanges):
+            def start(x: torch.Tensor, _start=ex.start, _k=k) -> None:
+                _start(x)
+                self.worker[_k] = (x >= 0).to(torch.uint8)
+            ex.start = start
+
+    def gather(self, group, n: int) -> tuple[list[list[torch.Tensor]], list[torch.Tensor]]:
+        workers = [[None] * len(self.worker) for _ in range(n)]
+        for k, bits in enumerate(self.worker):
+            every = torch.empty(n * bits.numel(), dtype=torch.uint8)
+            comm.all_gather_into(every, bits, group)
+            every = every.view(n, -1)
+            for w in range(n):
+                workers[w][k] = every[w].bool()
+        return workers, [m >= 0 for m in self.opt.m]
+
+
 def onebit_case(mesh: Mesh, kind: str, clip: float = math.inf, sp: bool = False, bf16: bool = False) -> dict:
     """10 steps at this layout against the simulation of ``mesh.dp`` workers (tp, if any, real in both);
-    ``bf16``: both under bf16 autocast, as `train.precision=bf16` runs the model (fp32 weights and gradients)."""
+    ``bf16``: both under bf16 autocast, as `train.precision=bf16` runs the model (fp32 weights and gradients).
+
+    The warm-up steps run side by side from the same weights. Each compressed step the simulation starts from the
+    ranks' state (`Simulation.load`) and its result is compared with theirs: a 1-bit sign is a discontinuous
+    function of its value, so once one element's sign went the other way for a rounding (the ranks all-reduce in
+    gloo's order, the simulation in its own), its error feedback, weight and every later gradient would differ,
+    and two free runs part by more than any tolerance (seen: 72 elements, up to 5e-3 apart after 6 steps). Step by
+    step, the values differ by their rounding alone, and a sign may differ only where the value is within its
+    rounding bound of zero (`SignTally`)."""
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
     base = base_model("llama", mesh)
     micro = GLOBAL_BATCH // mesh.dp // 2
@@ -250,32 +374,48 @@ def onebit_case(mesh: Mesh, kind: str, clip: float = math.inf, sp: bool = False,
     tp_only = dataclasses.replace(mesh, dp=1, dp_rank=0, dp_group=None, dp_cp_group=None, edp_group=None,
                                   recorder=comm.NullRecorder())
     sim = Simulation(base, tp_only, mesh.dp, kind, clip, sp)
-    with autocast:
-        ref = [sim.step(b, micro) for b in batches]
     model, grads, opt = build_onebit(base, mesh, kind, sp)
+    bits = SignBits(opt)
     log = DpLog(mesh.dp_cp_group)
-    mesh.recorder = log
-    losses, state_bytes = [], 0
-    try:
-        for step, batch in enumerate(batches):
-            log.step = step
+    sim_params = dict(sim.model.named_parameters())
+    losses, ref, state_bytes, param_err, momentum_err, error_err = [], [], 0, 0.0, 0.0, 0.0
+    for step, batch in enumerate(batches):
+        compressing = step >= WARMUP
+        if compressing:
+            sim.load(model, opt, mesh.dp_cp_group)
+        log.step = step
+        mesh.recorder = log
+        try:
             with autocast:
                 losses += run_steps(model, grads, opt, mesh, [batch], micro, clip, None)[0]
-            state_bytes = max(state_bytes, opt.state_bytes())  # the peak: the variance window's sums included
-    finally:
-        mesh.recorder = comm.NullRecorder()
-    sim_params = dict(sim.model.named_parameters())
-    diff = torch.cat([(p - sim_params[n]).detach().abs().reshape(-1) for n, p in model.named_parameters()])
-    # Ties: where every worker's element is clipped to the same +-bound (onebit.step_bound; LAMB's eps 1e-6 lets a
-    # quiet element's D reach 1e6), a server's average of 2 + and 2 - signs is the difference of the segments'
-    # scales, ~0, and its sign follows their last bits, which the two float paths round differently: such an
-    # element then steps the other way (3 of 10,000 in the LAMB case). Counted apart from the error of the rest.
-    ties = int((diff > 1e-5).sum())
-    err = diff.sort().values[-ties - 1].item() if ties < diff.numel() else math.inf
+        finally:
+            mesh.recorder = comm.NullRecorder()
+        state_bytes = max(state_bytes, opt.state_bytes())  # the peak: the variance window's sums included
+        real = bits.gather(mesh.dp_cp_group, mesh.dp) if compressing else None
+        with autocast:
+            ref.append(sim.step(batch, micro, real))
+        with torch.no_grad():
+            param_err = max(param_err, max((p - sim_params[n]).abs().max().item()
+                                           for n, p in model.named_parameters()))
+            if compressing:  # the momentum (relative to its bucket's largest) and this rank's errors
+                w = mesh.dp_rank
+                for k, (m, want) in enumerate(zip(opt.m, sim.flat(sim.m), strict=True)):
+                    momentum_err = max(momentum_err, ((m - want).abs().max() / want.abs().max()).item())
+                    ex = opt.exchanges[k]
+                    chunk = ex.plan.chunk
+                    for got, exp in ((ex.worker_error, sim.worker_err[w][k]),
+                                     (ex.server_error, sim.server_err[k][w * chunk:(w + 1) * chunk])):
+                        error_err = max(error_err, ((got - exp).abs().max() / exp.abs().max()).item())
     # the replicas hold the same weights: this rank's parameters against the other dp ranks'
     mine = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     other = comm.all_reduce(mine.clone(), mesh.dp_cp_group, op="max")
-    return dict(loss=losses, ref_loss=ref, param_err=err, ties=ties, tie_err=diff.max().item(), numel=diff.numel(),
+    t = sim.tally
+    # what one step's rounding may move the momentum and the errors by, relative to their largest: the scales'
+    # (the longest segment's sum of squares) and the values' own bound
+    longest = max(b - a for _, _, _, segs in sim.buckets for a, b in segs)
+    return dict(loss=losses, ref_loss=ref, param_err=param_err, momentum_err=momentum_err, error_err=error_err,
+                rounding=(longest + 2 + ROUNDINGS) * EPS32,
+                decisions=t.decisions, near=t.near, flips=t.flips, mismatches=t.mismatches, numel=mine.numel(),
                 replica_err=(other - mine).abs().max().item(),
                 ops=log.ops, warmup=WARMUP, n_buckets=len(grads.buckets), state_bytes=state_bytes,
                 tp=mesh.tp, world=mesh.world_size,
