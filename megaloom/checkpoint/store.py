@@ -121,16 +121,40 @@ def _os_errors(e: BaseException | None, seen: set[int] | None = None):
 FULL_BELOW_BYTES = 64 << 20  # less free than this after a failed write: the disk is full
 
 
+def _size(n: float) -> str:
+    """Bytes in the largest binary unit that leaves a number >= 1 ("512 B", "3.4 KiB", "20.0 MiB", "1.8 TiB")."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def _existing(path: Path) -> Path:
+    """``path`` or its nearest existing parent (a save's directory may be gone, or not made yet)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def free_space(where: Path) -> tuple[str, bool]:
+    """The free space of the filesystem holding ``where`` (or its nearest existing parent), in words, and whether
+    it counts as full (less than FULL_BELOW_BYTES free)."""
+    try:
+        usage = shutil.disk_usage(_existing(where))
+    except OSError:
+        return "free space unknown", False
+    return f"{_size(usage.free)} free of {_size(usage.total)}", usage.free < FULL_BELOW_BYTES
+
+
 def save_failure_reason(e: BaseException, ckpt_root: Path) -> str:
     """Why a save failed, in words, measured at the failure (before its partial files are removed). torch's
-    writer reports a full disk as "unexpected pos N vs M" and loses the errno: the free space tells."""
+    writer reports a full disk as "unexpected pos N vs M" and loses the errno: the free space tells. The space is
+    that of the file the error names (what was being written), else of ``ckpt_root``."""
     os_error = next(_os_errors(e), None)
-    try:
-        usage = shutil.disk_usage(ckpt_root)
-        free = f"{usage.free / 2**20:.1f} MiB free of {usage.total / 2**30:.1f} GiB"
-        full = usage.free < FULL_BELOW_BYTES
-    except OSError:
-        free, full = "free space unknown", False
+    written = getattr(os_error, "filename", None)
+    free, full = free_space(Path(written) if isinstance(written, (str, os.PathLike)) else ckpt_root)
     if os_error is not None and os_error.errno in (errno.ENOSPC, errno.EDQUOT):
         return f"no space left on the device ({os.strerror(os_error.errno)}; {free})"
     inner = os_error or _dcp_failure(e)

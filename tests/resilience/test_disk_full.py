@@ -69,6 +69,31 @@ def test_torch_writer_errors_on_a_full_disk_name_the_real_cause(tmp_path, monkey
     assert "No space left on device" in store.save_failure_reason(e, tmp_path)
 
 
+def test_the_full_disk_line_gives_the_real_figures_of_the_filesystem_written(tmp_path, monkeypatch):
+    """The free space and size are those of the filesystem holding the file the error names (its nearest
+    existing parent: the partial directory may be gone), in units that show them: a full 20 MiB tmpfs read
+    "0.0 MiB free of 0.0 GiB" (issue 46)."""
+    import shutil
+
+    gone = tmp_path / "ckpt" / ".tmp-step_00000006" / "__0_0.distcp"  # never made
+    e = OSError(errno.ENOSPC, "No space left on device", str(gone))
+    usage = shutil.disk_usage(tmp_path)
+    reason = store.save_failure_reason(e, tmp_path / "elsewhere")
+    assert f"free of {store._size(usage.total)})" in reason and "unknown" not in reason, reason
+    assert store._size(usage.total) != "0.0 GiB"
+
+    seen = []
+
+    def small(path):
+        seen.append(path)
+        return type("U", (), {"free": 4096, "total": 20 * 2**20})()
+    monkeypatch.setattr(store.shutil, "disk_usage", small)
+    reason = store.save_failure_reason(e, tmp_path / "elsewhere")
+    assert reason == "no space left on the device (No space left on device; 4.0 KiB free of 20.0 MiB)", reason
+    assert seen == [tmp_path]  # the nearest existing parent of the file written, not the checkpoint root
+    assert [store._size(n) for n in (0, 1023, 1024, 1536 * 2**20, 3 * 2**40)] == [
+        "0 B", "1023 B", "1.0 KiB", "1.5 GiB", "3.0 TiB"]
+
 def _failing_heartbeats(monkeypatch):
     real = pathlib.Path.write_text
 
