@@ -297,7 +297,7 @@ def _add_preprocess(sub: argparse._SubParsersAction) -> None:
 def _add_text_column(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text-column", "--json-key", dest="json_key", default="text",
                    help="the JSONL field / Parquet or datasets column holding the text (default: text)")
-    p.add_argument("--split", default="train", help="the split of a saved DatasetDict (default: train)")
+    p.add_argument("--split", default=None, help="the split of a saved DatasetDict (needed where it has several)")
 
 
 def _add_tokenizer(sub: argparse._SubParsersAction) -> None:

@@ -63,11 +63,12 @@ def _read_jsonl(path: Path, json_key: str) -> Iterator[str]:
             yield text
 
 
-def iter_documents(inputs: list[str], json_key: str = "text", split: str = "train") -> Iterator[str]:
+def iter_documents(inputs: list[str], json_key: str = "text", split: str | None = None) -> Iterator[str]:
     """The non-empty documents of ``inputs`` (files or folders) in a deterministic order.
 
     JSON-lines files give one document per line, Parquet files and datasets on disk one per row (``json_key``: the
-    field or column holding the text; ``split``: a DatasetDict's split); any other file is one document.
+    field or column holding the text; ``split``: a DatasetDict's split, needed where it has several); any other
+    file is one document.
     Undecodable bytes become U+FFFD rather than aborting a long run over one odd file. The inputs are listed, and
     the Parquet / datasets ones opened and their column checked, before the first document is returned.
     """
@@ -78,7 +79,7 @@ def iter_documents(inputs: list[str], json_key: str = "text", split: str = "trai
     return _documents(files, json_key, split)
 
 
-def _documents(files: list[Path], json_key: str, split: str) -> Iterator[str]:
+def _documents(files: list[Path], json_key: str, split: str | None) -> Iterator[str]:
     for path in files:
         if is_tabular(path):
             texts: Iterable[str] = iter_rows(path, json_key, split)
@@ -167,10 +168,10 @@ def _encode_parallel(chunks: Iterator[list[str]], tokenizer_path: str,
 
 
 def preprocess(inputs: list[str], tokenizer_path: str | Path, out_prefix: str | Path, workers: int = 2,
-               json_key: str = "text", show_progress: bool = True, split: str = "train") -> IndexStats:
+               json_key: str = "text", show_progress: bool = True, split: str | None = None) -> IndexStats:
     """Tokenize every document of ``inputs`` (EOD appended) into ``out_prefix.bin``/``.idx``, and record the
     tokenizer in ``out_prefix.tokenizer.json`` (data/provenance.py). ``json_key``: the JSONL field / Parquet or
-    datasets column holding the text; ``split``: the split of a saved DatasetDict."""
+    datasets column holding the text; ``split``: the split of a saved DatasetDict (needed where it has several)."""
     tokenizer_path = str(tokenizer_path)
     tok = Tokenizer.from_file(tokenizer_path)
     tok.eod_id  # noqa: B018 -- fail now, not inside a worker, if the tokenizer has no EOD token

@@ -4,7 +4,8 @@ datasets on local disk, one document per row, the text in a named column (``--te
 - ``*.parquet`` (pyarrow): read a batch of rows at a time, only the text column (memory stays flat on files larger
   than RAM); row groups in file order.
 - a folder written by ``datasets``' ``save_to_disk`` (``state.json`` + ``dataset_info.json``, or a DatasetDict's
-  ``dataset_dict.json``: ``--split`` names the split) or a datasets ``*.arrow`` file (``Dataset.from_file``), both
+  ``dataset_dict.json``: ``--split`` names the split; without it, a dict of one split is read and one of several is
+  refused, naming them) or a datasets ``*.arrow`` file (``Dataset.from_file``), both
   memory-mapped by ``datasets``.
 
 pyarrow and datasets are optional (``pip install 'megaloom[parquet]'`` / ``'megaloom[hf]'``), imported only when
@@ -16,6 +17,7 @@ documents; any other non-text value is refused, naming the row.
 from __future__ import annotations
 
 import importlib
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,7 +48,35 @@ def _need(module: str, path: Path):
                         f"'megaloom[{EXTRAS[package]}]' (or pip install {package})") from None
 
 
-def _open_hf(path: Path, split: str):
+def saved_splits(path: Path) -> list[str] | None:
+    """The splits a saved DatasetDict's ``dataset_dict.json`` lists (None: not a DatasetDict folder, or a file
+    that does not say)."""
+    try:
+        splits = json.loads((path / "dataset_dict.json").read_text()).get("splits")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return [str(s) for s in splits] if isinstance(splits, list) else None
+
+
+def choose_split(path: Path, split: str | None) -> str | None:
+    """The split to read of a saved DatasetDict: ``split`` if it has it; without one, its only split; anything else
+    is one DataError line naming its splits and how to choose (read before ``datasets`` is imported)."""
+    splits = saved_splits(path) if path.is_dir() else None
+    if splits is None:
+        return split
+    if split is None and len(splits) == 1:
+        return splits[0]
+    if split is None:
+        raise DataError(f"{path} is a DatasetDict of {len(splits)} splits ({', '.join(sorted(splits))}): choose the "
+                        f"one to read with --split, e.g. --split {sorted(splits)[0]}")
+    if split not in splits:
+        raise DataError(f"{path} is a DatasetDict without a {split!r} split (it has {sorted(splits)}); choose one "
+                        "with --split")
+    return split
+
+
+def _open_hf(path: Path, split: str | None):
+    split = choose_split(path, split)
     datasets = _need("datasets", path)
     if not path.is_dir():
         try:
@@ -56,6 +86,11 @@ def _open_hf(path: Path, split: str):
                             "written by save_to_disk or the dataset's .parquet files") from None
     data = datasets.load_from_disk(str(path))
     if isinstance(data, datasets.DatasetDict):
+        if split is None and len(data) == 1:
+            split = next(iter(data))
+        if split is None:
+            raise DataError(f"{path} is a DatasetDict of {len(data)} splits ({', '.join(sorted(data))}): choose the "
+                            f"one to read with --split, e.g. --split {sorted(data)[0]}")
         if split not in data:
             raise DataError(f"{path} is a DatasetDict without a {split!r} split (it has {sorted(data)}); choose one "
                             "with --split")
@@ -63,7 +98,7 @@ def _open_hf(path: Path, split: str):
     return data
 
 
-def _columns(path: Path, split: str) -> list[str]:
+def _columns(path: Path, split: str | None) -> list[str]:
     if path.suffix in PARQUET_SUFFIXES:
         pq = _need("pyarrow.parquet", path)
         try:
@@ -73,7 +108,7 @@ def _columns(path: Path, split: str) -> list[str]:
     return list(_open_hf(path, split).column_names)
 
 
-def check_source(path: Path, column: str, split: str) -> None:
+def check_source(path: Path, column: str, split: str | None) -> None:
     """Open ``path`` far enough to know it can be read and has ``column``; raise the one-line DataError if not."""
     names = _columns(path, split)
     if column not in names:
@@ -88,7 +123,7 @@ def _text(value, path: Path, row: int, column: str) -> str | None:
                     "--text-column to a column of strings")
 
 
-def iter_rows(path: Path, column: str, split: str = "train") -> Iterator[str]:
+def iter_rows(path: Path, column: str, split: str | None = None) -> Iterator[str]:
     """The non-null texts of ``column``, row by row."""
     if path.suffix in PARQUET_SUFFIXES:
         pq = _need("pyarrow.parquet", path)

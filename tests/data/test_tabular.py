@@ -79,6 +79,42 @@ def test_a_missing_optional_package_is_one_line_naming_the_extra(tmp_path: Path,
         iter_documents([str(saved)])
 
 
+def test_a_dataset_dict_without_a_split_is_refused_naming_its_splits(tmp_path: Path, monkeypatch) -> None:
+    """Several splits and no --split: one line naming them and the flag, before datasets is imported (issue 46:
+    the 'train' default read one silently); one split alone is read; a split it lacks is refused. Built by hand:
+    the folder save_to_disk writes for a DatasetDict, its dataset_dict.json listing the splits."""
+    import json
+
+    imported = []
+
+    def no_module(name: str):
+        imported.append(name)
+        raise ImportError(f"No module named {name!r}")
+    monkeypatch.setattr(tabular.importlib, "import_module", no_module)
+    both = tmp_path / "dict"
+    for name in ("train", "test"):
+        (both / name).mkdir(parents=True)
+        (both / name / "state.json").write_text("{}")
+        (both / name / "dataset_info.json").write_text("{}")
+    (both / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "test"]}))
+    with pytest.raises(DataError) as e:
+        iter_documents([str(both)], "body")
+    line = str(e.value)
+    assert "\n" not in line and "2 splits (test, train)" in line and "--split test" in line, line
+    assert not imported
+    with pytest.raises(DataError, match=r"without a 'validation' split \(it has \['test', 'train'\]\); .*--split"):
+        iter_documents([str(both)], "body", split="validation")
+    assert tabular.choose_split(both, "test") == "test"
+    parser = argparse.ArgumentParser()  # the CLI passes no split unless given
+    _add_preprocess(parser.add_subparsers(dest="command", required=True))
+    assert parser.parse_args(["preprocess", str(both), "--tokenizer", "t", "--out", "o"]).split is None
+    one = tmp_path / "one"
+    (one / "train").mkdir(parents=True)
+    (one / "dataset_dict.json").write_text(json.dumps({"splits": ["train"]}))
+    assert tabular.choose_split(one, None) == "train"
+    with pytest.raises(DataError, match=r"needs the optional package datasets"):  # then datasets reads it
+        iter_documents([str(one)], "body")
+
 def test_hf_datasets_saved_to_disk(tmp_path: Path, tokenizer_path: Path) -> None:
     datasets = pytest.importorskip("datasets")
     single = tmp_path / "single"
