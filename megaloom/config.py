@@ -897,9 +897,12 @@ def _check_mla(m: ModelConfig, traits) -> None:
              f"model.n_kv_heads={m.n_kv_heads} with model.attention=mla: every head reads keys and values from the "
              "one shared latent, so there are no key/value head groups; set model.n_kv_heads=0.")
     _require(m.rope_mscale_all_dim >= 0, f"model.rope_mscale_all_dim must be >= 0, got {m.rope_mscale_all_dim}.")
-    _require(not m.head_dim, f"model.head_dim={m.head_dim} with model.attention=mla: latent attention's heads are "
-                             "model.qk_nope_head_dim + model.qk_rope_head_dim wide (queries, keys) and "
-                             "model.v_head_dim (values); set model.head_dim=0.")
+    # d_model / n_heads is what 0 means (and what config.yaml of megaloom before issue 49 carried under MLA): the
+    # same as 0, read back; any other width is a mistake.
+    _require(not m.head_dim or m.head_dim * m.n_heads == m.d_model,
+             f"model.head_dim={m.head_dim} with model.attention=mla: latent attention's heads are "
+             "model.qk_nope_head_dim + model.qk_rope_head_dim wide (queries, keys) and "
+             "model.v_head_dim (values); set model.head_dim=0.")
 
 
 def _check_expert_groups(m: ModelConfig) -> None:

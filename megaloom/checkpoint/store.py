@@ -421,12 +421,27 @@ def check_compatible(saved: dict, current: dict, adapters: bool = True) -> None:
     if not current.get("moe_every") and not saved.get("moe_every"):  # expert shapes matter only with experts
         keys = [k for k in keys if k not in ("n_experts", "n_shared_experts", "expert_ffn_dim")]
     diff = [f"model.{k}: checkpoint {saved.get(k)!r} vs config {current.get(k)!r}"
-            for k in keys if k in saved and saved.get(k) != current.get(k)]
+            for k in keys if k in saved and _effective(saved, k) != _effective(current, k)]
     if diff:
         raise CheckpointError("checkpoint is incompatible with this model: " + "; ".join(diff) +
                               ". Use the checkpoint's model settings, or checkpoint.resume=none to start fresh.")
     if adapters:
         _check_adapters(saved, current)
+
+
+def _effective(model_cfg: dict, key: str) -> object:
+    """What a model key means for the weights' shape: model.head_dim and n_kv_heads at 0 ("auto") are their
+    resolved values (a converted checkpoint saves 0, a trained one the resolved size), and under latent attention
+    (model.attention=mla) neither sizes anything (its heads are qk_nope/qk_rope/v_head_dim wide)."""
+    value = model_cfg.get(key)
+    if key not in ("head_dim", "n_kv_heads"):
+        return value
+    if model_cfg.get("attention") == "mla":
+        return None
+    heads, d = model_cfg.get("n_heads") or 0, model_cfg.get("d_model") or 0
+    if key == "head_dim":
+        return value or (d // heads if heads else value)
+    return value or heads
 
 
 def _check_adapters(saved: dict, current: dict) -> None:

@@ -5,7 +5,10 @@ Two runs on one run.dir interleave metrics.jsonl and remove or overwrite each ot
 SIGKILL), so a restarted job (torchrun --max-restarts, or by hand) takes it again at once, and there is never a
 stale lock to remove by hand. Only rank 0 takes it: the other ranks of the same job never compete for it. The
 file names the holder (pid, host, start time) for the message the second run prints. Within one process the
-lock is re-entrant (tests and notebooks build several trainers on one directory in turn).
+lock is re-entrant (tests and notebooks build several trainers on one directory in turn). A start that fails
+(a config refused, a checkpoint of another shape) removes a lock file it created (`RunLock.release(discard=True)`):
+no `.lock` is left in a directory where no run ran. Removal unlinks while the lock is held, and a taker checks that
+the file it locked is still the one at run.dir/.lock (else it takes the new one), so two runs never both hold it.
 """
 
 from __future__ import annotations
@@ -57,8 +60,25 @@ def _holder(f: IO[str]) -> str:
     return f"pid {info.get('pid')} on host {info.get('host')}, started {when}"
 
 
-def _try_lock(run_dir: Path) -> IO[str] | None:
-    """The open, locked file; None where the file system has no locks (warned); RunDirLocked when held."""
+def _try_lock(run_dir: Path) -> tuple[IO[str] | None, bool]:
+    """(the open, locked file, whether this call created it); the file is None where the file system has no locks
+    (warned); RunDirLocked when held."""
+    while True:
+        created = not (run_dir / LOCK_NAME).exists()
+        f = _lock_once(run_dir)
+        if f is None or _still_linked(f, run_dir / LOCK_NAME):
+            return f, created
+        f.close()  # locked a file its holder removed as it let go (a failed start's): take the one there now
+
+
+def _still_linked(f: IO[str], path: Path) -> bool:
+    try:
+        return os.fstat(f.fileno()).st_ino == os.stat(path).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def _lock_once(run_dir: Path) -> IO[str] | None:
     f = _open_lock_file(run_dir)
     try:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -83,7 +103,7 @@ def lock_run_dir(run_dir: Path) -> RunLock:
     if key in _HELD:
         _HELD[key][1] += 1
         return RunLock(key)
-    f = _try_lock(run_dir)
+    f, created = _try_lock(run_dir)
     if f is not None:
         try:  # who holds it, for the refusal of a second run (best effort: the lock is what counts)
             f.seek(0)
@@ -92,7 +112,7 @@ def lock_run_dir(run_dir: Path) -> RunLock:
             f.flush()
         except OSError:
             pass
-    _HELD[key] = [f, 1]
+    _HELD[key] = [f, 1, created, run_dir / LOCK_NAME]
     return RunLock(key)
 
 
@@ -100,8 +120,10 @@ def check_run_dir_free(run_dir: Path) -> None:
     """Raise RunDirLocked if another process holds ``run_dir``'s lock now, RunDirUnwritable if it cannot be
     written (a launcher's early check, creating the directory: the workers' rank 0 takes the real lock)."""
     if str(run_dir.resolve()) not in _HELD:
-        f = _try_lock(run_dir)
+        f, created = _try_lock(run_dir)
         if f is not None:
+            if created:  # the run's rank 0 takes (and creates) its own; none is left if the job never starts
+                _unlink(run_dir / LOCK_NAME)
             f.close()  # closing releases the lock
 
 
@@ -109,14 +131,25 @@ class RunLock:
     def __init__(self, key: str) -> None:
         self._key: str | None = key
 
-    def release(self) -> None:
-        """Idempotent; the lock goes when the last holder in this process releases it (or the process ends)."""
+    def release(self, discard: bool = False) -> None:
+        """Idempotent; the lock goes when the last holder in this process releases it (or the process ends).
+        ``discard``: a start that failed; the lock file goes too if this process created it."""
         if self._key is None or self._key not in _HELD:
             return
         entry = _HELD[self._key]
         entry[1] -= 1
+        entry[2] = entry[2] and discard  # a holder that ran keeps the file: it marks the directory as a run's
         if entry[1] == 0:
             del _HELD[self._key]
             if entry[0] is not None:
+                if entry[2]:
+                    _unlink(entry[3])  # while still locked: a taker that opened it sees it gone and retries
                 entry[0].close()
         self._key = None
+
+
+def _unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:
+        pass

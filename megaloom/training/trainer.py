@@ -137,7 +137,8 @@ class Trainer:
             self._resume()
             self._start_observers()
         except BaseException:
-            self.run_lock.release()
+            self._restore_run_config()
+            self.run_lock.release(discard=True)  # a failed start leaves no .lock it created
             raise
         return self
 
@@ -228,7 +229,20 @@ class Trainer:
     def _write_run_config(self) -> None:
         if self.rt.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(self.cfg.to_yaml())
+            path = self.run_dir / "config.yaml"
+            self._previous_config = path.read_text() if path.is_file() else None
+            path.write_text(self.cfg.to_yaml())
+
+    def _restore_run_config(self) -> None:
+        """A start that failed after writing config.yaml (a checkpoint of another shape, say) puts back the one
+        the run directory had: the next `megaloom train --config RUN/config.yaml` reads the run's, not the
+        refused settings."""
+        previous = getattr(self, "_previous_config", None)
+        if previous is not None and self.rt.is_main:
+            try:
+                (self.run_dir / "config.yaml").write_text(previous)
+            except OSError:
+                pass
 
     def _build_model_and_optimizer(self, checked: Checked) -> None:
         """This rank's model (built shard by shard), its pipeline executors or data-parallel gradients, compile,
