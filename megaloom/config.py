@@ -235,8 +235,10 @@ class ParallelConfig:
                                "Megatron's tp-comm-overlap / TorchTitan's async TP). Eager mode only.")
     zero: int = _f(0, "ZeRO stage: 0 off, 1 optimizer state, 2 + gradients, 3 + parameters.", (0, 1, 2, 3))
     schedule: str = _f("1f1b", "Pipeline schedule.", ("gpipe", "1f1b", "interleaved", "zb"))
-    pp_first_stage_layers: int = _f(0, "Layers on the first pipeline stage (which also embeds); 0 = balanced.")
-    pp_last_stage_layers: int = _f(0, "Layers on the last pipeline stage (it also holds head and loss); 0 = balanced.")
+    pp_first_stage_layers: int = _f(0, "Layers on the first pipeline stage (which also embeds); 0 = balanced. With "
+                                       "vpp > 1: the first pipeline rank's layers, all its chunks together.")
+    pp_last_stage_layers: int = _f(0, "Layers on the last pipeline stage (it also holds head and loss); 0 = balanced. "
+                                      "With vpp > 1: the last pipeline rank's layers, all its chunks together.")
     timeline_step: int = _f(0, "With pp > 1: time every pipeline action of this step and draw the measured "
                                "timeline (run.dir/timeline_step<N>.png/.json); 0 = off.")
     bucket_mb: float = _f(25.0, "Size of the gradient buckets reduced (overlapped with backward) over data parallel.")

@@ -38,12 +38,15 @@ def _row(i: int, cfg: Config, p: Prediction) -> str:
     lean = "+lean" if t.recompute_casts is True else ""
     exposed = " ".join(f"{k}:{1e3 * v:.0f}" for k, v in sorted(p.exposed.items())) or "-"
     bubble = 100 * p.bubble_s / p.step_s if p.step_s else 0.0
-    return (f"{i:>3} {s['tp']:>3} {s['cp']:>3} {s['pp']:>3} {par.vpp:>3} {s['dp']:>5} {s['ep']:>3} {par.zero:>4} "
-            f"{t.micro_batch_size:>3} {t.recompute + lean:<15} {p.memory_gb:>7.1f} {p.step_s:>8.3f} "
+    # the end pipeline ranks' layer counts where the layers do not divide (parallel.pp_first/last_stage_layers)
+    ends = (f"{par.pp_first_stage_layers or '-'}/{par.pp_last_stage_layers or '-'}"
+            if par.pp_first_stage_layers or par.pp_last_stage_layers else "-")
+    return (f"{i:>3} {s['tp']:>3} {s['cp']:>3} {s['pp']:>3} {par.vpp:>3} {ends:>5} {s['dp']:>5} {s['ep']:>3} "
+            f"{par.zero:>4} {t.micro_batch_size:>3} {t.recompute + lean:<15} {p.memory_gb:>7.1f} {p.step_s:>8.3f} "
             f"{p.tokens_per_s:>12,.0f} {100 * p.mfu:>6.1f}% {bubble:>6.1f}%  {exposed}")
 
 
-HEADER = (f"{'#':>3} {'tp':>3} {'cp':>3} {'pp':>3} {'vpp':>3} {'dp':>5} {'ep':>3} {'zero':>4} {'mb':>3} "
+HEADER = (f"{'#':>3} {'tp':>3} {'cp':>3} {'pp':>3} {'vpp':>3} {'ends':>5} {'dp':>5} {'ep':>3} {'zero':>4} {'mb':>3} "
           f"{'recompute':<15} {'mem GB':>7} {'step s':>8} {'tokens/s':>12} {'MFU':>7} {'bubble':>7}  exposed ms")
 
 

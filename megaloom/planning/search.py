@@ -1,8 +1,10 @@
 """Every layout of a world that training accepts, with its predicted memory and step, best first.
 
 The candidates: tp over the sizes the model's heads allow (parallel/mesh.py `tp_sizes_for_model`) that fit in a
-node; cp 1, 2, 4 (8 from 32k tokens); pp over the divisors of what is left; vpp 1 to 8 where the layers split
-evenly (interleaved schedule); ep over the divisors of the experts (MoE); micro-batch 1, 2, 4, 8 where the global
+node; cp 1, 2, 4 (8 from 32k tokens); pp over the divisors of what is left; vpp 1 to 8 (interleaved schedule),
+each with the layers split evenly or, where they do not divide, with the most balanced end-stage counts
+(`partition.end_stage_options`: Llama 3's 126 layers on 16 ranks take 7 on each end rank); ep over the
+divisors of the experts (MoE); micro-batch 1, 2, 4, 8 where the global
 batch divides; ZeRO 1 (3 without a pipeline); sp whenever tp > 1; the least recomputation (none, selective, full)
 that fits. Each candidate
 goes through the same refusals as `megaloom train` (config validation and `training.preflight`), so nothing the
@@ -21,6 +23,7 @@ from collections.abc import Iterator
 from megaloom.accelerator import CUDA
 from megaloom.config import Config, ConfigError, validate
 from megaloom.parallel.mesh import tp_sizes_for_model
+from megaloom.parallel.pipeline.partition import end_stage_options
 from megaloom.planning.hardware import GpuKind
 from megaloom.planning.memory_plan import GB, MemoryPlan, plan_memory
 from megaloom.planning.step import Prediction, predict
@@ -48,29 +51,33 @@ def candidates(cfg: Config, world: int, gpu: GpuKind) -> Iterator[Config]:
                 if pp > m.n_layers:
                     continue
                 dp = rest // pp
-                for vpp in range(1, 9):
-                    if vpp > 1 and (pp == 1 or m.n_layers % (pp * vpp)):
-                        continue
-                    if vpp == 1 and pp > 1 and m.n_layers % pp:
-                        continue
-                    for ep in eps:
-                        if dp % ep:
-                            continue
-                        for mb in (1, 2, 4, 8):
-                            if t.global_batch_size % (dp * mb):
-                                continue
-                            for zero in ((1, 3) if pp == 1 else (1,)) if dp > 1 else (0,):
-                                yield _layout(cfg, tp=tp, cp=cp, pp=pp, vpp=vpp, ep=ep, mb=mb, zero=zero,
-                                              recompute="none")
+                for vpp in range(1, 9) if pp > 1 else (1,):
+                    # layers that do not divide: the most balanced end-stage counts (Llama 3's 126 on 16 ranks)
+                    for first, last in end_stage_options(m.n_layers, pp, vpp)[:1]:
+                        yield from _per_stage_layout(cfg, t, dp, eps, tp=tp, cp=cp, pp=pp, vpp=vpp, ends=(first, last))
+
+
+def _per_stage_layout(cfg: Config, t, dp: int, eps: list[int], *, tp: int, cp: int, pp: int, vpp: int,
+                      ends: tuple[int, int]) -> Iterator[Config]:
+    """The expert, micro-batch and ZeRO choices of one (tp, cp, pp, vpp, end stages)."""
+    for ep in eps:
+        if dp % ep:
+            continue
+        for mb in (1, 2, 4, 8):
+            if t.global_batch_size % (dp * mb):
+                continue
+            for zero in ((1, 3) if pp == 1 else (1,)) if dp > 1 else (0,):
+                yield _layout(cfg, tp=tp, cp=cp, pp=pp, vpp=vpp, ep=ep, mb=mb, zero=zero, recompute="none",
+                              ends=ends)
 
 
 def _layout(cfg: Config, *, tp: int, cp: int, pp: int, vpp: int, ep: int, mb: int, zero: int,
-            recompute: str) -> Config:
+            recompute: str, ends: tuple[int, int] = (0, 0)) -> Config:
     """The layout applied to the user's config (its levers still "auto": resolved per layout, as a GPU run
     resolves them for its own layout)."""
     p = dataclasses.replace(cfg.parallel, tp=tp, cp=cp, pp=pp, vpp=vpp, ep=ep, zero=zero, sp=tp > 1,
                             schedule="interleaved" if vpp > 1 else "1f1b" if pp > 1 else cfg.parallel.schedule,
-                            pp_first_stage_layers=0, pp_last_stage_layers=0)
+                            pp_first_stage_layers=ends[0], pp_last_stage_layers=ends[1])
     t = dataclasses.replace(cfg.train, micro_batch_size=mb, recompute=recompute, recompute_layers=0)
     return dataclasses.replace(cfg, parallel=p, train=t)
 

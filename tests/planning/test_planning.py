@@ -18,7 +18,7 @@ from megaloom.planning.command import _shaped, plan_command
 from megaloom.planning.compute import block_work
 from megaloom.planning.hardware import load_gpu
 from megaloom.planning.memory_plan import GB, plan_memory
-from megaloom.planning.search import accepted, resolved, search
+from megaloom.planning.search import accepted, candidates, resolved, search
 from megaloom.planning.step import _makespan, predict
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -107,6 +107,21 @@ def test_the_search_proposes_only_accepted_layouts_whose_memory_is_the_plans() -
                     for r in {0, o.cfg.parallel.pp - 1})
         assert o.prediction.memory_gb == pytest.approx(worst / GB, rel=1e-6)  # = `megaloom memory`'s plan
         assert o.prediction.memory_gb <= 0.95 * g.memory_gb
+
+
+def test_the_search_tries_end_stage_counts_where_the_layers_do_not_divide() -> None:
+    # the 405B-class shape (126 layers): no pp = 16 layout existed before; now Llama 3's 7 / 8 x 14 / 7, interleaved too
+    cfg = _shaped(load_config(None, [
+        "model.preset=llama3-70b", "model.n_layers=126", "model.d_model=16384", "model.n_heads=128",
+        "model.ffn_dim=53248", "train.seq_len=8192", "model.max_seq_len=8192", "train.global_batch_size=2048"]))
+    pp16 = [c for c in candidates(cfg, 8192, load_gpu("h100-sxm")) if c.parallel.pp == 16]
+    ends = {(c.parallel.vpp, c.parallel.pp_first_stage_layers, c.parallel.pp_last_stage_layers) for c in pp16}
+    assert {(1, 7, 7), (2, 7, 7), (4, 7, 7)} <= ends and not any(v == 8 for v, _, _ in ends), ends
+    chosen = next(c for c in pp16 if c.parallel.vpp == 2 and c.parallel.tp == 8)
+    assert chosen.parallel.schedule == "interleaved" and accepted(chosen, 8192)  # what megaloom train accepts
+    # where the layers divide, the settings stay at 0 (balanced)
+    assert all(c.parallel.pp_first_stage_layers == 0 for c in candidates(cfg, 8192, load_gpu("h100-sxm"))
+               if c.parallel.pp == 2 and c.parallel.vpp == 1)  # 126 = 2 x 63
 
 
 def test_plan_writes_a_config_that_train_accepts_and_predict_reads_it(tmp_path: Path) -> None:

@@ -7,7 +7,11 @@ neighbouring ranks and the activations travel round a ring.
 
 By default the layers are split evenly. The first stage also runs the embedding and the last the final norm,
 the head and the loss (with a large vocabulary these weigh several layers), so either may be given an explicit
-layer count and the remaining layers are spread evenly over the other stages. A multimodal model's first stage
+layer count and the remaining layers are spread evenly over the other stages. With ``vpp > 1`` the counts are
+the first and last pipeline *rank's* layers, all its chunks together (Llama 3's 126 layers on 16 ranks: 7 on
+each end rank, 8 on the others): the other ranks split theirs evenly over their chunks, and an end rank splits
+its count as evenly as it can, the chunk at the model's end (the embedding's chunk 0 on the first rank, the
+head's last chunk on the last rank) taking the smaller share (7 over 2 chunks: 3 + 4). A multimodal model's first stage
 also runs the image encoder: unless the end stages are given counts, it takes fewer decoder layers by the
 encoder's cost in decoder blocks (`encoder_block_equivalents`, vpp = 1).
 
@@ -91,7 +95,7 @@ def partition_layers(n_layers: int, pp: int, vpp: int = 1, first_stage_layers: i
                           f"{fits[-1] if fits else 1} would work (or model.n_layers >= {n_stages}).")
     if first_stage_layers is None and last_stage_layers is None:
         if n_layers % n_stages:
-            hint = _explicit_hint(n_layers, n_stages)
+            hint = _explicit_hint(n_layers, n_stages) if vpp == 1 else _interleaved_hint(n_layers, pp, vpp)
             divisors = [d for d in range(1, n_layers + 1) if n_layers % d == 0 and d % pp == 0]
             raise ConfigError(
                 f"model.n_layers={n_layers} does not split evenly into parallel.pp*vpp = {pp}*{vpp} = {n_stages} "
@@ -99,8 +103,10 @@ def partition_layers(n_layers: int, pp: int, vpp: int = 1, first_stage_layers: i
                 + (f"; pp*vpp in {divisors}" if divisors else "")
                 + (f"; or give the end stages explicit counts, e.g. {hint}" if hint else "") + ".")
         sizes = [n_layers // n_stages] * n_stages
-    else:
+    elif vpp == 1:
         sizes = _explicit_sizes(n_layers, n_stages, first_stage_layers, last_stage_layers)
+    else:
+        sizes = _interleaved_sizes(n_layers, pp, vpp, first_stage_layers, last_stage_layers)
     starts = [0]
     for n in sizes:
         starts.append(starts[-1] + n)
@@ -108,9 +114,7 @@ def partition_layers(n_layers: int, pp: int, vpp: int = 1, first_stage_layers: i
 
 
 def _explicit_sizes(n_layers: int, n_stages: int, first: int | None, last: int | None) -> list[int]:
-    for key, value in ((FIRST_KEY, first), (LAST_KEY, last)):
-        if value is not None and not 0 <= value <= n_layers:
-            raise ConfigError(f"{key}={value} must be between 0 and model.n_layers={n_layers}.")
+    _check_range(n_layers, first, last)
     fixed = (first or 0) + (last or 0)
     free = n_stages - (first is not None) - (last is not None)
     rest = n_layers - fixed
@@ -127,6 +131,88 @@ def _explicit_sizes(n_layers: int, n_stages: int, first: int | None, last: int |
         sizes[0] = first
     if last is not None:
         sizes[-1] = last
+    return sizes
+
+
+def _check_range(n_layers: int, first: int | None, last: int | None) -> None:
+    for key, value in ((FIRST_KEY, first), (LAST_KEY, last)):
+        if value is not None and not 0 <= value <= n_layers:
+            raise ConfigError(f"{key}={value} must be between 0 and model.n_layers={n_layers}.")
+
+
+def _interleaved_ranks(n_layers: int, pp: int, vpp: int, first: int | None, last: int | None) -> list[int] | None:
+    """Layers per pipeline rank (all chunks) for end-rank counts under interleaving, or None if they do not work:
+    the other ranks share the rest equally, in a multiple of vpp each (an even split over their chunks); every
+    chunk holds at least one layer, so an end rank needs vpp layers at least."""
+    given = (first is not None) + (last is not None)
+    rest = n_layers - (first or 0) - (last or 0)
+    free = pp - given
+    if rest < 0 or (free == 0 and rest) or (free and (rest % free or (rest // free) % vpp or rest // free < vpp)):
+        return None
+    if any(v is not None and v < vpp for v in (first, last)):
+        return None
+    ranks = [rest // free if free else 0] * pp
+    if first is not None:
+        ranks[0] = first
+    if last is not None:
+        ranks[-1] = last
+    return ranks
+
+
+def _interleaved_hint(n_layers: int, pp: int, vpp: int) -> str:
+    """End-rank counts (equal, as large as balance allows) with which the interleaved split works, if any."""
+    for k in range(n_layers // pp, vpp - 1, -1):
+        first, last = (k, n_layers - k) if pp == 2 else (k, k)
+        if _interleaved_ranks(n_layers, pp, vpp, first, last) is not None:
+            other = "" if pp == 2 else f" (the other ranks take {(n_layers - 2 * k) // (pp - 2)} each)"
+            return f"{FIRST_KEY}={first} and {LAST_KEY}={last}{other}"
+    return ""
+
+
+def end_stage_options(n_layers: int, pp: int, vpp: int) -> list[tuple[int, int]]:
+    """The end-stage counts a layout search tries for ``pp`` x ``vpp``: [(0, 0)] (the settings left at 0: the
+    even split) where the layers divide; else the (first, last) that works with the lightest busiest rank (a
+    pipeline runs at its slowest stage's pace), then the most equal ends, the last rank (which also runs the head
+    and the loss) no heavier than the first; [] if nothing works."""
+    if n_layers < pp * vpp:
+        return []
+    if pp == 1 or n_layers % (pp * vpp) == 0:
+        return [(0, 0)]
+    best: tuple | None = None
+    bound = min(n_layers, 2 * -(-n_layers // pp))
+    for first in range(1, bound + 1):  # 0 would read as "balanced" (the settings' default)
+        for last in range(1, min(bound, n_layers - first) + 1):
+            ranks = _interleaved_ranks(n_layers, pp, vpp, first, last)
+            if ranks is not None:
+                key = (max(ranks), abs(first - last), last > first)
+                if best is None or key < best[0]:
+                    best = (key, (first, last))
+    return [best[1]] if best else []
+
+
+def _interleaved_sizes(n_layers: int, pp: int, vpp: int, first: int | None, last: int | None) -> list[int]:
+    """Virtual-stage sizes for end-rank counts under interleaving (module doc)."""
+    _check_range(n_layers, first, last)
+    if pp < 2:
+        raise ConfigError(f"{FIRST_KEY} / {LAST_KEY} need parallel.pp >= 2 (got pp={pp}, vpp={vpp}).")
+    ranks = _interleaved_ranks(n_layers, pp, vpp, first, last)
+    if ranks is None:
+        hint = _interleaved_hint(n_layers, pp, vpp)
+        given = " and ".join(f"{k}={v}" for k, v in ((FIRST_KEY, first), (LAST_KEY, last)) if v is not None)
+        raise ConfigError(
+            f"{given} with parallel.pp={pp} and parallel.vpp={vpp}: the counts are the end pipeline ranks' layers "
+            f"(all {vpp} chunks together, at least one a chunk); the other ranks must share the remaining "
+            f"{n_layers - (first or 0) - (last or 0)} of model.n_layers={n_layers} equally, in a multiple of "
+            f"vpp={vpp} each" + (f"; e.g. {hint} would work." if hint else "."))
+    sizes = [0] * (pp * vpp)
+    for rank, total in enumerate(ranks):
+        base, extra = divmod(total, vpp)
+        if rank == 0 and first is not None:  # the embedding's chunk 0 takes the smaller share
+            chunks = [base + (c >= vpp - extra) for c in range(vpp)]
+        else:  # the last rank's head chunk (the last) takes the smaller share; the others split evenly
+            chunks = [base + (c < extra) for c in range(vpp)]
+        for c, n in enumerate(chunks):
+            sizes[c * pp + rank] = n
     return sizes
 
 

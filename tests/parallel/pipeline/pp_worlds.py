@@ -50,9 +50,12 @@ def _err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def pipeline_case(mesh: Mesh, emb_group, schedule: str, m: int, vpp: int = 1, n_layers: int = 4,
                   arch: str = "llama", tie: bool = True, sp: bool = False, split_data: bool = False,
-                  steps: int = 5, timing: bool = False, lora: bool = False, clip: float = CLIP) -> dict:
+                  steps: int = 5, timing: bool = False, lora: bool = False, clip: float = CLIP,
+                  ends: tuple[int, int] | None = None) -> dict:
     """``split_data``: each data-parallel replica gets its own micro-batches (the reference sees them all);
     otherwise every replica runs the same ones (a pure pipeline check on a world larger than pp * tp).
+    ``ends``: the end pipeline ranks' layer counts (parallel.pp_first/last_stage_layers; with vpp > 1 each end
+    rank's chunks together).
     ``lora``: adapters on every linear, the base frozen (then ``clip`` below the adapters' smaller norm)."""
     cfg = pp_config(mesh.pp, mesh.tp, vpp, sp, n_layers, arch, tie, mesh.world_size, schedule)
     cfg = with_lora(cfg) if lora else cfg
@@ -64,7 +67,7 @@ def pipeline_case(mesh: Mesh, emb_group, schedule: str, m: int, vpp: int = 1, n_
     freeze_base(ref, cfg)  # model.lora (no-op otherwise), after the split as the trainer does
     freeze_base(full, cfg)
     base_before = base_params(full) if lora else {}
-    stage = build_stage(full, partition_layers(n_layers, mesh.pp, vpp), mesh)
+    stage = build_stage(full, partition_layers(n_layers, mesh.pp, vpp, *(ends or (None, None))), mesh)
     ex = PipelineExecutor(stage, build_schedule(schedule, mesh.pp, vpp, m), mesh, MICRO, SEQ, sp=sp, timing=timing)
     sync = PipelineGradientSync(stage, mesh, emb_group if stage.tied_across_stages else None)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
@@ -141,6 +144,10 @@ def suite_pipeline_world4(rank: int, world: int, device: torch.device) -> dict:
         res[f"pp4-{schedule}-m{m}"] = pipeline_case(mesh, group, schedule, m, timing=(schedule, m) == ("zb", 4))
     for m in (4, 8):  # 8 virtual stages need 8 layers
         res[f"pp4-interleaved-v2-m{m}"] = pipeline_case(mesh, group, "interleaved", m, vpp=2, n_layers=8)
+    # Llama 3's uneven interleaving at small size: 14 layers, 3 on each end rank (chunks 1 + 2 and 2 + 1), 4 (2 + 2)
+    # on the others
+    res["pp4-interleaved-v2-m4-ends3"] = pipeline_case(mesh, group, "interleaved", 4, vpp=2, n_layers=14,
+                                                       ends=(3, 3))
     res["pp4-1f1b-m4-gpt2-untied"] = pipeline_case(mesh, group, "1f1b", 4, arch="gpt2", tie=False)
 
     mesh = Mesh.build(pp_config(pp=2), world, rank, device)  # dp = 2: replicas run the same data

@@ -9,6 +9,7 @@ from megaloom.parallel.pipeline.partition import (
     FIRST_KEY,
     LAST_KEY,
     check_microbatches,
+    end_stage_options,
     partition_layers,
     validate_pipeline,
 )
@@ -43,6 +44,50 @@ def test_uneven_layers_say_what_works() -> None:
         partition_layers(10, 4, first_stage_layers=2)  # 8 layers do not split over 3 stages
     with pytest.raises(ConfigError, match="between 0 and model.n_layers=10"):
         partition_layers(10, 4, first_stage_layers=11)
+
+
+def test_interleaved_end_ranks_take_explicit_counts_like_llama3() -> None:
+    # Llama 3 405B: 126 layers on 16 pipeline ranks, 7 on each end rank, 8 on the others; with vpp 2 every middle
+    # rank holds two chunks of 4, the first rank's embedding chunk 3 (+ 4), the last rank's head chunk 3 (4 +)
+    p = partition_layers(126, 16, vpp=2, first_stage_layers=7, last_stage_layers=7)
+    per_rank = [sum(len(p.layers(s)) for s in p.stages_of_rank(r)) for r in range(16)]
+    assert per_rank == [7] + [8] * 14 + [7]
+    assert p.sizes()[0] == 3 and p.sizes()[16] == 4 and p.sizes()[15] == 4 and p.sizes()[31] == 3
+    assert set(p.sizes()[1:15]) == {4} and p.starts[-1] == 126
+    # the layers stay in model order along the virtual stages (stage s on rank s % pp)
+    assert [x for s in range(32) for x in p.layers(s)] == list(range(126))
+    # vpp 4: the end rank's 7 as 1 + 2 + 2 + 2 (chunk 0) and 2 + 2 + 2 + 1 (last rank)
+    p4 = partition_layers(126, 16, vpp=4, first_stage_layers=7, last_stage_layers=7)
+    assert [p4.sizes()[p4.stage_of(0, c)] for c in range(4)] == [1, 2, 2, 2]
+    assert [p4.sizes()[p4.stage_of(15, c)] for c in range(4)] == [2, 2, 2, 1]
+    # pp 2: only end ranks
+    assert partition_layers(7, 2, vpp=2, first_stage_layers=3, last_stage_layers=4).sizes() == [1, 2, 2, 2]
+
+
+def test_interleaved_end_counts_that_do_not_work_say_what_does() -> None:
+    with pytest.raises(ConfigError) as e:
+        partition_layers(126, 16, vpp=2)
+    assert f"{FIRST_KEY}=7 and {LAST_KEY}=7 (the other ranks take 8 each)" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        partition_layers(126, 16, vpp=2, first_stage_layers=7)  # 119 over 15 ranks
+    msg = str(e.value)
+    assert "end pipeline ranks' layers" in msg and f"{FIRST_KEY}=7 and {LAST_KEY}=7" in msg
+    with pytest.raises(ConfigError, match="at least one a chunk"):
+        partition_layers(132, 16, vpp=8, first_stage_layers=2, last_stage_layers=2)  # 2 layers for 8 chunks
+    with pytest.raises(ConfigError, match="need parallel.pp >= 2"):
+        partition_layers(8, 1, vpp=2, first_stage_layers=4)
+
+
+def test_end_stage_options_for_a_layout_search() -> None:
+    assert end_stage_options(80, 8, 2) == [(0, 0)]  # divides: the settings stay at 0
+    assert end_stage_options(126, 16, 1) == [(7, 7)] == end_stage_options(126, 16, 2) == end_stage_options(126, 16, 4)
+    assert end_stage_options(126, 16, 8) == []  # 8 chunks a rank need 8 layers on the end ranks too
+    # DeepSeek-V3's 61 layers on 16 ranks: middle ranks 4, the last rank (head and loss) no heavier than the first
+    assert end_stage_options(61, 16, 1) == [(3, 2)]
+    assert end_stage_options(4, 4, 2) == []  # fewer layers than chunks
+    for n, pp, vpp in ((126, 16, 2), (61, 16, 1), (61, 16, 2), (7, 2, 2), (10, 4, 1), (30, 4, 3)):
+        for first, last in end_stage_options(n, pp, vpp):
+            partition_layers(n, pp, vpp, first or None, last or None)  # every option is accepted
 
 
 def test_vpp_needs_enough_layers() -> None:

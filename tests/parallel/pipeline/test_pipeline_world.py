@@ -19,6 +19,7 @@ from .pp_worlds import CASES_PP2, CASES_PP4, suite_pipeline_world4
 
 WORLD = 4
 PARITY = ([f"pp4-{s}-m{m}" for s, m in CASES_PP4] + ["pp4-interleaved-v2-m4", "pp4-interleaved-v2-m8",
+                                                     "pp4-interleaved-v2-m4-ends3",
                                                      "pp4-1f1b-m4-gpt2-untied"]
           + [f"pp2-{s}-m{m}" for s, m in CASES_PP2] + ["pp2-interleaved-v2-m2", "pp2-interleaved-v2-m4",
                                                        "pp2-dp2-1f1b-m4", "pp2-dp2-zb-m2-gpt2", "pp2-1f1b-m4-qwen3",
