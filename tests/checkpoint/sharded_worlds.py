@@ -113,7 +113,10 @@ FIT_SETTINGS = ["model.vocab_size=8192", "model.d_model=512", "model.n_layers=8"
                 "run.tensorboard=false", "train.device=cpu"]
 
 
-def fit_peak(rank: int, world: int, device, root: str) -> dict:
+FIT_REPEATS = 2  # the resident set also holds what the allocator and Python keep: the least of two runs
+
+
+def fit_peak(rank: int, world: int, device, root: str, run: str = "fit") -> dict:
     """Peak resident growth of `Trainer.fit` (3 steps, an async save after step 2 written while step 3 runs) above
     the resident set before the build, next to the memory plan of the rank and the whole model's weights + Adam
     state. The process has run a save and a load before (`sharded_suite`): libraries and their code pages are
@@ -123,7 +126,7 @@ def fit_peak(rank: int, world: int, device, root: str) -> dict:
     from megaloom.training.dryrun import synthetic_datasets
     from megaloom.training.trainer import Trainer
 
-    cfg = load_config(None, [*FIT_SETTINGS, f"run.dir={Path(root) / 'fit'}"])
+    cfg = load_config(None, [*FIT_SETTINGS, f"run.dir={Path(root) / run}"])
     gc.collect()
     with PeakGrowth() as peak:
         trainer = Trainer(cfg, runtime=Runtime(device, rank, world, rank),
@@ -143,7 +146,10 @@ def sharded_suite(rank: int, world: int, device, root: str) -> dict:
 
     return_freed_memory()  # the resident set follows the live tensors (freed blocks leave it)
     out = {"save_load": save_load_peak(rank, world, device, root)}
-    out["fit"] = fit_peak(rank, world, device, root)
+    # a resident set is noisy on CPU (malloc's arenas, Python's heap, a thread's stack pages): the run that grew
+    # least is the one closest to what the tensors need, which is what the plan predicts
+    fits = [fit_peak(rank, world, device, root, f"fit{i}") for i in range(FIT_REPEATS)]
+    out["fit"] = min(fits, key=lambda r: r["peak"]) | {"peaks": [r["peak"] for r in fits]}
     return out
 
 
