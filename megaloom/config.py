@@ -166,8 +166,12 @@ class ModelConfig:
     n_shared_experts: int = _f(0, "Shared experts (DeepSeek): a dense SwiGLU of n_shared_experts*expert_ffn_dim "
                                   "that every token uses.")
     expert_ffn_dim: int = _f(0, "Hidden size of one expert (SwiGLU); 0 = the dense MLP size.")
-    router_score: str = _f("softmax", "Router scores: softmax (Mixtral) or sigmoid (DeepSeek-V3; top-k weights "
-                                      "renormalised).", ("softmax", "sigmoid"))
+    router_score: str = _f("softmax", "Router scores: softmax (Mixtral) or sigmoid (DeepSeek-V3).",
+                           ("softmax", "sigmoid"))
+    moe_norm_topk: bool = _f(True, "Renormalise the chosen experts' router weights to sum 1 per token (HF's "
+                                   "norm_topk_prob; Mixtral, DeepSeek-V3 and the released Qwen3-MoE: true). false: "
+                                   "each expert's output is weighted by its raw score (softmax probability or "
+                                   "sigmoid), times model.routed_scaling_factor (Qwen3MoeConfig's default).")
     aux_loss_weight: float = _f(0.01, "Weight of the load-balancing loss E*sum(f_e*P_e) (1 at perfect balance).")
     z_loss_weight: float = _f(0.0, "Weight of the router z-loss mean(logsumexp(logits)^2); 0 = off.")
     capacity_factor: float = _f(0.0, "Expert capacity ceil(cf*tokens*top_k/n_experts); overflow tokens are dropped "
@@ -181,7 +185,7 @@ class ModelConfig:
                                  "their top_k experts inside the model.topk_groups best groups. 1 = no limit.")
     topk_groups: int = _f(1, "With model.n_expert_groups > 1: groups each token may route to (DeepSeek-V3: 4).")
     routed_scaling_factor: float = _f(1.0, "Multiplier of the routed experts' combine weights (after their "
-                                           "renormalisation; DeepSeek-V3: 2.5).")
+                                           "renormalisation, if model.moe_norm_topk; DeepSeek-V3: 2.5).")
     mtp_depth: int = _f(0, "Multi-token prediction (DeepSeek-V3: 1): this many sequential modules after the last "
                            "block, module k predicting the token k+1 places after the next from the previous "
                            "module's states and the embedding of the token k places ahead, through its own block and "

@@ -90,6 +90,8 @@ class Router(nn.Module):
     groups, each scored by the sum of its two highest biased scores; a token picks its top-k experts only inside
     its ``topk_groups`` best groups (which bounds how many nodes its tokens travel to under expert parallelism).
     ``routed_scaling``: the combine weights' multiplier after renormalisation (DeepSeek-V3: 2.5).
+    ``normalize_weights`` (default true): the chosen experts' weights renormalised to sum 1 per token (HF's
+    norm_topk_prob); false: the raw scores of the chosen experts.
     """
 
     def __init__(self, d_model: int, n_experts: int, top_k: int, score_fn: str = "softmax",
@@ -105,8 +107,9 @@ class Router(nn.Module):
                              f"{topk_groups} lie in [1, {n_groups}]")
         self.n_experts, self.top_k, self.score_fn = n_experts, top_k, score_fn
         self.n_groups, self.topk_groups, self.routed_scaling = n_groups, topk_groups, routed_scaling
-        # Sigmoid scores are always renormalised over the top-k (DeepSeek-V3); softmax optionally (Mixtral: yes).
-        self.normalize_weights = True if normalize_weights is None or score_fn == "sigmoid" else normalize_weights
+        # The chosen weights renormalised to sum 1 (model.moe_norm_topk, HF's norm_topk_prob): Mixtral, DeepSeek-V3
+        # and the released Qwen3-MoE do; Qwen3MoeConfig's default and DeepSeek-V2 do not.
+        self.normalize_weights = True if normalize_weights is None else normalize_weights
         self.proj = nn.Linear(d_model, n_experts, bias=False)
         self.register_buffer("expert_bias", torch.zeros(n_experts))
 

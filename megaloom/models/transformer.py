@@ -69,6 +69,7 @@ class Block(nn.Module):
         if is_moe_block(cfg, layer_idx):
             self.mlp = MoE(cfg.d_model, cfg.n_experts, cfg.top_k, cfg.expert_ffn_dim or ffn,
                            n_shared_experts=cfg.n_shared_experts, score_fn=cfg.router_score,
+                           normalize_weights=cfg.moe_norm_topk,
                            aux_loss_weight=cfg.aux_loss_weight, z_loss_weight=cfg.z_loss_weight,
                            capacity_factor=cfg.capacity_factor, aux_free_bias_rate=cfg.aux_free_bias_rate,
                            n_groups=cfg.n_expert_groups, topk_groups=cfg.topk_groups,

@@ -97,6 +97,8 @@ def hf_from(d):
                                 rope_factor=40.0, rope_original_max_len=4096, rope_mscale_all_dim=1.0,
                                 rope_attention_factor=1.0, max_seq_len=163840)),
     ("dense", DENSE, dict(attention="mla", q_lora_rank=0, moe_every=0, ffn_dim=96, rope_scaling="none")),
+    # norm_topk_prob=false (issue 49): the chosen experts weighted by their sigmoid scores x routed_scaling_factor
+    ("no-topk-norm", {**SMALL, "norm_topk_prob": False}, dict(moe_norm_topk=False, routed_scaling_factor=2.5)),
 ])
 def test_hf_deepseek_v3_imports_and_exports_with_equal_logits(tmp_path, name, cfg, expect):
     ref, hf_dir = hf_model(cfg, tmp_path)
@@ -186,7 +188,6 @@ def test_mtp_modules_export_in_deepseeks_layout(tmp_path):
 @pytest.mark.parametrize("cfg,field", [
     ({**SMALL, "num_key_value_heads": 2}, "num_key_value_heads"),
     ({**SMALL, "rope_interleave": False}, "rope_interleave"),
-    ({**SMALL, "norm_topk_prob": False}, "norm_topk_prob"),
     ({**SMALL, "attention_bias": True}, "attention_bias"),
 ])
 def test_unsupported_deepseek_configs_name_the_field(tmp_path, cfg, field):

@@ -80,11 +80,17 @@ def hf_model(cfg: dict, tmp_path, stacked: bool = False):
 
 @pytest.mark.parametrize("name,cfg,stacked,expect", [
     ("mixtral", MIXTRAL, False, dict(arch="llama", moe_every=1, n_experts=8, top_k=2, expert_ffn_dim=32,
-                                     n_shared_experts=0, aux_loss_weight=0.02)),
+                                     n_shared_experts=0, aux_loss_weight=0.02, moe_norm_topk=True)),
     ("mixtral-stacked", MIXTRAL, True, dict(arch="llama", moe_every=1)),
-    ("qwen3-moe", QWEN3_MOE, False, dict(arch="qwen3", moe_every=1, n_experts=8, top_k=4, expert_ffn_dim=32)),
+    ("qwen3-moe", QWEN3_MOE, False, dict(arch="qwen3", moe_every=1, n_experts=8, top_k=4, expert_ffn_dim=32,
+                                         moe_norm_topk=True)),
     ("qwen3-moe-dense-block", {**QWEN3_MOE, "decoder_sparse_step": 2}, True,
      dict(arch="qwen3", moe_every=2, ffn_dim=96)),
+    # Qwen3MoeConfig's default (issue 49): the chosen experts weighted by their softmax probabilities as they are
+    ("qwen3-moe-no-topk-norm", {**QWEN3_MOE, "norm_topk_prob": False}, False,
+     dict(arch="qwen3", moe_every=1, moe_norm_topk=False)),
+    ("qwen3-moe-default-topk-norm", {k: v for k, v in QWEN3_MOE.items() if k != "norm_topk_prob"}, True,
+     dict(arch="qwen3", moe_norm_topk=False)),
 ])
 def test_hf_moe_imports_and_exports_with_equal_logits(tmp_path, name, cfg, stacked, expect):
     ref, hf_dir = hf_model(cfg, tmp_path, stacked)
@@ -119,18 +125,21 @@ def saved_run(tmp_path, *overrides: str, steps: int = 0):
     return saved_run_of(tmp_path, [*RUN_KEYS, *overrides], tokens(32), steps)
 
 
-def test_trained_qwen3_moe_run_round_trips(tmp_path):
-    """megaloom -> Qwen3MoeForCausalLM (equal logits) -> megaloom (the same tensors), a dense block included."""
+@pytest.mark.parametrize("norm", [True, False])
+def test_trained_qwen3_moe_run_round_trips(tmp_path, norm):
+    """megaloom -> Qwen3MoeForCausalLM (equal logits) -> megaloom (the same tensors), a dense block included; with
+    and without the chosen weights renormalised (model.moe_norm_topk <-> norm_topk_prob)."""
     run, model = saved_run(tmp_path, "model.preset=qwen3-tiny", "model.moe_every=2", "model.top_k=2",
-                           "model.aux_free_bias_rate=0", steps=2)
+                           "model.aux_free_bias_rate=0", f"model.moe_norm_topk={str(norm).lower()}", steps=2)
     to_hf(run, tmp_path / "hf", show_progress=False)
     hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    assert type(hf) is transformers.Qwen3MoeForCausalLM
+    assert type(hf) is transformers.Qwen3MoeForCausalLM and hf.config.norm_topk_prob is norm
     with torch.no_grad():
         torch.testing.assert_close(hf(tokens()).logits, model(tokens()), atol=ATOL, rtol=0)
     from_hf(tmp_path / "hf", tmp_path / "run2")
     again, cfg = megaloom_from_run(tmp_path / "run2")
     assert (cfg.model.arch, cfg.model.moe_every, cfg.model.n_experts, cfg.model.top_k) == ("qwen3", 2, 4, 2)
+    assert cfg.model.moe_norm_topk is norm
     for k, v in model.state_dict().items():
         assert torch.equal(again.state_dict()[k], v), k
 
@@ -139,6 +148,7 @@ def test_trained_qwen3_moe_run_round_trips(tmp_path):
     (["model.preset=mixtral-tiny", "model.moe_every=1"], "model.n_shared_experts"),  # the preset has one
     (["model.moe_every=2"], "model.moe_every"),  # Mixtral: every block
     (["model.moe_every=1", "model.router_score=sigmoid"], "model.router_score"),
+    (["model.moe_every=1", "model.moe_norm_topk=false"], "model.moe_norm_topk"),  # Mixtral always renormalises
 ])
 def test_moe_models_hf_cannot_express_are_refused_on_export(tmp_path, overrides, field):
     run, _ = saved_run(tmp_path, *overrides)
@@ -162,7 +172,6 @@ def test_a_trained_selection_bias_is_refused_on_export(tmp_path):
 
 
 @pytest.mark.parametrize("cfg,field", [
-    ({**QWEN3_MOE, "norm_topk_prob": False}, "norm_topk_prob"),
     ({**QWEN3_MOE, "mlp_only_layers": [0]}, "mlp_only_layers"),
     ({**QWEN3_MOE, "decoder_sparse_step": 0}, "decoder_sparse_step"),
     ({**MIXTRAL, "sliding_window": 4096}, "sliding_window"),

@@ -86,6 +86,26 @@ def test_router_sigmoid_renormalised_and_bias_only_affects_selection():
     torch.testing.assert_close(out.weights, sel / sel.sum(-1, keepdim=True))
 
 
+def test_router_sigmoid_without_renormalisation_weights_raw_scores_times_scaling():
+    """model.moe_norm_topk=false with sigmoid scores (DeepSeek's norm_topk_prob=false): the chosen scores as they
+    are, times routed_scaling_factor; a model built from the config passes the key to every router."""
+    torch.manual_seed(2)
+    r = Router(D, E, 3, "sigmoid", normalize_weights=False, routed_scaling=2.5)
+    x = torch.randn(10, D)
+    out = r(x)
+    w, idx = torch.topk((x @ r.proj.weight.T).sigmoid(), 3, dim=-1)
+    assert torch.equal(out.experts, idx)
+    torch.testing.assert_close(out.weights, w * 2.5)
+    from megaloom.config import load_config
+    from megaloom.models import Transformer
+
+    for norm in (True, False):
+        cfg = load_config(None, ["model.preset=deepseek-v3-tiny", "model.vocab_size=64", "model.n_layers=2",
+                                 f"model.moe_norm_topk={str(norm).lower()}"])
+        routers = [m for m in Transformer(cfg.model).modules() if isinstance(m, Router)]
+        assert routers and all(m.normalize_weights is norm for m in routers)
+
+
 @pytest.mark.parametrize("score_fn", ["softmax", "sigmoid"])
 def test_grouped_fallback_equals_per_token_loop(score_fn):
     moe = make_moe(score_fn=score_fn)

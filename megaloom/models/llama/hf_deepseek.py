@@ -8,7 +8,8 @@ layers: the sigmoid router ``mlp.gate.weight`` with its selection bias ``mlp.gat
 experts ``mlp.experts.<j>.{gate,up,down}_proj`` (the Hub's layout; transformers 5's stacked one is read too) and
 the shared experts ``mlp.shared_experts.*`` (megaloom's ``mlp.shared``). Routing maps field by field:
 n_group / topk_group (group-limited top-k) = model.n_expert_groups / topk_groups, routed_scaling_factor, and
-norm_topk_prob must be true (megaloom's sigmoid router renormalises). A dense model (model.moe_every=0) is written
+norm_topk_prob = model.moe_norm_topk (DeepSeek-V3 as released: true; false weights the experts by their raw sigmoid
+scores times routed_scaling_factor, as transformers does). A dense model (model.moe_every=0) is written
 with first_k_dense_replace = num_hidden_layers.
 
 RoPE: DeepSeek's checkpoints keep each head's rotary dimensions in interleaved pairs (rope_interleave, HF's
@@ -167,7 +168,8 @@ def to_hf_config(m: ModelConfig) -> dict:
             "v_head_dim": m.v_head_dim, "first_k_dense_replace": m.first_dense_layers if moe else m.n_layers,
             "n_routed_experts": m.n_experts, "num_experts_per_tok": m.top_k, "moe_intermediate_size": expert_width,
             "n_shared_experts": m.n_shared_experts if moe else 1, "n_group": m.n_expert_groups,
-            "topk_group": m.topk_groups, "routed_scaling_factor": m.routed_scaling_factor, "norm_topk_prob": True,
+            "topk_group": m.topk_groups, "routed_scaling_factor": m.routed_scaling_factor,
+            "norm_topk_prob": m.moe_norm_topk,
             "num_nextn_predict_layers": m.mtp_depth, "output_router_logits": False}
 
 
@@ -203,9 +205,6 @@ def from_hf_config(hf: dict, where: str) -> dict:
     if not hf.get("rope_interleave", True):
         refuse(where, "rope_interleave", False, "DeepSeek's interleaved rotary rows (true, transformers' default), "
                "which import turns into megaloom's rotate-half layout")
-    if not hf.get("norm_topk_prob", True):
-        refuse(where, "norm_topk_prob", False, "the chosen experts' weights renormalised (true), as megaloom's "
-               "sigmoid router does")
     dense_first = hf.get("first_k_dense_replace", 3)
     moe = dense_first < n_layers
     n_experts = hf.get("n_routed_experts", hf.get("num_local_experts", 256))
@@ -223,6 +222,7 @@ def from_hf_config(hf: dict, where: str) -> dict:
                 or 0, expert_ffn_dim=hf.get("moe_intermediate_size", 0), router_score="sigmoid",
                 n_expert_groups=hf.get("n_group") or 1, topk_groups=hf.get("topk_group") or 1,
                 routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+                moe_norm_topk=bool(hf.get("norm_topk_prob", True)),  # DeepseekV3Config's default
                 aux_loss_weight=float(hf.get("aux_loss_alpha", 0.0)), z_loss_weight=0.0, capacity_factor=0.0,
                 aux_free_bias_rate=0.0)
 

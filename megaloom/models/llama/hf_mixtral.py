@@ -6,8 +6,8 @@ router does the same) over ``num_local_experts`` SwiGLU experts of width ``inter
 ``model.layers.<i>.block_sparse_moe.gate.weight`` and the experts ``...block_sparse_moe.experts.<j>.w1/w3/w2.weight``
 (gate, up, down), the Hub's layout; transformers 5's in-memory layout (``.mlp.`` and stacked experts) is read too
 (`megaloom.convert.hf_moe`). Refused by name: MoE only in some blocks (``model.moe_every`` > 1), shared experts,
-sigmoid routers, a trained aux-loss-free bias (export); sliding-window attention (import). HF's
-``router_jitter_noise`` (training-time noise) is not carried over; ``router_aux_loss_coef`` <->
+sigmoid routers, a trained aux-loss-free bias, model.moe_norm_topk=false (export); sliding-window attention
+(import). HF's ``router_jitter_noise`` (training-time noise) is not carried over; ``router_aux_loss_coef`` <->
 ``model.aux_loss_weight``.
 """
 
@@ -70,6 +70,10 @@ def to_hf_config(m: ModelConfig) -> dict:
         raise ConversionError(f"model.moe_every={m.moe_every}: Hugging Face's MixtralForCausalLM has an MoE layer in "
                               "every block. Only llama MoE models trained with model.moe_every=1 can be exported.")
     check_moe_exportable(m, "MixtralForCausalLM")
+    if not m.moe_norm_topk:
+        raise ConversionError("model.moe_norm_topk=false: Hugging Face's MixtralForCausalLM always renormalises the "
+                              "chosen experts' weights. Only models trained with model.moe_norm_topk=true can be "
+                              "exported (Qwen3MoeForCausalLM's norm_topk_prob=false can express it).")
     cfg = llama_hf.decoder_config(m)
     cfg.pop("attention_bias")
     return {**cfg, "intermediate_size": expert_width(m), "num_local_experts": m.n_experts,
@@ -83,7 +87,8 @@ def from_hf_config(hf: dict, where: str) -> dict:
     settings = llama_hf.decoder_settings(hf, where)
     return dict(arch="llama", preset="mixtral-tiny", **settings, moe_every=1, n_experts=hf["num_local_experts"],
                 top_k=hf["num_experts_per_tok"], n_shared_experts=0, expert_ffn_dim=hf["intermediate_size"],
-                router_score="softmax", aux_loss_weight=float(hf.get("router_aux_loss_coef", 0.001)),
+                router_score="softmax", moe_norm_topk=True,
+                aux_loss_weight=float(hf.get("router_aux_loss_coef", 0.001)),
                 z_loss_weight=0.0, capacity_factor=0.0, aux_free_bias_rate=0.0)
 
 

@@ -5,8 +5,9 @@ a softmax top-k router over ``num_experts`` SwiGLU experts of width ``moe_interm
 ``intermediate_size`` in the others: megaloom's ``model.moe_every`` = decoder_sparse_step (the same rule),
 ``model.expert_ffn_dim`` = moe_intermediate_size, ``model.ffn_dim`` = intermediate_size. Tensors: the router
 ``model.layers.<i>.mlp.gate.weight`` and the experts ``...mlp.experts.<j>.gate_proj/up_proj/down_proj.weight`` (the
-Hub's layout; transformers 5's stacked experts are read too, `megaloom.convert.hf_moe`). Refused by name:
-``norm_topk_prob=false`` (megaloom's softmax router renormalises the chosen weights), ``mlp_only_layers`` (dense
+Hub's layout; transformers 5's stacked experts are read too, `megaloom.convert.hf_moe`). ``norm_topk_prob`` (the
+chosen weights renormalised; Qwen3MoeConfig's default false, the released models true) is
+``model.moe_norm_topk``. Refused by name: ``mlp_only_layers`` (dense
 blocks outside the decoder_sparse_step rule), shared experts, sigmoid routers and a trained aux-loss-free bias
 (export), and what Qwen3 refuses. The released Qwen3-30B-A3B and -235B-A22B have head_dim 128 != hidden_size /
 num_attention_heads: it is read into model.head_dim, as for the dense models.
@@ -55,7 +56,7 @@ def to_hf_config(m: ModelConfig) -> dict:
     check_moe_exportable(m, "Qwen3MoeForCausalLM")
     return {**qwen3_hf.to_hf_config(m), "decoder_sparse_step": m.moe_every, "mlp_only_layers": [],
             "num_experts": m.n_experts, "num_experts_per_tok": m.top_k, "moe_intermediate_size": expert_width(m),
-            "norm_topk_prob": True, "router_aux_loss_coef": m.aux_loss_weight, "output_router_logits": False}
+            "norm_topk_prob": m.moe_norm_topk, "router_aux_loss_coef": m.aux_loss_weight, "output_router_logits": False}
 
 
 def from_hf_config(hf: dict, where: str) -> dict:
@@ -63,9 +64,6 @@ def from_hf_config(hf: dict, where: str) -> dict:
     if hf.get("mlp_only_layers"):
         refuse(where, "mlp_only_layers", hf["mlp_only_layers"], "MoE in every block the decoder_sparse_step rule "
                "names ([] only)")
-    if not hf.get("norm_topk_prob", False):  # Qwen3MoeConfig's default is false; the released models set true
-        refuse(where, "norm_topk_prob", hf.get("norm_topk_prob", False), "the chosen experts' weights renormalised "
-               "to sum 1 (true), as megaloom's softmax router does")
     n_experts = hf.get("num_experts", hf.get("num_local_experts"))
     if not n_experts:
         refuse(where, "num_experts", n_experts, "at least one expert (a model without experts is a qwen3)")
@@ -75,6 +73,8 @@ def from_hf_config(hf: dict, where: str) -> dict:
     return {**settings, "moe_every": step, "n_experts": int(n_experts),
             "top_k": int(hf["num_experts_per_tok"]), "n_shared_experts": 0,
             "expert_ffn_dim": int(hf["moe_intermediate_size"]), "router_score": "softmax",
+            # Qwen3MoeConfig's default is false; the released models set true
+            "moe_norm_topk": bool(hf.get("norm_topk_prob", False)),
             "aux_loss_weight": float(hf.get("router_aux_loss_coef", 0.001)), "z_loss_weight": 0.0,
             "capacity_factor": 0.0, "aux_free_bias_rate": 0.0}
 
