@@ -421,11 +421,18 @@ class RunConfig:
     trackers: list[str] = _f(["tensorboard"], "Where the numbers of each metrics.jsonl record also go (rank 0; "
                                               "metrics.jsonl is always written): any of tensorboard, wandb (pip "
                                               "install 'megaloom[wandb]'; WANDB_MODE=offline needs no account), "
-                                              "mlflow (pip install 'megaloom[mlflow]'). A tracker that fails warns "
-                                              "once and is left out; training goes on.")
+                                              "mlflow (pip install 'megaloom[mlflow]'). A tracker that cannot "
+                                              "start stops the run before its first step (see "
+                                              "run.trackers_optional); one that fails later warns once and is left "
+                                              "out; training goes on.")
+    trackers_optional: bool = _f(False, "A tracker of run.trackers that cannot start (not installed, a server that "
+                                        "does not answer, a store MLflow refuses) only warns and is left out; false: "
+                                        "it is an error before the first step.")
     project: str = _f("megaloom", "The W&B project and MLflow experiment the run logs into (run.trackers).")
-    mlflow_uri: str = _f("", "MLflow tracking URI (e.g. file:/path/mlruns, http://host:5000); empty = "
-                             "$MLFLOW_TRACKING_URI, else MLflow's default.")
+    mlflow_uri: str = _f("", "MLflow tracking URI (e.g. http://host:5000, sqlite:////abs/path/mlflow.db); empty "
+                             "= $MLFLOW_TRACKING_URI, else sqlite:///<run.dir>/mlflow.db (a local database, which "
+                             "current MLflow accepts; its file store file:/path/mlruns needs "
+                             "MLFLOW_ALLOW_FILE_STORE=true).")
 
 
 @dataclass

@@ -20,9 +20,11 @@ class MetricsSink:
     """
 
     def __init__(self, run_dir: Path, tensorboard: bool, enabled: bool = True, trackers: Sequence[str] = (),
-                 config: dict | None = None, project: str = "megaloom", mlflow_uri: str = ""):
+                 config: dict | None = None, project: str = "megaloom", mlflow_uri: str = "",
+                 trackers_optional: bool = False):
         """``tensorboard``: TensorBoard event files in run_dir (``run.tensorboard`` with tensorboard in
-        ``run.trackers``); ``trackers``: the others by name; ``config``: the resolved config they record."""
+        ``run.trackers``); ``trackers``: the others by name; ``config``: the resolved config they record;
+        ``trackers_optional``: a tracker that cannot start warns (else ConfigError)."""
         self.enabled = enabled
         self.path = run_dir / "metrics.jsonl"
         self.trackers = []
@@ -30,7 +32,7 @@ class MetricsSink:
             from megaloom.observe.trackers import open_trackers
 
             names = (["tensorboard"] if tensorboard else []) + [t for t in trackers if t != "tensorboard"]
-            self.trackers = open_trackers(names, run_dir, config, project, mlflow_uri)
+            self.trackers = open_trackers(names, run_dir, config, project, mlflow_uri, trackers_optional)
 
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:

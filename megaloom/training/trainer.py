@@ -397,7 +397,8 @@ class Trainer:
                                          self.reads_data)
         self.sink = MetricsSink(self.run_dir, cfg.run.tensorboard and "tensorboard" in cfg.run.trackers,
                                 enabled=rt.is_main, trackers=cfg.run.trackers, config=cfg.to_dict(),
-                                project=cfg.run.project, mlflow_uri=cfg.run.mlflow_uri)
+                                project=cfg.run.project, mlflow_uri=cfg.run.mlflow_uri,
+                                trackers_optional=cfg.run.trackers_optional)
         dropped = self.sink.truncate_after(self.step)  # steps after the resumed one are trained again: one row each
         if dropped:
             log.info(f"metrics.jsonl: {dropped} row(s) after the resumed step {self.step} removed (trained again)")

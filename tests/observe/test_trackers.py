@@ -1,6 +1,8 @@
-"""run.trackers: TensorBoard, W&B (offline) and MLflow (a local file store) mirror metrics.jsonl; a tracker that
-fails warns once and training goes on. No network: wandb runs with WANDB_MODE=offline, MLflow on file:<tmp>.
-The W&B and MLflow tests skip where those packages are not installed (CI installs `.[dev]` only)."""
+"""run.trackers: TensorBoard, W&B (offline) and MLflow (its default SQLite store in the run directory, and a file
+store where MLFLOW_ALLOW_FILE_STORE allows it) mirror metrics.jsonl; a tracker that cannot start is an error before
+the first step unless run.trackers_optional=true (then a warning), and one that fails later warns once and training
+goes on. No network: wandb runs with WANDB_MODE=offline, MLflow on local stores. The W&B and MLflow tests skip
+where those packages are not installed (CI installs `.[dev]` only)."""
 
 from __future__ import annotations
 
@@ -54,7 +56,8 @@ def test_failing_trackers_warn_once_and_training_goes_on(small_corpus, tmp_path,
                         else real(name, *a))
     run = tmp_path / "run"
     res = train(load_config(None, tiny_overrides(small_corpus, run, "train.steps=4", "checkpoint.every=0",
-                                                 "run.trackers=tensorboard,wandb,mlflow", "run.tensorboard=true")))
+                                                 "run.trackers=tensorboard,wandb,mlflow", "run.tensorboard=true",
+                                                 "run.trackers_optional=true")))
     assert res.final_step == 4
     out = capsys.readouterr().out
     assert out.count("run.trackers: wandb is not installed") == 1 and "pip install 'megaloom[wandb]'" in out
@@ -62,6 +65,70 @@ def test_failing_trackers_warn_once_and_training_goes_on(small_corpus, tmp_path,
     assert calls == [1, 2]  # disabled after its failure
     assert [r["step"] for r in read_metrics(run)] == [1, 2, 3, 4]
     assert list(run.glob("events.out.tfevents.*"))  # the tracker that works still writes
+
+
+class Refuses:
+    """A tracker whose start fails, as MLflow's on a store it refuses or a server that does not answer."""
+
+    closed: list[str] = []
+
+    def __init__(self, *args) -> None:
+        raise RuntimeError("store refused\nsecond line")
+
+
+class Works:
+    def __init__(self) -> None:
+        Refuses.closed.clear()
+
+    def log(self, record, step):
+        pass
+
+    def close(self):
+        Refuses.closed.append("works")
+
+
+def _fake_openers(monkeypatch):
+    from megaloom.observe import trackers
+
+    monkeypatch.setattr(trackers, "_opener", lambda name, *a: {"wandb": Works, "mlflow": Refuses}[name])
+
+
+def test_a_tracker_that_cannot_start_stops_the_run_before_its_first_step(small_corpus, tmp_path, monkeypatch,
+                                                                         capsys):
+    """Issue 49: a tracker that fails to start (a fake one here) is one line naming it, the cause and the way out,
+    exit 2, before any step; the trackers started before it are closed; the failed start leaves no .lock."""
+    from megaloom.cli import main
+
+    _fake_openers(monkeypatch)
+    run = tmp_path / "run"
+    args = tiny_overrides(small_corpus, run, "train.steps=2", "checkpoint.every=0", "run.trackers=wandb,mlflow")
+    with pytest.raises(ConfigError) as err:
+        train(load_config(None, args))
+    assert str(err.value) == ("run.trackers: mlflow failed to start (RuntimeError: store refused); or set "
+                              "run.trackers_optional=true to train without it (metrics.jsonl has every record)")
+    assert Refuses.closed == ["works"]
+    assert not (run / "metrics.jsonl").exists() and not (run / ".lock").exists()
+    capsys.readouterr()
+    assert main(["train", *args]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("megaloom: error: run.trackers: mlflow failed to start (RuntimeError: store refused)")
+
+    monkeypatch.undo()  # the real openers: a tracker not installed is the same error, with the pip line
+    monkeypatch.setitem(sys.modules, "mlflow", None)
+    with pytest.raises(ConfigError, match=r"run.trackers: mlflow is not installed .*pip install 'megaloom\[mlflow\]'"
+                                          r".*run.trackers_optional=true"):
+        MetricsSink(tmp_path / "s", tensorboard=False, trackers=["mlflow"])
+
+
+def test_optional_trackers_that_cannot_start_warn_and_the_run_trains(small_corpus, tmp_path, monkeypatch, capsys):
+    _fake_openers(monkeypatch)
+    run = tmp_path / "run"
+    res = train(load_config(None, tiny_overrides(small_corpus, run, "train.steps=2", "checkpoint.every=0",
+                                                 "run.trackers=wandb,mlflow", "run.trackers_optional=true")))
+    assert res.final_step == 2 and [r["step"] for r in read_metrics(run)] == [1, 2]
+    out = capsys.readouterr().out
+    assert out.count("WARNING: run.trackers: mlflow failed to start (RuntimeError: store refused); training goes "
+                     "on without it") == 1
 
 
 def test_tensorboard_off_by_either_setting(tmp_path):
@@ -142,3 +209,51 @@ def test_mlflow_file_store_mirrors_metrics_and_resumes_its_run(tmp_path, monkeyp
     for key in expected(RECORDS[0]):
         history = sorted((m.step, m.value) for m in client.get_metric_history(found.info.run_id, key))
         assert history == pytest.approx([(r["step"], r[key]) for r in RECORDS if key in expected(r)]), key
+
+
+def test_mlflow_default_store_is_a_sqlite_database_in_the_run_directory(tmp_path, monkeypatch):
+    """Issue 49: run.mlflow_uri empty (and no MLFLOW_TRACKING_URI) logs into sqlite:///<run.dir>/mlflow.db, which
+    current MLflow accepts (its file store it refuses); artifacts under run.dir, nothing in the working directory."""
+    pytest.importorskip("mlflow")
+    pytest.importorskip("sqlalchemy")
+    pytest.importorskip("alembic")
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    run.mkdir()
+    for part in (RECORDS[:2], RECORDS[2:]):  # resumed: the same MLflow run
+        sink = MetricsSink(run, tensorboard=False, trackers=["mlflow"], config={"train": {"lr": 1e-3}}, project="p")
+        assert sink.trackers[0].active
+        for r in part:
+            sink.log(r)
+        sink.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+    client = MlflowClient(f"sqlite:///{run / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("p")
+    assert exp.artifact_location == (run / "mlartifacts").as_uri()
+    (found,) = client.search_runs([exp.experiment_id])
+    assert found.info.status == "FINISHED" and found.data.params == {"train.lr": "0.001"}
+    history = sorted((m.step, m.value) for m in client.get_metric_history(found.info.run_id, "loss"))
+    assert history == pytest.approx([(r["step"], r["loss"]) for r in RECORDS])
+
+
+def test_mlflow_file_store_refused_by_mlflow_names_the_fix(tmp_path, monkeypatch):
+    """run.mlflow_uri=file:... on an MLflow that refuses its file store: one line with the ways out."""
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    uri = f"file:{tmp_path / 'mlruns'}"
+    try:
+        mlflow.tracking.MlflowClient(uri).get_experiment_by_name("x")
+    except Exception as e:
+        if "maintenance" not in str(e):
+            raise
+    else:
+        pytest.skip(f"mlflow {mlflow.__version__} still accepts its file store")
+    with pytest.raises(ConfigError) as err:
+        MetricsSink(tmp_path, tensorboard=False, trackers=["mlflow"], mlflow_uri=uri)
+    msg = str(err.value)
+    assert msg.startswith(f"run.trackers: mlflow failed to start (RuntimeError: run.mlflow_uri={uri} is MLflow's file "
+                          "store, which current MLflow refuses"), msg
+    assert "MLFLOW_ALLOW_FILE_STORE=true" in msg and "run.trackers_optional=true" in msg
