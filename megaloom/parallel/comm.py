@@ -661,21 +661,25 @@ def scatter_to_seq(x: torch.Tensor, group: Group, recorder: OpRecorder | None = 
     return _ScatterToSeq.apply(x, group, recorder)
 
 
-def gather_from_seq(x: torch.Tensor, group: Group, recorder: OpRecorder | None = None) -> torch.Tensor:
-    """Enter a region from sequence shards: all-gather along T forward, reduce-scatter backward."""
+def gather_from_seq(x: torch.Tensor, group: Group, recorder: OpRecorder | None = None,
+                    overlap: bool = False) -> torch.Tensor:
+    """Enter a region from sequence shards: all-gather along T forward, reduce-scatter backward. ``overlap``:
+    compiled, in the form Inductor's micro-pipeline TP pass fuses with the GEMMs (`traced_comm`)."""
     if group_size(group) == 1:
         return x
     if torch.compiler.is_compiling():  # one graph per compiled block (traced_comm)
-        return traced_comm.gather_from_seq(x, group)
+        return traced_comm.gather_from_seq(x, group, overlap)
     return _GatherFromSeq.apply(x, group, recorder)
 
 
-def reduce_scatter_to_seq(x: torch.Tensor, group: Group, recorder: OpRecorder | None = None) -> torch.Tensor:
-    """Leave a region into sequence shards: reduce-scatter along T forward, all-gather backward."""
+def reduce_scatter_to_seq(x: torch.Tensor, group: Group, recorder: OpRecorder | None = None,
+                          overlap: bool = False) -> torch.Tensor:
+    """Leave a region into sequence shards: reduce-scatter along T forward, all-gather backward. ``overlap``: as
+    `gather_from_seq`'s."""
     if group_size(group) == 1:
         return x
     if torch.compiler.is_compiling():  # one graph per compiled block (traced_comm)
-        return traced_comm.reduce_scatter_to_seq(x, group)
+        return traced_comm.reduce_scatter_to_seq(x, group, overlap)
     return _ReduceScatterToSeq.apply(x, group, recorder)
 
 

@@ -151,6 +151,7 @@ class SeqRegion:
 
     def __init__(self, mesh, ring: bool = False) -> None:
         self.mesh, self.ring = mesh, ring
+        self.overlap = False  # compiled: the gather in the form Inductor fuses with the GEMMs (parallel.async_tp)
         self._linears: list[nn.Module] | None = None
         self._local: torch.Tensor | None = None
         self._full: torch.Tensor | None = None
@@ -174,7 +175,7 @@ class SeqRegion:
             full = local.detach().as_strided((b, t * self.mesh.tp, d), (local.stride(0), 0, local.stride(2)))
             self._local, self._full, self._outputs = local, full, None
             return (full,) + tuple(args[1:])
-        full = comm.gather_from_seq(local, self.mesh.tp_group, self.mesh.recorder)
+        full = comm.gather_from_seq(local, self.mesh.tp_group, self.mesh.recorder, self.overlap)
         if lean_path_active():
             self._local, self._full, self._outputs = local, full, None
         return (full,) + tuple(args[1:])

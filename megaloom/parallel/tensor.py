@@ -217,10 +217,12 @@ def with_mtp(plan: st.Plan) -> st.Plan:
 
 
 def parallelize_tensor(model: nn.Module, mesh: Mesh, sp: bool, plan: st.Plan | None = None,
-                       async_tp: bool = False) -> nn.Module:
+                       async_tp: bool = False, overlap: bool = False) -> nn.Module:
     """Split ``model`` over ``mesh.tp`` (and its MoE experts over ``mesh.ep``) in place, parameter names
     unchanged, following ``plan`` (default: the plan of the model's family, ``model.plan``). ``async_tp``
-    (with sp): the region borders as collective matmuls (`collective_matmul`)."""
+    (with sp): the region borders as collective matmuls (`collective_matmul`, eager). ``overlap`` (with sp): the
+    borders of compiled blocks in the forms Inductor's micro-pipeline TP pass fuses with their GEMMs
+    (`traced_comm`; the same collectives, so the same results)."""
     plan = plan if plan is not None else model.plan
     if getattr(model, "mtp", None) is not None:  # multi-token prediction's modules, split as the blocks are
         plan = with_mtp(plan)
@@ -238,6 +240,11 @@ def parallelize_tensor(model: nn.Module, mesh: Mesh, sp: bool, plan: st.Plan | N
     apply_plan(model, plan, ctx)
     for region, module in ctx.regions:  # before any forward: a compiled block's first trace then sees them bound
         region.bind(module)
+        region.overlap = sp and overlap
+    if sp and overlap:
+        for m in model.modules():
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+                m.overlap = True
     if tied:  # the head shares the embedding's (vocabulary-split) rows
         model.head.weight = model.tok_emb.weight
     return model

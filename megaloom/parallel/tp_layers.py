@@ -59,6 +59,7 @@ class ColumnParallelLinear(nn.Module):
         self.seq_region: SeqRegion | None = None  # set by the enclosing sp region: outputs come from it
         self.region_input = True  # False: reads a tensor made inside its region (styles.Colwise.region_input)
         self.ring = False  # input "gather" as ring steps under the GEMM (parallel.async_tp, collective_matmul)
+        self.overlap = False  # compiled: gathers in the form Inductor fuses with this GEMM (parallel.async_tp)
         self.fused_wgrad = False  # weight gradient into weight.main_grad (train.grad_accum_fusion, grad_fusion)
 
     @classmethod
@@ -74,7 +75,8 @@ class ColumnParallelLinear(nn.Module):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self._base(x)
+        y = rank_major(self._base, x, self.mesh.tp) if self.overlap and torch.compiler.is_compiling() else \
+            self._base(x)
         # model.lora (inside a region only: x is the region's input, whole on every rank): this rank's rows
         return y + lora_delta(self, x) if has_lora(self) else y
 
@@ -89,7 +91,7 @@ class ColumnParallelLinear(nn.Module):
                 x = to_compute_dtype(x)
                 if lean_path_active() and not self.fused_wgrad:  # saves the shard, not the gathered sequence
                     return gathered_linears(x, None, [(self.weight, self.bias)], g, rec, ring=self.ring)[0]
-            x = comm.gather_from_seq(x, g, rec)
+            x = comm.gather_from_seq(x, g, rec, self.overlap)
         if self.fused_wgrad:
             return fused_linear(x, self.weight, self.bias)
         return fp8.linear(x, self.weight, self.bias, self.fp8_recipe, self.fp8_fast_accum)
@@ -119,6 +121,7 @@ class RowParallelLinear(nn.Module):
         self.fp8_recipe: str | None = None  # set by precision.fp8_convert.convert_to_float8: the matmul in fp8
         self.fp8_fast_accum = True
         self.ring = False  # "reduce_scatter" as ring steps under the GEMM (parallel.async_tp, collective_matmul)
+        self.overlap = False  # compiled: the reduce-scatter in the form Inductor fuses with this GEMM (async_tp)
         self.fused_wgrad = False  # weight gradient into weight.main_grad (train.grad_accum_fusion, grad_fusion)
 
     @classmethod
@@ -146,12 +149,23 @@ class RowParallelLinear(nn.Module):
         if self.output_mode == "reduce":
             y = comm.reduce_from_tp(y, g, rec)
         else:
-            y = comm.reduce_scatter_to_seq(y, g, rec)
+            y = comm.reduce_scatter_to_seq(y, g, rec, self.overlap)
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} (local of tp={self.mesh.tp}), "
                 f"out_features={self.out_features}, bias={self.bias is not None}, output={self.output_mode}")
+
+
+def rank_major(linear, x: torch.Tensor, tp: int) -> torch.Tensor:
+    """``linear(x)`` for a region's gathered sequence x [1, tp * t, in] computed on the view [tp, t, in]: a
+    linear treats rows alike, so this is the same product, but its GEMM then reads the dim-0 all-gather's result
+    in the shape it came in, which Inductor's micro-pipeline TP pass needs to fuse the gather into the GEMM
+    (`traced_comm.gather_from_seq`). Other inputs (more rows, a sequence tp does not divide): ``linear(x)``."""
+    if x.dim() != 3 or x.shape[0] != 1 or x.shape[1] % tp:
+        return linear(x)
+    y = linear(x.view(tp, x.shape[1] // tp, x.shape[2]))
+    return y.view(1, x.shape[1], y.shape[-1])
 
 
 def lookup_vocab_rows(ids: torch.Tensor, weight: torch.Tensor, vocab_start: int, mesh: Mesh,

@@ -89,18 +89,32 @@ def scatter_to_seq(x: torch.Tensor, group) -> torch.Tensor:
     return _ScatterToSeq.apply(x, group)
 
 
-def gather_from_seq(x: torch.Tensor, group) -> torch.Tensor:
+def gather_from_seq(x: torch.Tensor, group, overlap: bool = False) -> torch.Tensor:
     """All-gather along the sequence (dim 1) forward; the gradient reduce-scattered back (funcol's autograd op).
     Gathered along dim 0, then moved into place: a view when the micro-batch has one row (the large-scale case;
-    funcol's own ``gather_dim=1`` always copies)."""
+    funcol's own ``gather_dim=1`` always copies).
+
+    ``overlap`` (the compiled tp overlap, `parallel.async_tp`): in the forms Inductor's micro-pipeline TP pass
+    (``torch/_inductor/fx_passes/micro_pipeline_tp.py``) recognises and fuses with the GEMMs that read the result
+    (``symm_mem.fused_all_gather_matmul``): with one row, the dim-0 gather as above (the column-parallel linears
+    then read it rank-major, `tp_layers.rank_major`); with more, funcol's ``gather_dim=1`` (its split + cat),
+    not waited again (a second wait between the gather and its GEMM hides the pattern)."""
     n, b, t = group.size(), x.shape[0], x.shape[1]
+    if overlap:
+        if b > 1:
+            return _all_gather(x.contiguous(), 1, group)
+        return _all_gather(x.contiguous(), 0, group).view(1, n * t, *x.shape[2:])  # [n, t, ...] is [1, n t, ...]
     y = _wait(_all_gather(x.contiguous(), 0, group))  # [n * b, t, ...], rank-major
     return y.view(n, b, t, *x.shape[2:]).movedim(0, 1).reshape(b, n * t, *x.shape[2:])
 
 
-def reduce_scatter_to_seq(x: torch.Tensor, group) -> torch.Tensor:
+def reduce_scatter_to_seq(x: torch.Tensor, group, overlap: bool = False) -> torch.Tensor:
     """Sum over the group and keep this rank's slice of dim 1; the gradient all-gathered back. The rank-chunks of
-    the sequence are brought to the front first: a view when the micro-batch has one row."""
+    the sequence are brought to the front first: a view when the micro-batch has one row. ``overlap``: funcol's
+    ``scatter_dim=1``, the form the micro-pipeline TP pass fuses with the GEMM that produces ``x``
+    (``symm_mem.fused_matmul_reduce_scatter``)."""
+    if overlap:
+        return _reduce_scatter(x.contiguous(), "sum", 1, group)
     n, b, t = group.size(), x.shape[0], x.shape[1]
     chunks = x.view(b, n, t // n, *x.shape[2:]).movedim(1, 0).reshape(n * b, t // n, *x.shape[2:])
     return _wait(_reduce_scatter(chunks.contiguous(), "sum", 0, group)).view(b, t // n, *x.shape[2:])

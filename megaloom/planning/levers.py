@@ -7,8 +7,9 @@ bench/RESULTS.md), and stays off elsewhere, so CPU runs are what they were; on a
 musa, npu, mps: none measured) each stays off as on CPU, but precision auto is bf16 there as on CUDA:
 
 - ``train.compile``: each block compiled (57.8k -> 61.9k tok/s together with the fused loss; fp8 needs it to pay;
-  the MoE preset qwen3-moe-2.6b: 50.4k -> 71.5k). Off on CPU (compile time dominates tiny models) and with
-  parallel.async_tp (its ring steps run eagerly).
+  the MoE preset qwen3-moe-2.6b: 50.4k -> 71.5k). Off on CPU (compile time dominates tiny models). With
+  parallel.async_tp the compiled blocks overlap through Inductor (parallel/tp_overlap.py); the eager ring is
+  train.compile=false.
 - ``train.fused_loss``: the chunked head + loss (+7% tok/s and -20 GB at a 128k vocabulary). Needs tp=1 (tensor
   parallelism has its own vocab-parallel loss) and a head without bias (not bert's); kept off with context
   parallelism (not tested there).
@@ -73,8 +74,6 @@ def _off_cuda(device: str) -> str:
 def _compile(cfg: Config, device: str) -> LeverChoice:
     if not accelerator.is_cuda(device):
         return LeverChoice("train.compile", False, _off_cuda(device))
-    if cfg.parallel.async_tp and cfg.parallel.tp > 1:
-        return LeverChoice("train.compile", False, "parallel.async_tp runs eagerly")
     return LeverChoice("train.compile", True, MEASURED_ON)
 
 

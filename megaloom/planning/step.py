@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 
 from megaloom.accelerator import CUDA
 from megaloom.config import Config
-from megaloom.models.attention_shapes import core_widths
+from megaloom.models.attention_shapes import attention_projections, core_widths
+from megaloom.models.registry import get_family
 from megaloom.observe.flops import flops_per_token
 from megaloom.parallel.mesh import validate_layout
 from megaloom.planning import comm
@@ -74,6 +75,57 @@ def _stage_works(cfg: Config, gpu: GpuKind) -> list[ChunkWork]:
     return [chunk_work(cfg, gpu, s, part.layers(s), last) for s in range(part.n_stages)]
 
 
+def tp_overlapped(cfg: Config) -> bool:
+    """Whether a GPU run of ``cfg`` hides its sp collectives under the GEMMs: parallel.async_tp's compiled route
+    (parallel/tp_overlap.py: CUDA with NCCL, compiled blocks), which auto takes; the eager ring is not modelled."""
+    p = cfg.parallel
+    return p.sp and p.tp > 1 and p.async_tp is not False and cfg.train.compile is not False
+
+
+def _overlapped_tp(cfg: Config, act: float, link: comm.Link, w: ChunkWork, layers: list[int]
+                   ) -> tuple[float, float]:
+    """(forward, backward) exposed seconds of a chunk's sp collectives fused with their GEMMs by Inductor's
+    micro-pipeline TP (``symm_mem.fused_all_gather_matmul`` / ``fused_matmul_reduce_scatter``): the tp - 1
+    steps of a collective each run under 1/tp of the GEMMs that read (or produce) it, so each step shows only
+    what its transfer takes beyond that GEMM chunk, ``max(0, c - g / tp)`` with ``c = alpha + B / tp / bw``; a
+    reduce-scatter's last chunk waits for its GEMM and is exposed whole. Fused: per region, the gather with the
+    GEMMs reading the region's input (q, k, v; gate, up) and the reduce-scatter with the GEMM before it (o;
+    down); in backward, the gathers of the output gradients with o's and down's input-gradient GEMMs. Not fused
+    (exposed whole, as the CPU test of the pattern matcher finds): the reduce-scatter of a region's input
+    gradient (a sum of the q, k and v products) and an MoE layer's MLP region (the expert dispatch). The GEMMs'
+    shares of a layer's GEMM time are their parameter shares."""
+    m, tp = cfg.model, cfg.parallel.tp
+    c = act / tp / link.bw + link.alpha  # one step of a ring collective over tp
+    whole = comm.all_gather(act, tp, link)
+    projections = attention_projections(m, tp)
+    attn_in = sum(pr.out * pr.inp for pr in projections[:-1])
+    attn_out = projections[-1].out * projections[-1].inp
+    ffn = _resolved(m)[1]
+    gated = get_family(m.arch).traits.gated_mlp
+    mlp_in, mlp_out = (2 if gated else 1) * m.d_model * ffn // tp, m.d_model * ffn // tp
+    fwd = bwd = 0.0
+    n = max(1, len(layers))
+    for layer in layers:
+        moe = is_moe_layer(m, layer)
+        total = attn_in + attn_out + (0 if moe else mlp_in + mlp_out)
+        g_f, g_b = w.forward.gemm / n, w.backward.gemm / n  # this layer's GEMM seconds
+
+        def hidden(share: float, g: float, total: float = total) -> float:  # exposed under GEMMs of that share
+            return (tp - 1) * max(0.0, c - share / total * g / tp)
+
+        # forward: the attention's gather under q/k/v and its reduce-scatter under o (+ its last chunk)
+        fwd += hidden(attn_in, g_f) + hidden(attn_out, g_f) + c
+        # backward: the output gradient's gather under o's input-gradient GEMM (half of o's backward), the input
+        # gradient's reduce-scatter whole
+        bwd += hidden(attn_out, g_b / 2) + whole
+        if moe:
+            fwd, bwd = fwd + 2 * whole, bwd + 2 * whole
+        else:
+            fwd += hidden(mlp_in, g_f) + hidden(mlp_out, g_f) + c
+            bwd += hidden(mlp_out, g_b / 2) + whole
+    return fwd, bwd
+
+
 def _inside_stage_comm(cfg: Config, gpu: GpuKind, sizes: dict[str, int], w: ChunkWork, layers: list[int]
                        ) -> tuple[dict[str, float], dict[str, float]]:
     """(forward, backward) seconds of the collectives a stage's micro-batch waits for, by group."""
@@ -85,9 +137,12 @@ def _inside_stage_comm(cfg: Config, gpu: GpuKind, sizes: dict[str, int], w: Chun
     n_layers = len(layers)
     if p.tp > 1:
         link = comm.link_of(gpu, sizes, "tp")
-        one = (comm.all_gather(act, p.tp, link) + comm.reduce_scatter(act, p.tp, link) if p.sp
-               else comm.all_reduce(act, p.tp, link))
-        fwd["tp"] = bwd["tp"] = 2 * one * n_layers
+        if p.sp and tp_overlapped(cfg):
+            fwd["tp"], bwd["tp"] = _overlapped_tp(cfg, act, link, w, layers)
+        else:
+            one = (comm.all_gather(act, p.tp, link) + comm.reduce_scatter(act, p.tp, link) if p.sp
+                   else comm.all_reduce(act, p.tp, link))
+            fwd["tp"] = bwd["tp"] = 2 * one * n_layers
     if p.cp > 1:  # ring attention: cp - 1 exchanges of this rank's k, v (backward: also dk, dv), under attention
         _, k_width, v_width = core_widths(m, p.tp)
         kv_bytes = tokens * (k_width + v_width) * 2

@@ -161,10 +161,10 @@ def refuse_unbuilt_lora(cfg: Config) -> None:
         raise ConfigError(f"model.lora.rank={r} with model.attention=mla is not available yet (the adapters know the "
                           "q/k/v/o projections of grouped-query attention, not latent attention's); set "
                           "model.lora.rank=0.")
-    if p.async_tp and p.tp > 1:
-        raise ConfigError(f"model.lora.rank={r} with parallel.async_tp=true is not available yet (the ring regions "
-                          "hand their linears a stand-in of the gathered input, which the adapters would read); set "
-                          "parallel.async_tp=false.")
+    if p.async_tp is True and p.tp > 1 and cfg.train.compile is not True:
+        raise ConfigError(f"model.lora.rank={r} with parallel.async_tp=true in eager mode is not available yet (the "
+                          "ring regions hand their linears a stand-in of the gathered input, which the adapters would "
+                          "read); set parallel.async_tp=false or auto, or train.compile=true (the compiled route).")
 
 
 def refuse_unbuilt_vision(cfg: Config) -> None:

@@ -333,6 +333,23 @@ class Trainer:
         materialize(model, self.device, self.mesh)  # this rank's slices only, initialised as the single process's
         self.build_seconds["materialize"] = time.perf_counter() - t0
 
+    def _tp_overlap_route(self):
+        """parallel.async_tp's route for this run (parallel/tp_overlap.py), said in the start-up lines; the
+        compiled one switched on here, before any block compiles. An explicit true that cannot run is refused."""
+        from megaloom.parallel import tp_overlap
+
+        p, mesh = self.cfg.parallel, self.mesh
+        backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else "none"
+        r = tp_overlap.route(p.async_tp, mesh.tp, p.sp, self.cfg.train.compile is True, self.device.type, backend)
+        if p.async_tp is True and r.how == "off" and mesh.tp > 1 and backend != "fake":
+            raise ConfigError(f"parallel.async_tp=true cannot run here: {r.why}. Set parallel.async_tp=auto or false "
+                              "(or train.compile=false for the eager ring steps).")
+        if r.how == "compiled":
+            tp_overlap.enable(mesh.tp_group)
+        if mesh.tp > 1:
+            (log.info if self.rt.is_main else log.debug)(f"megaloom: tp overlap {r.how} ({r.why})")
+        return r
+
     def _build_model(self, checked: Checked):
         """The model of the config's family on the meta device (no storage), split by its parallel plan, changed
         by train.* options and cut to this rank's pipeline stages there. The caller then allocates and
@@ -350,7 +367,9 @@ class Trainer:
         self.flops_per_token = flops_per_token(cfg.model, matmul_params(model), t.seq_len,
                                                frozen_matmul_params(model))
         self.image_flops = image_flops(model)  # per image through an image encoder (0 without one)
-        parallelize_tensor(model, mesh, cfg.parallel.sp, async_tp=cfg.parallel.async_tp)
+        overlap = self._tp_overlap_route()
+        parallelize_tensor(model, mesh, cfg.parallel.sp, async_tp=overlap.how == "ring",
+                           overlap=overlap.how == "compiled")
         parallelize_context(model, mesh, cfg)  # parallel.cp: attention over the cp ranks, positions of our chunks
         self.seq_shard = SequenceShard(mesh.cp, mesh.cp_rank) if mesh.cp > 1 else None
         # Selective recompute re-runs the attention core only where the kernel keeps the scores (math).

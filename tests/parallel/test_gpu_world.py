@@ -92,3 +92,40 @@ def test_nccl_split_group_on_every_gpu_of_the_host() -> None:
     for res in results:
         assert res["can_split"] and res["calls"] == {"split": 1} and res["backend"] == "nccl", res
         assert res["size"] == world and res["sum"] == [float(sum(r + 3 for r in range(world)))] * 4, res
+
+
+def suite_overlap_nccl(rank: int, world: int, device: torch.device) -> dict:
+    """parallel.async_tp's compiled route on NCCL: the micro-pipeline pass on, symmetric memory for the tp group;
+    the fused ops counted in the post-grad graphs, and the tp + sp parity of the compiled model."""
+    import torch._inductor.config as inductor_config
+
+    from megaloom.parallel.mesh import Mesh
+    from megaloom.parallel.tp_overlap import enable
+
+    from .worlds import parity_case
+
+    mesh = Mesh.build(tiny_config(tp=2, sp=True, world=world), world, rank, device)
+    enable(mesh.tp_group)
+    fused: dict[str, int] = {}
+
+    def count(graph) -> None:
+        for n in graph.nodes:
+            name = str(n.target)
+            if "fused_all_gather_matmul" in name or "fused_matmul_reduce_scatter" in name:
+                fused[name] = fused.get(name, 0) + 1
+
+    with inductor_config.patch(post_grad_custom_post_pass=count):
+        parity = parity_case(mesh, "llama", True, steps=3, compiled=True, overlap=True, backend="inductor")
+    return {"fused": fused, "parity": parity}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (symmetric memory, NCCL)")
+def test_compiled_tp_overlap_fuses_the_gemms_on_nccl() -> None:
+    """Unproven until a machine of several GPUs is lent (issue 52): the CPU proves the patterns are found
+    (tests/parallel/test_tp_overlap.py), this that Inductor fuses them and the results stay the single process's."""
+    results = run_world(2, suite_overlap_nccl)
+    for res in results:
+        assert sum(v for k, v in res["fused"].items() if "all_gather" in k) >= 2, res["fused"]
+        assert sum(v for k, v in res["fused"].items() if "reduce_scatter" in k) >= 2, res["fused"]
+        assert_parity(res["parity"])

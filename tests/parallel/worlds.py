@@ -274,10 +274,11 @@ def check_rng(mesh: Mesh) -> dict:
 
 def parity_case(mesh: Mesh, arch: str, sp: bool, tie: bool = True, steps: int = 10, docs: str = "",
                 async_tp: bool = False, compiled: bool = False, lora: bool = False,
-                extra: tuple[str, ...] = ()) -> dict:
+                extra: tuple[str, ...] = (), overlap: bool = False, backend: str = "aot_eager") -> dict:
     """Train the same model in this process (reference) and tensor-parallel for `steps` AdamW steps.
     `docs`: "mask" or "mask+reset": packed documents (token 0 ends one) kept apart, positions restarting.
     `async_tp`: the sp borders as collective matmuls (ring steps); the first step's tp ops are counted.
+    `overlap`: the compiled blocks' borders in the forms Inductor's micro-pipeline TP pass fuses (tp_overlap).
     `compiled`: every block of the tensor-parallel model compiled as train.compile does (AOTAutograd with the
     eager backend: forward and backward graphs traced and partitioned, no C++ compiler needed); the graph
     breaks and graphs compiled are counted (the region borders trace as functional collectives).
@@ -290,7 +291,7 @@ def parity_case(mesh: Mesh, arch: str, sp: bool, tie: bool = True, steps: int = 
     ref = get_family(cfg.model.arch).build(cfg.model).to(mesh.device)
     if lora:
         randomize_adapters(ref)
-    model = parallelize_tensor(copy.deepcopy(ref), mesh, sp, async_tp=async_tp)
+    model = parallelize_tensor(copy.deepcopy(ref), mesh, sp, async_tp=async_tp, overlap=overlap)
     if lora:
         freeze_base(ref, cfg)
         freeze_base(model, cfg)  # after the split, as the trainer does (the shards are new Parameters)
@@ -299,7 +300,7 @@ def parity_case(mesh: Mesh, arch: str, sp: bool, tie: bool = True, steps: int = 
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
         for layer in model.layers.values():
-            layer.compile(backend="aot_eager")
+            layer.compile(backend=backend)
     tally = comm.CommTally({mesh.tp_group: "tp"})
     # eps 1e-6, not 1e-8: a gradient that is zero in exact arithmetic (gpt2's key bias: softmax ignores a shift
     # shared by all keys) is rounding noise of ~1e-12 on both sides, which Adam with eps 1e-8 turns into steps of

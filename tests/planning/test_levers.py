@@ -29,7 +29,8 @@ def test_hopper_takes_the_measured_fast_path(monkeypatch):
 
 @pytest.mark.parametrize("overrides,key,value", [
     (["model.preset=mixtral-tiny"], "train.compile", True),  # MoE too (measured: 1.42x on qwen3-moe-2.6b)
-    (["parallel.tp=2", "parallel.sp=true", "parallel.async_tp=true"], "train.compile", False),  # eager ring steps
+    # async_tp no longer turns compile off: compiled blocks overlap through Inductor (parallel/tp_overlap.py)
+    (["parallel.tp=2", "parallel.sp=true", "parallel.async_tp=true"], "train.compile", True),
     (["parallel.tp=2"], "train.fused_loss", False),  # the vocab-parallel loss
     (["parallel.cp=2"], "train.fused_loss", False),
     (["model.preset=bert-tiny"], "train.fused_loss", False),  # the masked-LM head has a bias
@@ -69,10 +70,13 @@ def test_auto_values_parse_and_bad_ones_name_the_key():
     assert load_config(None, ["train.compile=on"]).train.compile is True
     with pytest.raises(ConfigError, match="train.compile: expected true, false or auto"):
         load_config(None, ["train.compile=fast"])
-    # async_tp refuses only an explicit compile (auto turns compile off for it)
-    with pytest.raises(ConfigError, match="parallel.async_tp"):
-        load_config(None, ["parallel.tp=2", "parallel.sp=true", "parallel.async_tp=true", "train.compile=true"])
-    load_config(None, ["parallel.tp=2", "parallel.sp=true", "parallel.async_tp=true"])
+    # async_tp: auto by default; true with compiled blocks is the compiled route (no longer refused); it needs sp
+    assert load_config(None, []).parallel.async_tp == "auto"
+    load_config(None, ["parallel.tp=2", "parallel.sp=true", "parallel.async_tp=true", "train.compile=true"])
+    with pytest.raises(ConfigError, match="parallel.async_tp=true overlaps sequence parallelism"):
+        load_config(None, ["parallel.tp=2", "parallel.async_tp=true"])
+    with pytest.raises(ConfigError, match="parallel.async_tp: expected true, false or auto"):
+        load_config(None, ["parallel.async_tp=ring"])
 
 
 def test_attention_takes_fa4_where_it_is_installed(monkeypatch):
