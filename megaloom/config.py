@@ -141,6 +141,11 @@ class ModelConfig:
                                "wider than 256: min(0.02, sqrt(2/(5*d_model))) (megaloom/models/recipes.py).")
     parallel_block: bool = _f(False, "MegaScale/GPT-J parallel block: attention and MLP read the same normed input.")
     sliding_window: int = _f(0, "Sliding-window attention span in tokens; 0 = full causal attention.")
+    attn_softcap: float = _f(0.0, "Attention-logit soft-capping (Gemma 2: 50): each score q.k / sqrt(d) becomes "
+                                  "cap * tanh(score / cap) before the softmax; the fused kernels cannot apply it, so "
+                                  "the attention core runs the math path (train.attention=auto picks math). 0 = off.")
+    final_softcap: float = _f(0.0, "Final-logit soft-capping (Gemma 2: 30): the head's logits become "
+                                   "cap * tanh(logits / cap) (train.fused_loss=auto stays off). 0 = off.")
     # Multi-head latent attention (DeepSeek-V2/V3, megaloom/models/mla.py): keys and values through one low-rank
     # latent per token, queries optionally too, a RoPE key part shared by all heads.
     attention: str = _f("gqa", "Attention kind: gqa (multi-head / grouped-query, n_kv_heads) or mla (DeepSeek's "
@@ -798,6 +803,7 @@ def validate(cfg: Config) -> None:
     from megaloom.models.lora import check_targets  # the model's linear names live with the model
 
     check_targets(m.lora, gated_mlp=family.traits.gated_mlp, dense_mlp=m.moe_every != 1)
+    _check_softcap(cfg, family)
     if m.sentence_order and not family.traits.sentence_order:
         owners = " or ".join(f"model.arch={f.name}" for f in _all_families() if f.traits.sentence_order)
         raise ConfigError(f"model.sentence_order=true with model.arch={m.arch}: this family has no sentence-order "
@@ -916,6 +922,27 @@ def _check_mla(m: ModelConfig, traits) -> None:
              f"model.head_dim={m.head_dim} with model.attention=mla: latent attention's heads are "
              "model.qk_nope_head_dim + model.qk_rope_head_dim wide (queries, keys) and "
              "model.v_head_dim (values); set model.head_dim=0.")
+
+
+def _check_softcap(cfg: Config, family) -> None:
+    """Soft-capping (model.attn_softcap / final_softcap) in a family that builds it, with the kernels that can."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    for key, cap in (("attn_softcap", m.attn_softcap), ("final_softcap", m.final_softcap)):
+        _require(cap >= 0, f"model.{key} must be >= 0 (0 = off), got {cap}.")
+        if cap and not family.traits.softcap:
+            owners = " or ".join(f"model.arch={f.name}" for f in _all_families() if f.traits.softcap)
+            raise ConfigError(f"model.{key}={cap:g} with model.arch={m.arch}: this family does not build "
+                              f"soft-capping; set model.{key}=0 (or {owners}).")
+    if m.attn_softcap:
+        _require(t.attention in ("auto", "torch", "math"),
+                 f"model.attn_softcap={m.attn_softcap:g} with train.attention={t.attention}: the fused attention "
+                 "kernels cannot soft-cap the scores; set train.attention=auto (or math): the attention core runs "
+                 "the math path.")
+        _require(p.cp == 1, f"model.attn_softcap={m.attn_softcap:g} with parallel.cp={p.cp}: context-parallel "
+                            "attention runs the fused kernels, which cannot soft-cap; set parallel.cp=1.")
+    _require(not (m.final_softcap and t.fused_loss is True),
+             f"model.final_softcap={m.final_softcap:g} with train.fused_loss=true: the fused head and loss compute "
+             "the logits chunk by chunk without the cap; set train.fused_loss=false or auto.")
 
 
 def _check_expert_groups(m: ModelConfig) -> None:

@@ -2,7 +2,8 @@
 
 The core is `scaled_dot_product_attention`, so GPUs use the flash / cuDNN kernels. Head counts are read
 from the projection shapes at run time (their width, ``head_dim``, is fixed: model.head_dim or d_model / n_heads),
-so tensor parallelism only has to swap the four linear layers.
+so tensor parallelism only has to swap the four linear layers. Soft-capped scores (Gemma 2's
+model.attn_softcap) are what no fused kernel computes: that core is the math path, `softcapped_attention`.
 """
 
 from __future__ import annotations
@@ -53,6 +54,24 @@ def attention_mask(q_len: int, k_len: int, pos: int, window: int, device) -> tor
     return allowed
 
 
+def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cap: float, scale: float | None,
+                         mask: torch.Tensor | None, dropout_p: float = 0.0) -> torch.Tensor:
+    """softmax(cap * tanh(q k^T * scale / cap), masked) v on [B, H, T, D] heads (keys and values of fewer heads are
+    shared by groups of query heads). As transformers' eager Gemma 2: the scores in q's dtype, the tanh and softmax
+    in fp32, the probabilities back in q's dtype. ``mask``: bool, True = may attend, broadcast to [B, H, Tq, Tk]."""
+    if k.shape[1] != q.shape[1]:
+        reps = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(reps, dim=1), v.repeat_interleave(reps, dim=1)
+    scores = (q @ k.transpose(-2, -1)) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    scores = torch.tanh(scores.float() / cap) * cap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = scores.softmax(-1).to(q.dtype)
+    if dropout_p:
+        probs = F.dropout(probs, dropout_p)
+    return probs @ v
+
+
 class Attention(nn.Module):
     # False for encoders (Traits.causal, set by the Block): every token attends to the whole sequence.
     causal = True
@@ -83,6 +102,8 @@ class Attention(nn.Module):
         self.recompute_core = False
         # train.attention=fa4 (set by apply_train_options): the plain causal core by FlashAttention-4 (megaloom.fa4).
         self.fa4 = False
+        # Attention-logit soft-capping (model.attn_softcap; set by the family's block): the math core.
+        self.softcap = 0.0
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int,
               docs: Documents | None = None) -> torch.Tensor:
@@ -90,6 +111,8 @@ class Attention(nn.Module):
         p = self.attn_dropout if self.training else 0.0
         gqa = q.shape[1] != k.shape[1]
         scale = self.softmax_scale
+        if self.softcap:
+            return self._softcapped_core(q, k, v, pos, docs, p)
         if docs is not None and docs.mask is not None:  # packed documents kept apart (data.document_mask)
             if isinstance(docs.mask, torch.Tensor):
                 return F.scaled_dot_product_attention(q, k, v, attn_mask=docs.mask, dropout_p=p, enable_gqa=gqa,
@@ -109,6 +132,24 @@ class Attention(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, dropout_p=p, enable_gqa=gqa, scale=scale)
         mask = attention_mask(q_len, k_len, pos, self.window, q.device)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, enable_gqa=gqa, scale=scale)
+
+    def _softcapped_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int,
+                         docs: Documents | None, p: float) -> torch.Tensor:
+        """The core with soft-capped scores: the math path (FlexAttention's score_mod under a block mask)."""
+        cap, scale = self.softcap, self.softmax_scale
+        if docs is not None and docs.mask is not None:
+            if not isinstance(docs.mask, torch.Tensor):  # a BlockMask (CUDA, no dropout): FlexAttention caps too
+                def score_mod(score, b, h, q_idx, k_idx):
+                    return torch.tanh(score / cap) * cap
+
+                return flex_attention(q, k, v, block_mask=docs.mask, score_mod=score_mod,
+                                      enable_gqa=q.shape[1] != k.shape[1], scale=scale)
+            return softcapped_attention(q, k, v, cap, scale, docs.mask, p)
+        if not self.causal:
+            mask = None
+        else:
+            mask = attention_mask(q.shape[2], k.shape[2], pos, self.window, q.device)
+        return softcapped_attention(q, k, v, cap, scale, mask, p)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int,
                docs: Documents | None) -> torch.Tensor:

@@ -42,7 +42,8 @@ class Traits:
     ``dense`` and ``norm``) instead of a bare norm. ``head_bias``: a bias on the vocabulary projection.
     ``sentence_order``: the family may carry ALBERT's sentence-order head (model.sentence_order: a pooler over the
     first token and a 2-way head; its objective builds the sentence pairs); config validation refuses the key
-    for the others."""
+    for the others. ``softcap``: the family builds attention and final-logit soft-capping (model.attn_softcap /
+    final_softcap, Gemma 2's); config validation refuses them for the others."""
 
     norm: str
     gated_mlp: bool
@@ -59,6 +60,7 @@ class Traits:
     head_transform: bool = False
     head_bias: bool = False
     sentence_order: bool = False
+    softcap: bool = False
 
 
 @dataclass(frozen=True)

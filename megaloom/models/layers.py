@@ -75,7 +75,7 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, theta: float, s: RopeScaling) -> torch.Tensor:
+def _yarn_inv_freq(pos_freqs: torch.Tensor, head_dim: int, theta: float, s: RopeScaling) -> torch.Tensor:
     def correction_dim(rotations: float) -> float:  # the dimension that turns `rotations` times in original_max_len
         return head_dim * math.log(s.original_max_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
@@ -85,28 +85,36 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, head_dim: int, theta: float, s: RopeS
     low, high = max(low, 0), min(high, head_dim - 1)
     if low == high:
         high += 0.001  # as transformers: no division by zero
-    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     extrapolation = 1 - ramp  # 1: the original frequency, 0: interpolated
-    return inv_freq / s.factor * (1 - extrapolation) + inv_freq * extrapolation
+    return 1.0 / (s.factor * pos_freqs) * (1 - extrapolation) + 1.0 / pos_freqs * extrapolation
 
 
 def rope_tables(head_dim: int, max_len: int, theta: float,
                 scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables [max_len, head_dim] for the rotate-half convention (the Hugging Face Llama layout), with the
-    frequencies (and, for YaRN, the magnitude) of ``scaling`` if given."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    frequencies (and, for YaRN, the magnitude) of ``scaling`` if given.
+
+    In float32, operation for operation as transformers computes them (and as the released models were trained):
+    the frequencies ``1 / theta^(2i/d)``, each angle ``position x frequency`` rounded to float32, its cos/sin. An
+    exact (float64) angle differs from that rounding by up to ~position x 2^-24 radians, which grows with the
+    position: tables computed in float64 put the logits of an imported Gemma 2 (scores of several units) 5e-6 from
+    transformers' before position 64 and 5e-5 by position 500, and equal to them (0 difference) in float32
+    (issue 49; tests/checkpoint/test_hf_gemma.py)."""
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    inv_freq = 1.0 / pos_freqs
     magnitude = 1.0
     if scaling is not None:
         if scaling.kind == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, scaling)
         elif scaling.kind == "yarn":
-            inv_freq = _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
+            inv_freq = _yarn_inv_freq(pos_freqs, head_dim, theta, scaling)
             magnitude = scaling.attention_factor or yarn_default_attention_factor(scaling.factor)
         else:
             raise ValueError(f"unknown RoPE scaling {scaling.kind!r}; one of llama3, yarn")
-    angles = torch.outer(torch.arange(max_len, dtype=torch.float64), inv_freq)
+    angles = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq.float())
     angles = torch.cat([angles, angles], dim=-1)
-    return (angles.cos() * magnitude).float(), (angles.sin() * magnitude).float()
+    return angles.cos() * magnitude, angles.sin() * magnitude
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

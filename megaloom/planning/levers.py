@@ -12,12 +12,14 @@ musa, npu, mps: none measured) each stays off as on CPU, but precision auto is b
   train.compile=false.
 - ``train.fused_loss``: the chunked head + loss (+7% tok/s and -20 GB at a 128k vocabulary). Needs tp=1 (tensor
   parallelism has its own vocab-parallel loss) and a head without bias (not bert's); kept off with context
-  parallelism (not tested there).
+  parallelism (not tested there), and with final-logit soft-capping (model.final_softcap: the chunks would skip
+  the cap).
 - ``train.attention``: FlashAttention-4 (megaloom/fa4.py) where the flash-attn-4 package is installed on Hopper or
   Blackwell (kernel 2.13 vs cuDNN's 2.43 ms at seq 4096, 7.35 vs 8.80 at 16k; steps +2.5% at 4k, +7.9% at 16k,
   +12.7% at 32k; loss within 0.54% of the plain path over 200 steps, 2026-12-04); else cuDNN's SDPA on Hopper or
   newer (2.6 vs flash's 4.2 ms per layer at seq 4096; the other kernels stay fallbacks); PyTorch's own order
-  elsewhere.
+  elsewhere. A model with soft-capped attention scores (model.attn_softcap, Gemma 2) gets ``math`` everywhere: no
+  fused kernel applies the cap, so its core is the math path, and the memory plan counts its scores.
 - ``train.bf16_residual``: the residual stream between blocks in bf16 under bf16/fp8 autocast (Megatron's and
   TorchTitan's numerics; norms and the loss still compute in fp32): +1.0% tok/s at seq 4096 and +1.1% at 16k,
   -1 GB, and the loss within 0.55% of the plain fp32-residual path over 200 steps (2026-12-04). On for the dense
@@ -78,6 +80,8 @@ def _compile(cfg: Config, device: str) -> LeverChoice:
 
 
 def _fused_loss(cfg: Config, device: str) -> LeverChoice:
+    if cfg.model.final_softcap:  # before the device: the same choice everywhere, said the same way
+        return LeverChoice("train.fused_loss", False, "model.final_softcap: the chunks would skip the cap")
     if not accelerator.is_cuda(device):
         return LeverChoice("train.fused_loss", False, _off_cuda(device))
     if cfg.parallel.tp > 1:
@@ -129,7 +133,9 @@ def choose_levers(cfg: Config, device: str, capability: tuple[int, int] | None =
     if t.fused_loss == "auto":
         out.append(_fused_loss(cfg, device))
     if t.attention == "auto":
-        out.append(_attention(device, capability))
+        out.append(LeverChoice("train.attention", "math", "model.attn_softcap: no fused kernel soft-caps the "
+                                                          "scores") if cfg.model.attn_softcap
+                   else _attention(device, capability))
     if t.bf16_residual == "auto":
         out.append(_bf16_residual(cfg, device))
     if t.grad_accum_fusion == "auto":

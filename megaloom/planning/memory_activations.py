@@ -43,8 +43,11 @@ def is_moe_layer(m: ModelConfig, index: int) -> bool:
 def attention_backend(cfg: Config, device: str, tp: int = 1) -> str:
     """Which SDPA save-set applies: "flash" (flash or cuDNN on GPU in bf16/fp16; the CPU flash kernel),
     "efficient" (GPU fp32 without grouped-query heads) or "math" (GPU fp32 with grouped-query heads, which
-    the fused kernels do not take in fp32; train.attention=math; CPU with dropout)."""
+    the fused kernels do not take in fp32; train.attention=math; CPU with dropout; soft-capped scores,
+    model.attn_softcap, which only the math path computes)."""
     m = cfg.model
+    if getattr(m, "attn_softcap", 0.0):
+        return "math"
     if is_cuda(device):
         if cfg.train.attention == "math":
             return "math"

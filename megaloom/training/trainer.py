@@ -211,8 +211,10 @@ class Trainer:
                              image_token_id=getattr(self.tokenizer, "image_id", None))
         capability = accelerator.cuda_capability(self.device)
         cfg, levers = resolve_levers(cfg, self.device.type, capability)  # the speed levers left at "auto"
-        if levers and self.rt.is_main:  # on CPU every lever stays off: said at debug level only
-            (log.info if accelerator.is_accelerator(self.device) else log.debug)(
+        if levers and self.rt.is_main:  # on CPU every lever stays off: said at debug level only, unless the
+            # model chose one (soft-capped attention runs the math core everywhere: a kernel worth naming)
+            chosen = any(c.key == "train.attention" and c.value == "math" for c in levers)
+            (log.info if accelerator.is_accelerator(self.device) or chosen else log.debug)(
                 f"megaloom: {describe_levers(levers)}")
         if cfg.train.attention == "fa4" and accelerator.is_accelerator(self.device):
             check_fa4(self.device)  # before the build: refused where it cannot run (not CUDA), naming the fix

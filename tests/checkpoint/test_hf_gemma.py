@@ -1,6 +1,7 @@
-"""Hugging Face interchange of the gemma family (Gemma2ForCausalLM without soft-capping), checked by logits and
-tensors: sandwich (1 + w) norms, GeGLU, the scaled embedding, heads wider than d_model / n_heads, and alternating
-sliding-window layers over a sequence longer than the window; and what it refuses, by name."""
+"""Hugging Face interchange of the gemma family (Gemma2ForCausalLM), checked by logits and tensors: sandwich
+(1 + w) norms, GeGLU, the scaled embedding, heads wider than d_model / n_heads, alternating sliding-window layers
+over a sequence longer than the window, attention and final-logit soft-capping (every released Gemma 2 has both)
+over 512 positions; and what it refuses, by name."""
 
 from __future__ import annotations
 
@@ -83,8 +84,7 @@ GEMMA2 = {"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], "hidde
 
 
 @pytest.mark.parametrize("cfg,field", [
-    ({**GEMMA2, "attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),  # the released checkpoints' values
-    ({**GEMMA2, "final_logit_softcapping": 30.0}, "final_logit_softcapping"),
+    ({**GEMMA2, "attn_logit_softcapping": -1.0}, "attn_logit_softcapping"),
     ({**GEMMA2, "query_pre_attn_scalar": 144}, "query_pre_attn_scalar"),  # Gemma 2 27B's
     ({**GEMMA2, "hidden_activation": "gelu"}, "hidden_activation"),
     ({**GEMMA2, "attention_bias": True}, "attention_bias"),
@@ -97,3 +97,56 @@ def test_unsupported_gemma2_configs_name_the_field(tmp_path, cfg, field):
     with pytest.raises(ConversionError, match=field):
         from_hf(d, tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("attn_cap,final_cap", [(50.0, 30.0), (1.0, 1.0)])
+def test_soft_capped_gemma2_imports_and_exports_with_equal_logits_over_512_positions(tmp_path, attn_cap, final_cap):
+    """Issue 49: the released caps (50 / 30: read and written as they are) and caps this model's scores and logits
+    reach (1 / 1, queries, keys and embeddings scaled up: the tanh bends them, so an uncapped or misplaced cap
+    shows), against transformers' eager Gemma2ForCausalLM in float32 over 512 positions (windows of 64 on the local
+    layers)."""
+    caps = dict(attn_logit_softcapping=attn_cap, final_logit_softcapping=final_cap, max_position_embeddings=512,
+                sliding_window=64)
+    ref = hf_model(**caps)
+    with torch.no_grad():  # scores and logits of several units, where the tanh bends
+        for name, p in ref.named_parameters():
+            if "q_proj" in name or "k_proj" in name:
+                p.mul_(8.0)
+            elif "embed_tokens" in name:
+                p.mul_(5.0)
+    ref.save_pretrained(tmp_path / "hf")
+    x = tokens(512)
+    expected = hf_logits(ref, x)
+
+    from_hf(tmp_path / "hf", tmp_path / "run")
+    model, cfg = megaloom_from_run(tmp_path / "run")
+    assert (cfg.model.attn_softcap, cfg.model.final_softcap) == (attn_cap, final_cap)
+    with torch.no_grad():
+        got = model(x)
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
+    if attn_cap < 50:
+        assert got.abs().max() < final_cap and expected.abs().max() > 0.5 * final_cap  # the cap binds
+        for key in ("attn_softcap", "final_softcap"):  # each cap matters on its own
+            import dataclasses
+
+            from megaloom.models.registry import get_family
+
+            other = get_family("gemma").build(dataclasses.replace(cfg.model, **{key: 0.0}))
+            other.load_state_dict(model.state_dict())
+            with torch.no_grad():
+                assert (other.eval()(x) - expected).abs().max() > 100 * ATOL, key
+
+    to_hf(tmp_path / "run", tmp_path / "back", show_progress=False)
+    hf_cfg = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert (hf_cfg["attn_logit_softcapping"], hf_cfg["final_logit_softcapping"]) == (attn_cap, final_cap)
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", attn_implementation="eager").eval()
+    torch.testing.assert_close(hf_logits(back, x), expected, atol=ATOL, rtol=0)
+
+
+def test_a_gemma2_config_without_the_cap_fields_takes_gemma2s_defaults(tmp_path):
+    """Gemma2Config's defaults are the released caps (50 / 30): a config.json that leaves them out has them."""
+    from megaloom.models.gemma.hf import from_hf_config
+
+    cfg = {k: v for k, v in GEMMA2.items() if not k.endswith("softcapping")}
+    assert {k: v for k, v in from_hf_config(cfg, "config.json").items() if "softcap" in k} == {
+        "attn_softcap": 50.0, "final_softcap": 30.0}

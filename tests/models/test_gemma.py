@@ -1,6 +1,7 @@
 """The gemma family: its block (sandwich (1 + w) norms, GeGLU, alternating windows), the scaled embedding, its
-plan, KV-cache decoding through windowed and global layers, recomputation, refusals and a CPU training smoke. The
-HF round trip is tests/checkpoint/test_hf_gemma.py; tp and pp parity the world suites' gemma cases."""
+plan, KV-cache decoding through windowed and global layers, recomputation, attention and final-logit soft-capping
+(the math core, train.attention=auto's choice), refusals and a CPU training smoke. The HF round trip is
+tests/checkpoint/test_hf_gemma.py; tp and pp parity the world suites' gemma cases."""
 
 from __future__ import annotations
 
@@ -115,3 +116,66 @@ def test_cli_training_smoke_loss_falls(small_corpus, tmp_path):
     first, last = sum(loss[s] for s in (1, 2, 3)) / 3, sum(loss[s] for s in (18, 19, 20)) / 3
     assert last < first - 0.5, (first, last)
     assert load_config(run / "config.yaml").model.arch == "gemma"
+
+
+def test_soft_capped_attention_core_is_the_capped_softmax():
+    """The math core: softmax(cap * tanh(q k^T / sqrt(d) / cap)) v under the causal window, grouped-query heads
+    shared; with a cap far above the scores it is SDPA's attention."""
+    from megaloom.models.attention import Attention, attention_mask, softcapped_attention
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 9, 8) * 3, torch.randn(2, 2, 9, 8) * 3, torch.randn(2, 2, 9, 8)
+    mask = attention_mask(9, 9, 0, 4, "cpu")
+    kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    s = (q @ kk.transpose(-2, -1)) / 8 ** 0.5
+    expected = (torch.tanh(s / 2.0) * 2.0).masked_fill(~mask, float("-inf")).softmax(-1) @ vv
+    torch.testing.assert_close(softcapped_attention(q, k, v, 2.0, None, mask), expected)
+    plain = F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask)
+    torch.testing.assert_close(softcapped_attention(q, k, v, 1e6, None, mask), plain, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(softcapped_attention(q, k, v, 2.0, None, mask), plain, atol=1e-2)
+    attn = Attention(32, 4, 2, False, 0.0, 4, head_dim=8)
+    attn.softcap = 2.0
+    torch.testing.assert_close(attn._core(q, k, v, 0), expected)  # the layer takes the math core
+
+
+def test_soft_capped_model_decodes_with_its_cache_and_caps_its_logits():
+    m = tiny("model.attn_softcap=1.0", "model.final_softcap=0.5").eval()
+    assert all(m.layers[str(i)].attn.softcap == 1.0 for i in range(4))
+    with torch.no_grad():
+        assert m(torch.randint(0, VOCAB, (2, 9))).abs().max() < 0.5
+    check_kv_cache_matches_full_recompute(m, VOCAB)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["model.preset=tiny", "model.attn_softcap=50"], "model.attn_softcap=50 with model.arch=llama: this family does "
+                                                     "not build soft-capping"),
+    (["model.preset=gemma-tiny", "model.final_softcap=-1"], "model.final_softcap must be >= 0"),
+    (["model.preset=gemma-tiny", "model.attn_softcap=50", "train.attention=cudnn"], "the fused attention kernels "
+                                                                                     "cannot soft-cap"),
+    (["model.preset=gemma-tiny", "model.attn_softcap=50", "parallel.cp=2"], "parallel.cp=2"),
+    (["model.preset=gemma-tiny", "model.final_softcap=30", "train.fused_loss=true"], "train.fused_loss=true"),
+])
+def test_soft_capping_where_it_cannot_run_is_refused(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_attention_auto_picks_the_math_core_for_soft_capped_scores_and_says_so(small_corpus, tmp_path, capsys):
+    """train.attention=auto -> math on any device (the fused kernels cannot cap), fused_loss off for the final cap;
+    the start-up line names both, also on CPU; the released Gemma 2 presets carry the caps."""
+    from megaloom.planning.levers import choose_levers
+
+    cfg = load_config(None, ["model.preset=gemma2-2b"])
+    assert (cfg.model.attn_softcap, cfg.model.final_softcap) == (50.0, 30.0)
+    for device, cc in (("cpu", None), ("cuda", (9, 0))):
+        chosen = {c.key: c.value for c in choose_levers(cfg, device, cc)}
+        assert chosen["train.attention"] == "math" and chosen["train.fused_loss"] is False
+    run = tmp_path / "run"
+    data = [o for o in tiny_overrides(small_corpus, run) if not o.startswith("model.")]
+    assert main(["train", "model.preset=gemma-tiny", "model.n_layers=2", "model.attn_softcap=50",
+                 "model.final_softcap=30", "train.steps=2", "checkpoint.every=0", *data]) == 0
+    out = capsys.readouterr().out
+    assert "attention math (model.attn_softcap: no fused kernel soft-caps the scores)" in out
+    assert "fused_loss off (model.final_softcap: the chunks would skip the cap)" in out
+    assert "attention math)" in out  # the memory plan's line: the math core's saved scores
+    assert load_config(run / "config.yaml").train.attention == "math"

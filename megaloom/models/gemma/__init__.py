@@ -1,7 +1,7 @@
 """Gemma (Gemma 2's decoder): the shared decoder's attention with heads of model.head_dim (256 in the released
 shapes), sandwich (1 + w) RMSNorms around attention and MLP, a tanh-GeGLU MLP, the embedding scaled by
-sqrt(d_model), and even layers attending within model.sliding_window tokens, odd layers globally
-(`model.GemmaModel`). Soft-capping is not built (model.py).
+sqrt(d_model), even layers attending within model.sliding_window tokens, odd layers globally, and Gemma 2's
+attention-logit and final-logit soft-capping (model.attn_softcap / final_softcap) (`model.GemmaModel`).
 
 The parallel plan is the decoder's plus the post-norms, which like the pre-norms sit on the residual stream: with
 sp they see this rank's tokens, so their gradients are partial sums over tp (`SequenceParallel`).
@@ -19,7 +19,8 @@ from megaloom.parallel.styles import SequenceParallel
 
 # What the rest of megaloom reads (the memory plan, an estimate for this module; the FLOP count reads the module):
 # RMSNorm, a gated MLP, no biases, rotary positions. The MLP width when model.ffn_dim is 0: 4 d_model (2B, 9B).
-TRAITS = Traits(norm="rmsnorm", gated_mlp=True, bias=False, positions="rope", default_ffn_dim=lambda d: 4 * d)
+TRAITS = Traits(norm="rmsnorm", gated_mlp=True, bias=False, positions="rope", default_ffn_dim=lambda d: 4 * d,
+                softcap=True)
 
 PLAN = {**DECODER_PLAN, "layers.*.post_attn_norm": SequenceParallel(), "layers.*.post_mlp_norm": SequenceParallel()}
 

@@ -4,10 +4,11 @@ Gemma 2's layout is Llama's names plus the sandwich norms: ``post_attention_laye
 ``pre_feedforward_layernorm`` / ``post_feedforward_layernorm`` around the MLP (megaloom's ``post_attn_norm``,
 ``mlp_norm``, ``post_mlp_norm``); HF stores the norms' w of ``1 + w`` as megaloom does, so tensors map as they are.
 The window: ``sliding_window`` with ``layer_types`` alternating sliding / full from layer 0 (Gemma 2's pattern)
-is ``model.sliding_window``; all ``full_attention`` is a window of 0. Refused with the field named: attention or
-final logit soft-capping (not built), ``query_pre_attn_scalar`` other than head_dim (megaloom scales queries by
-1 / sqrt(head_dim)), another activation than tanh-GeLU, attention biases, other layer patterns, bidirectional
-attention.
+is ``model.sliding_window``; all ``full_attention`` is a window of 0. ``attn_logit_softcapping`` /
+``final_logit_softcapping`` (50 / 30 in every released Gemma 2; null = off) are ``model.attn_softcap`` /
+``final_softcap`` (0 = off). Refused with the field named: ``query_pre_attn_scalar`` other than head_dim
+(megaloom scales queries by 1 / sqrt(head_dim)), another activation than tanh-GeLU, attention biases, other layer
+patterns, bidirectional attention.
 """
 
 from __future__ import annotations
@@ -58,16 +59,19 @@ def to_hf_config(m: ModelConfig) -> dict:
             # without a window every layer is full_attention; transformers still builds a sliding mask (unused),
             # which needs a size
             "query_pre_attn_scalar": hd, "sliding_window": m.sliding_window or m.max_seq_len,
-            "layer_types": layer_types(m.n_layers, m.sliding_window), "attn_logit_softcapping": None,
-            "final_logit_softcapping": None}
+            "layer_types": layer_types(m.n_layers, m.sliding_window),
+            "attn_logit_softcapping": m.attn_softcap or None, "final_logit_softcapping": m.final_softcap or None}
 
 
 def from_hf_config(hf: dict, where: str) -> dict:
     d, heads, n = hf["hidden_size"], hf["num_attention_heads"], hf["num_hidden_layers"]
     head_dim = hf.get("head_dim") or 256  # Gemma2Config's default
-    for field in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if hf.get(field) is not None:
-            refuse(where, field, hf[field], "no soft-capping: megaloom's gemma does not build it; set it to null")
+    caps = {}
+    for field, key in (("attn_logit_softcapping", "attn_softcap"), ("final_logit_softcapping", "final_softcap")):
+        cap = hf.get(field, {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0}[field])  # the defaults
+        if cap is not None and not (isinstance(cap, int | float) and cap > 0):
+            refuse(where, field, cap, "a positive cap, or null for none")
+        caps[key] = float(cap or 0.0)
     if hf.get("query_pre_attn_scalar", 256) != head_dim:
         refuse(where, "query_pre_attn_scalar", hf.get("query_pre_attn_scalar", 256),
                f"head_dim = {head_dim}: queries scaled by 1 / sqrt(head_dim)")
@@ -88,7 +92,7 @@ def from_hf_config(hf: dict, where: str) -> dict:
                 vocab_size=hf["vocab_size"], max_seq_len=hf.get("max_position_embeddings", 8192),
                 tie_embeddings=bool(hf.get("tie_word_embeddings", True)),  # Gemma2Config's default
                 norm_eps=float(hf.get("rms_norm_eps", 1e-6)), init_std=float(hf.get("initializer_range", 0.02)),
-                sliding_window=window, **rope_settings(hf, where))
+                sliding_window=window, **caps, **rope_settings(hf, where))
 
 
 HF = HFMapping(architecture="Gemma2ForCausalLM", model_types=("gemma2",), to_hf_config=to_hf_config,

@@ -9,9 +9,12 @@ What differs from the shared decoder, all here:
   (``x + post_norm(f(pre_norm(x)))``); even layers attend within ``model.sliding_window`` tokens, odd layers to
   the whole context (Gemma 2's alternating local / global layers; a window of 0 makes every layer global);
 - `GemmaModel`: the token embedding scaled by sqrt(d_model) (in the embedding's dtype, as transformers does);
-  heads of ``model.head_dim`` (256 in the released shapes), scaled by 1 / sqrt(head_dim).
-Not built: attention-logit and final-logit soft-capping (the released Gemma 2 checkpoints use both; conversion
-refuses them by name), and query scales other than 1 / sqrt(head_dim) (Gemma 2 27B's query_pre_attn_scalar).
+  heads of ``model.head_dim`` (256 in the released shapes), scaled by 1 / sqrt(head_dim);
+- soft-capping, as every released Gemma 2 checkpoint has it: attention scores ``cap * tanh(s / cap)`` with
+  ``model.attn_softcap`` (50; the attention core's math path, models/attention.py, since no fused kernel applies
+  it) and the head's logits with ``model.final_softcap`` (30; `SoftCappedHead`, so every loss that calls the head,
+  the vocabulary-parallel one included, and generation see the capped logits).
+Not built: query scales other than 1 / sqrt(head_dim) (Gemma 2 27B's query_pre_attn_scalar).
 """
 
 from __future__ import annotations
@@ -51,6 +54,18 @@ class GeGLU(MLP):
         return F.gelu(gate, approximate="tanh") * up
 
 
+class SoftCappedHead(nn.Linear):
+    """The vocabulary projection with Gemma 2's final-logit soft-capping: ``cap * tanh(x W^T / cap)`` (in the
+    logits' dtype; the loss reads them in fp32 as ever). Its weight is the head's (``head.weight``, tied or not)."""
+
+    def __init__(self, d_model: int, vocab_size: int, cap: float):
+        super().__init__(d_model, vocab_size, bias=False)
+        self.cap = cap
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(super().forward(x) / self.cap) * self.cap
+
+
 def is_local(layer_idx: int) -> bool:
     """Gemma 2's layer pattern: even layers attend within the sliding window, odd layers globally."""
     return layer_idx % 2 == 0
@@ -64,6 +79,7 @@ class GemmaBlock(nn.Module):
         self.attn_norm = GemmaRMSNorm(d, eps=eps)
         self.attn = Attention(d, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads, False, cfg.dropout, window,
                               qkv_bias=cfg.qkv_bias, head_dim=resolved_head_dim(cfg))
+        self.attn.softcap = cfg.attn_softcap
         self.post_attn_norm = GemmaRMSNorm(d, eps=eps)
         self.mlp_norm = GemmaRMSNorm(d, eps=eps)
         self.mlp = GeGLU(d, resolved_ffn_dim(cfg), cfg.dropout)
@@ -91,7 +107,8 @@ class GemmaModel(Transformer):
         self.drop = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleDict({str(i): GemmaBlock(cfg, i) for i in range(cfg.n_layers)})
         self.norm = GemmaRMSNorm(d, eps=cfg.norm_eps)
-        self.head = nn.Linear(d, cfg.vocab_size, bias=False)
+        self.head = (SoftCappedHead(d, cfg.vocab_size, cfg.final_softcap) if cfg.final_softcap
+                     else nn.Linear(d, cfg.vocab_size, bias=False))
         self.loss = CrossEntropyLoss()
         self.tie_weights()
         shape = (cfg.max_seq_len, resolved_head_dim(cfg))  # filled by reset_buffers

@@ -1,8 +1,7 @@
 """Gemma shapes. `gemma-tiny` trains on a laptop CPU; `gemma2-2b` and `gemma2-9b` are the shapes of
 google/gemma-2-2b and -9b (config.json: sandwich norms, GeGLU, heads of 256, alternating 4096-token sliding
-windows, tied embeddings of 256,000 rows), for GPU runs and planning. megaloom builds them without the released
-models' attention / final logit soft-capping (see model.py), so these are the shapes, not the checkpoints'
-exact function.
+windows, tied embeddings of 256,000 rows, attention / final-logit soft-capping at 50 / 30), for GPU runs and
+planning.
 
 vocab_size 0 means "take the tokenizer's vocabulary".
 """
@@ -15,8 +14,8 @@ PRESETS: dict[str, dict] = {
                        max_seq_len=1024, sliding_window=64, tie_embeddings=True, rope_theta=10000.0, norm_eps=1e-6),
     "gemma2-2b": dict(n_layers=26, d_model=2304, n_heads=8, n_kv_heads=4, head_dim=256, ffn_dim=9216,
                       vocab_size=256000, max_seq_len=8192, sliding_window=4096, tie_embeddings=True,
-                      rope_theta=10000.0, norm_eps=1e-6),
+                      rope_theta=10000.0, norm_eps=1e-6, attn_softcap=50.0, final_softcap=30.0),
     "gemma2-9b": dict(n_layers=42, d_model=3584, n_heads=16, n_kv_heads=8, head_dim=256, ffn_dim=14336,
                       vocab_size=256000, max_seq_len=8192, sliding_window=4096, tie_embeddings=True,
-                      rope_theta=10000.0, norm_eps=1e-6),
+                      rope_theta=10000.0, norm_eps=1e-6, attn_softcap=50.0, final_softcap=30.0),
 }
