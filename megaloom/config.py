@@ -239,9 +239,12 @@ class ParallelConfig:
                       ("auto", "ring", "alltoall"))
     ep: int = _f(1, "Expert-parallel size (MoE).")
     sp: bool = _f(False, "Sequence parallelism inside tensor-parallel groups.")
-    async_tp: bool = _f(False, "With sp: each tp region's all-gather and reduce-scatter as tp ring steps, each "
-                               "transfer overlapped with the GEMM on the previous chunk (collective matmul, "
-                               "Megatron's tp-comm-overlap / TorchTitan's async TP). Eager mode only.")
+    async_tp: AutoBool = _f("auto", "With sp: tensor-parallel communication hidden under the GEMMs. Compiled "
+                                    "blocks: Inductor's micro-pipeline TP over CUDA symmetric memory (TorchTitan's "
+                                    "async TP; CUDA with NCCL); eager blocks: each region's all-gather and "
+                                    "reduce-scatter as tp ring steps (collective matmul, Megatron's tp-comm-overlap). "
+                                    "auto = the compiled route where it runs (CUDA, NCCL, train.compile), else off; "
+                                    "true = compiled or ring by train.compile.", AUTO_BOOL)
     zero: int = _f(0, "ZeRO stage: 0 off, 1 optimizer state, 2 + gradients, 3 + parameters.", (0, 1, 2, 3))
     schedule: str = _f("1f1b", "Pipeline schedule.", ("gpipe", "1f1b", "interleaved", "zb"))
     pp_first_stage_layers: int = _f(0, "Layers on the first pipeline stage (which also embeds); 0 = balanced. With "
@@ -815,11 +818,9 @@ def validate(cfg: Config) -> None:
                  f"parallel.ep={p.ep} does not divide model.n_experts={m.n_experts} (each ep rank owns whole "
                  f"experts); parallel.ep values that would work: {_divisors(m.n_experts)}.")
         _check_expert_groups(m)
-    if p.async_tp and p.tp > 1:
+    if p.async_tp is True and p.tp > 1:
         _require(p.sp, "parallel.async_tp=true overlaps sequence parallelism's all-gathers and reduce-scatters with "
-                       "the GEMMs; set parallel.sp=true (or parallel.async_tp=false).")
-        _require(t.compile is not True, "parallel.async_tp=true runs its ring steps in eager mode, which compiled "
-                                        "blocks bypass; set train.compile=false or auto (or parallel.async_tp=false).")
+                       "the GEMMs; set parallel.sp=true (or parallel.async_tp=auto or false).")
     if t.optimizer.startswith("onebit"):
         _require(t.onebit_warmup_steps >= 1,
                  f"train.onebit_warmup_steps must be >= 1 (the variance is frozen where the warm-up leaves it), got "
@@ -838,10 +839,11 @@ def validate(cfg: Config) -> None:
                  f"train.overlap_optimizer=true needs one model replica's whole AdamW per rank (parallel.pp=1, "
                  f"parallel.zero=0, train.optimizer=adamw); got pp={p.pp}, zero={p.zero}, optimizer={t.optimizer}. "
                  "Set train.overlap_optimizer=false, or those settings.")
-    _require(t.grad_accum_fusion is not True or (p.zero in (0, 1) and p.schedule != "zb" and not p.async_tp),
+    ring = p.async_tp is True and t.compile is not True and p.tp > 1  # eager ring linears (may: compile auto)
+    _require(t.grad_accum_fusion is not True or (p.zero in (0, 1) and p.schedule != "zb" and not ring),
              f"train.grad_accum_fusion=true adds weight gradients into the data-parallel buckets that parallel.zero "
              f"0 and 1 keep (zero={p.zero}), outside the zero-bubble schedule's deferred weight pass (schedule="
-             f"{p.schedule}) and the async-tp ring linears (async_tp={p.async_tp}); set "
+             f"{p.schedule}) and the eager async-tp ring linears (async_tp={p.async_tp}, compile={t.compile}); set "
              "train.grad_accum_fusion=false or auto, or change those settings.")
     _require(t.recompute_casts is not True or t.compile is not False,
              "train.recompute_casts=true changes what compiled blocks save, and train.compile=false compiles none; "
