@@ -387,14 +387,20 @@ class DataConfig:
     reset_positions: bool = _f(False, "Positions (RoPE angles, learned position rows) restart at 0 with each "
                                       "document of a packed sample.")
     format: str = _f("tokens", "tokens = token files (data.paths) or the default corpus, packed across documents; "
-                               "chat = supervised fine-tuning on JSONL conversations ({\"messages\": [{\"role\": ..., "
-                               "\"content\": ...}]} a line), rendered with data.chat_template, packed whole with "
+                               "chat = supervised fine-tuning on conversations (JSONL, {\"messages\": [{\"role\": ..., "
+                               "\"content\": ...}]} a line; or Parquet / datasets .arrow / save_to_disk tables, "
+                               "data.chat_column), rendered with data.chat_template, packed whole with "
                                "document masks and restarting positions (on unless set, with parallel.pp=1), the "
                                "loss on assistant tokens only (megaloom/data/chat/).", ("tokens", "chat"))
     chat_template: str = _f("auto", "With data.format=chat: auto = the template shipped with data.tokenizer "
                                     "(chat_template.jinja or tokenizer_config.json's chat_template beside it, "
                                     "rendered with jinja2), else chatml; or a built-in one by name: chatml, llama3; "
                                     "or a .jinja file.")
+    chat_column: str = _f("messages", "With data.format=chat and tables in data.paths (Parquet, datasets .arrow "
+                                      "files, save_to_disk folders): the column holding each row's conversation, a "
+                                      "list of {role, content} messages.")
+    chat_split: str = _f("", "With data.format=chat and a saved DatasetDict folder in data.paths: the split to train "
+                             "on (e.g. train); empty = its only split (one of several is refused, naming them).")
     images: str = _f("", "Image-text data for a multimodal model (model.vision_layers > 0): a folder of *.jsonl "
                          "records with their images, or of WebDataset-style *.tar shards; empty = a generated "
                          "synthetic set (shapes and colours with captions).")

@@ -89,7 +89,7 @@ def preflight_launch(cfg: Config, world_size: int) -> Checked:
     if chat:  # every conversation line parses: a malformed one is refused here, once
         from megaloom.data.chat.records import check_chat_files
 
-        check_chat_files(cfg.data.paths)
+        check_chat_files(cfg.data.paths, cfg.data.chat_column, cfg.data.chat_split)
     else:
         for prefix in cfg.data.paths:
             IndexedTokens(prefix)

@@ -93,7 +93,8 @@ def build_chat_datasets(data: DataConfig, seq_len: int, seed: int, n_train: int,
         return SizeOnly(n_train), SizeOnly(n_valid), tok
     template = resolve_template(data.chat_template, data.tokenizer, tok.hf.get_vocab())
     chats = load_or_encode(data.paths, template, tok, cache_root(data.cache_dir),
-                           eod_inside_ok=not (data.document_mask or data.reset_positions))
+                           eod_inside_ok=not (data.document_mask or data.reset_positions), column=data.chat_column,
+                           split=data.chat_split)
     ranges = split_ranges(len(chats), data.split)
     out = []
     for role, n, role_seed in (("train", n_train, seed), ("valid", n_valid, seed + 1)):

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from megaloom.data.cache import load_npy, short_hash, tmp_name
-from megaloom.data.chat.records import Conversation, chat_files, read_conversations
+from megaloom.data.chat.records import Conversation, chat_files, read_conversations, source_files
 from megaloom.data.chat.segments import segments
 from megaloom.data.chat.templates import ChatTemplate
 from megaloom.data.errors import DataError
@@ -103,12 +103,15 @@ def encode_conversations(convs: list[Conversation], template: ChatTemplate, tok:
     return EncodedChats(np.concatenate(tokens).astype(np.int32), np.concatenate(targets), offsets)
 
 
-def cache_key(paths: list[str], template: ChatTemplate, tok: Tokenizer, eod_inside_ok: bool) -> str:
+def cache_key(paths: list[str], template: ChatTemplate, tok: Tokenizer, eod_inside_ok: bool,
+              column: str = "messages", split: str = "") -> str:
     files = []
-    for f in chat_files(paths):
-        st = f.stat()
-        files.append((str(f.resolve()), st.st_size, st.st_mtime_ns))
-    return short_hash(VERSION, files, tokenizer_sha256(tok.path), template.source, eod_inside_ok)
+    for source in chat_files(paths):
+        for f in source_files(source):
+            st = f.stat()
+            files.append((str(f.resolve()), st.st_size, st.st_mtime_ns))
+    tables = (column, split) if (column, split) != ("messages", "") else ()  # JSONL-only keys stay as they were
+    return short_hash(VERSION, files, tokenizer_sha256(tok.path), template.source, eod_inside_ok, *tables)
 
 
 def _load(folder: Path) -> EncodedChats | None:
@@ -119,15 +122,15 @@ def _load(folder: Path) -> EncodedChats | None:
 
 
 def load_or_encode(paths: list[str], template: ChatTemplate, tok: Tokenizer, cache: Path,
-                   eod_inside_ok: bool) -> EncodedChats:
-    """The encoded conversations of ``paths`` from the cache, or rendered, tokenized and cached now (every line is
-    checked before any is rendered)."""
-    folder = cache / "chat" / cache_key(paths, template, tok, eod_inside_ok)
+                   eod_inside_ok: bool, column: str = "messages", split: str = "") -> EncodedChats:
+    """The encoded conversations of ``paths`` from the cache, or rendered, tokenized and cached now (every line or
+    row is checked before any is rendered; ``column`` / ``split``: data.chat_column / chat_split, for tables)."""
+    folder = cache / "chat" / cache_key(paths, template, tok, eod_inside_ok, column, split)
     found = _load(folder)
     if found is not None:
         return found
     t0 = time.perf_counter()
-    convs = [c for f in chat_files(paths) for c in read_conversations(f)]  # every line parsed before any rendering
+    convs = [c for f in chat_files(paths) for c in read_conversations(f, column, split)]  # all parsed, then rendered
     if not convs:
         raise DataError(f"data.paths ({', '.join(paths)}) hold no conversations (data.format=chat)")
     enc = encode_conversations(convs, template, tok, eod_inside_ok)
