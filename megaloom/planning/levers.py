@@ -28,8 +28,9 @@ musa, npu, mps: none measured) each stays off as on CPU, but precision auto is b
   output is fp32 and no run measured it), the other families (encoders, LLaVA: not measured), CPU and fp32/fp16.
 
 - ``train.grad_accum_fusion``: the blocks' weight-gradient GEMMs accumulate into the fp32 data-parallel buckets
-  (megaloom/parallel/grad_fusion.py). Off at auto for now: proven equal to the plain path on CPU worlds, not yet
-  measured on a GPU (estimated ~80 ms of a 850 ms llama3-70b tp 8 rank step); ``true`` turns it on.
+  (megaloom/parallel/grad_fusion.py). Proven equal to the plain path on CPU worlds; measured on an H100 (issue 47,
+  2026-12-06, the dry run of a llama3-70b tp8 x pp8 x vpp2 4k rank: 834 -> 764 ms, elementwise 190 -> 86 ms), so
+  on at auto on CUDA where the buckets allow it (zero 0/1, not zb, not the eager async-tp ring); off elsewhere.
 
 Explicit true/false (or a kernel name) is never changed. `resolve_levers` returns the resolved copy, written to
 run.dir/config.yaml, and one line per choice for the start-up log.
@@ -117,10 +118,22 @@ def _bf16_residual(cfg: Config, device: str) -> LeverChoice:
     return LeverChoice("train.bf16_residual", True, f"{MEASURED_ON}, {precision}, dense decoder")
 
 
+FUSION_MEASURED = "llama3-70b tp8 pp8 vpp2 4k rank 834 -> 764 ms, H100 2026-12-06"
+
+
 def _grad_accum_fusion(cfg: Config, device: str, compiled: bool) -> LeverChoice:
-    # Built and proven equal on CPU worlds; its speed on a GPU is not measured yet (no GPU run since it landed),
-    # so auto keeps it off everywhere until a measurement says it pays (docs/performance.md).
-    return LeverChoice("train.grad_accum_fusion", False, "not yet measured on a GPU")
+    # Measured on CUDA (issue 47: the dry run of a large job's rank, many micro-batches of small shapes); off
+    # where the buckets it adds into do not live across micro-batches or a weight pass is deferred.
+    p = cfg.parallel
+    if not accelerator.is_cuda(device):
+        return LeverChoice("train.grad_accum_fusion", False, _off_cuda(device))
+    if p.zero not in (0, 1):
+        return LeverChoice("train.grad_accum_fusion", False, f"parallel.zero={p.zero} frees or shards the buckets")
+    if p.schedule == "zb":
+        return LeverChoice("train.grad_accum_fusion", False, "the zb schedule defers its weight pass")
+    if p.async_tp is True and not compiled and p.tp > 1:
+        return LeverChoice("train.grad_accum_fusion", False, "the eager async-tp ring linears")
+    return LeverChoice("train.grad_accum_fusion", True, FUSION_MEASURED)
 
 
 def choose_levers(cfg: Config, device: str, capability: tuple[int, int] | None = None) -> list[LeverChoice]:

@@ -23,7 +23,7 @@ def test_cpu_keeps_the_plain_path():
 def test_hopper_takes_the_measured_fast_path(monkeypatch):
     monkeypatch.setattr("megaloom.planning.levers.fa4_importable", lambda: False)  # flash-attn-4: the test below
     assert chosen([], "cuda", (9, 0)) == {"train.compile": True, "train.fused_loss": True, "train.attention": "cudnn",
-                                          "train.bf16_residual": True, "train.grad_accum_fusion": False}
+                                          "train.bf16_residual": True, "train.grad_accum_fusion": True}
     assert chosen([], "cuda", (8, 0))["train.attention"] == "torch"  # cuDNN measured faster on Hopper only
 
 
@@ -98,11 +98,17 @@ def test_grad_accum_fusion_is_refused_where_no_buckets_keep_the_gradients() -> N
             load_config(None, ["train.grad_accum_fusion=true", *bad])
 
 
-def test_grad_accum_fusion_stays_off_at_auto_until_measured_on_a_gpu() -> None:
+def test_grad_accum_fusion_at_auto_is_on_where_it_was_measured_and_the_buckets_allow() -> None:
     from megaloom.config import load_config
     from megaloom.planning.levers import resolve_levers
 
-    for device in ("cuda", "cpu"):
-        off, choices = resolve_levers(load_config(None, ["parallel.zero=1"]), device, (9, 0))
-        assert off.train.grad_accum_fusion is False, device
-    assert any(c.key == "train.grad_accum_fusion" and "not yet measured" in c.why for c in choices)
+    on, choices = resolve_levers(load_config(None, ["parallel.zero=1"]), "cuda", (9, 0))
+    assert on.train.grad_accum_fusion is True
+    assert any(c.key == "train.grad_accum_fusion" and "834 -> 764 ms" in c.why for c in choices)
+    for device, over in (("cpu", ["parallel.zero=1"]), ("cuda", ["parallel.zero=2"]), ("cuda", ["parallel.zero=3"]),
+                         ("cuda", ["parallel.pp=2", "parallel.schedule=zb"]),
+                         ("cuda", ["parallel.tp=2", "parallel.sp=true", "parallel.async_tp=true",
+                                   "train.compile=false"])):
+        off, _ = resolve_levers(load_config(None, over), device, (9, 0))
+        assert off.train.grad_accum_fusion is False, (device, over)
+        load_config(None, [*over, f"train.grad_accum_fusion={off.train.grad_accum_fusion}"])  # accepted as resolved
