@@ -146,6 +146,9 @@ class ModelConfig:
                                   "the attention core runs the math path (train.attention=auto picks math). 0 = off.")
     final_softcap: float = _f(0.0, "Final-logit soft-capping (Gemma 2: 30): the head's logits become "
                                    "cap * tanh(logits / cap) (train.fused_loss=auto stays off). 0 = off.")
+    query_pre_attn_scalar: int = _f(0, "Gemma 2: attention scores scaled by query_pre_attn_scalar^-1/2 instead of "
+                                       "head_dim^-1/2 (Gemma 2 27B: 144 = d_model / n_heads, heads of 128). 0 = "
+                                       "head_dim.")
     # Multi-head latent attention (DeepSeek-V2/V3, megaloom/models/mla.py): keys and values through one low-rank
     # latent per token, queries optionally too, a RoPE key part shared by all heads.
     attention: str = _f("gqa", "Attention kind: gqa (multi-head / grouped-query, n_kv_heads) or mla (DeepSeek's "
@@ -942,6 +945,11 @@ def _check_softcap(cfg: Config, family) -> None:
             owners = " or ".join(f"model.arch={f.name}" for f in _all_families() if f.traits.softcap)
             raise ConfigError(f"model.{key}={cap:g} with model.arch={m.arch}: this family does not build "
                               f"soft-capping; set model.{key}=0 (or {owners}).")
+    if m.query_pre_attn_scalar:
+        _require(m.query_pre_attn_scalar > 0 and family.traits.query_scale,
+                 f"model.query_pre_attn_scalar={m.query_pre_attn_scalar} with model.arch={m.arch}: "
+                 + ("must be > 0 (0 = head_dim)." if family.traits.query_scale else
+                    "this family scales queries by head_dim^-1/2 only; set model.query_pre_attn_scalar=0."))
     if m.attn_softcap:
         _require(t.attention in ("auto", "torch", "math"),
                  f"model.attn_softcap={m.attn_softcap:g} with train.attention={t.attention}: the fused attention "

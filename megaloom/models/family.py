@@ -43,7 +43,8 @@ class Traits:
     ``sentence_order``: the family may carry ALBERT's sentence-order head (model.sentence_order: a pooler over the
     first token and a 2-way head; its objective builds the sentence pairs); config validation refuses the key
     for the others. ``softcap``: the family builds attention and final-logit soft-capping (model.attn_softcap /
-    final_softcap, Gemma 2's); config validation refuses them for the others."""
+    final_softcap, Gemma 2's); config validation refuses them for the others. ``query_scale``: the family scales
+    attention scores by model.query_pre_attn_scalar^-1/2 where it is set (Gemma 2 27B); refused for the others."""
 
     norm: str
     gated_mlp: bool
@@ -61,6 +62,7 @@ class Traits:
     head_bias: bool = False
     sentence_order: bool = False
     softcap: bool = False
+    query_scale: bool = False
 
 
 @dataclass(frozen=True)

@@ -85,7 +85,7 @@ GEMMA2 = {"model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], "hidde
 
 @pytest.mark.parametrize("cfg,field", [
     ({**GEMMA2, "attn_logit_softcapping": -1.0}, "attn_logit_softcapping"),
-    ({**GEMMA2, "query_pre_attn_scalar": 144}, "query_pre_attn_scalar"),  # Gemma 2 27B's
+    ({**GEMMA2, "query_pre_attn_scalar": 0}, "query_pre_attn_scalar"),
     ({**GEMMA2, "hidden_activation": "gelu"}, "hidden_activation"),
     ({**GEMMA2, "attention_bias": True}, "attention_bias"),
     ({**GEMMA2, "layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
@@ -99,14 +99,15 @@ def test_unsupported_gemma2_configs_name_the_field(tmp_path, cfg, field):
     assert not (tmp_path / "run").exists()
 
 
-@pytest.mark.parametrize("attn_cap,final_cap", [(50.0, 30.0), (1.0, 1.0)])
-def test_soft_capped_gemma2_imports_and_exports_with_equal_logits_over_512_positions(tmp_path, attn_cap, final_cap):
+@pytest.mark.parametrize("attn_cap,final_cap,scalar", [(50.0, 30.0, 32), (1.0, 1.0, 32), (50.0, 30.0, 48)])
+def test_soft_capped_gemma2_imports_and_exports_with_equal_logits_over_512_positions(tmp_path, attn_cap, final_cap,
+                                                                                      scalar):
     """Issue 49: the released caps (50 / 30: read and written as they are) and caps this model's scores and logits
     reach (1 / 1, queries, keys and embeddings scaled up: the tanh bends them, so an uncapped or misplaced cap
     shows), against transformers' eager Gemma2ForCausalLM in float32 over 512 positions (windows of 64 on the local
-    layers)."""
+    layers); and a query scale other than head_dim's (scalar 48 for heads of 32, as Gemma 2 27B's 144 for 128)."""
     caps = dict(attn_logit_softcapping=attn_cap, final_logit_softcapping=final_cap, max_position_embeddings=512,
-                sliding_window=64)
+                sliding_window=64, query_pre_attn_scalar=scalar)
     ref = hf_model(**caps)
     with torch.no_grad():  # scores and logits of several units, where the tanh bends
         for name, p in ref.named_parameters():
@@ -121,6 +122,7 @@ def test_soft_capped_gemma2_imports_and_exports_with_equal_logits_over_512_posit
     from_hf(tmp_path / "hf", tmp_path / "run")
     model, cfg = megaloom_from_run(tmp_path / "run")
     assert (cfg.model.attn_softcap, cfg.model.final_softcap) == (attn_cap, final_cap)
+    assert cfg.model.query_pre_attn_scalar == (0 if scalar == 32 else scalar)
     with torch.no_grad():
         got = model(x)
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
@@ -135,10 +137,20 @@ def test_soft_capped_gemma2_imports_and_exports_with_equal_logits_over_512_posit
             other.load_state_dict(model.state_dict())
             with torch.no_grad():
                 assert (other.eval()(x) - expected).abs().max() > 100 * ATOL, key
+    if scalar != 32:  # the scale matters too
+        import dataclasses
+
+        from megaloom.models.registry import get_family
+
+        other = get_family("gemma").build(dataclasses.replace(cfg.model, query_pre_attn_scalar=0))
+        other.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            assert (other.eval()(x) - expected).abs().max() > 100 * ATOL
 
     to_hf(tmp_path / "run", tmp_path / "back", show_progress=False)
     hf_cfg = json.loads((tmp_path / "back" / "config.json").read_text())
     assert (hf_cfg["attn_logit_softcapping"], hf_cfg["final_logit_softcapping"]) == (attn_cap, final_cap)
+    assert hf_cfg["query_pre_attn_scalar"] == scalar
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back", attn_implementation="eager").eval()
     torch.testing.assert_close(hf_logits(back, x), expected, atol=ATOL, rtol=0)
 

@@ -98,7 +98,7 @@ def test_what_gemma_does_not_build_is_refused(override, field):
 
 
 def test_released_shapes():
-    for preset, n in (("gemma2-2b", 2.61e9), ("gemma2-9b", 9.24e9)):  # the models' cards: 2.61B and 9.24B
+    for preset, n in (("gemma2-2b", 2.61e9), ("gemma2-9b", 9.24e9), ("gemma2-27b", 27.2e9)):  # the models' cards
         cfg = load_config(None, [f"model.preset={preset}"])
         with torch.device("meta"):
             model = get_family("gemma").build(cfg.model)
@@ -154,6 +154,8 @@ def test_soft_capped_model_decodes_with_its_cache_and_caps_its_logits():
                                                                                      "cannot soft-cap"),
     (["model.preset=gemma-tiny", "model.attn_softcap=50", "parallel.cp=2"], "parallel.cp=2"),
     (["model.preset=gemma-tiny", "model.final_softcap=30", "train.fused_loss=true"], "train.fused_loss=true"),
+    (["model.preset=tiny", "model.query_pre_attn_scalar=144"], "this family scales queries by head_dim"),
+    (["model.preset=gemma-tiny", "model.query_pre_attn_scalar=-1"], "must be > 0"),
 ])
 def test_soft_capping_where_it_cannot_run_is_refused(overrides, message):
     with pytest.raises(ConfigError, match=message):

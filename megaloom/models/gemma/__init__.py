@@ -20,7 +20,7 @@ from megaloom.parallel.styles import SequenceParallel
 # What the rest of megaloom reads (the memory plan, an estimate for this module; the FLOP count reads the module):
 # RMSNorm, a gated MLP, no biases, rotary positions. The MLP width when model.ffn_dim is 0: 4 d_model (2B, 9B).
 TRAITS = Traits(norm="rmsnorm", gated_mlp=True, bias=False, positions="rope", default_ffn_dim=lambda d: 4 * d,
-                softcap=True)
+                softcap=True, query_scale=True)
 
 PLAN = {**DECODER_PLAN, "layers.*.post_attn_norm": SequenceParallel(), "layers.*.post_mlp_norm": SequenceParallel()}
 

@@ -6,9 +6,9 @@ Gemma 2's layout is Llama's names plus the sandwich norms: ``post_attention_laye
 The window: ``sliding_window`` with ``layer_types`` alternating sliding / full from layer 0 (Gemma 2's pattern)
 is ``model.sliding_window``; all ``full_attention`` is a window of 0. ``attn_logit_softcapping`` /
 ``final_logit_softcapping`` (50 / 30 in every released Gemma 2; null = off) are ``model.attn_softcap`` /
-``final_softcap`` (0 = off). Refused with the field named: ``query_pre_attn_scalar`` other than head_dim
-(megaloom scales queries by 1 / sqrt(head_dim)), another activation than tanh-GeLU, attention biases, other layer
-patterns, bidirectional attention.
+``final_softcap`` (0 = off); ``query_pre_attn_scalar`` is ``model.query_pre_attn_scalar`` where it is not
+head_dim (Gemma 2 27B: 144; 0 = head_dim). Refused with the field named: another activation than tanh-GeLU,
+attention biases, other layer patterns, bidirectional attention.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def to_hf_config(m: ModelConfig) -> dict:
             "hidden_activation": "gelu_pytorch_tanh", "attention_bias": False, "attention_dropout": 0.0,
             # without a window every layer is full_attention; transformers still builds a sliding mask (unused),
             # which needs a size
-            "query_pre_attn_scalar": hd, "sliding_window": m.sliding_window or m.max_seq_len,
+            "query_pre_attn_scalar": m.query_pre_attn_scalar or hd, "sliding_window": m.sliding_window or m.max_seq_len,
             "layer_types": layer_types(m.n_layers, m.sliding_window),
             "attn_logit_softcapping": m.attn_softcap or None, "final_logit_softcapping": m.final_softcap or None}
 
@@ -72,9 +72,10 @@ def from_hf_config(hf: dict, where: str) -> dict:
         if cap is not None and not (isinstance(cap, int | float) and cap > 0):
             refuse(where, field, cap, "a positive cap, or null for none")
         caps[key] = float(cap or 0.0)
-    if hf.get("query_pre_attn_scalar", 256) != head_dim:
-        refuse(where, "query_pre_attn_scalar", hf.get("query_pre_attn_scalar", 256),
-               f"head_dim = {head_dim}: queries scaled by 1 / sqrt(head_dim)")
+    scalar = hf.get("query_pre_attn_scalar", 256)  # Gemma2Config's default
+    if not (isinstance(scalar, int | float) and scalar > 0 and scalar == int(scalar)):
+        refuse(where, "query_pre_attn_scalar", scalar, "a positive integer (head_dim in Gemma 2 2B and 9B)")
+    caps["query_pre_attn_scalar"] = 0 if scalar == head_dim else int(scalar)
     act = hf.get("hidden_activation") or hf.get("hidden_act", "gelu_pytorch_tanh")
     if act not in GELU_TANH:
         refuse(where, "hidden_activation", act, "the tanh GeLU (gelu_pytorch_tanh)")

@@ -14,7 +14,8 @@ What differs from the shared decoder, all here:
   ``model.attn_softcap`` (50; the attention core's math path, models/attention.py, since no fused kernel applies
   it) and the head's logits with ``model.final_softcap`` (30; `SoftCappedHead`, so every loss that calls the head,
   the vocabulary-parallel one included, and generation see the capped logits).
-Not built: query scales other than 1 / sqrt(head_dim) (Gemma 2 27B's query_pre_attn_scalar).
+- ``model.query_pre_attn_scalar`` (Gemma 2 27B: 144, its heads 128 wide): scores scaled by its ^-1/2, not
+  head_dim's.
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ class GemmaBlock(nn.Module):
         self.attn = Attention(d, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads, False, cfg.dropout, window,
                               qkv_bias=cfg.qkv_bias, head_dim=resolved_head_dim(cfg))
         self.attn.softcap = cfg.attn_softcap
+        if cfg.query_pre_attn_scalar:  # (FA4's causal core applies 1 / sqrt(head_dim): SDPA takes this scale)
+            self.attn.softmax_scale = cfg.query_pre_attn_scalar ** -0.5
         self.post_attn_norm = GemmaRMSNorm(d, eps=eps)
         self.mlp_norm = GemmaRMSNorm(d, eps=eps)
         self.mlp = GeGLU(d, resolved_ffn_dim(cfg), cfg.dropout)
