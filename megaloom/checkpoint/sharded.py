@@ -280,13 +280,16 @@ def local_state_fits(state: dict, saved: dict) -> bool:
     return True
 
 
-def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: Mesh, save: bool = False) -> dict:
+def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, mesh: Mesh, save: bool = False,
+                  with_optim: bool = True) -> dict:
     """{'model': ..., 'optim': ...} as this rank holds it (no collective): what a checkpoint writes and loads.
 
     ``save``: what this rank writes. With ZeRO-1/2 every data-parallel replica holds the same weights, and DCP
     would write each box once anyway; each rank then stands for the segment it updates (its ZeRO shard of the
     weights, 1/dp), so a staged save copies only that, and the boxes of the ranks tile every tensor without a
-    duplicate. Loading (``save=False``) reads every replica's whole box into its parameters."""
+    duplicate. Loading (``save=False``) reads every replica's whole box into its parameters. ``with_optim=False``:
+    the model's part only, but still into the fp32 master shards where the optimizer keeps them apart (the
+    parameters may hold rounded, even bf16, weights: train.bf16_params)."""
     segments = None
     layout = type(getattr(optimizer, "layout", None)).__name__
     # ZeRO-3's parameters are their own shards (FSDP2 DTensors; `_own_part`): described by the model alone.
@@ -296,7 +299,7 @@ def sharded_state(model: nn.Module, optimizer: torch.optim.Optimizer | None, mes
     elif save and optimizer is not None and layout == "DataParallelGrads":
         segments = _segments(optimizer, [s.data for s in optimizer.segments])  # views of the parameters
     state: dict = {"model": sharded_model_state(model, mesh, segments)}
-    if optimizer is not None:
+    if optimizer is not None and with_optim:
         state["optim"] = sharded_optim_state(model, optimizer, mesh)
         if hasattr(optimizer, "error_buffers"):  # 1-bit optimizers: each rank's own error-feedback buffers
             state["optim_local"] = error_feedback_state(optimizer, mesh)

@@ -533,7 +533,8 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     saved = check_metadata(path).state_dict_metadata if onebit else {}
     if onebit:
         optimizer.prepare_load(set(saved))  # the variance window's sums, where the checkpoint has them
-    sd = sharded_state(model, optimizer if with_optim else None, mesh)  # views of the live tensors
+    masters = getattr(optimizer, "separate_masters", False)  # ZeRO's fp32 master shards: weights load into them
+    sd = sharded_state(model, optimizer if with_optim or masters else None, mesh, with_optim=with_optim)  # views
     if fresh_adapters:
         from megaloom.models.lora import is_adapter_name
 
@@ -544,8 +545,8 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         optimizer.reset_errors()
     _read_tensors(path, sd, group)
     after_load(optimizer if with_optim else None, sd)
-    if getattr(optimizer, "separate_masters", False):  # ZeRO gathering bf16: replicas from the master shards
-        optimizer.weights_loaded(masters_loaded=with_optim)
+    if masters:  # ZeRO gathering bf16: replicas from the master shards, which the weights were read into
+        optimizer.weights_loaded(masters_loaded=True)
     rng_file = path / f"rng_rank{rank}.pt"
     if rng_file.is_file():
         set_rng_state(_load_rng(rng_file))

@@ -139,6 +139,7 @@ class Bucket:
     work: comm.Pending | None = None  # the reduction in flight
     gather: comm.Pending | None = None  # zero >= 1: the parameter all-gather in flight
     gather_buf: torch.Tensor | None = None  # its low-precision landing buffer (param_gather_dtype != fp32)
+    master_init: torch.Tensor | None = None  # bf16 parameters: this rank's chunk in fp32 until the optimizer takes it
     tied: bool = False  # holds only the embedding tied across pipeline stages
     reductions: int = 0  # reductions issued this step (must end at exactly 1)
 
@@ -173,6 +174,7 @@ class Segment:
     start: int
     data: torch.Tensor  # view of the parameter's storage (fp32: these are the master weights)
     grad: torch.Tensor | None  # view of the reduced gradient
+    master_init: torch.Tensor | None = None  # bf16 parameters: the segment's fp32 values at the build
 
 
 class GradView:
@@ -205,11 +207,15 @@ class DataParallelGrads:
 
     def __init__(self, model: nn.Module, mesh: Mesh, zero: int = 0, bucket_mb: float = DEFAULT_BUCKET_MB,
                  tied: nn.Parameter | None = None, tied_group: comm.Group = None,
-                 param_gather_dtype: torch.dtype = torch.float32, pad_multiple: int = 1) -> None:
+                 param_gather_dtype: torch.dtype = torch.float32, pad_multiple: int = 1,
+                 low_precision_params: bool = False) -> None:
         """``tied``/``tied_group``: with pp > 1, this stage's copy of the embedding tied to the head and the
         {first, last stage} group its gradient is summed over (pipeline.stage.tied_parameter and
         build_embedding_groups). ``param_gather_dtype``: what the zero>=1 parameter all-gathers move.
-        ``pad_multiple``: each bucket is padded to a multiple of its group's size times this."""
+        ``pad_multiple``: each bucket is padded to a multiple of its group's size times this.
+        ``low_precision_params`` (train.bf16_params; zero 1/2 gathering below fp32): the parameters themselves are
+        held in ``param_gather_dtype`` (the gather lands in them; the matmuls read them without a cast), their fp32
+        values live only in the optimizer's master shard (`Segment.master_init` hands it the build's values)."""
         if zero not in (0, 1, 2):
             raise ConfigError(f"parallel.zero={zero}: DataParallelGrads handles 0, 1 and 2; stage 3 is "
                               "megaloom.parallel.zero.FullyShardedGrads (use zero.build_data_parallel).")
@@ -224,13 +230,18 @@ class DataParallelGrads:
         self.model, self.mesh, self.zero = model, mesh, zero
         self.tied, self.tied_group = tied, tied_group
         self.gather_dtype = param_gather_dtype if zero else torch.float32
+        if low_precision_params and (not zero or self.gather_dtype == torch.float32):
+            raise ConfigError("train.bf16_params=true keeps the fp32 weights only in ZeRO's master shards: it needs "
+                              f"parallel.zero 1 or 2 (got {zero}) gathering bf16 parameters (parallel.param_gather="
+                              "auto with train.precision bf16 or fp8); set train.bf16_params=false or auto.")
+        self.param_dtype = self.gather_dtype if low_precision_params else torch.float32
         self.group = mesh.dp_cp_group
         self.size, self.rank = comm.group_size(self.group), comm.group_rank(self.group)
         names = {p: n for n, p in model.named_parameters()}
         self.params = [p for p in model.parameters() if p.requires_grad]  # a tied weight once
         self.named_params = [(names[p], p) for p in self.params]
         for name, p in self.named_params:
-            if p.dtype != torch.float32:  # megaloom keeps fp32 parameters and computes under autocast
+            if p.dtype != torch.float32:  # built in fp32; bf16 parameters are made here (_move_params)
                 raise ValueError(f"data parallelism keeps fp32 main gradients; parameter {name} is {p.dtype}")
         device = self.params[0].device if self.params else mesh.device
         self.bucket_numel = max(1, int(bucket_mb * 2**20) // 4)
@@ -294,13 +305,25 @@ class DataParallelGrads:
         return self.params[0].device if self.params else self.mesh.device
 
     def _move_params(self, b: Bucket) -> None:
-        """Parameters become views of one flat buffer per bucket: the target of the in-place all-gather."""
-        b.param_data = torch.zeros(b.padded, dtype=torch.float32, device=self.grad_device)
+        """Parameters become views of one flat buffer per bucket: the target of the in-place all-gather. With
+        low-precision parameters the buffer is in ``param_dtype`` and this rank's chunk of the fp32 values is kept
+        for the optimizer's masters (`master_init`, released once they exist)."""
+        flat = torch.zeros(b.padded, dtype=torch.float32, device=self.grad_device)
         with torch.no_grad():
             for p, off in zip(b.params, b.offsets, strict=True):
-                view = b.param_data[off:off + p.numel()].view_as(p)
-                view.copy_(p)
-                p.data = view
+                flat[off:off + p.numel()].view_as(p).copy_(p)
+            if self.param_dtype != torch.float32:
+                lo, hi = self._chunk(b)
+                b.master_init = flat[lo:hi].clone()
+                flat = flat.to(self.param_dtype)
+            b.param_data = flat
+            for p, off in zip(b.params, b.offsets, strict=True):
+                p.data = b.param_data[off:off + p.numel()].view(p.shape)
+
+    def release_master_init(self) -> None:
+        """The optimizer has its fp32 masters: drop the build's copies."""
+        for b in self.buckets:
+            b.master_init = None
 
     def _chunk(self, b: Bucket) -> tuple[int, int]:
         n = b.padded // b.size
@@ -324,7 +347,9 @@ class DataParallelGrads:
             for p, off in zip(b.params, b.offsets, strict=True):
                 a, e = max(lo, off), min(hi, off + p.numel())
                 if e > a:
-                    segs.append(Segment(owner[p], a - off, b.param_data[a:e], self._grad_chunk(b)[a - lo:e - lo]))
+                    init = b.master_init[a - lo:e - lo] if b.master_init is not None else None
+                    segs.append(Segment(owner[p], a - off, b.param_data[a:e], self._grad_chunk(b)[a - lo:e - lo],
+                                        init))
         return segs
 
     def shard_numel(self) -> int:
@@ -519,7 +544,7 @@ class DataParallelGrads:
             lo, hi = self._chunk(b)
             # Nothing reads a bucket's parameters before its gather is waited for (module pre-hooks, the state-dict
             # pre-hook, the optimizer step): the other ranks' chunks may be overwritten in any way meanwhile.
-            if self.gather_dtype == torch.float32:
+            if b.param_data.dtype == self.gather_dtype:  # fp32, or parameters held in the gather's dtype
                 b.gather = comm.all_gather_into_async(b.param_data, b.param_data[lo:hi], b.group,
                                                       recorder=self.mesh.recorder, scratch=True)
                 continue

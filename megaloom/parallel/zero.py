@@ -286,7 +286,9 @@ class ShardedOptimizer:
         device = self.named_params[0][1].device if self.named_params else self.mesh.device
         # Views (updates land in the parameters), or fp32 master copies when the replicas hold rounded weights.
         self.separate_masters = getattr(layout, "gather_dtype", torch.float32) != torch.float32
-        self.tensors = [nn.Parameter(s.data.clone() if self.separate_masters else s.data) for s in self.segments]
+        self.tensors = [nn.Parameter(_master_of(s) if self.separate_masters else s.data) for s in self.segments]
+        if hasattr(layout, "release_master_init"):
+            layout.release_master_init()
         for t, s in zip(self.tensors, self.segments, strict=True):
             t.grad = s.grad
         decay = [i for i, s in enumerate(self.segments) if self.named_params[s.owner][1].ndim >= 2]
@@ -373,12 +375,19 @@ class ShardedOptimizer:
                    if torch.is_tensor(v) and v.ndim > 0)
 
 
+def _master_of(s: Segment) -> torch.Tensor:
+    """A segment's fp32 master: the build's fp32 values where the parameters are held in bf16
+    (train.bf16_params), else a copy of the (fp32) parameters."""
+    return s.master_init.clone() if s.master_init is not None else s.data.detach().float().clone()
+
+
 # ------------------------------------------------------------------------------------------------ building
 
 
 def build_data_parallel(model: nn.Module, mesh: Mesh, zero: int = 0, bucket_mb: float = DEFAULT_BUCKET_MB,
                         param_dtype: torch.dtype = torch.float32, tied: nn.Parameter | None = None,
-                        tied_group: comm.Group = None, pad_multiple: int = 1) -> DataParallelGrads | FullyShardedGrads:
+                        tied_group: comm.Group = None, pad_multiple: int = 1,
+                        low_precision_params: bool = False) -> DataParallelGrads | FullyShardedGrads:
     """The gradient side for ``parallel.zero``: buckets (0, 1, 2) or FSDP2 (3). ``param_dtype``: what the
     parameter all-gathers move (bf16 when training in bf16); ``tied``/``tied_group``: a pipeline stage's copy
     of the embedding tied across stages (see DataParallelGrads); ``pad_multiple``: buckets padded to a multiple
@@ -391,7 +400,11 @@ def build_data_parallel(model: nn.Module, mesh: Mesh, zero: int = 0, bucket_mb: 
             raise ConfigError("parallel.zero=3 with parallel.pp>1 is not available (FSDP2 would shard each stage "
                               "and its tied embedding copy on its own); use parallel.zero=1 or 2 with pipelines.")
         return FullyShardedGrads(model, mesh, param_dtype)
-    return DataParallelGrads(model, mesh, zero, bucket_mb, tied, tied_group, param_dtype, pad_multiple)
+    if low_precision_params and zero == 3:
+        raise ConfigError("train.bf16_params=true with parallel.zero=3: FSDP2 keeps its own mixed-precision policy "
+                          "(bf16 gathers of fp32 shards); set train.bf16_params=false or auto.")
+    return DataParallelGrads(model, mesh, zero, bucket_mb, tied, tied_group, param_dtype, pad_multiple,
+                             low_precision_params)
 
 
 def param_gather_dtype(precision: str) -> torch.dtype:

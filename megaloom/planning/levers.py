@@ -1,5 +1,5 @@
 """The speed levers a user leaves at "auto" (train.compile, train.fused_loss, train.attention, train.bf16_residual,
-train.grad_accum_fusion), chosen for the device.
+train.grad_accum_fusion, train.bf16_params), chosen for the device.
 
 A run typed with only the model and the batch should take the fastest path that is proven equal to the plain
 one. Each lever turns on where it is supported and was measured to pay (one H200, llama3-1b-untied, seq 4096, bf16;
@@ -31,6 +31,9 @@ musa, npu, mps: none measured) each stays off as on CPU, but precision auto is b
   (megaloom/parallel/grad_fusion.py). Proven equal to the plain path on CPU worlds; measured on an H100 (issue 47,
   2026-12-06, the dry run of a llama3-70b tp8 x pp8 x vpp2 4k rank: 834 -> 764 ms, elementwise 190 -> 86 ms), so
   on at auto on CUDA where the buckets allow it (zero 0/1, not zb, not the eager async-tp ring); off elsewhere.
+
+- ``train.bf16_params``: the trained weights in bf16 with fp32 master shards in ZeRO-1/2 (megaloom/parallel/
+  data_parallel.py): off at auto until measured on a GPU.
 
 Explicit true/false (or a kernel name) is never changed. `resolve_levers` returns the resolved copy, written to
 run.dir/config.yaml, and one line per choice for the start-up log.
@@ -136,6 +139,14 @@ def _grad_accum_fusion(cfg: Config, device: str, compiled: bool) -> LeverChoice:
     return LeverChoice("train.grad_accum_fusion", True, FUSION_MEASURED)
 
 
+def _bf16_params(cfg: Config, device: str) -> LeverChoice:
+    # Built and proven on CPU worlds; not measured on a GPU yet (the dry run's 70B rank with and without it is the
+    # measurement: bench/run_speed.sh dryrun with train.bf16_params=true), so auto keeps it off everywhere.
+    if not accelerator.is_cuda(device):
+        return LeverChoice("train.bf16_params", False, _off_cuda(device))
+    return LeverChoice("train.bf16_params", False, "not yet measured on a GPU")
+
+
 def choose_levers(cfg: Config, device: str, capability: tuple[int, int] | None = None) -> list[LeverChoice]:
     """The choice for every lever of ``cfg`` left at "auto" on ``device`` (a device type: "cpu", CUDA's, another
     accelerator's; ``capability``: a CUDA GPU's compute capability when known)."""
@@ -154,6 +165,8 @@ def choose_levers(cfg: Config, device: str, capability: tuple[int, int] | None =
     if t.grad_accum_fusion == "auto":
         compiled = t.compile is True or any(c.key == "train.compile" and c.value for c in out)
         out.append(_grad_accum_fusion(cfg, device, compiled))
+    if t.bf16_params == "auto":
+        out.append(_bf16_params(cfg, device))
     return out
 
 

@@ -236,12 +236,20 @@ def master_shards(cfg: Config, precision: str) -> bool:
     return cfg.parallel.param_gather == "auto" and precision in ("bf16", "fp8")
 
 
+def bf16_params(lay: RankLayout) -> bool:
+    """train.bf16_params on a layout that takes it: the trainable (bucketed) weights held in bf16, their fp32
+    values in ZeRO-1/2's master shards; autocast then makes no weight copies."""
+    return (lay.cfg.train.bf16_params is True and lay.zero in (1, 2) and lay.dp > 1 and lay.world_size > 1
+            and master_shards(lay.cfg, lay.precision))
+
+
 def _persistent_state(lay: RankLayout, counts: ParamCounts) -> _State:
     zero, dp, p_local = lay.zero, lay.dp, counts.local
     fsdp = zero == 3 and lay.world_size > 1
     onebit = lay.cfg.train.optimizer.startswith("onebit")  # on the buckets, in one process too (megaloom/onebit.py)
     buckets = (lay.world_size > 1 or onebit) and not fsdp  # pipelines too: each stage's gradients in buckets
-    weights = 4 * (p_local + counts.frozen)  # frozen parameters are stored, fp32 (whole but under ZeRO-3)
+    # frozen parameters are stored, fp32 (whole but under ZeRO-3); train.bf16_params: the trainable ones in bf16
+    weights = (2 if bf16_params(lay) else 4) * p_local + 4 * counts.frozen
     # ZeRO shards dense parameters over dp x cp, expert weights over edp (the dp ranks holding the same experts)
     ep = lay.cfg.parallel.ep
     shard = (p_local - counts.expert) // (dp * lay.cp) + counts.expert // max(1, dp // ep * lay.cp)

@@ -11,7 +11,7 @@ steps, the prediction next to the device allocator's peak (`accelerator.max_memo
 
 Persistent state (megaloom keeps fp32 parameters and runs bf16/fp16 under autocast):
 
-  weights      4 bytes x this rank's parameters (ZeRO-3: its 1/dp shard)
+  weights      4 bytes x this rank's parameters (ZeRO-3: its 1/dp shard; train.bf16_params: 2 for the trained ones)
   gradients    fp32. One process or pipelines: ``p.grad``, allocated during the first backward of a step and
                freed by ``zero_grad(set_to_none=True)`` after it. Data parallel (megaloom.parallel.data_parallel):
                flat fp32 buckets, persistent with zero 0/1 (zero 1 reduce-scatters in place: its reduced 1/dp
@@ -120,6 +120,7 @@ from megaloom.planning.memory_params import (
     _persistent_state,
     _State,
     analytic_params,
+    bf16_params,
     count_model_params,
     master_shards,
 )
@@ -374,7 +375,7 @@ class _Blocks:
                                       device=lay.device, recompute=mode, attention=lay.attention, fp8=i in self.fp8)
 
     def casts(self, i: int) -> int:
-        if not self.lay.autocast:
+        if not self.lay.autocast or bf16_params(self.lay):  # bf16 weights: autocast's cast is the weight itself
             return 0
         cfg = self.lay.cfg
         if getattr(cfg.train, "recompute_casts", False) is True and cfg.train.compile is True:
@@ -408,11 +409,12 @@ def _stage_activations(lay: RankLayout, rank: _RankModel, blocks: _Blocks) -> _A
     emb = sum(embedding_activation_bytes(cfg, tokens=lay.tokens, batch=lay.batch, tp=lay.tp,
                                          device=lay.device).values())
     head = sum(head_activation_bytes(cfg, tokens=lay.tokens, tp=lay.tp, sp=lay.sp, device=lay.device).values())
-    head_cast = 2 * rank.counts.matmul_head if (lay.autocast and rank.has_head and not fused_loss(cfg)) else 0
+    head_cast = 2 * rank.counts.matmul_head if (lay.autocast and rank.has_head and not fused_loss(cfg)
+                                                and not bf16_params(lay)) else 0
     if rank.has_head and cfg.model.mtp_depth:  # multi-token prediction runs with the head: its saves and casts
         head += sum(mtp_activation_bytes(cfg, tokens=lay.tokens, batch=lay.batch, tp=lay.tp, sp=lay.sp,
                                          device=lay.device).values())
-        head_cast += 2 * rank.counts.matmul_mtp if lay.autocast else 0
+        head_cast += 2 * rank.counts.matmul_mtp if lay.autocast and not bf16_params(lay) else 0
     loss = loss_transients(cfg, tokens=lay.tokens, tp=lay.tp, device=lay.device)
     saved, casts, saved_casts, recompute = {}, {}, {}, {}
     # Activation offload: the blocks' saved tensors wait in host memory; one block's come back during its backward.

@@ -276,16 +276,20 @@ class Trainer:
             # Gradient buckets of the stage, reduced (zero 0) or reduce-scattered (zero 1/2) over dp as each chunk
             # finishes its last backward; the tied embedding's bucket then summed over the first and last stage.
             grads = build_data_parallel(model, mesh, cfg.parallel.zero, cfg.parallel.bucket_mb, gather_dtype,
-                                        tied=tied_parameter(stage), tied_group=emb_group, pad_multiple=pad)
+                                        tied=tied_parameter(stage), tied_group=emb_group, pad_multiple=pad,
+                                        low_precision_params=t.bf16_params is True)
         # Data parallelism: gradient buckets reduced during the last backward (zero 0), reduce-scattered into a
         # sharded optimizer (zero 1/2), or FSDP2-sharded parameters (zero 3). Built before compile: FSDP2 wraps blocks.
         elif rt.world_size > 1 or onebit:
             grads = build_data_parallel(model, mesh, cfg.parallel.zero, cfg.parallel.bucket_mb, gather_dtype,
-                                        pad_multiple=pad)
+                                        pad_multiple=pad, low_precision_params=t.bf16_params is True)
             if fsdp:  # FSDP2 wrapped the meta model: each rank allocates its dim-0 share of its tp shard only
                 self._materialize(model)
         else:
             grads = None
+        if t.bf16_params is True and grads is None:
+            raise ConfigError("train.bf16_params=true keeps the fp32 weights in ZeRO's master shards, which need "
+                              "data-parallel ranks (world > 1, parallel.zero 1 or 2); set train.bf16_params=false.")
         if t.grad_accum_fusion is True:  # before compile: the blocks' linears change
             if hasattr(grads, "enable_fusion"):
                 n = grads.enable_fusion(model)

@@ -407,3 +407,19 @@ def test_frozen_parameters_are_stored_but_hold_no_gradients_or_optimizer_state()
     plan = plan_memory(cfg, model, device="cpu")
     assert plan.weights == 4 * total
     assert plan.optimizer == 8 * trained
+
+
+def test_bf16_params_halve_the_trained_weights_and_make_no_weight_casts() -> None:
+    from megaloom.planning.memory_plan import plan_memory
+
+    base = ["model.preset=llama3-8b", "model.vocab_size=128256", "parallel.zero=1", "train.precision=bf16",
+            "parallel.tp=8", "train.seq_len=4096", "train.global_batch_size=64", "train.micro_batch_size=1",
+            "train.compile=false"]
+    off = plan_memory(load_config(None, base), world_size=64, device="cuda")
+    on = plan_memory(load_config(None, [*base, "train.bf16_params=true"]), world_size=64, device="cuda")
+    assert on.weights * 2 == off.weights and on.optimizer == off.optimizer  # the fp32 masters were there before
+    assert on.weight_casts == 0 < off.weight_casts
+    assert on.peak < off.peak
+    # without ZeRO there is no master shard to hold the fp32 weights: refused before anything is built
+    with pytest.raises(Exception, match="train.bf16_params=true keeps the fp32 weights only in ZeRO"):
+        load_config(None, [*base[:2], "parallel.zero=0", "train.bf16_params=true"])

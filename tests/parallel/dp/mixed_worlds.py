@@ -49,14 +49,16 @@ class DistBytes:
             setattr(dist, name, fn)
 
 
-def gather_dtype_case(mesh: Mesh, zero: int, dtype: torch.dtype) -> dict:
+def gather_dtype_case(mesh: Mesh, zero: int, dtype: torch.dtype, low: bool = False) -> dict:
     """Three bf16 steps (autocast) at dp=2 with the parameter gathers in ``dtype``: bytes per step on the
-    data-parallel group (the recorder for ZeRO-1/2, the wrapped collectives for FSDP2), the dtypes held."""
+    data-parallel group (the recorder for ZeRO-1/2, the wrapped collectives for FSDP2), the dtypes held.
+    ``low``: train.bf16_params (the parameters themselves in ``dtype``, fp32 only in the master shards)."""
     model = parallelize_tensor(copy.deepcopy(base_model("llama", mesh)), mesh, False)
     tally = comm.CommTally({mesh.dp_cp_group: "dp"})
     with DistBytes(mesh.dp_cp_group) as fsdp:
-        grads = build_data_parallel(model, mesh, zero, 0.05, dtype)
+        grads = build_data_parallel(model, mesh, zero, 0.05, dtype, low_precision_params=low)
         opt = ShardedOptimizer(grads, "adamw", lr=LR, betas=BETAS, eps=EPS["adamw"], weight_decay=WD)
+        masters0 = [t.detach().clone() for t in opt.tensors]  # the build's values (before any step)
         step = TrainStep(model, opt, "bf16", mesh.device, 2, 1.0, grads)
         rows = 8 // mesh.dp
         losses = []
@@ -75,7 +77,12 @@ def gather_dtype_case(mesh: Mesh, zero: int, dtype: torch.dtype) -> dict:
     rows_ = tally.rows()
     by = {r["op"]: r["bytes"] for r in rows_ if r["group"] == "dp"}
     out = dict(loss=losses, compute_dtype=str(seen[-1]),
-               master=str(opt.tensors[0].dtype), shard_numel=sum(t.numel() for t in opt.tensors))
+               master=str(opt.tensors[0].dtype), shard_numel=sum(t.numel() for t in opt.tensors),
+               masters0=masters0, param_bytes=sum(p.numel() * p.element_size() for p in model.parameters()))
+    if zero < 3:  # the replicas hold the masters rounded (this rank's segments of the gathered weights)
+        out["rounded"] = all(torch.equal(s.data, t.detach().to(dtype).to(s.data.dtype)) for s, t in
+                             zip(opt.segments, opt.tensors, strict=True))
+        out["master_init_left"] = any(b.master_init is not None for b in grads.buckets)
     if zero == 3:
         out.update(gather=fsdp.bytes["all_gather"], reduce=fsdp.bytes["reduce_scatter"])
     else:
@@ -89,4 +96,6 @@ def suite_gather_dtype_world2(rank: int, world: int, device: torch.device) -> di
     for zero in (1, 2, 3):
         for dtype in (torch.float32, torch.bfloat16):
             res[f"z{zero}-{str(dtype).removeprefix('torch.')}"] = gather_dtype_case(mesh, zero, dtype)
+        if zero < 3:
+            res[f"z{zero}-bf16-params"] = gather_dtype_case(mesh, zero, torch.bfloat16, low=True)
     return res

@@ -6,6 +6,7 @@ reduce-scatter stays fp32 (the same bytes)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ..harness import run_world
 from .mixed_worlds import suite_gather_dtype_world2
@@ -31,3 +32,22 @@ def test_fsdp2_computes_with_bf16_parameters(world: list[dict]) -> None:
     for res in world:
         assert res["z3-bfloat16"]["compute_dtype"] == "torch.bfloat16"
         assert res["z3-float32"]["compute_dtype"] == "torch.float32"
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_bf16_parameters_keep_fp32_only_in_the_master_shards(world: list[dict], zero: int) -> None:
+    """train.bf16_params: the weights themselves in bf16 (half their bytes; the matmuls read them without a
+    cast), the optimizer's fp32 masters made from the build's fp32 values (equal to the fp32-parameter run's, not
+    rounded), the replicas the masters rounded after every step, the gathers the bf16 ones' bytes; the losses
+    those of the same bf16 training with fp32 parameters within bf16 noise (norm weights and their gradients are
+    bf16 now, Megatron's numerics)."""
+    for rank, res in enumerate(world):
+        low, ref = res[f"z{zero}-bf16-params"], res[f"z{zero}-bfloat16"]
+        assert low["compute_dtype"] == "torch.bfloat16" and low["master"] == "torch.float32"
+        assert low["param_bytes"] * 2 == ref["param_bytes"], (low["param_bytes"], ref["param_bytes"])
+        assert all(a.dtype == b.dtype == torch.float32 and torch.equal(a, b)
+                   for a, b in zip(low["masters0"], ref["masters0"], strict=True))
+        assert low["rounded"] and ref["rounded"] and not low["master_init_left"]
+        assert low["gather"] == ref["gather"] and low["reduce"] == ref["reduce"]
+        for a, b in zip(low["loss"], ref["loss"], strict=True):
+            assert abs(a - b) <= 2e-2 * abs(b), (rank, a, b)
