@@ -33,7 +33,9 @@ def apply_train_options(model: torch.nn.Module, t: TrainConfig, loss_chunk: int 
                                     t.fp8_keep_attention, experts=t.fp8_experts, device=device)
     apply_recompute(model, t.recompute, t.recompute_layers or None, core_attention=recompute_attention)
     # Under autocast only (Transformer.embed checks): the cast has no effect on an fp32 run.
-    model.residual_dtype = torch.bfloat16 if t.bf16_residual is True else None
+    # train.bf16_params: the embedding's weight is bf16, so the fp32 stream (without bf16_residual) is cast to
+    model.residual_dtype = torch.bfloat16 if t.bf16_residual is True else \
+        torch.float32 if getattr(t, "bf16_params", False) is True else None
     for module in model.modules():  # train.attention=fa4: the causal core by FlashAttention-4 (megaloom.fa4)
         if isinstance(module, Attention):
             module.fa4 = t.attention == "fa4"

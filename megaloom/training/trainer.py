@@ -265,7 +265,9 @@ class Trainer:
             # collective; multi-token prediction keeps an embedding copy on the last stage, tied or not
             emb_group = build_embedding_groups(mesh) if cfg.model.tie_embeddings or cfg.model.mtp_depth else None
             auto = lambda: forward_ctx(self.precision, device, t.offload_activations)  # noqa: E731
-            residual = torch.bfloat16 if t.bf16_residual is True and self.precision != "fp32" else None  # messages
+            # the messages: the residual stream's dtype (fp32 unless bf16_residual, also with bf16 weights)
+            residual = (torch.bfloat16 if t.bf16_residual is True else torch.float32 if t.bf16_params is True
+                        else None) if self.precision != "fp32" else None
             pipe = PipelineExecutor(stage, build_schedule(cfg.parallel.schedule, mesh.pp, cfg.parallel.vpp,
                                                           self.n_micro),
                                     mesh, t.micro_batch_size, t.seq_len, sp=cfg.parallel.sp, autocast=auto,
