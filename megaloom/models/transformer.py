@@ -308,13 +308,19 @@ class Transformer(nn.Module):
             order_loss = F.cross_entropy(order_logits.float(), order_labels.reshape(-1))
         x = self.norm(norm_input(x, self.norm))
         if labels is None:
-            return self.head(x)
+            return self.output_head()(x)
         # Router auxiliary losses are not added here: each MoE layer attached their gradient to its output
         # (moe.attach_aux_loss), so the value returned is the language-model loss alone.
-        loss = self.loss(self.head, x, labels)
+        loss = self.loss(self.output_head(), x, labels)
         if getattr(self, "mtp", None) is not None and self.training and torch.is_grad_enabled():
             loss = loss + self.mtp_term(hidden, labels, rope, docs)
         return loss if order_loss is None else loss + order_loss
+
+    def output_head(self):
+        """What turns the final hidden states into logits, for the loss slot and for logits alone: the head module
+        (whatever tensor parallelism swapped in: looked up at each call), or a family's function of it (Gemma 2's
+        soft-capped logits)."""
+        return self.head
 
     def mtp_term(self, h: torch.Tensor, labels: torch.Tensor, rope, docs: Documents | None) -> torch.Tensor:
         """Multi-token prediction's part of the training loss: zero in value, ``mtp_loss_weight`` x the mean of the
@@ -323,7 +329,7 @@ class Transformer(nn.Module):
         for k, module in enumerate(self.mtp.values(), start=1):
             tokens, targets = mtp_tokens_and_targets(labels, k)
             h = module(h, self.mtp_embedding(tokens), rope, docs)
-            losses.append(self.loss(self.head, module.norm(norm_input(h, module.norm)), targets))
+            losses.append(self.loss(self.output_head(), module.norm(norm_input(h, module.norm)), targets))
         mean = torch.stack(losses).mean()
         self.last_mtp_loss = mean.detach()
         return self.mtp_loss_weight * (mean - mean.detach())

@@ -12,8 +12,9 @@ What differs from the shared decoder, all here:
   heads of ``model.head_dim`` (256 in the released shapes), scaled by 1 / sqrt(head_dim);
 - soft-capping, as every released Gemma 2 checkpoint has it: attention scores ``cap * tanh(s / cap)`` with
   ``model.attn_softcap`` (50; the attention core's math path, models/attention.py, since no fused kernel applies
-  it) and the head's logits with ``model.final_softcap`` (30; `SoftCappedHead`, so every loss that calls the head,
-  the vocabulary-parallel one included, and generation see the capped logits).
+  it) and the head's logits with ``model.final_softcap`` (30; `SoftCapped` around the head, the model's
+  `output_head`, so every loss that calls it, the vocabulary-parallel one on its shard of the logits included, and
+  generation see the capped logits; the head stays a plain linear layer that tensor parallelism splits as ever).
 - ``model.query_pre_attn_scalar`` (Gemma 2 27B: 144, its heads 128 wide): scores scaled by its ^-1/2, not
   head_dim's.
 """
@@ -55,16 +56,20 @@ class GeGLU(MLP):
         return F.gelu(gate, approximate="tanh") * up
 
 
-class SoftCappedHead(nn.Linear):
-    """The vocabulary projection with Gemma 2's final-logit soft-capping: ``cap * tanh(x W^T / cap)`` (in the
-    logits' dtype; the loss reads them in fp32 as ever). Its weight is the head's (``head.weight``, tied or not)."""
+class SoftCapped:
+    """Gemma 2's final-logit soft-capping around a head: ``cap * tanh(head(x) / cap)`` (elementwise, so a
+    vocabulary-split head's shard of the logits is capped as the whole would be; in the logits' dtype, the loss
+    reads them in fp32 as ever). A callable, not a module: the head keeps its one name (``head.weight``)."""
 
-    def __init__(self, d_model: int, vocab_size: int, cap: float):
-        super().__init__(d_model, vocab_size, bias=False)
-        self.cap = cap
+    def __init__(self, head: nn.Module, cap: float) -> None:
+        self.head, self.cap = head, cap
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(super().forward(x) / self.cap) * self.cap
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.head(x) / self.cap) * self.cap
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.head.weight
 
 
 def is_local(layer_idx: int) -> bool:
@@ -110,8 +115,7 @@ class GemmaModel(Transformer):
         self.drop = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleDict({str(i): GemmaBlock(cfg, i) for i in range(cfg.n_layers)})
         self.norm = GemmaRMSNorm(d, eps=cfg.norm_eps)
-        self.head = (SoftCappedHead(d, cfg.vocab_size, cfg.final_softcap) if cfg.final_softcap
-                     else nn.Linear(d, cfg.vocab_size, bias=False))
+        self.head = nn.Linear(d, cfg.vocab_size, bias=False)
         self.loss = CrossEntropyLoss()
         self.tie_weights()
         shape = (cfg.max_seq_len, resolved_head_dim(cfg))  # filled by reset_buffers
@@ -128,6 +132,11 @@ class GemmaModel(Transformer):
         if isinstance(dict(self.named_modules()).get(module_name), GemmaRMSNorm):
             return ZEROS
         return super().init_rule(name)
+
+    def output_head(self):
+        """The head, its logits soft-capped at model.final_softcap where set (read from self.head at each call, so
+        a tensor-parallel swap of the head keeps the cap)."""
+        return SoftCapped(self.head, self.cfg.final_softcap) if self.cfg.final_softcap else self.head
 
     def embed(self, tokens: torch.Tensor, pos: int = 0, positions: torch.Tensor | None = None) -> torch.Tensor:
         x = self.tok_emb(tokens)
