@@ -181,3 +181,22 @@ def test_attention_auto_picks_the_math_core_for_soft_capped_scores_and_says_so(s
     assert "fused_loss off (model.final_softcap: the chunks would skip the cap)" in out
     assert "attention math)" in out  # the memory plan's line: the math core's saved scores
     assert load_config(run / "config.yaml").train.attention == "math"
+
+
+def test_soft_capped_scores_under_a_document_block_mask_take_flexattention_score_mod():
+    """On CUDA a document mask is FlexAttention's BlockMask; the cap then rides on its score_mod. Compiled on CPU
+    here (~15 s): the same logits as the math core under the dense document mask."""
+    from megaloom.models.documents import Documents
+
+    m = tiny("model.attn_softcap=2.0", "model.final_softcap=5.0", "model.sliding_window=0").eval()
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "q_proj" in name or "k_proj" in name:
+                p.mul_(6.0)  # scores of several units: the cap bends them
+    x = torch.randint(0, VOCAB - 1, (2, 48), generator=torch.Generator().manual_seed(5))
+    x[:, 20] = x[:, 33] = VOCAB - 1
+    docs = Documents.from_tokens(x, VOCAB - 1)
+    with torch.no_grad():
+        flex, dense = m(x, docs=docs.with_mask(0, flex=True)), m(x, docs=docs.with_mask(0, flex=False))
+        assert (m(x) - dense).abs().max() > 1e-2  # the documents matter
+    torch.testing.assert_close(flex, dense, atol=1e-5, rtol=1e-5)
