@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import re
 import types
 import typing
@@ -527,9 +528,11 @@ def all_keys() -> list[str]:
     return [k for s, cls in _SECTION_TYPES.items() for k in _keys_of(cls, f"{s}.")]
 
 
-def _subsections() -> set[str]:
-    """Keys naming a sub-section (model.lora): in YAML a mapping of its own keys."""
-    return {k.rsplit(".", 1)[0] for k in all_keys() if k.count(".") > 1}
+@functools.cache
+def _subsections() -> frozenset[str]:
+    """Keys naming a sub-section (model.lora): in YAML a mapping of its own keys. Computed once: reading a
+    config.yaml asked for it once per key, and each time walked every class's type hints (0.6 s a file)."""
+    return frozenset(k.rsplit(".", 1)[0] for k in all_keys() if k.count(".") > 1)
 
 
 def _set_key(cfg: Config, key: str, value: Any) -> None:
@@ -589,7 +592,9 @@ def _coerce(key: str, value: Any, typ: Any) -> Any:
     raise AssertionError(f"unsupported config type {typ} for {key}")
 
 
+@functools.cache
 def _field_types(cls: type) -> dict[str, Any]:
+    """A config class's field types (cached: the classes do not change; callers only read the mapping)."""
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in fields(cls)}
 

@@ -139,3 +139,18 @@ def test_a_lock_file_removed_by_its_failed_holder_is_not_taken(tmp_path):
     assert f is not None and created and run_lock._still_linked(f, run / ".lock")
     f.close()
     stale.close()
+
+
+def test_every_presets_resolved_config_reads_back_as_written(tmp_path):
+    """Every preset, the large ones too: the config a run would write (every "auto" size resolved, as
+    `resolve_config` does before config.yaml) validates when read back and reads back equal."""
+    from megaloom.models.presets import PRESETS
+    from megaloom.training.resolve import resolve_config
+
+    for preset in PRESETS:
+        seq = 1024 if PRESETS[preset].get("vision_layers") else 64  # a whole image (576 tokens) fits a row
+        cfg = load_config(None, [f"model.preset={preset}", f"train.seq_len={seq}"])
+        resolved = resolve_config(cfg, precision="fp32", tokenizer_path="", tokenizer_vocab=500, image_token_id=7)
+        path = tmp_path / f"{preset}.yaml"
+        path.write_text(resolved.to_yaml())
+        assert load_config(path).to_dict() == resolved.to_dict(), preset
