@@ -44,6 +44,9 @@ def _hf_configs():
         "qwen3": lambda: t.Qwen3Config(**common, num_key_value_heads=2, head_dim=16),
         "gpt2": lambda: t.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=64, vocab_size=512),
         "mixtral": lambda: t.MixtralConfig(**common, num_key_value_heads=2, num_local_experts=4),
+        # Qwen3MoeConfig's defaults, norm_topk_prob=false among them (imported since issue 49)
+        "qwen3_moe": lambda: t.Qwen3MoeConfig(**common, num_key_value_heads=2, head_dim=16, num_experts=4,
+                                              num_experts_per_tok=2, moe_intermediate_size=32),
         "gemma2": lambda: t.Gemma2Config(**common, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
                                          sliding_window=16, attn_logit_softcapping=None,
                                          final_logit_softcapping=None),
@@ -60,7 +63,7 @@ def _hf_configs():
     return t, cfgs
 
 
-HF_FAMILIES = ["llama", "qwen3", "gpt2", "mixtral", "gemma2", "bert", "t5", "deepseek_v3"]
+HF_FAMILIES = ["llama", "qwen3", "gpt2", "mixtral", "qwen3_moe", "gemma2", "bert", "t5", "deepseek_v3"]
 
 
 @pytest.mark.filterwarnings("ignore:.*has no tokenizer.json")
@@ -79,6 +82,8 @@ def test_an_imported_hf_checkpoint_fine_tunes_with_train_config(small_corpus, tm
     run = tmp_path / "run"
     assert main(["convert", "--from-hf", str(tmp_path / "hf"), str(run)]) == 0
     assert not (run / ".lock").exists()
+    if family == "qwen3_moe":
+        assert load_config(run / "config.yaml").model.moe_norm_topk is False
     data = [f"data.paths={small_corpus['prefix']}", f"data.tokenizer={small_corpus['tokenizer']}"]
     small = [s for s in SMALL if not s.startswith("model.")]
     for steps in (1, 2):
