@@ -1,7 +1,7 @@
 #!/bin/bash
 # The GPU smoke suite: every device call starts with it (`bash bench/gpu_smoke.sh`, under 2 minutes on an H100).
 # Dry runs of a dense, an MoE (ep 8), a context-parallel layout and one fp8 step at world 64 on the GPU, a compiled
-# tp=2 x dp=2 world of 4 processes on the one GPU (bench/gpu_smoke.py), then the split-group tests (the NCCL
+# tp=2 x dp=2 gloo world of 4 processes (bench/gpu_smoke.py), then the split-group tests (the NCCL
 # split of the production path; the gloo stand-in). One `SMOKE ...` line per case; exit status 1 if any failed.
 # The script itself is tested on CPU (tests/bench/test_gpu_smoke.py: `python bench/gpu_smoke.py --device cpu`).
 set -u

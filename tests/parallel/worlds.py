@@ -514,8 +514,8 @@ def group_path_case(mesh: Mesh) -> dict:
     if not can_split():
         try:
             dist.split_group(split_ranks=[[r] for r in range(dist.get_world_size())])
-        except RuntimeError as e:
-            refused = str(e)
+        except Exception as e:  # RuntimeError on an unbound CPU world; torch 2.11 bound to a GPU: a pickling error
+            refused = f"{type(e).__name__}: {e}"
     return dict(paths=dict(mesh.group_paths), calls=mesh.group_calls, can_split=can_split(), refused=refused,
                 bound=str(dist.group.WORLD.bound_device_id))
 
