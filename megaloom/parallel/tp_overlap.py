@@ -30,6 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megaloom import accelerator
+
 try:  # torch >= 2.6
     from torch._inductor.custom_graph_pass import CustomGraphPass
 except ImportError:  # pragma: no cover - an older torch: the pass as a plain callable
@@ -83,12 +85,12 @@ def route(setting: str | bool, tp: int, sp: bool, compiled: bool, device_type: s
         return Route("off", "parallel.async_tp=false")
     if tp == 1 or not sp:
         return Route("off", "needs tp > 1 with sequence parallelism (parallel.sp)")
-    cuda_nccl = device_type == "cuda" and backend == "nccl"
+    symmetric = accelerator.is_cuda(device_type) and backend == "nccl"  # symmetric memory: NVIDIA GPUs, NCCL
     if compiled:
-        if cuda_nccl:
-            return Route("compiled", "Inductor's micro-pipeline TP over symmetric memory (CUDA, NCCL)")
-        return Route("off", f"compiled blocks overlap through CUDA symmetric memory; this run is {device_type} "
-                            f"on {backend}: the same graph with the plain collectives")
+        if symmetric:
+            return Route("compiled", "Inductor's micro-pipeline TP over symmetric memory")
+        return Route("off", f"compiled blocks overlap through GPU symmetric memory over NCCL; this run is "
+                            f"{device_type} on {backend}: the same graph with the plain collectives")
     if setting is True or setting == "true":
         return Route("ring", "eager blocks: the collective-matmul ring steps")
     return Route("off", "auto in eager mode: the ring steps are opt-in (parallel.async_tp=true)")

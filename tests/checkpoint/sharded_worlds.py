@@ -147,8 +147,17 @@ def sharded_suite(rank: int, world: int, device, root: str) -> dict:
     return_freed_memory()  # the resident set follows the live tensors (freed blocks leave it)
     out = {"save_load": save_load_peak(rank, world, device, root)}
     # a resident set is noisy on CPU (malloc's arenas, Python's heap, a thread's stack pages): the run that grew
-    # least is the one closest to what the tensors need, which is what the plan predicts
-    fits = [fit_peak(rank, world, device, root, f"fit{i}") for i in range(FIT_REPEATS)]
+    # least is the one closest to what the tensors need, which is what the plan predicts. A second run (every rank:
+    # the fit is collective) only where some rank's first grew more than the plan's 5% (seen once: 312.7 MB against
+    # 296.9 MB planned)
+    fits = [fit_peak(rank, world, device, root, "fit0")]
+    while len(fits) < FIT_REPEATS:
+        least = min(f["peak"] for f in fits)
+        off = torch.tensor([1 if abs(fits[-1]["plan"] - least) > 0.05 * least else 0])
+        dist.all_reduce(off, op=dist.ReduceOp.MAX)
+        if not off.item():
+            break
+        fits.append(fit_peak(rank, world, device, root, f"fit{len(fits)}"))
     out["fit"] = min(fits, key=lambda r: r["peak"]) | {"peaks": [r["peak"] for r in fits]}
     return out
 

@@ -40,11 +40,10 @@ def test_bf16_params_train_and_resume_bit_for_bit(small_corpus, tmp_path) -> Non
 @pytest.mark.slow
 def test_bf16_params_through_a_pipeline_keep_the_fp32_stream(small_corpus, tmp_path) -> None:
     """pp=2 x dp=2: the embedding's weight is bf16, the residual stream and the stage messages stay fp32 (as with
-    fp32 weights; train.bf16_residual makes them bf16); the losses those of fp32 weights within bf16 noise."""
-    base = ["train.steps=3", "parallel.pp=2", "parallel.zero=1", "train.precision=bf16", "train.bf16_residual=false"]
-    runs = {}
-    for flag in ("false", "true"):
-        torchrun(4, tiny_overrides(small_corpus, tmp_path / flag, *base, f"train.bf16_params={flag}"))
-        runs[flag] = losses(tmp_path / flag)
-    for step in (1, 2, 3):
-        assert abs(runs["true"][step] - runs["false"][step]) <= 2e-2 * runs["false"][step], runs
+    fp32 weights; train.bf16_residual makes them bf16): before that, the first stage's bf16 output met an fp32
+    receive buffer and the run stopped. The losses against fp32 weights: the dp=2 world test (bf16 noise)."""
+    base = ["train.steps=3", "parallel.pp=2", "parallel.zero=1", "train.precision=bf16", "train.bf16_residual=false",
+            "train.bf16_params=true"]
+    torchrun(4, tiny_overrides(small_corpus, tmp_path / "pp2", *base))
+    got = losses(tmp_path / "pp2")
+    assert sorted(got) == [1, 2, 3] and all(5.0 < v < 7.0 for v in got.values()), got  # ln(512) = 6.24 at the start
