@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megaloom.checkpoint import AsyncCheckpointer, save_checkpoint  # noqa: E402
 from megaloom.config import load_config  # noqa: E402
 from megaloom.models import Transformer  # noqa: E402
-from megaloom.optim import build_optimizer  # noqa: E402
+from megaloom.optim.build import build_optimizer  # noqa: E402
 
 
 def main() -> None:

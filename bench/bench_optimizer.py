@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository, 
 
 from megaloom.config import load_config  # noqa: E402
 from megaloom.models.transformer import Transformer  # noqa: E402
-from megaloom.optim import param_groups  # noqa: E402
+from megaloom.optim.param_groups import param_groups  # noqa: E402
 
 
 def timed(fn, reps: int = 10) -> float:

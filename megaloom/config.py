@@ -283,7 +283,7 @@ class TrainConfig:
                                  "onebit_adam / onebit_lamb: after train.onebit_warmup_steps of plain AdamW / LAMB, "
                                  "the variance (and LAMB's trust ratio) frozen and the data-parallel traffic cut to "
                                  "the momentum's sign bits with error feedback (1-bit Adam / 1-bit LAMB; "
-                                 "megaloom/onebit.py; parallel.zero=0).",
+                                 "megaloom/optim/onebit.py; parallel.zero=0).",
                         ("adamw", "lamb", "onebit_adam", "onebit_lamb"))
     onebit_warmup_steps: int = _f(100, "With train.optimizer=onebit_adam / onebit_lamb: steps of uncompressed AdamW / "
                                        "LAMB before the variance freezes and compression starts. The papers warm up "
@@ -327,7 +327,7 @@ class TrainConfig:
                                            "only on a GPU where the memory plan does not fit without it.", AUTO_BOOL)
     overlap_optimizer: bool = _f(False, "Run the AdamW step on a side CUDA stream, chunk by chunk in the order the "
                                         "next forward reads the weights, each waited for just before its module "
-                                        "(megaloom/training/overlap_optimizer.py): the memory-bound update beside "
+                                        "(megaloom/optim/overlapped_step.py): the memory-bound update beside "
                                         "the next forward's GEMMs. Same update; pp=1, zero=0, adamw only.")
     grad_accum_fusion: AutoBool = _f("auto", "The blocks' linears add their weight gradients straight into the fp32 "
                                              "data-parallel gradient buckets, the GEMM accumulating in fp32 on CUDA, "

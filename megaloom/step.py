@@ -133,7 +133,7 @@ class TrainStep:
         groups); None on one process. `documents`: the document boundaries of an input micro-batch
         (data.document_mask / data.reset_positions), passed to the model as ``docs``. `seq_shard`: context
         parallelism's split of tokens and labels. `overlap_optimizer`: the update runs beside the next forward
-        (megaloom.training.overlap_optimizer; call `settle()` before using the weights outside a forward).
+        (megaloom.optim.overlapped_step; call `settle()` before using the weights outside a forward).
         `token_mean`: the data masks targets (chat, masked LM, image-text): the step's loss is the mean over every
         target of the global batch, not a mean of micro-batch means (megaloom.parallel.token_mean)."""
         self.seq_shard = seq_shard
@@ -162,7 +162,7 @@ class TrainStep:
             pipeline.token_mean = token_mean
         self.overlap = None
         if overlap_optimizer:
-            from megaloom.training.overlap_optimizer import OverlappedStep
+            from megaloom.optim.overlapped_step import OverlappedStep
 
             self.overlap = OverlappedStep(model, optimizer, device)
 

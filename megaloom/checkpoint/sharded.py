@@ -254,7 +254,7 @@ def sharded_optim_state(model: nn.Module, optimizer: torch.optim.Optimizer, mesh
 
 
 def error_feedback_state(optimizer, mesh: Mesh) -> dict:
-    """A 1-bit optimizer's error-feedback buffers (megaloom/onebit.py) as this rank holds them, under
+    """A 1-bit optimizer's error-feedback buffers (megaloom/optim/onebit.py) as this rank holds them, under
     ``optim_local``: per parameter (single-model name), ``worker_error`` shaped [group size, *parameter] (each
     data-parallel rank its own row: the ranks' errors differ) and ``server_error`` shaped like the parameter (each
     rank the flat range of it that its chunk of the bucket holds, as a ZeRO segment). Layout-free in the bucket size

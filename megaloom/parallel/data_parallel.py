@@ -18,7 +18,7 @@ gradient) and waits for all. Each bucket is reduced exactly once per step; `stat
   reduce-scatter: the output is this rank's chunk of the input), so the reduced gradient shard costs no memory
   of its own; on gloo the bucket is all-reduced in place (`comm.reduce_scatter_async` with ``scratch``: no
   copy of it is made). Parameters are moved into buffers of the same layout, so after the sharded optimizer
-  (megaloom.parallel.zero) has updated this rank's chunk, one in-place all-gather per bucket refreshes every
+  (megaloom.optim.zero) has updated this rank's chunk, one in-place all-gather per bucket refreshes every
   replica's weights.
 - zero=2 reduce-scatters into ``grad_shard``, one contiguous tensor of the chunks, and releases the full-size
   buckets as soon as they are reduced, allocating them again at the first gradient of the next step. Honest
@@ -43,7 +43,7 @@ summing over the two stages commute, so this equals the single model's gradient,
 embedding crosses between the stages. The norm counts the last stage's copy (``tied_copy``) zero times.
 The data-parallel group is ``mesh.dp_cp_group`` (context parallelism also splits the batch).
 
-Local steps (1-bit Adam / LAMB after their warm-up, megaloom/onebit.py): while ``local_steps()`` says so, buckets
+Local steps (1-bit Adam / LAMB after their warm-up, megaloom/optim/onebit.py): while ``local_steps()`` says so, buckets
 are not reduced at all. Each rank keeps its own gradient (tp fix-ups and the tied-embedding sum still run: they
 are sums over other groups), the optimizer exchanges its compressed momentum instead, and `clip` takes the
 root-mean-square over the data-parallel ranks of each rank's own gradient norm (one scalar all-reduce) as the norm,
@@ -53,7 +53,7 @@ the group size times it (8 for the compressed exchange, whose chunks are whole b
 Parameter all-gathers (zero>=1) move ``param_gather_dtype``: float32 by default; bfloat16 when training in bf16
 halves their bytes. Then each replica holds the bf16-rounded weights (what autocast feeds the matmuls anyway,
 and what Megatron's bf16 parameters are) and the optimizer keeps separate fp32 master shards
-(megaloom.parallel.zero.ShardedOptimizer).
+(megaloom.optim.zero.ShardedOptimizer).
 """
 
 from __future__ import annotations
@@ -202,7 +202,7 @@ class DataParallelGrads:
 
     Per step: backward of every micro-batch (call `start_last_microbatch()` before the last one), then
     `finish()`, then `clip(max_norm)`, then the optimizer. zero=0 works with any optimizer over
-    ``model.parameters()``; zero=1/2 with megaloom.parallel.zero.ShardedOptimizer.
+    ``model.parameters()``; zero=1/2 with megaloom.optim.zero.ShardedOptimizer.
     """
 
     def __init__(self, model: nn.Module, mesh: Mesh, zero: int = 0, bucket_mb: float = DEFAULT_BUCKET_MB,
@@ -218,7 +218,7 @@ class DataParallelGrads:
         values live only in the optimizer's master shard (`Segment.master_init` hands it the build's values)."""
         if zero not in (0, 1, 2):
             raise ConfigError(f"parallel.zero={zero}: DataParallelGrads handles 0, 1 and 2; stage 3 is "
-                              "megaloom.parallel.zero.FullyShardedGrads (use zero.build_data_parallel).")
+                              "megaloom.optim.zero.FullyShardedGrads (use zero.build_data_parallel).")
         if not bucket_mb > 0:
             raise ConfigError(f"parallel.bucket_mb={bucket_mb} must be > 0 (MB of fp32 gradients per bucket); "
                               f"e.g. parallel.bucket_mb={DEFAULT_BUCKET_MB:g}.")
@@ -276,7 +276,7 @@ class DataParallelGrads:
         self._armed_ids: set[int] | None = None  # armed parameters (None: all) when chunks are armed one by one
         self._needs_zero = False
         self.fused = False  # set by enable_fusion: weight gradients added into the buckets by their GEMMs
-        # Set by a 1-bit optimizer (megaloom/onebit.py): True while steps keep their gradients local (no reduction).
+        # Set by a 1-bit optimizer (optim/onebit.py): True while steps keep their gradients local (no reduction).
         self.local_steps: Callable[[], bool] | None = None
         self._shard_views = GradViews([GradView(s.grad, self.params[s.owner]) for s in self.shard_segments()]) \
             if zero else None

@@ -11,10 +11,10 @@ rail-optimised, as DGX/HGX nodes are built). Ring algorithms, as NCCL uses for l
   ranks a tree is faster, t = 2 log2(n) (alpha + B / bw) (double binary tree: the min of the two is taken)
 - all-to-all (expert dispatch): (n - 1) (alpha + B / n / bw)
 - point-to-point (pipeline stages, ring attention): alpha + B / bw
-- 1-bit Adam / LAMB's exchange after the warm-up (megaloom/parallel/compressed.py): an all-to-all and an
+- 1-bit Adam / LAMB's exchange after the warm-up (megaloom/optim/compressed.py): an all-to-all and an
   all-gather of sign bits (P / 8 bytes each for P parameters), not overlapped with the backward (the clip
   coefficient needs every rank's norm first), plus its compression passes over device memory,
-  ``COMPRESS_BYTES_PER_ELEMENT`` per parameter. megaloom/onebit.py's StepModel (docs/parallelism.md, "when it
+  ``COMPRESS_BYTES_PER_ELEMENT`` per parameter. megaloom/optim/onebit.py's StepModel (docs/parallelism.md, "when it
   pays") uses the same two numbers.
 
 ``bw`` is the link's one-way bandwidth that a ring reaches (GpuKind.nvlink_gbps inside a node, nic_gbps across),
@@ -80,7 +80,7 @@ def all_to_all(nbytes: float, n: int, link: Link) -> float:
 
 
 # Memory traffic of the 1-bit exchange per element of a bucket, in bytes, counted from its ops
-# (megaloom/parallel/compressed.py: the worker's momentum, error and compression passes ~66, the servers'
+# (megaloom/optim/compressed.py: the worker's momentum, error and compression passes ~66, the servers'
 # unpacking and averaging ~29, every rank's decoding ~29, the copy into the momentum 8). Counted, not measured.
 COMPRESS_BYTES_PER_ELEMENT = 130
 

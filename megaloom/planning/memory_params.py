@@ -246,7 +246,7 @@ def bf16_params(lay: RankLayout) -> bool:
 def _persistent_state(lay: RankLayout, counts: ParamCounts) -> _State:
     zero, dp, p_local = lay.zero, lay.dp, counts.local
     fsdp = zero == 3 and lay.world_size > 1
-    onebit = lay.cfg.train.optimizer.startswith("onebit")  # on the buckets, in one process too (megaloom/onebit.py)
+    onebit = lay.cfg.train.optimizer.startswith("onebit")  # on the buckets, in one process too (optim/onebit.py)
     buckets = (lay.world_size > 1 or onebit) and not fsdp  # pipelines too: each stage's gradients in buckets
     # frozen parameters are stored, fp32 (whole but under ZeRO-3); train.bf16_params: the trainable ones in bf16
     weights = (2 if bf16_params(lay) else 4) * p_local + 4 * counts.frozen

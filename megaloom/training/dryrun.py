@@ -437,7 +437,7 @@ def _planned(cfg: Config, world: int, device: torch.device, pp_rank: int, update
 
 def _build_and_step(report: DryRunReport, dcfg: Config, rt, steps: int, budget: int | None,
                     device: torch.device) -> None:
-    from megaloom.optim import lr_at, set_lr
+    from megaloom.optim.build import lr_at, set_lr
     from megaloom.training.trainer import Trainer
 
     torch.set_flush_denormal(True)  # unfilled receive buffers may hold denormals: keep the arithmetic fast

@@ -47,10 +47,11 @@ from megaloom.observe.flops import (
 from megaloom.observe.log import get_logger
 from megaloom.observe.memory import peak_memory_gb
 from megaloom.observe.metrics import MetricsSink, console_line, format_eta
-from megaloom.onebit import KINDS as ONEBIT_KINDS
-from megaloom.onebit import PAD_MULTIPLE as ONEBIT_PAD
-from megaloom.onebit import build_onebit
-from megaloom.optim import build_optimizer, lr_at, set_lr
+from megaloom.optim.build import build_optimizer, lr_at, set_lr
+from megaloom.optim.onebit import KINDS as ONEBIT_KINDS
+from megaloom.optim.onebit import PAD_MULTIPLE as ONEBIT_PAD
+from megaloom.optim.onebit import build_onebit
+from megaloom.optim.zero import ShardedOptimizer, build_data_parallel, param_gather_dtype
 from megaloom.parallel.context import SequenceShard, parallelize_context
 from megaloom.parallel.materialize import materialize
 from megaloom.parallel.mesh import Mesh
@@ -59,7 +60,6 @@ from megaloom.parallel.pipeline.schedules import build_schedule, forward_only
 from megaloom.parallel.pipeline.stage import build_embedding_groups, build_stage, tied_parameter
 from megaloom.parallel.random import dropout_seed
 from megaloom.parallel.tensor import parallelize_tensor
-from megaloom.parallel.zero import ShardedOptimizer, build_data_parallel, param_gather_dtype
 from megaloom.planning.levers import describe_levers, resolve_levers
 from megaloom.planning.memory_activations import attention_backend
 from megaloom.planning.memory_plan import MemoryReport

@@ -16,9 +16,9 @@ from megaloom.checkpoint.sharded import sharded_state
 from megaloom.checkpoint.store import load_checkpoint, save_checkpoint
 from megaloom.config import load_config
 from megaloom.models import Transformer
+from megaloom.optim.zero import ShardedOptimizer, build_data_parallel
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.tensor import parallelize_tensor
-from megaloom.parallel.zero import ShardedOptimizer, build_data_parallel
 from tests.parallel.full_state import full_model_state, full_optimizer_state
 
 # ~34M parameters: big enough that a gathered state stands out from allocator noise, small enough for CI.

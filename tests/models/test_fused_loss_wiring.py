@@ -8,7 +8,7 @@ import torch
 from megaloom.config import ConfigError, load_config
 from megaloom.models.fused_ce import FusedHeadLoss, fused_head_loss
 from megaloom.models.transformer import cross_entropy
-from megaloom.optim import build_optimizer
+from megaloom.optim.build import build_optimizer
 from megaloom.step import TrainStep
 from megaloom.train import train
 from tests.conftest import tiny_overrides

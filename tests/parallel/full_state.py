@@ -14,13 +14,13 @@ import math
 import torch
 from torch import nn
 
+from megaloom.optim.zero import FullyShardedGrads, ShardedOptimizer, _dim0_start, _local
 from megaloom.parallel import comm
 from megaloom.parallel.expert import is_expert_param
 from megaloom.parallel.layout import single_model_name
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.state import shard_of
 from megaloom.parallel.tensor import gather_full_tensor
-from megaloom.parallel.zero import FullyShardedGrads, ShardedOptimizer, _dim0_start, _local
 
 
 def full_model_state(model: nn.Module, mesh: Mesh) -> dict[str, torch.Tensor]:

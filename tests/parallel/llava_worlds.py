@@ -115,7 +115,7 @@ def llava_dp_case(mesh: Mesh, zero: int, freeze: str = "", steps: int = 4) -> di
     whole global batch, with images; with ``freeze`` the frozen parts must stay out of the gradient buckets
     and the optimizer state, and keep their values."""
     from megaloom.models.freeze import freeze_parts
-    from megaloom.parallel.zero import ShardedOptimizer, build_data_parallel
+    from megaloom.optim.zero import ShardedOptimizer, build_data_parallel
 
     cfg = llava_config(world=mesh.world_size, freeze=freeze)
     rows = 2 * mesh.dp

@@ -184,7 +184,7 @@ def test_construction_peak_is_the_shard_not_the_model() -> None:
 
 def zero3_construction_peak(rank: int, world: int, device) -> dict:
     """ZeRO-3: FSDP2 wraps the model on meta, then each rank allocates and fills its dim-0 share."""
-    from megaloom.parallel.zero import build_data_parallel
+    from megaloom.optim.zero import build_data_parallel
     from tests.checkpoint.sharded_worlds import PeakGrowth
 
     torch.set_num_threads(1)

@@ -179,11 +179,11 @@ def test_doctor_calibrate_writes_a_file_plan_reads(tmp_path: Path) -> None:
 
 
 def test_onebit_exchange_is_the_step_models_numbers() -> None:
-    """The planner's 1-bit exchange (planning/comm.py) and megaloom/onebit.py's when-it-pays StepModel are one
+    """The planner's 1-bit exchange (planning/comm.py) and megaloom/optim/onebit.py's when-it-pays StepModel are one
     model: the same bytes (sign bits each way) and compression passes, so the same seconds on a latency-free link;
     and a layout planned with train.optimizer=onebit_adam puts that exchange, not overlapped, where AdamW's
     all-reduce was."""
-    from megaloom.onebit import StepModel
+    from megaloom.optim.onebit import StepModel
 
     link = comm.Link(bw=10e9, alpha=0.0, inter_node=True)
     want = StepModel(params=1e9, ranks=4, link_gb_s=10, hbm_gb_s=1000, alpha_s=0).onebit_s()

@@ -20,15 +20,15 @@ from torch import nn
 
 from megaloom.checkpoint.store import CheckpointError, load_checkpoint, save_checkpoint
 from megaloom.data.objective import inputs_and_labels, objective_kwargs
-from megaloom.lamb import build_lamb
 from megaloom.models import Transformer
 from megaloom.models.registry import get_family
-from megaloom.optim import param_groups
+from megaloom.optim.lamb import build_lamb
+from megaloom.optim.param_groups import param_groups
+from megaloom.optim.zero import ShardedOptimizer, build_data_parallel
 from megaloom.parallel import comm
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.state import ensure_optimizer_state
 from megaloom.parallel.tensor import gather_full_params, parallelize_tensor
-from megaloom.parallel.zero import ShardedOptimizer, build_data_parallel
 
 from ..full_state import (
     fsdp_model_state,
@@ -406,7 +406,7 @@ def suite_dp4(rank: int, world: int, device: torch.device, root: str) -> dict:
     res["tp2dp2-z2-lamb"] = dp_case(tp, 2, "lamb", cache=cache)
     res["tp2dp2-z1-roundtrip"] = dp_case(tp, 1, roundtrip=True, cache=cache)
     res["tp2dp2-z3-model-only"] = dp_case(tp, 3, clip=0.05, cache=cache, imported=write_imported(root, rank, device))
-    # 1-bit Adam / LAMB (megaloom/onebit.py) against a simulation of the same algorithm
+    # 1-bit Adam / LAMB (megaloom/optim/onebit.py) against a simulation of the same algorithm
     res["dp4-onebit_adam"] = onebit_worlds.onebit_case(mesh, "onebit_adam")
     res["dp4-onebit_lamb-clip"] = onebit_worlds.onebit_case(mesh, "onebit_lamb", clip=0.05)
     res["tp2dp2-onebit_adam-sp"] = onebit_worlds.onebit_case(tp, "onebit_adam", sp=True)

@@ -7,10 +7,10 @@ import copy
 import torch
 import torch.distributed as dist
 
+from megaloom.optim.zero import ShardedOptimizer, build_data_parallel
 from megaloom.parallel import comm
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.tensor import parallelize_tensor
-from megaloom.parallel.zero import ShardedOptimizer, build_data_parallel
 from megaloom.step import TrainStep
 
 from ..worlds import tiny_config

@@ -1,4 +1,4 @@
-"""What the ranks of the data-parallel world run for 1-bit Adam / LAMB (megaloom/onebit.py): numbers, checked by
+"""What the ranks of the data-parallel world run for 1-bit Adam / LAMB (megaloom/optim/onebit.py): numbers, checked by
 test_dp_world4.py.
 
 The reference is `simulate`: one process playing every data-parallel worker of the same algorithm, written
@@ -24,14 +24,14 @@ import torch.distributed as dist
 
 from megaloom.checkpoint.store import load_checkpoint, save_checkpoint
 from megaloom.data.objective import inputs_and_labels, objective_kwargs
-from megaloom.onebit import COEFF_BETA, FACTOR_MAX, FACTOR_MIN, FACTOR_THRESHOLD, PAD_MULTIPLE, OnebitOptimizer
-from megaloom.optim import param_groups
+from megaloom.optim.compressed import ChunkPlan, CompressedAverage
+from megaloom.optim.onebit import COEFF_BETA, FACTOR_MAX, FACTOR_MIN, FACTOR_THRESHOLD, PAD_MULTIPLE, OnebitOptimizer
+from megaloom.optim.param_groups import param_groups
+from megaloom.optim.zero import build_data_parallel
 from megaloom.parallel import comm
-from megaloom.parallel.compressed import ChunkPlan, CompressedAverage
 from megaloom.parallel.data_parallel import plan_buckets
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.tensor import gather_full_tensor, parallelize_tensor, sync_tp_grads
-from megaloom.parallel.zero import build_data_parallel
 
 from .dp_worlds import BETAS, BUCKET_MB, EPS, GLOBAL_BATCH, LR, WD, base_model, global_batches, run_steps
 

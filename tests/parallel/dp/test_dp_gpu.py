@@ -9,12 +9,12 @@ import copy
 import pytest
 import torch
 
-from megaloom.lamb import build_lamb
 from megaloom.models import Transformer
-from megaloom.optim import param_groups
+from megaloom.optim.lamb import build_lamb
+from megaloom.optim.param_groups import param_groups
+from megaloom.optim.zero import ShardedOptimizer
 from megaloom.parallel.data_parallel import DataParallelGrads
 from megaloom.parallel.mesh import Mesh
-from megaloom.parallel.zero import ShardedOptimizer
 
 from ..worlds import SEQ, VOCAB, tiny_config
 

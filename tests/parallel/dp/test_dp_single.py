@@ -11,10 +11,10 @@ import torch
 
 from megaloom.config import ConfigError
 from megaloom.models import Transformer
-from megaloom.optim import param_groups
+from megaloom.optim.param_groups import param_groups
+from megaloom.optim.zero import ShardedOptimizer, build_data_parallel
 from megaloom.parallel.data_parallel import DataParallelGrads, plan_buckets
 from megaloom.parallel.mesh import Mesh
-from megaloom.parallel.zero import ShardedOptimizer, build_data_parallel
 
 from ..full_state import full_optimizer_state, load_full_optimizer_state
 from ..worlds import SEQ, VOCAB, tiny_config
@@ -81,7 +81,7 @@ def test_one_process_matches_plain_adamw(zero: int) -> None:
 def test_sharded_adamw_steps_in_bounded_groups_with_the_same_values(monkeypatch) -> None:
     """The foreach AdamW (CPU) allocates sqrt(exp_avg_sq) for a whole parameter group: the shard is stepped in
     groups of about STEP_GROUP_ELEMENTS (plus one segment), which leaves every value bit-identical."""
-    import megaloom.parallel.zero as zero_mod
+    import megaloom.optim.zero as zero_mod
 
     assert zero_mod.step_groups([0, 1, 2, 3, 4], [5, 3, 8, 2, 7], limit=8) == [[0, 1], [2], [3, 4]]
     runs = []
@@ -201,7 +201,7 @@ def test_zero1_step_makes_no_tensor_from_host_lists_after_the_first(kind: str, m
     host every step. Counted here by patching torch.tensor: no call from megaloom's code after the first step."""
     import sys
 
-    from megaloom.lamb import tp_norm_sync
+    from megaloom.optim.lamb import tp_norm_sync
 
     step, grads, opt = _zero1_step(kind)
     batches = _batches(4)

@@ -30,7 +30,7 @@ def test_every_case_ran(world: list[dict]) -> None:
 
 
 def test_onebit_exchange_error_stays_bounded_over_1000_steps(world: list[dict]) -> None:
-    """The compressed exchange (megaloom/parallel/compressed.py) against a float64 reference over 1,000 steps: the
+    """The compressed exchange (megaloom/optim/compressed.py) against a float64 reference over 1,000 steps: the
     running sum of its outputs stays within a bounded distance of the running sum of the exact averages (error
     feedback: in units of each element's magnitude, at most 20, on average under 2, and not growing), that
     distance is exactly the errors held (to float32 rounding), and every rank decodes the same values. Plain

@@ -18,11 +18,12 @@ import torch.distributed as dist
 
 from megaloom.checkpoint.store import load_checkpoint, save_checkpoint
 from megaloom.config import Config, load_config
-from megaloom.lamb import build_lamb
 from megaloom.models import Transformer
 from megaloom.models.lora import is_adapter_name
-from megaloom.onebit import KINDS, PAD_MULTIPLE, OnebitOptimizer
-from megaloom.optim import param_groups
+from megaloom.optim.lamb import build_lamb
+from megaloom.optim.onebit import KINDS, PAD_MULTIPLE, OnebitOptimizer
+from megaloom.optim.param_groups import param_groups
+from megaloom.optim.zero import ShardedOptimizer, build_data_parallel
 from megaloom.parallel import comm
 from megaloom.parallel.expert import is_expert_param
 from megaloom.parallel.layout import single_model_name
@@ -32,7 +33,6 @@ from megaloom.parallel.pipeline.partition import partition_layers
 from megaloom.parallel.pipeline.schedules import build_schedule
 from megaloom.parallel.pipeline.stage import build_embedding_groups, build_stage, tied_parameter
 from megaloom.parallel.tensor import gather_full_params, parallelize_tensor
-from megaloom.parallel.zero import ShardedOptimizer, build_data_parallel
 from megaloom.step import TrainStep
 
 from ..lora_setup import freeze_base, randomize_adapters, with_lora

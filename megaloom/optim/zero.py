@@ -41,7 +41,7 @@ from torch import nn
 
 from megaloom import accelerator
 from megaloom.config import ConfigError
-from megaloom.lamb import Lamb
+from megaloom.optim.lamb import Lamb
 from megaloom.parallel import comm
 from megaloom.parallel.data_parallel import (
     DEFAULT_BUCKET_MB,
@@ -391,7 +391,7 @@ def build_data_parallel(model: nn.Module, mesh: Mesh, zero: int = 0, bucket_mb: 
     """The gradient side for ``parallel.zero``: buckets (0, 1, 2) or FSDP2 (3). ``param_dtype``: what the
     parameter all-gathers move (bf16 when training in bf16); ``tied``/``tied_group``: a pipeline stage's copy
     of the embedding tied across stages (see DataParallelGrads); ``pad_multiple``: buckets padded to a multiple
-    of the group size times it (8 for 1-bit optimizers, megaloom/onebit.py)."""
+    of the group size times it (8 for 1-bit optimizers, megaloom/optim/onebit.py)."""
     if zero not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero={zero} is not a ZeRO stage; use 0 (off), 1 (optimizer state), "
                           "2 (+ gradients) or 3 (+ parameters).")

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from megaloom.lamb import Lamb, tp_norm_sync, trust_ratio
+from megaloom.optim.lamb import Lamb, tp_norm_sync, trust_ratio
+from megaloom.optim.zero import shard_norm_sync
 from megaloom.parallel.mesh import Mesh
-from megaloom.parallel.zero import shard_norm_sync
 
 
 def reference_lamb(w: torch.Tensor, grads: list[torch.Tensor], lr: float, b1: float, b2: float, eps: float,

@@ -9,8 +9,8 @@ from torch import nn
 
 from megaloom import accelerator
 from megaloom.config import TrainConfig
-from megaloom.lamb import build_lamb
-from megaloom.param_groups import param_groups
+from megaloom.optim.lamb import build_lamb
+from megaloom.optim.param_groups import param_groups
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device, mesh=None) -> torch.optim.Optimizer:

@@ -1,7 +1,7 @@
 """Megatron's weight-decay rule as optimizer parameter groups, shared by every optimizer megaloom builds.
 
 Its own module, below both `megaloom.optim` (the optimizer factory, which builds AdamW or LAMB) and
-`megaloom.lamb` (which builds its groups the same way): the rule lived in optim.py, so lamb.py imported the
+`megaloom.optim.lamb` (which builds its groups the same way): the rule lived in optim.py, so lamb.py imported the
 factory that imports it, an import circle (issue 37).
 """
 

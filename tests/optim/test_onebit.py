@@ -1,8 +1,8 @@
-"""1-bit Adam / LAMB in one process (megaloom/onebit.py): the warm-up equal to plain AdamW / LAMB and the frozen
+"""1-bit Adam / LAMB in one process (megaloom/optim/onebit.py): the warm-up equal to plain AdamW / LAMB and the frozen
 state after it, the config's refusals, and the in-place background checkpoint waiting for a compressed step. The
 multi-rank proofs (dp=4 against a simulation, bytes, exact resume; tp, pp, ep) run in the parallel worlds:
 tests/parallel/dp/test_dp_world4.py, pipeline/test_zero_pp_world.py, test_trainer_parallel.py; the exchange
-itself in tests/parallel/test_compressed.py and dp/test_dp_world2.py (1,000 steps against float64)."""
+itself in tests/optim/test_compressed.py and dp/test_dp_world2.py (1,000 steps against float64)."""
 
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ from megaloom.checkpoint import async_save as async_mod
 from megaloom.checkpoint import find_checkpoints, load_checkpoint
 from megaloom.checkpoint.async_save import AsyncCheckpointer
 from megaloom.config import ConfigError, load_config
-from megaloom.lamb import build_lamb
 from megaloom.models import Transformer
-from megaloom.onebit import PAD_MULTIPLE, OnebitOptimizer
-from megaloom.optim import param_groups
+from megaloom.optim.lamb import build_lamb
+from megaloom.optim.onebit import PAD_MULTIPLE, OnebitOptimizer
+from megaloom.optim.param_groups import param_groups
+from megaloom.optim.zero import build_data_parallel
 from megaloom.parallel.mesh import Mesh
-from megaloom.parallel.zero import build_data_parallel
 
 SETTINGS = ["model.vocab_size=64", "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "train.seq_len=16",
             "model.max_seq_len=16"]
@@ -127,7 +127,7 @@ def test_the_frozen_variance_is_the_windows_mean_squared_gradient(kind: str) -> 
 def test_an_element_quiet_when_the_variance_froze_steps_no_further_than_adam_would(kind: str) -> None:
     """An element whose frozen variance is ~0 (untouched in the warm-up's last steps) and then gets a gradient
     steps by at most Adam's own bound (onebit.step_bound: 1 learning rate at beta2=0.95), not by g / eps."""
-    from megaloom.onebit import step_bound
+    from megaloom.optim.onebit import step_bound
 
     model = _model()
     opt = _onebit(model, kind, warmup=3)
@@ -199,7 +199,7 @@ def test_step_model_against_hand_computed_numbers() -> None:
     AdamW's ring all-reduce sends 2 x 1/2 x 4e9 bytes = 0.4 s, 1-bit 2 x 1/2 x 1e9 / 8 = 0.0125 s plus 130 bytes
     per element of compression passes (0.13 s); with no backward to hide under, 1-bit wins below
     7.75 x 1/2 x 1e9 / 0.13 s = 29.8 GB/s."""
-    from megaloom.onebit import StepModel, run_volume_ratio
+    from megaloom.optim.onebit import StepModel, run_volume_ratio
 
     m = StepModel(params=1e9, ranks=2, link_gb_s=10, hbm_gb_s=1000, alpha_s=0)
     assert m.adamw_exposed_s() == pytest.approx(0.4) and m.onebit_s() == pytest.approx(0.1425)

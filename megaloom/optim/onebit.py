@@ -9,7 +9,7 @@ Compression stage, each step:
 - the gradient buckets are not reduced (DataParallelGrads.local): each rank keeps its own gradient g_r; clipping
   scales it by one coefficient on every rank (the norm is the root-mean-square of the ranks' own norms);
 - each rank forms its own momentum x_r = b1 m + (1 - b1) g_r in the bucket, and the buckets' momenta are averaged by
-  the error-compensated 1-bit exchange (megaloom/parallel/compressed.py: worker and server errors, an all-to-all
+  the error-compensated 1-bit exchange (megaloom/optim/compressed.py: worker and server errors, an all-to-all
   then an all-gather of sign bits, one scale per piece of a parameter per chunk), so every rank ends with the same
   momentum m, bucket after bucket (the next bucket is compressed while the last one's bits travel). What is
   exchanged is D x_r, D = 1 / (sqrt(v_hat) + eps) the frozen preconditioner (a fixed diagonal: averaging commutes
@@ -63,11 +63,11 @@ from torch.utils.hooks import RemovableHandle
 
 from megaloom import accelerator
 from megaloom.config import ConfigError, TrainConfig
-from megaloom.lamb import Lamb, tp_norm_sync
 from megaloom.observe.log import get_logger
-from megaloom.optim import param_groups
+from megaloom.optim.compressed import ChunkPlan, CompressedAverage
+from megaloom.optim.lamb import Lamb, tp_norm_sync
+from megaloom.optim.param_groups import param_groups
 from megaloom.parallel import comm
-from megaloom.parallel.compressed import ChunkPlan, CompressedAverage
 from megaloom.parallel.data_parallel import DataParallelGrads
 from megaloom.parallel.expert import is_expert_param
 from megaloom.planning.comm import COMPRESS_BYTES_PER_ELEMENT  # the planner's number, one place

@@ -1,4 +1,4 @@
-"""The error-compensated 1-bit exchange (megaloom/parallel/compressed.py) in one process: sign bits packed 8 to a
+"""The error-compensated 1-bit exchange (megaloom/optim/compressed.py) in one process: sign bits packed 8 to a
 byte, the chunk plan, one scale per piece. Over several ranks, 1,000 steps against a float64 reference:
 dp/test_dp_world2.py."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megaloom.parallel.compressed import ChunkPlan, CompressedAverage, pack_signs, unpack_signs
+from megaloom.optim.compressed import ChunkPlan, CompressedAverage, pack_signs, unpack_signs
 
 
 def test_signs_pack_eight_to_a_byte_first_element_highest() -> None:

@@ -11,9 +11,9 @@ import torch
 
 from megaloom.config import ConfigError, load_config
 from megaloom.models.transformer import Transformer
-from megaloom.optim import build_optimizer
+from megaloom.optim.build import build_optimizer
+from megaloom.optim.overlapped_step import forward_order_chunks
 from megaloom.step import TrainStep
-from megaloom.training.overlap_optimizer import forward_order_chunks
 
 
 def _model(*extra: str) -> tuple[Transformer, object]:

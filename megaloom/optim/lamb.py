@@ -10,7 +10,7 @@ The norms are of the whole parameter. When a parameter is split (tensor-parallel
 optimizer shards of ZeRO) each piece only knows part of them, so the update is done in two passes: every
 tensor's partial squared norms are computed, handed to a ``norm_sync`` function that turns them into the
 full per-parameter squared norms (summing pieces over the groups that hold them), then the step is taken.
-`tp_norm_sync` does this over tensor parallelism; megaloom.parallel.zero builds one for ZeRO shards.
+`tp_norm_sync` does this over tensor parallelism; megaloom.optim.zero builds one for ZeRO shards.
 The state keys (exp_avg, exp_avg_sq, step) are AdamW's, so checkpoints keep one layout.
 """
 
@@ -20,12 +20,12 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from megaloom.optim.param_groups import param_groups
 from megaloom.parallel import comm
 from megaloom.parallel.expert import is_expert_param
 from megaloom.parallel.grad_norm import DeviceConstants
 from megaloom.parallel.layout import layout_of
 from megaloom.parallel.mesh import Mesh
-from megaloom.param_groups import param_groups
 
 NormSync = Callable[[torch.Tensor], torch.Tensor]  # [n_tensors, 2] partial (||w||^2, ||u||^2) -> full per row
 
