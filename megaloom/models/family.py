@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from megaloom.config import ModelConfig
-    from megaloom.parallel.styles import Plan
+    from megaloom.models.plan_styles import Plan
 
 
 @dataclass(frozen=True)

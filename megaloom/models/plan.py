@@ -16,7 +16,7 @@ Model families whose modules carry the decoder's names use it as is (gpt2, llama
 
 from __future__ import annotations
 
-from megaloom.parallel.styles import (
+from megaloom.models.plan_styles import (
     Colwise,
     Experts,
     LocalHeads,

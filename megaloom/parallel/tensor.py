@@ -1,6 +1,6 @@
 """Tensor (+ sequence) parallelism, applied to a built, initialised model by reading its family's plan.
 
-`parallelize_tensor` walks the model's submodules, looks each name up in the plan (`megaloom.parallel.styles`,
+`parallelize_tensor` walks the model's submodules, looks each name up in the plan (`megaloom.models.plan_styles`,
 e.g. `megaloom.models.plan.DECODER_PLAN`) and applies the style in place: linear layers and the embedding are
 swapped for their tensor-parallel versions (`tp_layers.py`), region entries become forward pre-hooks, and each
 parameter gets its `Layout` (`layout.py`). Shards live under the original parameter names
@@ -31,9 +31,9 @@ import torch
 from torch import nn
 
 from megaloom.config import ModelConfig, resolved_head_dim
+from megaloom.models import plan_styles as st
 from megaloom.models.moe import MoE
 from megaloom.parallel import comm
-from megaloom.parallel import styles as st
 from megaloom.parallel.expert import parallelize_moe
 from megaloom.parallel.layout import layout_of, set_layout
 from megaloom.parallel.mesh import Mesh, check_tp_model

@@ -16,8 +16,8 @@ from megaloom.config import ConfigError, load_config
 from megaloom.models import apply_recompute
 from megaloom.models.gemma.model import GeGLU, GemmaModel, GemmaRMSNorm
 from megaloom.models.plan import DECODER_PLAN
+from megaloom.models.plan_styles import SequenceParallel
 from megaloom.models.registry import get_family
-from megaloom.parallel.styles import SequenceParallel
 from tests.conftest import tiny_overrides
 from tests.models.test_transformer import check_kv_cache_matches_full_recompute
 

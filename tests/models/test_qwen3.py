@@ -12,9 +12,9 @@ from megaloom.config import load_config
 from megaloom.models import Transformer, apply_recompute
 from megaloom.models.layers import apply_rope
 from megaloom.models.plan import DECODER_PLAN
+from megaloom.models.plan_styles import PartialGrad
 from megaloom.models.qwen3.model import Qwen3Attention
 from megaloom.models.registry import get_family
-from megaloom.parallel.styles import PartialGrad
 from tests.conftest import tiny_overrides
 from tests.models.test_transformer import check_kv_cache_matches_full_recompute
 

@@ -21,7 +21,7 @@ from megaloom.models.bert.masking import MaskedLMObjective
 from megaloom.models.bert.presets import PRESETS
 from megaloom.models.family import Family, Traits
 from megaloom.models.plan import DECODER_PLAN
-from megaloom.parallel.styles import SequenceFirst, SequenceParallel, SequencePositions
+from megaloom.models.plan_styles import SequenceFirst, SequenceParallel, SequencePositions
 
 TRAITS = Traits(norm="layernorm", gated_mlp=False, bias=True, positions="learned", default_ffn_dim=lambda d: 4 * d,
                 causal=False, post_norm=True, gelu="none", token_types=TYPE_VOCAB, embed_norm=True,

@@ -15,7 +15,7 @@ from megaloom.models.gemma.hf import HF
 from megaloom.models.gemma.model import GemmaModel
 from megaloom.models.gemma.presets import PRESETS
 from megaloom.models.plan import DECODER_PLAN
-from megaloom.parallel.styles import SequenceParallel
+from megaloom.models.plan_styles import SequenceParallel
 
 # What the rest of megaloom reads (the memory plan, an estimate for this module; the FLOP count reads the module):
 # RMSNorm, a gated MLP, no biases, rotary positions. The MLP width when model.ffn_dim is 0: 4 d_model (2B, 9B).

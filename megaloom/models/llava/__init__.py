@@ -15,8 +15,8 @@ from megaloom.models.llava.hf import HF
 from megaloom.models.llava.model import Llava
 from megaloom.models.llava.presets import PRESETS
 from megaloom.models.plan import DECODER_PLAN
+from megaloom.models.plan_styles import SequenceScatter
 from megaloom.models.vit.plan import vision_plan
-from megaloom.parallel.styles import SequenceScatter
 
 PLAN = {**DECODER_PLAN, **vision_plan("vision"), "merge": SequenceScatter()}
 

@@ -39,7 +39,7 @@ class Projector(nn.Module):
 
 class ImageMerge(nn.Module):
     """Writes image features into the embedded tokens at the <image> positions. Holds no parameters; under
-    sequence parallelism the plan sets ``split`` (parallel.styles.SequenceScatter) and the features enter the
+    sequence parallelism the plan sets ``split`` (models.plan_styles.SequenceScatter) and the features enter the
     rank's sequence shard only."""
 
     def __init__(self, image_token_id: int):

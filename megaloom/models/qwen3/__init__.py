@@ -15,11 +15,11 @@ import math
 
 from megaloom.models.family import Family, Traits
 from megaloom.models.plan import DECODER_PLAN
+from megaloom.models.plan_styles import PartialGrad
 from megaloom.models.qwen3 import hf_moe
 from megaloom.models.qwen3.hf import HF
 from megaloom.models.qwen3.model import Qwen3Attention
 from megaloom.models.qwen3.presets import PRESETS
-from megaloom.parallel.styles import PartialGrad
 
 
 def qwen3_ffn_dim(d_model: int) -> int:

@@ -14,11 +14,7 @@ from __future__ import annotations
 
 from megaloom.config import ConfigError, ModelConfig
 from megaloom.models.family import Family, Traits
-from megaloom.models.t5.hf import HF
-from megaloom.models.t5.model import T5Model
-from megaloom.models.t5.presets import PRESETS
-from megaloom.models.t5.spans import SpanCorruptionObjective
-from megaloom.parallel.styles import (
+from megaloom.models.plan_styles import (
     Colwise,
     LocalHeads,
     Region,
@@ -29,6 +25,10 @@ from megaloom.parallel.styles import (
     VocabHead,
     VocabLoss,
 )
+from megaloom.models.t5.hf import HF
+from megaloom.models.t5.model import T5Model
+from megaloom.models.t5.presets import PRESETS
+from megaloom.models.t5.spans import SpanCorruptionObjective
 
 TRAITS = Traits(norm="rmsnorm", gated_mlp=True, bias=False, positions="relative", default_ffn_dim=lambda d: 4 * d,
                 causal=False)

@@ -7,7 +7,7 @@ their gradients are complete on every rank (each region's entry all-reduces its 
 
 from __future__ import annotations
 
-from megaloom.parallel.styles import Colwise, Plan, Region, Rowwise
+from megaloom.models.plan_styles import Colwise, Plan, Region, Rowwise
 
 
 def vision_plan(prefix: str) -> Plan:

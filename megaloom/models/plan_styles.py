@@ -8,7 +8,9 @@ module is applied, in order: ``(Experts(), Region())`` on ``layers.*.mlp`` split
 matches no submodule is fine (a dense model has no experts). The styles say what is split;
 `parallel/tensor.py` says how.
 
-Nothing here imports a model, so model families can import the styles to write their plans.
+The plan is data, so it lives below both its writers and its reader: this module imports nothing of megaloom's,
+the families write their plans with it and `megaloom.parallel.tensor` turns a plan into sharded layers; a model
+never imports megaloom.parallel (which would load the mesh, the collectives and the runtime).
 """
 
 from __future__ import annotations
