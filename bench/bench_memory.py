@@ -29,10 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megaloom.config import load_config  # noqa: E402
 from megaloom.models import apply_recompute  # noqa: E402
+from megaloom.models.attention_kernel import attention_backend  # noqa: E402
 from megaloom.models.transformer import build_on_device  # noqa: E402
 from megaloom.optim.build import build_optimizer  # noqa: E402
 from megaloom.planning.levers import resolve_levers  # noqa: E402
-from megaloom.planning.memory_activations import attention_backend  # noqa: E402
 from megaloom.planning.memory_plan import GB, plan_memory  # noqa: E402
 from megaloom.step import TrainStep  # noqa: E402
 

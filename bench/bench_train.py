@@ -25,11 +25,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megaloom.config import load_config  # noqa: E402
+from megaloom.models.attention_kernel import attention_backend  # noqa: E402
 from megaloom.models.transformer import build_on_device  # noqa: E402
 from megaloom.observe.flops import device_peak_flops, flops_per_token, matmul_params  # noqa: E402
 from megaloom.optim.build import build_optimizer  # noqa: E402
 from megaloom.planning.levers import choose_levers  # noqa: E402
-from megaloom.planning.memory_activations import attention_backend  # noqa: E402
 from megaloom.step import TrainStep  # noqa: E402
 from megaloom.train import apply_train_options  # noqa: E402
 from megaloom.training.compile_saves import set_lean_saves  # noqa: E402

@@ -46,7 +46,7 @@ def dry_run_check(gpu_name: str = "h200") -> None:
         seen.add(key)
         cfg = resolved(_shaped(load_config(None, r["overrides"])))
         from megaloom.parallel.mesh import rank_coords
-        from megaloom.training.preflight import preflight
+        from megaloom.preflight import preflight
 
         pp_rank = rank_coords(r["rank"], preflight(cfg, r["world"]).sizes)["pp"]
         p = predict(cfg, r["world"], gpu, mode="dry-run", memory=False, pp_rank=pp_rank)

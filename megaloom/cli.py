@@ -33,8 +33,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         raise ConfigError("--world and --rank belong to --dry-run (a real run takes them from torchrun).")
     if args.nproc and args.nproc > 1 and "LOCAL_RANK" not in os.environ:
         from megaloom.parallel.launch import run_torchrun, torchrun_command
+        from megaloom.preflight import preflight_launch
         from megaloom.resilience.run_lock import check_run_dir_free
-        from megaloom.training.preflight import preflight_launch
 
         preflight_launch(cfg, args.nproc)  # a user error prints once here (exit 2), not once per rank
         check_run_dir_free(Path(cfg.run.dir))  # another run in run.dir: refused here, once (rank 0 takes the lock)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from megaloom import accelerator
 from megaloom.config import Config, ConfigError
 from megaloom.observe.log import get_logger
+from megaloom.precision.auto import compute_precision
 from megaloom.resilience import flight_recorder
 
 log = get_logger(__name__)
@@ -150,9 +151,9 @@ def seed_everything(seed: int) -> None:
 
 
 def resolve_precision(cfg: Config, device: torch.device) -> str:
-    p = cfg.train.precision
-    if p == "auto":
-        p = "bf16" if accelerator.is_accelerator(device) else "fp32"
+    """train.precision for this device (`precision.auto`'s rule), refusing what the device cannot run."""
+    p = compute_precision(cfg, device)
+    if cfg.train.precision == "auto":
         if p == "fp32" and cfg.train.bf16_residual is True:
             raise ConfigError("train.bf16_residual=true: precision auto is fp32 on this device (no autocast); set "
                               "train.precision=bf16 or train.bf16_residual=false.")

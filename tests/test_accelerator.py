@@ -15,7 +15,7 @@ import torch.distributed as dist
 from megaloom import accelerator
 from megaloom.config import ConfigError, load_config
 from megaloom.parallel.random import RNGTracker
-from megaloom.training.preflight import preflight
+from megaloom.preflight import preflight
 
 
 @pytest.fixture

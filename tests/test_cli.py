@@ -92,7 +92,7 @@ def test_one_gpu_for_every_rank_of_a_torchrun_node_is_refused_before_the_process
                                                                                         monkeypatch):
     """Under torchrun (its environment: two processes on this node), train.device=cuda:N is refused by preflight,
     before any process group or GPU is touched (so this runs on CPU); one process per node may choose its GPU."""
-    from megaloom.training.preflight import preflight
+    from megaloom.preflight import preflight
 
     for key, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(key, value)

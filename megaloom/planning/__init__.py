@@ -8,7 +8,7 @@ shapes the dry run executes), `comm` (collectives by an alpha-beta model), `step
 schedule, exposed communication, memory from `memory_plan`), `search` (every valid layout of a world, best first),
 `calibrate` (`megaloom doctor --calibrate`) and `command` (`megaloom plan`). Nothing here imports the training
 loop (the trainer, the step): `training/` calls down into it (`training/resolve.py` applies a plan to a run).
-It does read `training/preflight.py`, the checks `megaloom train` runs before any work, so that nothing planned
-would be refused.
+It reads `megaloom/preflight.py`, the checks `megaloom train` runs before any work, which sits below both, so that
+nothing planned would be refused.
 docs/planner.md says how each piece was checked.
 """

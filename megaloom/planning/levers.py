@@ -49,14 +49,7 @@ from megaloom import accelerator
 from megaloom.config import Config
 from megaloom.fa4 import fa4_importable
 from megaloom.models.registry import get_family
-
-
-def compute_precision(cfg: Config, device: str) -> str:
-    """train.precision with "auto" resolved as megaloom.runtime does (bf16 on an accelerator, fp32 on CPU). Here,
-    with the other "auto" choices, rather than in the memory plan that reads it: the plan asks the levers for the whole
-    resolved config (the levers used to ask the plan for this, an import circle, issue 37)."""
-    p = cfg.train.precision
-    return ("bf16" if accelerator.is_accelerator(device) else "fp32") if p == "auto" else p
+from megaloom.precision.auto import compute_precision
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 from megaloom.accelerator import CUDA, is_cuda
 from megaloom.config import Config, ModelConfig, resolved_head_dim
-from megaloom.planning.levers import compute_precision
+from megaloom.models.attention_kernel import attention_backend
 from megaloom.planning.memory_mla import is_mla, mla_attention_bytes
+from megaloom.precision.auto import compute_precision
 
 
 def _traits(m: ModelConfig):
@@ -38,24 +39,6 @@ def is_moe_layer(m: ModelConfig, index: int) -> bool:
     from megaloom.models.moe import is_moe_block
 
     return is_moe_block(m, index)
-
-
-def attention_backend(cfg: Config, device: str, tp: int = 1) -> str:
-    """Which SDPA save-set applies: "flash" (flash or cuDNN on GPU in bf16/fp16; the CPU flash kernel),
-    "efficient" (GPU fp32 without grouped-query heads) or "math" (GPU fp32 with grouped-query heads, which
-    the fused kernels do not take in fp32; train.attention=math; CPU with dropout; soft-capped scores,
-    model.attn_softcap, which only the math path computes)."""
-    m = cfg.model
-    if getattr(m, "attn_softcap", 0.0):
-        return "math"
-    if is_cuda(device):
-        if cfg.train.attention == "math":
-            return "math"
-        if compute_precision(cfg, device) == "fp32":
-            kv = m.n_kv_heads or m.n_heads
-            return "efficient" if m.n_heads // tp == max(kv // tp, 1) else "math"
-        return "flash"
-    return "math" if m.dropout > 0 else "flash"  # CPU's flash kernel has no dropout
 
 
 @dataclass(frozen=True)

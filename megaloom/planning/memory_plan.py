@@ -97,14 +97,14 @@ from torch import nn
 
 from megaloom.accelerator import CUDA, fused_optimizer, is_accelerator, is_cuda
 from megaloom.config import Config
+from megaloom.models.attention_kernel import attention_backend
 from megaloom.observe.log import get_logger
-from megaloom.planning.levers import compute_precision, resolve_levers
+from megaloom.planning.levers import resolve_levers
 from megaloom.planning.memory_activations import (
     _compiled_save_set_known,
     _dims,
     _resolved,
     _traits,
-    attention_backend,
     block_activation_bytes,
     embedding_activation_bytes,
     fused_loss,
@@ -124,6 +124,7 @@ from megaloom.planning.memory_params import (
     count_model_params,
     master_shards,
 )
+from megaloom.precision.auto import compute_precision
 
 log = get_logger(__name__)
 GB = 1e9  # the report's unit, as megaloom.observe.memory.peak_memory_gb

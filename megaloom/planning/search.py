@@ -7,7 +7,7 @@ each with the layers split evenly or, where they do not divide, with the most ba
 divisors of the experts (MoE); micro-batch 1, 2, 4, 8 where the global
 batch divides; ZeRO 1 (3 without a pipeline); sp whenever tp > 1; the least recomputation (none, selective, full)
 that fits. Each candidate
-goes through the same refusals as `megaloom train` (config validation and `training.preflight`), so nothing the
+goes through the same refusals as `megaloom train` (config validation and `megaloom.preflight`), so nothing the
 training would refuse is proposed; then the memory plan of its first and last pipeline stage, with
 ``train.recompute_casts`` turned on only where it is needed to fit (as `auto` decides), under 95% of the GPU; then
 the step (`planning.step.predict`). The plan is pure arithmetic on the config (no module, no tensor), so a search
@@ -27,6 +27,7 @@ from megaloom.parallel.pipeline.partition import end_stage_options
 from megaloom.planning.hardware import GpuKind
 from megaloom.planning.memory_plan import GB, MemoryPlan, plan_memory
 from megaloom.planning.step import Prediction, predict
+from megaloom.preflight import preflight
 
 HEADROOM = 0.95  # of the GPU's memory a plan may use (as memory_fit)
 RECOMPUTE = ("none", "selective", "full")
@@ -91,8 +92,6 @@ def resolved(cfg: Config) -> Config:
 
 def accepted(cfg: Config, world: int) -> bool:
     """What `megaloom train` would accept at this world size (config validation and preflight)."""
-    from megaloom.training.preflight import preflight
-
     try:
         validate(cfg)
         preflight(cfg, world, local_world_size=1)

@@ -12,7 +12,7 @@ import math
 
 from megaloom.config import Config, ModelConfig, resolved_head_dim
 from megaloom.models.transformer import resolved_ffn_dim
-from megaloom.training.preflight import preflight_vocab
+from megaloom.preflight import preflight_vocab
 
 
 def vocab_pad_multiple(cfg: Config) -> int:

@@ -70,7 +70,7 @@ from megaloom.observe.log import get_logger
 from megaloom.parallel import comm
 from megaloom.parallel.mesh import DEFAULT_ORDER, Mesh, rank_coords
 from megaloom.planning.memory_plan import GB, MemoryPlan, plan_memory
-from megaloom.training.preflight import preflight
+from megaloom.preflight import preflight
 
 log = get_logger(__name__)
 BUDGET_FRACTION = 0.9  # of the memory available at the start, when no budget is given

@@ -33,6 +33,7 @@ from megaloom.data.loader import StepBatches, make_loader
 from megaloom.data.objective import ObjectiveDataset
 from megaloom.fa4 import check_fa4
 from megaloom.models import count_params, registry
+from megaloom.models.attention_kernel import attention_backend
 from megaloom.models.documents import Documents
 from megaloom.models.freeze import freeze_for_training
 from megaloom.models.lora import describe as lora_summary
@@ -48,8 +49,10 @@ from megaloom.observe.log import get_logger
 from megaloom.observe.memory import peak_memory_gb
 from megaloom.observe.metrics import MetricsSink, console_line, format_eta
 from megaloom.optim.build import build_optimizer, lr_at, set_lr
+from megaloom.optim.muon import ShardedMuon
 from megaloom.optim.onebit import KINDS as ONEBIT_KINDS
 from megaloom.optim.onebit import PAD_MULTIPLE as ONEBIT_PAD
+from megaloom.optim.offload import build_offloaded
 from megaloom.optim.onebit import build_onebit
 from megaloom.optim.zero import ShardedOptimizer, build_data_parallel, param_gather_dtype
 from megaloom.parallel.context import SequenceShard, parallelize_context
@@ -61,8 +64,8 @@ from megaloom.parallel.pipeline.stage import build_embedding_groups, build_stage
 from megaloom.parallel.random import dropout_seed
 from megaloom.parallel.tensor import parallelize_tensor
 from megaloom.planning.levers import describe_levers, resolve_levers
-from megaloom.planning.memory_activations import attention_backend
 from megaloom.planning.memory_plan import MemoryReport
+from megaloom.preflight import Checked, preflight, preflight_vocab, world_size_from_env
 from megaloom.resilience import suspects
 from megaloom.resilience.guard import Resilience
 from megaloom.resilience.peers import PeerLost, describe, peer_loss
@@ -83,7 +86,6 @@ from megaloom.training.compile_saves import set_lean_saves
 from megaloom.training.data import default_builder, load_rank_datasets
 from megaloom.training.evaluate import eval_batches, evaluate, evaluate_pipeline
 from megaloom.training.options import apply_train_options, mtp_loss_weight_at
-from megaloom.training.preflight import Checked, preflight, preflight_vocab, world_size_from_env
 from megaloom.training.records import Interval, dp_mean, moe_fields
 from megaloom.training.resolve import (
     choose_micro_batch,
@@ -186,7 +188,7 @@ class Trainer:
         # What the token files are (sizes, counts, cheap hashes), saved with each checkpoint and compared on resume;
         # every rank reads it (a few MiB at most), so every rank takes the same decision. Not for image-text sets
         # or a caller's datasets (a dry run's synthetic tokens).
-        self.data_identity = (None if self._datasets is not None or self.requested.model.vision_layers
+        self.data_identity = (None if self._datasets is not None or registry.reads_images(self.requested.model)
                               else chat_identity(self.requested.data, self.tokenizer)
                               if self.requested.data.format == "chat"
                               else data_identity(source_prefixes(self.requested.data)))
@@ -304,8 +306,16 @@ class Trainer:
                 layer.compile()  # in place: parameter names (and so checkpoints) stay the same
         t1 = time.perf_counter()
         self.build_seconds["wrappers"] = t1 - t0 - self.build_seconds["materialize"]
-        if onebit:
+        if t.optimizer_offload:  # AdamW's state and fp32 masters on the host (megaloom/optim/offload.py)
+            optimizer = build_offloaded(model, grads, t, device, cfg.parallel.zero,
+                                        overlap=None if stage is None else False,
+                                        whole_modules=list(model.layers.values()) if t.compile else ())
+        elif onebit:
             optimizer = build_onebit(model, grads, t)
+        elif t.optimizer == "muon" and cfg.parallel.zero >= 1:  # the momentum sharded as AdamW's state would be
+            optimizer = ShardedMuon(grads, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, weight_decay=t.weight_decay,
+                                    momentum=t.muon_momentum, ns_steps=t.muon_ns_steps,
+                                    whole_modules=list(model.layers.values()) if t.compile else ())
         elif cfg.parallel.zero >= 1:
             optimizer = ShardedOptimizer(grads, t.optimizer, lr=t.lr, betas=(t.beta1, t.beta2),
                                          eps=1e-8 if t.optimizer == "adamw" else 1e-6, weight_decay=t.weight_decay,
@@ -325,7 +335,7 @@ class Trainer:
         encoder's objective (BERT's masked positions) or image-text rows. Then micro-batches hold different
         numbers of targets, and the step's loss weighs each target once (megaloom.parallel.token_mean)."""
         cfg = self.requested
-        return cfg.data.format == "chat" or self.objective is not None or bool(cfg.model.vision_layers)
+        return cfg.data.format == "chat" or self.objective is not None or registry.reads_images(cfg.model)
 
     def documents(self):
         """data.document_mask / data.reset_positions: the boundaries of a micro-batch's packed documents, from its

@@ -15,7 +15,7 @@ from megaloom.data.chat.records import check_chat_files
 from megaloom.data.errors import DataError
 from megaloom.data.tokenizer import Tokenizer
 from megaloom.models.documents import Documents
-from megaloom.training.preflight import preflight, preflight_launch
+from megaloom.preflight import preflight, preflight_launch
 from tests.data.conftest import write_chats
 
 SEQ = 256

@@ -27,8 +27,8 @@ from megaloom.models import Transformer
 from megaloom.models.bert.masking import MaskedLMObjective
 from megaloom.models.registry import get_family
 from megaloom.models.transformer import Span
+from megaloom.preflight import preflight
 from megaloom.train import train
-from megaloom.training.preflight import preflight
 from megaloom.training.trainer import Trainer
 from tests.conftest import assert_recompute_keeps_grads, cli_run_losses, tiny_overrides
 

@@ -10,8 +10,8 @@ import torch
 from megaloom.config import ConfigError, load_config
 from megaloom.models import Transformer
 from megaloom.models.registry import get_family
+from megaloom.preflight import preflight
 from megaloom.train import train
-from megaloom.training.preflight import preflight
 from megaloom.training.trainer import Trainer
 
 VOCAB, IMAGE_ID = 96, 95

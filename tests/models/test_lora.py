@@ -63,7 +63,7 @@ def test_adapters_start_at_zero_and_merge_into_the_weights_exactly(arch: str) ->
 
 
 def test_bad_settings_are_refused_naming_the_setting_and_the_fix() -> None:
-    from megaloom.training.preflight import preflight
+    from megaloom.preflight import preflight
 
     with pytest.raises(ConfigError, match=r"model.lora.rank must be >= 0 .*got -1"):
         tiny("model.lora.rank=-1")

@@ -12,8 +12,8 @@ from megaloom.config import ConfigError, load_config
 from megaloom.models.fused_ce import FusedHeadLoss
 from megaloom.models.layers import norm_input
 from megaloom.models.registry import get_family
+from megaloom.preflight import refuse_unbuilt
 from megaloom.training.options import mtp_loss_weight_at
-from megaloom.training.preflight import refuse_unbuilt
 
 MLA = ["model.attention=mla", "model.n_kv_heads=0", "model.kv_lora_rank=16", "model.qk_nope_head_dim=8",
        "model.qk_rope_head_dim=8", "model.v_head_dim=8"]

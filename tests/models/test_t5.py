@@ -17,7 +17,7 @@ from megaloom.data.objective import ObjectiveDataset
 from megaloom.data.tokenizer import Tokenizer
 from megaloom.models.registry import get_family
 from megaloom.models.t5.spans import SpanCorruptionObjective, encoder_length, lengths, span_counts
-from megaloom.training.preflight import preflight
+from megaloom.preflight import preflight
 from tests.conftest import assert_recompute_keeps_grads, cli_run_losses
 
 V, EOD, SEQ = 1000, 0, 128

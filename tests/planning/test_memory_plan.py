@@ -23,9 +23,9 @@ import torch
 
 from megaloom.config import load_config
 from megaloom.models import Transformer, apply_recompute
+from megaloom.models.attention_kernel import attention_backend
 from megaloom.observe.saved_tensors import SavedStorages
 from megaloom.planning.memory_activations import (
-    attention_backend,
     block_activation_bytes,
     embedding_activation_bytes,
     head_activation_bytes,

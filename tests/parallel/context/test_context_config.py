@@ -9,7 +9,7 @@ from megaloom.config import ConfigError, load_config
 from megaloom.parallel.context import choose_mode
 from megaloom.planning.memory_fit import memory_command
 from megaloom.planning.memory_plan import plan_memory
-from megaloom.training.preflight import preflight
+from megaloom.preflight import preflight
 
 SMALL = ["model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=128",
          "model.vocab_size=512", "train.seq_len=64", "train.global_batch_size=8", "train.micro_batch_size=2"]

@@ -123,7 +123,7 @@ def refuse_unbuilt(cfg: Config) -> None:
     if objective is not None:
         objective.check(cfg)
     m = cfg.model
-    if m.vision_layers:
+    if get_family(m.arch).reads_images(m):
         refuse_unbuilt_vision(cfg)
     if m.mtp_depth:
         refuse_unbuilt_mtp(cfg)
