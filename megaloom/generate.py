@@ -49,7 +49,7 @@ def generate(model: Transformer, prompt: torch.Tensor, max_new_tokens: int, temp
                                                      device=prompt.device)
     model.eval()
     gen = torch.Generator(device=prompt.device).manual_seed(seed)
-    if hasattr(model, "start_decoding"):  # an encoder-decoder: the prompt is the encoder's input
+    if model.family.traits.encoder_decoder:  # the prompt is the encoder's input
         return _generate_encoder_decoder(model, prompt, max_new_tokens, temperature, top_k, top_p, use_cache, gen,
                                          eod_id)
     limit = model.cfg.max_seq_len
@@ -98,14 +98,14 @@ def load_for_generation(run_dir: Path, device: torch.device) -> tuple[Transforme
     cfg = load_run_config(run_dir)
     family = get_family(cfg.model.arch)
     model = family.build(cfg.model)
-    if not (family.traits.causal or hasattr(model, "start_decoding")):  # an encoder (bert) has no next token
+    if not (family.traits.causal or family.traits.encoder_decoder):  # an encoder (bert) has no next token
         raise ConfigError(f"--run {run_dir}: model.arch={cfg.model.arch} is neither a decoder nor an encoder-decoder "
                           f"({family.description}); megaloom generate samples those only.")
     model = model.to(device)
     if load_newest(run_dir / "checkpoints", model, None, model_cfg=cfg.model.__dict__) is None:
         raise CheckpointError(f"--run {run_dir}: no usable checkpoint in {run_dir / 'checkpoints'}.")
     tok = Tokenizer.from_file(cfg.data.tokenizer)
-    if hasattr(model, "start_decoding"):  # the decoder's first token is the one its training objective used
+    if family.traits.encoder_decoder:  # the decoder's first token is the one its training objective used
         model.decoder_start_id = family.objective.build(cfg, tok).start_id
     return model, tok
 
@@ -119,7 +119,7 @@ def image_prompt(model: Transformer, tok: Tokenizer, text: str, image_files: lis
     from megaloom.data.image_text.images import decode
     from megaloom.data.image_text.tokens import encode_records
 
-    if not hasattr(model, "image_features"):
+    if not model.family.reads_images(model.cfg):
         raise DataError(f"--image: the run's model ({model.cfg.arch}) has no image encoder; use a multimodal run "
                         "(e.g. model.preset=llava-tiny)")
     if tok.image_id is None or tok.image_id != model.cfg.image_token_id:

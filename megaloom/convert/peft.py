@@ -42,7 +42,7 @@ def to_peft(run_or_ckpt_dir: str | Path, out_dir: str | Path, dtype: str = "floa
     if m.lora.rank <= 0:
         raise ConversionError(f"{ckpt}: trained without LoRA adapters (model.lora.rank=0), so there is no PEFT "
                               "adapter to write; export the whole model with `megaloom convert --to-hf`.")
-    if m.vision_layers and not {"vision", "projector"} <= set(m.freeze):
+    if get_family(m.arch).reads_images(m) and not {"vision", "projector"} <= set(m.freeze):
         raise ConversionError(f"{ckpt}: besides its adapters this run trained its image encoder or projector "
                               f"(model.freeze={','.join(m.freeze) or '[]'}), which a PEFT adapter does not hold; "
                               "export the whole model with `megaloom convert --to-hf` (adapters merged).")

@@ -44,7 +44,12 @@ class Traits:
     first token and a 2-way head; its objective builds the sentence pairs); config validation refuses the key
     for the others. ``softcap``: the family builds attention and final-logit soft-capping (model.attn_softcap /
     final_softcap, Gemma 2's); config validation refuses them for the others. ``query_scale``: the family scales
-    attention scores by model.query_pre_attn_scalar^-1/2 where it is set (Gemma 2 27B); refused for the others."""
+    attention scores by model.query_pre_attn_scalar^-1/2 where it is set (Gemma 2 27B); refused for the others.
+
+    What the rest of megaloom asks instead of probing a module or a config key (issue 50): ``images``: the family
+    may carry an image encoder, built when model.vision_layers > 0 (llava; `Family.reads_images`); config
+    validation refuses vision_layers for the others. ``encoder_decoder``: the module encodes the prompt and
+    decodes from a start token (t5: ``start_decoding``, ``decode_step``, ``seq2seq``), which generation takes."""
 
     norm: str
     gated_mlp: bool
@@ -63,6 +68,8 @@ class Traits:
     sentence_order: bool = False
     softcap: bool = False
     query_scale: bool = False
+    images: bool = False
+    encoder_decoder: bool = False
 
 
 @dataclass(frozen=True)
@@ -129,6 +136,11 @@ class Family:
     # encoder, no second stack, not an encoder), the code the measured fast paths ran on; planning/levers.py turns
     # those on at "auto" for it (train.bf16_residual). False (the default) keeps them off, as "not measured".
     dense_decoder: bool = False
+
+    def reads_images(self, m: ModelConfig) -> bool:
+        """Whether this model has an image encoder (its data are image-text records, its first pipeline stage
+        holds the encoder): a family that may carry one, with model.vision_layers > 0."""
+        return self.traits.images and m.vision_layers > 0
 
     def build(self, cfg: ModelConfig) -> nn.Module:
         """The family's module on the current default device (use ``torch.device("meta")`` to build no storage)."""

@@ -14,6 +14,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from megaloom.data.dataset import build_datasets
+from megaloom.models.registry import reads_images
 
 if TYPE_CHECKING:
     from megaloom.config import Config, DataConfig
@@ -25,7 +26,7 @@ def default_builder(cfg: Config, text: Callable = build_datasets) -> Callable:
     """``text`` (`build_datasets`: token files), or for a model with an image encoder the image-text datasets
     (data/image_text/) with its image settings bound, or the packed conversations of data.format=chat
     (data/chat/)."""
-    if cfg.model.vision_layers:
+    if reads_images(cfg.model):
         from megaloom.data.image_text.build import build_image_text_datasets
 
         return partial(build_image_text_datasets, model=cfg.model)

@@ -17,6 +17,7 @@ import torch
 
 from megaloom import accelerator
 from megaloom.config import Config, ConfigError
+from megaloom.models.registry import reads_images
 from megaloom.observe.log import get_logger
 from megaloom.parallel import comm
 from megaloom.planning.memory_fit import auto_micro_batch, choose_recompute_casts
@@ -38,7 +39,7 @@ def resolve_config(cfg: Config, *, precision: str, tokenizer_path: str | Path, t
     ``image_token_id``: the tokenizer's <image> token, for model.image_token_id=-1 of a model with images."""
     cfg = copy.deepcopy(cfg)
     model = resolved_model(cfg.model, tokenizer_vocab, vocab_pad_multiple(cfg))
-    if model.vision_layers and model.image_token_id < 0:
+    if reads_images(model) and model.image_token_id < 0:
         if image_token_id is None:
             raise ConfigError("model.image_token_id=-1 asks for the tokenizer's <image> token, but the tokenizer has "
                               "none; set model.image_token_id to the id of the image placeholder token")

@@ -27,6 +27,6 @@ def check_chat_config(cfg: Config) -> None:
         raise ConfigError(f"data.format=chat with model.arch={m.arch}: chat fine-tuning trains a decoder's "
                           f"next-token loss on the assistant's tokens, and {m.arch} trains its own objective; use a "
                           f"decoder ({decoders}) or data.format=tokens.")
-    if m.vision_layers:
+    if get_family(m.arch).reads_images(m):
         raise ConfigError("data.format=chat with an image encoder (model.vision_layers > 0): image-text data has its "
                           "own records (data.images, docs/multimodal.md); set data.format=tokens.")

@@ -9,6 +9,8 @@ complete output on every rank; its gradients are complete because the merge all-
 
 from __future__ import annotations
 
+import dataclasses
+
 from megaloom.models.family import Family
 from megaloom.models.llama import TRAITS
 from megaloom.models.llava.hf import HF
@@ -22,4 +24,4 @@ PLAN = {**DECODER_PLAN, **vision_plan("vision"), "merge": SequenceScatter()}
 
 
 FAMILY = Family(name="llava", description="ViT encoder + MLP projector + Llama decoder (LLaVA-1.5 style)",
-                traits=TRAITS, plan=PLAN, presets=PRESETS, hf=HF, module=Llava)
+                traits=dataclasses.replace(TRAITS, images=True), plan=PLAN, presets=PRESETS, hf=HF, module=Llava)

@@ -31,7 +31,7 @@ from megaloom.models.t5.presets import PRESETS
 from megaloom.models.t5.spans import SpanCorruptionObjective
 
 TRAITS = Traits(norm="rmsnorm", gated_mlp=True, bias=False, positions="relative", default_ffn_dim=lambda d: 4 * d,
-                causal=False)
+                causal=False, encoder_decoder=True)
 
 
 def validate(m: ModelConfig) -> None:

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megaloom.config import Config, ConfigError, resolved_head_dim
+from megaloom.models.registry import reads_images
 
 # The settings that give the first / last stage an explicit layer count (function arguments until the config
 # has these keys; errors name them so the message says what to set).
@@ -252,7 +253,7 @@ def validate_pipeline(cfg: Config, dp: int, first_stage_layers: int | None = Non
     """Every pipeline check for a config, before any process group: partition, schedule, micro-batches."""
     p, t = cfg.parallel, cfg.train
     check_microbatches(p.schedule, p.pp, p.vpp, t.global_batch_size, t.micro_batch_size, dp)
-    if cfg.model.vision_layers and first_stage_layers is None and last_stage_layers is None and p.vpp == 1:
+    if reads_images(cfg.model) and first_stage_layers is None and last_stage_layers is None and p.vpp == 1:
         balanced = encoder_balanced(cfg.model.n_layers, p.pp, encoder_block_equivalents(cfg))
         if balanced is not None:
             return balanced
