@@ -272,6 +272,22 @@ def fused_optimizer(device: Device) -> bool:
     return is_accelerator(device) and kind_of(device) in _get_fused_kernels_supported_devices()
 
 
+def host_fused_optimizer() -> bool:
+    """Whether this torch has its fused AdamW kernel for CPU tensors (torch >= 2.4 lists "cpu"): the host step of
+    optimizer state offloaded to the host (train.optimizer_offload) uses it, else the foreach implementation."""
+    try:
+        from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+    except ImportError:
+        return False
+    return CPU in _get_fused_kernels_supported_devices()
+
+
+def host_buffer(numel: int, device: Device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A flat host tensor (zeros) that copies to and from ``device`` asynchronously: pinned where the device needs
+    it (`pin_memory`), plain memory on CPU (nothing is copied across a bus there)."""
+    return torch.zeros(numel, dtype=dtype, pin_memory=pin_memory(device))
+
+
 def profiler_activity(device: Device) -> Any | None:
     """The torch.profiler activity that records the device's kernels (CUDA, XPU, ..., PrivateUse1 for an
     out-of-tree type), None on CPU or where the profiler has none."""

@@ -283,8 +283,18 @@ class TrainConfig:
                                  "onebit_adam / onebit_lamb: after train.onebit_warmup_steps of plain AdamW / LAMB, "
                                  "the variance (and LAMB's trust ratio) frozen and the data-parallel traffic cut to "
                                  "the momentum's sign bits with error feedback (1-bit Adam / 1-bit LAMB; "
-                                 "megaloom/optim/onebit.py; parallel.zero=0).",
-                        ("adamw", "lamb", "onebit_adam", "onebit_lamb"))
+                                 "megaloom/optim/onebit.py; parallel.zero=0), or muon (the blocks' weight matrices "
+                                 "by Muon: Nesterov momentum orthogonalised by Newton-Schulz, scaled to AdamW's "
+                                 "update RMS so train.lr carries over; AdamW for embeddings, head, norms, biases; "
+                                 "megaloom/optim/muon.py; parallel.zero 0, 1 or 2).",
+                        ("adamw", "lamb", "onebit_adam", "onebit_lamb", "muon"))
+    muon_momentum: float = _f(0.95, "With train.optimizer=muon: the momentum (Nesterov) of the Muon matrices.")
+    muon_ns_steps: int = _f(5, "With train.optimizer=muon: Newton-Schulz iterations (bf16, Jordan's quintic "
+                               "coefficients) orthogonalising each matrix's update.")
+    muon_qk_clip: float = _f(0.0, "With train.optimizer=muon: MuonClip's tau (Kimi K2): after each step, a head whose "
+                                  "largest pre-softmax logit of the step exceeded tau has its W_q and W_k rows "
+                                  "scaled so its logits scale by tau / max. Measured in the attention module (an "
+                                  "extra q k^T per head in the forward). 0 = off.")
     onebit_warmup_steps: int = _f(100, "With train.optimizer=onebit_adam / onebit_lamb: steps of uncompressed AdamW / "
                                        "LAMB before the variance freezes and compression starts. The papers warm up "
                                        "for 15-25% of training (DeepSpeed's BERT runs: 23k of 152k steps); too short "
@@ -329,6 +339,11 @@ class TrainConfig:
                                         "next forward reads the weights, each waited for just before its module "
                                         "(megaloom/optim/overlapped_step.py): the memory-bound update beside "
                                         "the next forward's GEMMs. Same update; pp=1, zero=0, adamw only.")
+    optimizer_offload: bool = _f(False, "AdamW's state and the fp32 master weights on the host (pinned), the step run "
+                                        "by torch's CPU AdamW, the weights copied back in the parameters' dtype "
+                                        "(megaloom/optim/offload.py): 12-16 bytes per parameter off the device. "
+                                        "zero=0: the host step overlaps the next forward chunk by chunk; ZeRO-1/2: "
+                                        "each rank offloads its shard. adamw only; not with zero=3.")
     grad_accum_fusion: AutoBool = _f("auto", "The blocks' linears add their weight gradients straight into the fp32 "
                                              "data-parallel gradient buckets, the GEMM accumulating in fp32 on CUDA, "
                                              "instead of a bf16 gradient, its fp32 copy and an add per micro-batch "
@@ -759,8 +774,53 @@ def _check_timeouts(r: ResilienceConfig) -> None:
                  f"watchdog reports who is stuck. Raise it (e.g. {2 * r.hang_timeout_s:g}) or lower the watchdog's.")
 
 
+def _check_muon(cfg: Config, family) -> None:
+    """train.optimizer=muon: its settings, and the layouts it cannot serve (megaloom/optim/muon.py says why)."""
+    t, p, m = cfg.train, cfg.parallel, cfg.model
+    _require(0 <= t.muon_momentum < 1, f"train.muon_momentum must be in [0, 1), got {t.muon_momentum}; e.g. 0.95.")
+    _require(t.muon_ns_steps >= 1, f"train.muon_ns_steps must be >= 1, got {t.muon_ns_steps}; e.g. 5.")
+    _require(t.muon_qk_clip >= 0, f"train.muon_qk_clip is a logit threshold (tau > 0) or 0 (off), got "
+                                  f"{t.muon_qk_clip}; e.g. train.muon_qk_clip=100.")
+    _require(p.zero in (0, 1, 2),
+             f"train.optimizer=muon with parallel.zero={p.zero}: FSDP2 (ZeRO-3) shards every matrix by rows and "
+             "updates the shards with no step at which Muon could gather the whole matrix for Newton-Schulz; set "
+             "parallel.zero=1 or 2 (Muon's momentum stays sharded) or train.optimizer=adamw.")
+    if not t.muon_qk_clip:
+        return
+    kv = m.n_kv_heads or m.n_heads
+    blockers = [(p.zero != 0, f"parallel.zero={p.zero} (the clip rescales whole q/k rows; set parallel.zero=0)"),
+                (p.cp > 1, f"parallel.cp={p.cp} (each rank sees part of the keys; set parallel.cp=1)"),
+                (m.attention == "mla", "model.attention=mla (latent attention; use gqa)"),
+                (family.traits.qk_norm, f"model.arch={m.arch} (QK-norm: rescaling W_q / W_k does not change the "
+                                        "logits, which the norm already bounds)"),
+                (bool(m.attn_softcap), "model.attn_softcap (capped logits; set model.attn_softcap=0)"),
+                (bool(m.sliding_window), "model.sliding_window (set it to 0)"),
+                (cfg.data.document_mask, "data.document_mask=true (set it to false)"),
+                (p.tp > kv, f"parallel.tp={p.tp} > {kv} KV heads (replicated KV heads; lower parallel.tp)")]
+    bad = [why for blocked, why in blockers if blocked]
+    _require(not bad, f"train.muon_qk_clip={t.muon_qk_clip} measures each head's largest logit of plain causal "
+                      f"attention and rescales its q/k rows in place, which is not served with: {'; '.join(bad)}. "
+                      "Set train.muon_qk_clip=0, or change those settings.")
+
+
 def validate(cfg: Config) -> None:
-    """Reject impossible values with a message naming the key and what would work."""
+    """Reject impossible values with a message naming the key and what would work. The checks run in this order
+    (a config with several mistakes reports the first), each group a function of its own."""
+    _check_choices(cfg)
+    _check_bounds(cfg)
+    m = cfg.model
+    _check_vision(m, cfg.data, cfg.train.seq_len)
+    _check_heads(m)
+    family = _family(m.arch)
+    _check_model_family(cfg, family)
+    _check_parallel(cfg)
+    _check_optimizer(cfg, family)
+    _check_levers(cfg, family)
+    _check_batch_and_io(cfg)
+
+
+def _check_choices(cfg: Config) -> None:
+    """Every field with declared choices holds one of them."""
     for section, cls in _SECTION_TYPES.items():
         obj = getattr(cfg, section)
         for f in fields(cls):
@@ -769,6 +829,10 @@ def validate(cfg: Config) -> None:
                 v = getattr(obj, f.name)
                 raise ConfigError(f"{section}.{f.name}: {v!r} is not one of {', '.join(map(str, choices))}."
                                   f"{_suggest(str(v), [str(c) for c in choices])}")
+
+
+def _check_bounds(cfg: Config) -> None:
+    """The counts and sizes that must be positive or non-negative, and the ranges of rates and timeouts."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
     for key, v in [("model.n_layers", m.n_layers), ("model.d_model", m.d_model), ("model.n_heads", m.n_heads),
                    ("model.max_seq_len", m.max_seq_len), ("train.steps", t.steps),
@@ -800,7 +864,10 @@ def validate(cfg: Config) -> None:
     _require(t.min_lr <= t.lr, f"train.min_lr ({t.min_lr}) must not exceed train.lr ({t.lr}).")
     _require(0 <= m.dropout < 1, f"model.dropout must be in [0, 1), got {m.dropout}.")
     _require(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1 and train.beta2 must be in [0, 1).")
-    _check_vision(m, cfg.data, t.seq_len)
+
+
+def _check_heads(m: ModelConfig) -> None:
+    """The attention heads divide the width (or model.head_dim sets it), and the query heads the key/value heads."""
     _require(m.head_dim >= 0, f"model.head_dim must be >= 0 (0 = d_model / n_heads), got {m.head_dim}.")
     _require(m.head_dim or m.d_model % m.n_heads == 0,
              f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads}); "
@@ -809,7 +876,12 @@ def validate(cfg: Config) -> None:
     _require(m.n_heads % kv == 0,
              f"model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({kv}); "
              f"n_kv_heads that would work: {_divisors(m.n_heads)}.")
-    family = _family(m.arch)
+
+
+def _check_model_family(cfg: Config, family: Family) -> None:
+    """The model keys the family must be able to build: RoPE head widths, latent attention, multi-token prediction,
+    RoPE scaling, the family's own rules, LoRA targets, soft-capping, the sentence-order head, the experts."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
     if family.traits.positions == "rope" and m.attention != "mla":  # MLA rotates qk_rope_head_dim (_check_mla)
         _require(resolved_head_dim(m) % 2 == 0,
                  f"{m.arch} arch: head dim ({'model.head_dim' if m.head_dim else 'd_model/n_heads'}) must be even "
@@ -840,9 +912,19 @@ def validate(cfg: Config) -> None:
                  f"parallel.ep={p.ep} does not divide model.n_experts={m.n_experts} (each ep rank owns whole "
                  f"experts); parallel.ep values that would work: {_divisors(m.n_experts)}.")
         _check_expert_groups(m)
+
+
+def _check_parallel(cfg: Config) -> None:
+    """Settings of the parallel section that depend on each other."""
+    p = cfg.parallel
     if p.async_tp is True and p.tp > 1:
         _require(p.sp, "parallel.async_tp=true overlaps sequence parallelism's all-gathers and reduce-scatters with "
                        "the GEMMs; set parallel.sp=true (or parallel.async_tp=auto or false).")
+
+
+def _check_optimizer(cfg: Config, family: Family) -> None:
+    """The optimizer's own settings and the layouts each optimizer serves."""
+    t, p = cfg.train, cfg.parallel
     if t.optimizer.startswith("onebit"):
         _require(t.onebit_warmup_steps >= 1,
                  f"train.onebit_warmup_steps must be >= 1 (the variance is frozen where the warm-up leaves it), got "
@@ -856,11 +938,24 @@ def validate(cfg: Config) -> None:
                  "momentum from its own gradient and applies the same decompressed momentum to all its weights), so "
                  "ZeRO would have to all-gather the parameters every step, the traffic 1-bit compression removes. Set "
                  "parallel.zero=0, or keep ZeRO with train.optimizer=adamw or lamb.")
+    if t.optimizer == "muon":
+        _check_muon(cfg, family)
     if t.overlap_optimizer:
         _require(p.pp == 1 and p.zero == 0 and t.optimizer == "adamw",
                  f"train.overlap_optimizer=true needs one model replica's whole AdamW per rank (parallel.pp=1, "
                  f"parallel.zero=0, train.optimizer=adamw); got pp={p.pp}, zero={p.zero}, optimizer={t.optimizer}. "
                  "Set train.overlap_optimizer=false, or those settings.")
+    if t.optimizer_offload:
+        _require(t.optimizer == "adamw" and p.zero in (0, 1, 2) and not t.overlap_optimizer,
+                 f"train.optimizer_offload=true runs torch's AdamW on the host over whole parameters (parallel.zero=0) "
+                 f"or each rank's ZeRO-1/2 shard; got train.optimizer={t.optimizer}, parallel.zero={p.zero}, "
+                 f"train.overlap_optimizer={t.overlap_optimizer}. Set train.optimizer=adamw, parallel.zero 0, 1 or 2 "
+                 "and train.overlap_optimizer=false (offload overlaps its own step), or train.optimizer_offload=false.")
+
+
+def _check_levers(cfg: Config, family: Family) -> None:
+    """The speed and memory levers set to true: each needs the layout it was built for."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
     _require(t.bf16_params is not True or (p.zero in (1, 2) and p.param_gather == "auto"),
              f"train.bf16_params=true keeps the fp32 weights only in ZeRO's master shards: it needs parallel.zero 1 or "
              f"2 (got {p.zero}) and parallel.param_gather=auto (got {p.param_gather}); set train.bf16_params=false or "
@@ -881,6 +976,11 @@ def validate(cfg: Config) -> None:
     _require(not (t.fused_loss is True and p.tp > 1),
              f"train.fused_loss=true with parallel.tp={p.tp}: tensor parallelism computes its own vocab-parallel "
              "loss over the head's shards; set train.fused_loss=false or parallel.tp=1.")
+
+
+def _check_batch_and_io(cfg: Config) -> None:
+    """Sequence length and batch sizes, the device's form, trackers, chat template, data weights, resume."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
     _require(t.seq_len <= m.max_seq_len,
              f"train.seq_len ({t.seq_len}) exceeds model.max_seq_len ({m.max_seq_len}); "
              f"lower train.seq_len or raise model.max_seq_len.")

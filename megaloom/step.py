@@ -170,6 +170,9 @@ class TrainStep:
         """Every update queued is complete before what is queued next (checkpoints, rollbacks, the end)."""
         if self.overlap is not None:
             self.overlap.wait_all()
+        wait = getattr(self.optimizer, "wait_all", None)  # train.optimizer_offload: the host step's thread
+        if wait is not None:
+            wait()
 
     def __call__(self, batch: torch.Tensor | None) -> StepOutput:
         # The preferred SDPA kernel holds for the backward too: recomputation (train.recompute) re-runs attention

@@ -226,6 +226,26 @@ class _WaitForParams:
         self.layout.wait_params(self.params)
 
 
+def register_param_waits(layout: ShardLayout, whole_modules: Sequence[nn.Module] = ()) -> list:
+    """ZeRO-1/2's forward pre-hooks: each module waits for the parameter all-gathers holding its own parameters
+    (``whole_modules``: one hook for all theirs, none inside), and a state-dict pre-hook waits for all (reading or
+    loading the weights must not race with a gather in flight). None for FSDP2, which gathers itself."""
+    if not isinstance(layout, DataParallelGrads):
+        return []
+    hooks = []
+    model = layout.model
+    whole = {id(m) for m in whole_modules}
+    inside = {id(sub) for m in whole_modules for sub in m.modules() if sub is not m}
+    for m in model.modules():
+        if id(m) in inside:
+            continue
+        own = [p for p in m.parameters(recurse=id(m) in whole) if p.requires_grad]
+        if own:
+            hooks.append(m.register_forward_pre_hook(_WaitForParams(layout, own)))
+    hooks.append(model.register_state_dict_pre_hook(lambda *_: layout.wait_params()))
+    return hooks
+
+
 def shard_norm_sync(owners: list[int], params: list[nn.Parameter], mesh: Mesh, group: comm.Group,
                     constants: DeviceConstants | None = None):
     """LAMB's ``norm_sync`` for ZeRO shards: segment partial squares summed per parameter, over the data-
@@ -269,6 +289,8 @@ class ShardedOptimizer:
     """AdamW or LAMB over this rank's shard (ZeRO 1, 2 and 3). Behaves like a torch optimizer where the
     training loop touches one: ``param_groups`` (learning rate), ``step()``, ``zero_grad()``."""
 
+    kinds: tuple[str, ...] = OPTIMIZERS  # the train.optimizer values this class builds
+
     def __init__(self, layout: ShardLayout, optimizer: str = "adamw", lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  overlap_param_gather: bool = True, whole_modules: Sequence[nn.Module] = ()) -> None:
@@ -276,8 +298,8 @@ class ShardedOptimizer:
         (the next forward starts while later layers' weights are still arriving); False waits at the step.
         ``whole_modules``: modules whose one hook waits for all their parameters, none inside them hooked (the
         compiled blocks: a hook on a module inside a compiled graph would split the graph at every layer)."""
-        if optimizer not in OPTIMIZERS:
-            raise ConfigError(f"train.optimizer={optimizer!r} is not one of {', '.join(OPTIMIZERS)}; "
+        if optimizer not in self.kinds:
+            raise ConfigError(f"train.optimizer={optimizer!r} is not one of {', '.join(self.kinds)}; "
                               "set train.optimizer=adamw or train.optimizer=lamb.")
         self.layout, self.mesh, self.kind = layout, layout.mesh, optimizer
         self.overlap_param_gather = overlap_param_gather
@@ -295,6 +317,15 @@ class ShardedOptimizer:
         no_decay = [i for i, s in enumerate(self.segments) if self.named_params[s.owner][1].ndim < 2]
         # (indices, weight decay) per parameter group; an empty group would be refused on some ranks
         split = [(idx, wd) for idx, wd in ((decay, weight_decay), (no_decay, 0.0)) if idx]
+        self.inner: torch.optim.Optimizer = self._build_inner(split, lr, betas, eps, weight_decay, device)
+        self._hooks = register_param_waits(layout, whole_modules)
+
+    def _build_inner(self, split: list[tuple[list[int], float]], lr: float, betas: tuple[float, float],
+                     eps: float, weight_decay: float, device: torch.device) -> torch.optim.Optimizer:
+        """The torch optimizer over the shard's tensors (``split``: (segment indices, weight decay) per parameter
+        group), its state created eagerly. Its own method so that optimizers of other kinds (Muon,
+        megaloom/optim/muon.py) reuse the segments, masters and hooks built around it."""
+        optimizer = self.kind
         fused = accelerator.fused_optimizer(device)
         if optimizer == "adamw" and not fused:
             # The foreach AdamW allocates sqrt(exp_avg_sq) for a whole parameter group at once (4 bytes per element
@@ -304,32 +335,20 @@ class ShardedOptimizer:
         order = [idx for idx, _ in split]
         groups = [{"params": [self.tensors[i] for i in idx], "weight_decay": wd} for idx, wd in split]
         if optimizer == "adamw":
-            self.inner: torch.optim.Optimizer = torch.optim.AdamW(
+            inner: torch.optim.Optimizer = torch.optim.AdamW(
                 groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused,
                 foreach=None if fused else True)
         else:
             owners = [self.segments[i].owner for idx in order for i in idx]
             params = [p for _, p in self.named_params]
-            self.inner = Lamb(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                              norm_sync=shard_norm_sync(owners, params, self.mesh, layout.group))
+            inner = Lamb(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         norm_sync=shard_norm_sync(owners, params, self.mesh, self.layout.group))
         # Step counters: on the device for the fused AdamW kernel, on the host otherwise (LAMB reads them).
         step_device = device if fused and optimizer == "adamw" else torch.device("cpu")
         for t in self.tensors:  # eagerly, so memory is what it will be and checkpoints have a template
-            self.inner.state[t] = {"step": torch.zeros((), dtype=torch.float32, device=step_device),
-                                   "exp_avg": torch.zeros_like(t), "exp_avg_sq": torch.zeros_like(t)}
-        self._hooks = []
-        if isinstance(layout, DataParallelGrads):
-            model = layout.model
-            whole = {id(m) for m in whole_modules}
-            inside = {id(sub) for m in whole_modules for sub in m.modules() if sub is not m}
-            for m in model.modules():
-                if id(m) in inside:
-                    continue
-                own = [p for p in m.parameters(recurse=id(m) in whole) if p.requires_grad]
-                if own:
-                    self._hooks.append(m.register_forward_pre_hook(_WaitForParams(layout, own)))
-            # Reading or loading the weights (checkpoints) must not race with a gather still in flight.
-            self._hooks.append(model.register_state_dict_pre_hook(lambda *_: layout.wait_params()))
+            inner.state[t] = {"step": torch.zeros((), dtype=torch.float32, device=step_device),
+                              "exp_avg": torch.zeros_like(t), "exp_avg_sq": torch.zeros_like(t)}
+        return inner
 
     @property
     def param_groups(self) -> list[dict]:
