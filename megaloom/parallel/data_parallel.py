@@ -587,7 +587,8 @@ class DataParallelGrads:
 
 def fusable_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The blocks' attention and dense-MLP linears whose weight gradient can be fused: plain or tensor-parallel
-    linears with a trainable fp32 weight, not in float8, outside Mixture-of-Experts layers."""
+    linears with a trainable fp32 weight (or bf16: train.bf16_params, fp32 main gradients in the buckets), not in
+    float8, outside Mixture-of-Experts layers."""
     layers = getattr(model, "layers", None)
     if layers is None:
         return []
@@ -603,7 +604,7 @@ def fusable_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
             elif type(m) is not nn.Linear:
                 continue
             w = m.weight
-            if w.requires_grad and w.dtype == torch.float32:
+            if w.requires_grad and w.dtype in (torch.float32, torch.bfloat16):
                 out.append((f"layers.{bname}.{name}", m))
     return out
 

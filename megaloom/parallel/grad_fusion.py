@@ -23,6 +23,10 @@ How it fits in:
 - The buckets must be cleared before the first backward of a step, not at the first gradient
   (`DataParallelGrads.prepare_step`, called by TrainStep).
 
+With train.bf16_params the weights are bf16 and their fp32 main gradients still live in the buckets: the same
+GEMM accumulates into them (before, those weights were left out and their bf16 gradients went through the
+bucket hook's add: +36 ms of elementwise kernels on the H100 70B rank, 2026-12-06).
+
 Where: the linears of the blocks (attention q/k/v/o and the dense MLP, plain or tensor-parallel), with data
 parallelism's buckets (world > 1, parallel.zero 0 or 1: zero 2 frees the buckets between steps). Not fp8 linears
 (their own weight-gradient path), not the embedding or the head, not expert weights, and not with the
@@ -79,7 +83,7 @@ class FusedWgradLinear(Function):
         # Not a saved tensor: the accumulations of the other micro-batches in flight (and of the other weights in its
         # bucket) change it in place between this forward and its backward, which autograd's version check refuses.
         ctx.main_grad = main_grad
-        ctx.x_dtype, ctx.has_bias = x.dtype, bias is not None
+        ctx.x_dtype, ctx.w_dtype, ctx.has_bias = x.dtype, weight.dtype, bias is not None
         ctx.bias_dtype = None if bias is None else bias.dtype
         return out
 
@@ -94,7 +98,8 @@ class FusedWgradLinear(Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = grad.reshape(-1, grad.shape[-1]).sum(0).to(ctx.bias_dtype)
         # The weight's "gradient" is a stand-in of its shape (no kernel): its accumulation node and hook still run.
-        return grad_x, torch.empty_like(main_grad), grad_b, None
+        # In the weight's own dtype (bf16 with train.bf16_params): autograd would cast an fp32 stand-in to it.
+        return grad_x, torch.empty_like(main_grad, dtype=ctx.w_dtype), grad_b, None
 
 
 def fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:

@@ -49,14 +49,16 @@ class DistBytes:
             setattr(dist, name, fn)
 
 
-def gather_dtype_case(mesh: Mesh, zero: int, dtype: torch.dtype, low: bool = False) -> dict:
+def gather_dtype_case(mesh: Mesh, zero: int, dtype: torch.dtype, low: bool = False, fused: bool = False) -> dict:
     """Three bf16 steps (autocast) at dp=2 with the parameter gathers in ``dtype``: bytes per step on the
     data-parallel group (the recorder for ZeRO-1/2, the wrapped collectives for FSDP2), the dtypes held.
-    ``low``: train.bf16_params (the parameters themselves in ``dtype``, fp32 only in the master shards)."""
+    ``low``: train.bf16_params (the parameters themselves in ``dtype``, fp32 only in the master shards).
+    ``fused``: train.grad_accum_fusion (the blocks' weight gradients added into the buckets by their GEMMs)."""
     model = parallelize_tensor(copy.deepcopy(base_model("llama", mesh)), mesh, False)
     tally = comm.CommTally({mesh.dp_cp_group: "dp"})
     with DistBytes(mesh.dp_cp_group) as fsdp:
         grads = build_data_parallel(model, mesh, zero, 0.05, dtype, low_precision_params=low)
+        n_fused = grads.enable_fusion(model) if fused else 0
         opt = ShardedOptimizer(grads, "adamw", lr=LR, betas=BETAS, eps=EPS["adamw"], weight_decay=WD)
         masters0 = [t.detach().clone() for t in opt.tensors]  # the build's values (before any step)
         step = TrainStep(model, opt, "bf16", mesh.device, 2, 1.0, grads)
@@ -78,7 +80,8 @@ def gather_dtype_case(mesh: Mesh, zero: int, dtype: torch.dtype, low: bool = Fal
     by = {r["op"]: r["bytes"] for r in rows_ if r["group"] == "dp"}
     out = dict(loss=losses, compute_dtype=str(seen[-1]),
                master=str(opt.tensors[0].dtype), shard_numel=sum(t.numel() for t in opt.tensors),
-               masters0=masters0, param_bytes=sum(p.numel() * p.element_size() for p in model.parameters()))
+               masters0=masters0, fused=n_fused, masters=[t.detach().clone() for t in opt.tensors],
+               param_bytes=sum(p.numel() * p.element_size() for p in model.parameters()))
     if zero < 3:  # the replicas hold the masters rounded (this rank's segments of the gathered weights)
         out["rounded"] = all(torch.equal(s.data, t.detach().to(dtype).to(s.data.dtype)) for s, t in
                              zip(opt.segments, opt.tensors, strict=True))
@@ -98,4 +101,5 @@ def suite_gather_dtype_world2(rank: int, world: int, device: torch.device) -> di
             res[f"z{zero}-{str(dtype).removeprefix('torch.')}"] = gather_dtype_case(mesh, zero, dtype)
         if zero < 3:
             res[f"z{zero}-bf16-params"] = gather_dtype_case(mesh, zero, torch.bfloat16, low=True)
+    res["z1-bf16-params-fused"] = gather_dtype_case(mesh, 1, torch.bfloat16, low=True, fused=True)
     return res
