@@ -220,6 +220,7 @@ class _State:
     buckets: bool  # data parallel with flat gradient buckets (megaloom.parallel.data_parallel)
     fsdp: bool  # ZeRO-3 through FSDP2
     checkpoint_host: int = 0  # host bytes an async save adds (`_checkpoint_host`; not in a GPU's peak)
+    optimizer_host: int = 0  # train.optimizer_offload: the masters, moments and gradient buffers in host memory
 
     @property
     def gradients(self) -> int:
@@ -293,11 +294,18 @@ def _persistent_state(lay: RankLayout, counts: ParamCounts) -> _State:
     optimizer = optimizer if lay.update else 0
     sharded = (zero >= 1 and buckets) or fsdp
     host = _checkpoint_host(lay, frozen, optimizer, p_opt if sharded else p_local, masters)
+    optimizer_host = 0
+    if lay.cfg.train.optimizer_offload and lay.update:
+        # megaloom/optim/offload.py: the fp32 masters, both moments and the gradients' landing buffer of this rank's
+        # p_opt elements live on the host; the device keeps none. An async save then writes that host state in place
+        # (checkpoint/async_save.py: no copy) unless frozen weights on the device make it copy everything.
+        optimizer, optimizer_host = 0, 16 * p_opt
+        host = _checkpoint_host(lay, frozen, 12 * p_opt, 0, True) if frozen else 0
     return _State(weights=weights, optimizer=optimizer, p_opt=p_opt,
                   grad_persistent=grad_persistent, grad_after_backward=grad_after_backward,
                   grad_at_step=grad_at_step, fsdp_gather=fsdp_gather,
                   workspace=CUBLAS_WORKSPACE if is_cuda(lay.device) else 0, buckets=buckets, fsdp=fsdp,
-                  checkpoint_host=host)
+                  checkpoint_host=host, optimizer_host=optimizer_host)
 
 
 def _largest_segment(cfg: Config, largest: int, dp: int) -> int:

@@ -158,6 +158,7 @@ class MemoryPlan:
     # The build's peak (before the first step): the weights, the gradient buckets and ZeRO's fp32 master shard
     # that the build allocates, and one parameter's initialisation temporary (the largest).
     build: int = 0
+    optimizer_host: int = 0  # train.optimizer_offload: host bytes of the masters, moments and gradient buffers
 
     def table(self) -> str:
         s = self.setup
@@ -180,6 +181,9 @@ class MemoryPlan:
             ("loss transient", self.loss_transient, "logits and fp32 loss gradients (largest moment)"),
             ("step transient", self.step_transient, "optimizer-step temporaries"),
             ("workspaces", self.workspace, "cuBLAS, 32 MiB per thread running matmuls"),
+            *([("opt (host)", self.optimizer_host, "train.optimizer_offload: fp32 masters + exp_avg + exp_avg_sq + "
+                                                   "gradient landing buffer, pinned host memory (not in the peak)")]
+              if self.optimizer_host else []),
             ("ckpt (host)", self.checkpoint_host,
              "async saves: pinned host copy of this rank's share (host memory, not in the peak)"
              if is_accelerator(s.get("device", "")) else "async saves write the state in place (no copy)"),
@@ -261,7 +265,8 @@ def plan_memory(cfg: Config, model: nn.Module | None = None, *, world_size: int 
     return MemoryPlan(weights=state.weights, gradients=state.gradients, optimizer=state.optimizer,
                       activations=peaks.activations, weight_casts=peaks.weight_casts, loss_transient=loss_transient,
                       step_transient=step_transient, workspace=state.workspace,
-                      checkpoint_host=state.checkpoint_host, peak=peaks.phases[peak_phase],
+                      checkpoint_host=state.checkpoint_host, optimizer_host=state.optimizer_host,
+                      peak=peaks.phases[peak_phase],
                       peak_phase=peak_phase, phases=peaks.phases, per_layer=blocks.saved(first),
                       layers=len(rank.layers), in_flight=peaks.in_flight,
                       setup=_setup(lay, rank, acts, _grad_note(lay.zero, state)), notes=_notes(lay, rank.counts),
@@ -584,6 +589,8 @@ def _step_transient(cfg: Config, device: str, p_opt: int, largest: int, tp: int,
     sharded = buckets and zero >= 1  # megaloom.optim.zero.ShardedOptimizer over the buckets' 1/dp chunks
     if not update:
         opt = 0
+    elif t.optimizer_offload:  # the step runs on the host; a bf16 weight's upload lands in fp32 first, one at a time
+        opt = 4 * largest if t.bf16_params is True else 0
     elif t.optimizer in ("lamb", "onebit_lamb"):
         opt = 4 * p_opt + 4 * largest  # every parameter's update u is kept until the trust ratios are known
         if t.optimizer == "onebit_lamb":
