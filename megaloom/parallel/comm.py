@@ -1,4 +1,5 @@
-"""The only place megaloom calls torch.distributed collectives.
+"""The only place megaloom calls torch.distributed collectives in eager code (compiled blocks trace theirs as
+functional collectives: `megaloom.parallel.borders`).
 
 Every function takes its process group explicitly (megaloom never relies on the implicit WORLD group) and
 reports the op, with its size in bytes, to an optional recorder: a watchdog says which collective a hung rank is
@@ -10,8 +11,8 @@ pairwise algorithms send), the quantity a link's speed divides.
 A group of None means "no peers" (`Mesh.single()` or a size-1 dimension): every op is then the identity,
 so single-process runs go through exactly the same code.
 
-The second half holds the autograd functions that mark the borders of Megatron's tensor-parallel regions.
-All sequence-parallel ones split activations [B, T, D] along the sequence dimension 1.
+The differentiable collectives built on these (the borders of Megatron's tensor-parallel regions, the all-to-all
+exchanges), with their traced form for compiled blocks, are `megaloom.parallel.borders`.
 """
 
 from __future__ import annotations
@@ -24,9 +25,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.autograd import Function
-
-from megaloom.parallel import traced_comm
 
 Group = Any  # torch.distributed.ProcessGroup or None (no peers)
 
@@ -568,163 +566,3 @@ def reduce_scatter_along_dim_async(x: torch.Tensor, dim: int, group: Group,
         return out
 
     return finish
-
-
-# --------------------------------------------------------------- autograd borders of tensor-parallel regions
-
-
-class _CopyToRegion(Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group, recorder: OpRecorder | None) -> torch.Tensor:
-        ctx.group, ctx.recorder = group, recorder
-        return x
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        # Every rank computed a partial gradient from its own shard of the next layer; sum them. Clone first:
-        # autograd may hand the same gradient tensor to other branches (the residual path).
-        grad = grad.clone(memory_format=torch.contiguous_format)
-        return all_reduce(grad, ctx.group, recorder=ctx.recorder), None, None
-
-
-class _ReduceFromRegion(Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group, recorder: OpRecorder | None) -> torch.Tensor:
-        # In place on a fresh activation (a GEMM output nobody saved); mark_dirty keeps autograd informed.
-        ctx.mark_dirty(x)
-        return all_reduce(x, group, recorder=recorder)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad, None, None
-
-
-class _ScatterToSeq(Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group, recorder: OpRecorder | None) -> torch.Tensor:
-        ctx.group, ctx.recorder = group, recorder
-        return split_along_dim(x, 1, group)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return gather_along_dim(grad, 1, ctx.group, ctx.recorder), None, None
-
-
-class _GatherFromSeq(Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group, recorder: OpRecorder | None) -> torch.Tensor:
-        ctx.group, ctx.recorder = group, recorder
-        return gather_along_dim(x, 1, group, recorder)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        # The gathered sequence feeds a column-parallel layer: each rank holds a partial gradient for the
-        # whole sequence, so sum them and keep our slice (Megatron's reduce-scatter, not a plain split).
-        return reduce_scatter_along_dim(grad, 1, ctx.group, ctx.recorder), None, None
-
-
-class _ReduceScatterToSeq(Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group, recorder: OpRecorder | None) -> torch.Tensor:
-        ctx.group, ctx.recorder = group, recorder
-        return reduce_scatter_along_dim(x, 1, group, recorder)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return gather_along_dim(grad, 1, ctx.group, ctx.recorder), None, None
-
-
-def copy_to_tp(x: torch.Tensor, group: Group, recorder: OpRecorder | None = None) -> torch.Tensor:
-    """Enter a tensor-parallel region with a replicated input: identity forward, all-reduce backward."""
-    if group_size(group) == 1:
-        return x
-    if torch.compiler.is_compiling():  # one graph per compiled block (traced_comm)
-        return traced_comm.copy_to_tp(x, group)
-    return _CopyToRegion.apply(x, group, recorder)
-
-
-def reduce_from_tp(x: torch.Tensor, group: Group, recorder: OpRecorder | None = None) -> torch.Tensor:
-    """Leave a region with partial sums: all-reduce forward (in place on ``x``), identity backward."""
-    if group_size(group) == 1:
-        return x
-    if torch.compiler.is_compiling():  # one graph per compiled block (traced_comm)
-        return traced_comm.reduce_from_tp(x, group)
-    return _ReduceFromRegion.apply(x, group, recorder)
-
-
-def scatter_to_seq(x: torch.Tensor, group: Group, recorder: OpRecorder | None = None) -> torch.Tensor:
-    """Keep this rank's T/tp slice of [B, T, ...] forward; all-gather the gradient backward."""
-    if group_size(group) == 1:
-        return x
-    if torch.compiler.is_compiling():  # one graph per compiled block (traced_comm)
-        return traced_comm.scatter_to_seq(x, group)
-    return _ScatterToSeq.apply(x, group, recorder)
-
-
-def gather_from_seq(x: torch.Tensor, group: Group, recorder: OpRecorder | None = None,
-                    overlap: bool = False) -> torch.Tensor:
-    """Enter a region from sequence shards: all-gather along T forward, reduce-scatter backward. ``overlap``:
-    compiled, in the form Inductor's micro-pipeline TP pass fuses with the GEMMs (`traced_comm`)."""
-    if group_size(group) == 1:
-        return x
-    if torch.compiler.is_compiling():  # one graph per compiled block (traced_comm)
-        return traced_comm.gather_from_seq(x, group, overlap)
-    return _GatherFromSeq.apply(x, group, recorder)
-
-
-def reduce_scatter_to_seq(x: torch.Tensor, group: Group, recorder: OpRecorder | None = None,
-                          overlap: bool = False) -> torch.Tensor:
-    """Leave a region into sequence shards: reduce-scatter along T forward, all-gather backward. ``overlap``: as
-    `gather_from_seq`'s."""
-    if group_size(group) == 1:
-        return x
-    if torch.compiler.is_compiling():  # one graph per compiled block (traced_comm)
-        return traced_comm.reduce_scatter_to_seq(x, group, overlap)
-    return _ReduceScatterToSeq.apply(x, group, recorder)
-
-
-# ------------------------------------------------------------------------------ expert-parallel autograd ops
-
-
-class _AllToAll(Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Group,
-                recorder: OpRecorder | None) -> torch.Tensor:
-        ctx.splits, ctx.group, ctx.recorder = (out_splits, in_splits), group, recorder
-        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-        return all_to_all_single(out, x, group, out_splits, in_splits, recorder)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        # The gradient travels the reverse route: what a rank received, it sends back to its source.
-        out_splits, in_splits = ctx.splits
-        back = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
-        all_to_all_single(back, grad.contiguous(), ctx.group, in_splits, out_splits, ctx.recorder)
-        return back, None, None, None, None
-
-
-def all_to_all(x: torch.Tensor, group: Group, output_split_sizes: list[int], input_split_sizes: list[int],
-               recorder: OpRecorder | None = None) -> torch.Tensor:
-    """Differentiable variable-size all-to-all along dim 0 (expert dispatch): ``input_split_sizes[j]`` rows go
-    to rank j, ``output_split_sizes[i]`` rows arrive from rank i, in rank order."""
-    if group_size(group) == 1:
-        return x
-    return _AllToAll.apply(x, list(output_split_sizes), list(input_split_sizes), group, recorder)
-
-
-class _GatherSplitGrad(Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, group: Group, recorder: OpRecorder | None) -> torch.Tensor:
-        ctx.group = group
-        return gather_along_dim(x, 1, group, recorder)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        # Every rank holds the complete (identical) gradient of the gathered sequence: keep our slice.
-        return split_along_dim(grad, 1, ctx.group), None, None
-
-
-def gather_from_seq_replicated(x: torch.Tensor, group: Group, recorder: OpRecorder | None = None) -> torch.Tensor:
-    """All-gather sequence shards into a sequence that the ranks then process identically (an MoE layer's
-    router and dispatch under sequence parallelism): backward keeps this rank's slice instead of summing."""
-    return x if group_size(group) == 1 else _GatherSplitGrad.apply(x, group, recorder)

@@ -33,7 +33,7 @@ from torch import nn
 
 from megaloom.config import ConfigError
 from megaloom.models.moe import Dispatched, LocalDispatcher, MoE
-from megaloom.parallel import comm
+from megaloom.parallel import borders, comm
 from megaloom.parallel.layout import Layout, layout_of, set_layout
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.tp_layers import ColumnParallelLinear, RowParallelLinear
@@ -77,7 +77,7 @@ class AllToAllDispatcher:
         rows = d.x
         if torch.is_autocast_enabled(rows.device.type):  # the experts compute in the low precision anyway
             rows = rows.to(torch.get_autocast_dtype(rows.device.type))
-        rows = comm.all_to_all(rows, self.mesh.ep_group, recv, send, self.mesh.recorder)
+        rows = borders.all_to_all(rows, self.mesh.ep_group, recv, send, self.mesh.recorder)
         order = _source_major_to_expert_major(recv_counts, sum(recv))
         return Dispatched(rows[order], recv_counts.sum(0), d.slot, d.weights, d.n_tokens, d.top_k, d.dropped,
                           route=_Route(d, send, recv, order))
@@ -85,7 +85,7 @@ class AllToAllDispatcher:
     def combine(self, y: torch.Tensor, d: Dispatched) -> torch.Tensor:
         r: _Route = d.route
         back = torch.empty_like(y).index_copy(0, r.order, y)  # undo the regrouping (a permutation)
-        back = comm.all_to_all(back, self.mesh.ep_group, r.send, r.recv, self.mesh.recorder)
+        back = borders.all_to_all(back, self.mesh.ep_group, r.send, r.recv, self.mesh.recorder)
         return self.local.combine(back, r.inner)
 
 
@@ -131,7 +131,7 @@ class SequenceShardDispatcher:
     def dispatch(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, n_experts: int,
                  capacity: int | None) -> Dispatched:
         m, ep, tp = self.mesh, self.ep, self.tp
-        weights = comm.copy_to_tp(weights, m.tp_group, m.recorder)
+        weights = borders.copy_to_tp(weights, m.tp_group, m.recorder)
         d = self.local.dispatch(x, weights, experts, n_experts, capacity)  # every token's kept pairs
         token = torch.div(d.slot, d.top_k, rounding_mode="floor")  # flat token b * T + s of each row
         own = torch.div(token % self.seq_len, self.seq_len // tp, rounding_mode="floor") == m.tp_rank
@@ -150,9 +150,9 @@ class SequenceShardDispatcher:
         rows = d.x[mine]
         if torch.is_autocast_enabled(rows.device.type):  # the experts compute in the low precision anyway
             rows = rows.to(torch.get_autocast_dtype(rows.device.type))
-        rows = comm.all_to_all(rows, m.ep_group, recv, send, m.recorder)  # (ep source, local expert)
+        rows = borders.all_to_all(rows, m.ep_group, recv, send, m.recorder)  # (ep source, local expert)
         n = rows.shape[0]
-        rows = comm.all_to_all(rows.repeat(tp, 1), m.tp_group, per_tp, [n] * tp, m.recorder)
+        rows = borders.all_to_all(rows.repeat(tp, 1), m.tp_group, per_tp, [n] * tp, m.recorder)
         order = _source_major_to_expert_major(every_recv, sum(per_tp))
         inner = Dispatched(rows, send_counts.reshape(-1), d.slot[mine], d.weights[mine], d.n_tokens, d.top_k,
                            d.dropped)
@@ -163,9 +163,9 @@ class SequenceShardDispatcher:
         m, r = self.mesh, d.route
         back = torch.empty_like(y).index_copy(0, r.order, y)  # by (tp source, ep source, local expert)
         n = sum(r.recv)
-        back = comm.all_to_all(back, m.tp_group, [n] * self.tp, r.per_tp, m.recorder)  # partial sums, home
+        back = borders.all_to_all(back, m.tp_group, [n] * self.tp, r.per_tp, m.recorder)  # partial sums, home
         back = back.view(self.tp, n, *back.shape[1:]).sum(0)
-        back = comm.all_to_all(back, m.ep_group, r.send, r.recv, m.recorder)
+        back = borders.all_to_all(back, m.ep_group, r.send, r.recv, m.recorder)
         return self.local.combine(back, r.inner)
 
 
@@ -187,26 +187,26 @@ def _slice(p: nn.Parameter, dim: int, index: int, parts: int) -> nn.Parameter:
 
 
 def _scatter_output(mesh: Mesh, module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
-    return comm.scatter_to_seq(out, mesh.tp_group, mesh.recorder)
+    return borders.scatter_to_seq(out, mesh.tp_group, mesh.recorder)
 
 
 def _enter_copy(mesh: Mesh, module: nn.Module, args: tuple) -> tuple:
-    return (comm.copy_to_tp(args[0], mesh.tp_group, mesh.recorder),) + tuple(args[1:])
+    return (borders.copy_to_tp(args[0], mesh.tp_group, mesh.recorder),) + tuple(args[1:])
 
 
 def _gather_input(mesh: Mesh, module: nn.Module, args: tuple) -> tuple:
-    x = comm.gather_from_seq_replicated(args[0], mesh.tp_group, mesh.recorder)
+    x = borders.gather_from_seq_replicated(args[0], mesh.tp_group, mesh.recorder)
     if isinstance(module.dispatcher, SequenceShardDispatcher):
         module.dispatcher.seq_len = x.shape[1]
     return (x,) + tuple(args[1:])
 
 
 def _expert_in(mesh: Mesh, x: torch.Tensor) -> torch.Tensor:
-    return comm.copy_to_tp(x, mesh.tp_group, mesh.recorder)
+    return borders.copy_to_tp(x, mesh.tp_group, mesh.recorder)
 
 
 def _expert_out(mesh: Mesh, x: torch.Tensor) -> torch.Tensor:
-    return comm.reduce_from_tp(x, mesh.tp_group, mesh.recorder)
+    return borders.reduce_from_tp(x, mesh.tp_group, mesh.recorder)
 
 
 def check_expert_layout(n_experts: int, mesh: Mesh) -> None:

@@ -13,7 +13,7 @@ only this rank's shard, in the compute dtype, and gathers it again in backward:
             reduce-scattered asynchronously under the weight-gradient GEMMs (Megatron's async grad-input)
 
 The region's entry (`SeqRegion`, a forward pre-hook on the attention / MLP module) still hands the module the
-gathered sequence through the differentiable `comm.gather_from_seq`: the module reads its shape, and anything
+gathered sequence through the differentiable `borders.gather_from_seq`: the module reads its shape, and anything
 else in it that reads the sequence gets a correct gradient through that gather's reduce-scatter. The first
 region linear the module calls computes all of them (`SeqRegion.output`); the others take their outputs from
 it. Under torch.compile (the compiler decides what to save) and without gradients the linears run as plain
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd import Function
 
-from megaloom.parallel import comm
+from megaloom.parallel import borders, comm
 from megaloom.parallel.collective_matmul import all_gather_linears
 from megaloom.parallel.comm import Group, OpRecorder
 
@@ -175,7 +175,7 @@ class SeqRegion:
             full = local.detach().as_strided((b, t * self.mesh.tp, d), (local.stride(0), 0, local.stride(2)))
             self._local, self._full, self._outputs = local, full, None
             return (full,) + tuple(args[1:])
-        full = comm.gather_from_seq(local, self.mesh.tp_group, self.mesh.recorder, self.overlap)
+        full = borders.gather_from_seq(local, self.mesh.tp_group, self.mesh.recorder, self.overlap)
         if lean_path_active():
             self._local, self._full, self._outputs = local, full, None
         return (full,) + tuple(args[1:])

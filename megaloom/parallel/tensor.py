@@ -33,7 +33,7 @@ from torch import nn
 from megaloom.config import ModelConfig, resolved_head_dim
 from megaloom.models import plan_styles as st
 from megaloom.models.moe import MoE
-from megaloom.parallel import comm
+from megaloom.parallel import borders, comm
 from megaloom.parallel.expert import parallelize_moe
 from megaloom.parallel.layout import layout_of, set_layout
 from megaloom.parallel.mesh import Mesh, check_tp_model
@@ -56,7 +56,7 @@ class _EnterRegion:
         self.mesh = mesh
 
     def __call__(self, module: nn.Module, args: tuple) -> tuple:
-        return (comm.copy_to_tp(args[0], self.mesh.tp_group, self.mesh.recorder),) + tuple(args[1:])
+        return (borders.copy_to_tp(args[0], self.mesh.tp_group, self.mesh.recorder),) + tuple(args[1:])
 
 
 class _SplitToSeq:
@@ -66,7 +66,7 @@ class _SplitToSeq:
         self.mesh = mesh
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return comm.scatter_to_seq(x, self.mesh.tp_group, self.mesh.recorder)
+        return borders.scatter_to_seq(x, self.mesh.tp_group, self.mesh.recorder)
 
 
 class _FirstOfSeq:
@@ -77,7 +77,7 @@ class _FirstOfSeq:
         self.mesh = mesh
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        firsts = comm.gather_from_seq_replicated(x[:, :1].contiguous(), self.mesh.tp_group, self.mesh.recorder)
+        firsts = borders.gather_from_seq_replicated(x[:, :1].contiguous(), self.mesh.tp_group, self.mesh.recorder)
         return firsts[:, 0]
 
 
@@ -222,7 +222,7 @@ def parallelize_tensor(model: nn.Module, mesh: Mesh, sp: bool, plan: st.Plan | N
     unchanged, following ``plan`` (default: the plan of the model's family, ``model.plan``). ``async_tp``
     (with sp): the region borders as collective matmuls (`collective_matmul`, eager). ``overlap`` (with sp): the
     borders of compiled blocks in the forms Inductor's micro-pipeline TP pass fuses with their GEMMs
-    (`traced_comm`; the same collectives, so the same results)."""
+    (`borders`' traced form; the same collectives, so the same results)."""
     plan = plan if plan is not None else model.plan
     if getattr(model, "mtp", None) is not None:  # multi-token prediction's modules, split as the blocks are
         plan = with_mtp(plan)

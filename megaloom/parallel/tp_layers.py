@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megaloom.models.lora import has_lora, lora_delta
-from megaloom.parallel import comm
+from megaloom.parallel import borders
 from megaloom.parallel.collective_matmul import linear_reduce_scatter
 from megaloom.parallel.grad_fusion import fused_linear
 from megaloom.parallel.layout import Layout, set_layout
@@ -85,13 +85,13 @@ class ColumnParallelLinear(nn.Module):
         if self.seq_region is not None and (y := self.seq_region.output(self, x)) is not None:
             return y
         if self.input_mode == "copy":
-            x = comm.copy_to_tp(x, g, rec)
+            x = borders.copy_to_tp(x, g, rec)
         elif self.input_mode == "gather":  # sequence shards, gathered in the compute dtype (fp8: as they come)
             if self.fp8_recipe is None:
                 x = to_compute_dtype(x)
                 if lean_path_active() and not self.fused_wgrad:  # saves the shard, not the gathered sequence
                     return gathered_linears(x, None, [(self.weight, self.bias)], g, rec, ring=self.ring)[0]
-            x = comm.gather_from_seq(x, g, rec, self.overlap)
+            x = borders.gather_from_seq(x, g, rec, self.overlap)
         if self.fused_wgrad:
             return fused_linear(x, self.weight, self.bias)
         return fp8.linear(x, self.weight, self.bias, self.fp8_recipe, self.fp8_fast_accum)
@@ -147,9 +147,9 @@ class RowParallelLinear(nn.Module):
         if has_lora(self):  # this rank's partial product of the adapter, summed by the same reduction
             y = y + lora_delta(self, x)
         if self.output_mode == "reduce":
-            y = comm.reduce_from_tp(y, g, rec)
+            y = borders.reduce_from_tp(y, g, rec)
         else:
-            y = comm.reduce_scatter_to_seq(y, g, rec, self.overlap)
+            y = borders.reduce_scatter_to_seq(y, g, rec, self.overlap)
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
@@ -161,7 +161,7 @@ def rank_major(linear, x: torch.Tensor, tp: int) -> torch.Tensor:
     """``linear(x)`` for a region's gathered sequence x [1, tp * t, in] computed on the view [tp, t, in]: a
     linear treats rows alike, so this is the same product, but its GEMM then reads the dim-0 all-gather's result
     in the shape it came in, which Inductor's micro-pipeline TP pass needs to fuse the gather into the GEMM
-    (`traced_comm.gather_from_seq`). Other inputs (more rows, a sequence tp does not divide): ``linear(x)``."""
+    (`borders.gather_from_seq`, traced). Other inputs (more rows, a sequence tp does not divide): ``linear(x)``."""
     if x.dim() != 3 or x.shape[0] != 1 or x.shape[1] % tp:
         return linear(x)
     y = linear(x.view(tp, x.shape[1] // tp, x.shape[2]))
@@ -178,10 +178,10 @@ def lookup_vocab_rows(ids: torch.Tensor, weight: torch.Tensor, vocab_start: int,
     outside = (local < 0) | (local >= weight.shape[0])
     out = F.embedding(local.masked_fill(outside, 0), weight).masked_fill(outside.unsqueeze(-1), 0.0)
     if output_mode == "reduce":
-        return comm.reduce_from_tp(out, g, rec)
+        return borders.reduce_from_tp(out, g, rec)
     # Reduce-scattered in the compute dtype (half the bytes under bf16 autocast, as every other sp
     # collective); the residual stream it starts stays in the weights' dtype.
-    return comm.reduce_scatter_to_seq(to_compute_dtype(out), g, rec).to(out.dtype)
+    return borders.reduce_scatter_to_seq(to_compute_dtype(out), g, rec).to(out.dtype)
 
 
 class VocabParallelEmbedding(nn.Module):

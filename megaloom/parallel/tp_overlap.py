@@ -1,14 +1,14 @@
 """Tensor-parallel communication hidden under the GEMMs of compiled blocks (``parallel.async_tp``).
 
 Under sequence parallelism every attention and MLP region starts with an all-gather of the sequence and ends
-with a reduce-scatter. Compiled blocks trace them as functional collectives (`traced_comm`), and Inductor's
+with a reduce-scatter. Compiled blocks trace them as functional collectives (`borders`), and Inductor's
 micro-pipeline TP pass (``torch._inductor.config._micro_pipeline_tp``, TorchTitan's async TP) can replace an
 all-gather and the GEMMs that read its result by ``symm_mem.fused_all_gather_matmul``, and a GEMM and the
 reduce-scatter of its output by ``symm_mem.fused_matmul_reduce_scatter``: each split into tp steps, the
 communication of one step (over CUDA symmetric memory, copy engines) under the GEMM of another. What megaloom
 supplies is the graph in the shapes the pass recognises, and the switch:
 
-- the borders in their fusable forms (``overlap`` in `traced_comm` / `comm`: with one row per micro-batch the
+- the borders in their fusable forms (``overlap`` in `borders`: with one row per micro-batch the
   dim-0 gather that the column-parallel linears read rank-major, `tp_layers.rank_major`; funcol's dim-1 forms
   otherwise), which the same collectives and so the same results as before;
 - `FoldReshapeChains`, a post-grad pass run before the micro-pipeline pass: a reshape of a reshape reads the

@@ -205,7 +205,7 @@ def _compiled_save_set_known(cfg: Config, dm: _Dims, device: str, recompute: str
     """Whether `_compiled_block_bytes` describes this block: a compiled dense pre-norm decoder block (RMSNorm,
     SwiGLU, RoPE, with or without QK-norm; no parallel block, window or dropout) under bf16/fp16 autocast with a
     fused attention kernel, no full recomputation or fp8. Tensor parallelism, with or without sp, and context
-    parallelism's all-to-all exchanges trace into one graph (parallel/traced_comm.py); ring attention is one
+    parallelism's all-to-all exchanges trace into one graph (parallel/borders.py); ring attention is one
     custom op in it (parallel/context/ring.py). Other blocks keep the eager save-set (an over-estimate of what
     compile keeps)."""
     m, t = cfg.model, cfg.train

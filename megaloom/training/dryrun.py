@@ -19,7 +19,7 @@ reports:
 - the collectives of each step, calls and bytes per group (`comm.CommTally` on ``mesh.recorder``): tp, pp, dp
   (named with the kinds that share the group, e.g. dp/dp_cp/edp), the tied-embedding pair, point-to-point
   sends and receives one by one. Compiled blocks issue their tensor-parallel collectives from inside their
-  graphs, where no recorder runs (parallel/traced_comm.py): with train.compile the counts come from one more
+  graphs, where no recorder runs (parallel/borders.py): with train.compile the counts come from one more
   step run eagerly (``torch.compiler.set_stance("force_eager")``) that issues the same collectives
   (`sp_linear.collectives_as_compiled`);
 - on a GPU, where the step's time goes (`profile_rank`): one more step under the profiler, its kernel time by
@@ -530,7 +530,7 @@ def _build_and_step(report: DryRunReport, dcfg: Config, rt, steps: int, budget: 
     if steps and accelerator.is_accelerator(device):
         report.profile = profile_rank(trainer, one_step, report, Path(cfg.run.dir) / "profile")
     if steps and cfg.train.compile:
-        # Compiled blocks call no recorder (parallel/traced_comm.py): count one eager step that issues the same
+        # Compiled blocks call no recorder (parallel/borders.py): count one eager step that issues the same
         # collectives as the compiled one (the sp regions' linears as compiled, not the shard-saving path).
         from megaloom.parallel.sp_linear import collectives_as_compiled
 

@@ -44,7 +44,7 @@ def test_parity_with_single_process(world: list[dict], case: str) -> None:
 
 @pytest.mark.parametrize("case", COMPILED)
 def test_compiled_blocks_are_one_graph_and_match_the_single_process(world: list[dict], case: str) -> None:
-    """Compiled tensor-parallel blocks (the borders traced as functional collectives, parallel/traced_comm.py):
+    """Compiled tensor-parallel blocks (the borders traced as functional collectives, parallel/borders.py):
     no graph break, one graph for every block (grad mode; a second for the no-grad logits check), and the same
     losses and gradients as the eager single process."""
     for res in world:

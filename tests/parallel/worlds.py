@@ -18,7 +18,7 @@ from megaloom.data.objective import inputs_and_labels, objective_kwargs
 from megaloom.models import Transformer, apply_recompute
 from megaloom.models.documents import Documents
 from megaloom.models.registry import get_family
-from megaloom.parallel import comm
+from megaloom.parallel import borders, comm
 from megaloom.parallel.layout import layout_of
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.random import RNGTracker, dropout_seed
@@ -177,38 +177,38 @@ def check_regions(mesh: Mesh) -> dict[str, float]:
         per_rank_slices = torch.cat([w[k][:, k * t_local:(k + 1) * t_local] for k in range(size)], dim=1)
 
         xs = x[:, sl].clone().requires_grad_()
-        y = comm.gather_from_seq(xs, g)
+        y = borders.gather_from_seq(xs, g)
         (y * w[r]).sum().backward()
         errs[f"gather_fwd{batch}"] = _err(y, x)
         errs[f"gather_bwd{batch}"] = _err(xs.grad, w.sum(0)[:, sl])
 
         z = x.clone().requires_grad_()
-        y = comm.reduce_scatter_to_seq(z * (r + 1), g)
+        y = borders.reduce_scatter_to_seq(z * (r + 1), g)
         (y * w[r][:, sl]).sum().backward()
         errs[f"rs_fwd{batch}"] = _err(y, x[:, sl] * sum(range(1, size + 1)))
         errs[f"rs_bwd{batch}"] = _err(z.grad, per_rank_slices * (r + 1))
 
         z = x.clone().requires_grad_()
-        y = comm.scatter_to_seq(z, g)
+        y = borders.scatter_to_seq(z, g)
         (y * w[r][:, sl]).sum().backward()
         errs[f"scatter_fwd{batch}"] = _err(y, x[:, sl])
         errs[f"scatter_bwd{batch}"] = _err(z.grad, per_rank_slices)
 
         z = x.clone().requires_grad_()
-        y = comm.copy_to_tp(z, g)
+        y = borders.copy_to_tp(z, g)
         (y * w[r]).sum().backward()
         errs[f"copy_fwd{batch}"] = _err(y, x)
         errs[f"copy_bwd{batch}"] = _err(z.grad, w.sum(0))
 
         z = x.clone().requires_grad_()
-        y = comm.reduce_from_tp(z * (r + 1), g)
+        y = borders.reduce_from_tp(z * (r + 1), g)
         (y * w[r]).sum().backward()
         errs[f"reduce_fwd{batch}"] = _err(y, x * sum(range(1, size + 1)))
         errs[f"reduce_bwd{batch}"] = _err(z.grad, w[r] * (r + 1))
 
         # A residual next to the region: its gradient must not be disturbed by the in-place collectives.
         z = x.clone().requires_grad_()
-        y = z + comm.copy_to_tp(z, g)
+        y = z + borders.copy_to_tp(z, g)
         y.sum().backward()
         errs[f"residual_bwd{batch}"] = _err(z.grad, torch.full_like(x, 1.0 + size))
     return errs

@@ -6,7 +6,7 @@ second all-to-all gives the heads back. Two all-to-alls of q, k, v and out per l
 cheaper on fast links, but it needs the (tensor-parallel-local) query and key/value head counts to be multiples
 of cp. The gathered sequence arrives in rank order of the load-balanced split (layout.py) and is put into
 natural order for the core, then back. Under torch.compile the exchanges are functional all-to-alls
-(`traced_comm.all_to_all`), so a compiled block stays one graph (the in-place c10d op and the recorder's
+(`borders.all_to_all_equal`'s traced form), so a compiled block stays one graph (the in-place c10d op and the recorder's
 bookkeeping would split it).
 """
 
@@ -16,15 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from megaloom.models.attention import attention_mask
-from megaloom.parallel import comm, traced_comm
-
-
-def _exchange(x: torch.Tensor, group, recorder, chunk: int) -> torch.Tensor:
-    """Equal chunks of ``chunk`` rows of dim 0 to every rank, differentiable (gradients take the way back)."""
-    if torch.compiler.is_compiling():  # one graph per compiled block (traced_comm)
-        return traced_comm.all_to_all(x, group)
-    cp = comm.group_size(group)
-    return comm.all_to_all(x, group, [chunk] * cp, [chunk] * cp, recorder)
+from megaloom.parallel import borders, comm
 
 
 def _rank_to_natural(x: torch.Tensor, cp: int) -> torch.Tensor:
@@ -49,7 +41,7 @@ def _seq_to_heads(x: torch.Tensor, group, recorder) -> torch.Tensor:
     cp = comm.group_size(group)
     b, h, t, d = x.shape
     rows = x.permute(1, 0, 2, 3).contiguous()  # head j's rows go to rank j // (h / cp)
-    got = _exchange(rows, group, recorder, h // cp)
+    got = borders.all_to_all_equal(rows, group, h // cp, recorder)
     return _rank_to_natural(got.view(cp, h // cp, b, t, d).permute(2, 1, 0, 3, 4), cp)
 
 
@@ -58,7 +50,7 @@ def _heads_to_seq(y: torch.Tensor, group, recorder) -> torch.Tensor:
     cp = comm.group_size(group)
     b, hl, n, d = y.shape
     by_rank = _natural_to_rank(y, cp).permute(2, 1, 0, 3, 4).reshape(cp * hl, b, n // cp, d)
-    got = _exchange(by_rank, group, recorder, hl)  # from rank j: its heads, our tokens
+    got = borders.all_to_all_equal(by_rank, group, hl, recorder)  # from rank j: its heads, our tokens
     return got.permute(1, 0, 2, 3)
 
 

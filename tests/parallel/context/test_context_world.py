@@ -81,7 +81,7 @@ def test_trainer_matches_single_process(world, references, case):
 
 @pytest.mark.parametrize("case", list(COMPILED))
 def test_compiled_blocks_are_one_graph_and_match_the_single_process(world, case):
-    """Compiled cp blocks (all-to-all: functional collectives, parallel/traced_comm.py; ring: one custom op,
+    """Compiled cp blocks (all-to-all: functional collectives, parallel/borders.py; ring: one custom op,
     parallel/context/ring.py): no graph break, one graph for every block and step (the blocks share it), the
     losses of 3 steps and the first step's gradients those of the eager single process. The ring's op tells
     the mesh's recorder of its transfers (per step and layer: 1 forward, 3 backward batches at cp 2); the traced
