@@ -14,11 +14,18 @@ from megaloom.optim.param_groups import param_groups
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device, mesh=None) -> torch.optim.Optimizer:
-    """AdamW or LAMB over whole (possibly tensor-parallel) parameters; ZeRO uses parallel.zero's optimizer."""
+    """AdamW, LAMB or Muon over whole (possibly tensor-parallel) parameters; ZeRO uses parallel.zero's
+    optimizer."""
     if cfg.optimizer == "lamb":
         return build_lamb(model, cfg.weight_decay, cfg.lr, (cfg.beta1, cfg.beta2), eps=1e-6, mesh=mesh)
     # The fused kernel on an accelerator torch has it for (one launch for all parameters); foreach on CPU.
     fused = accelerator.fused_optimizer(device)
+    if cfg.optimizer == "muon":
+        from megaloom.optim.muon import build_muon  # muon.py builds on zero.py, which needs nothing of this module
+        from megaloom.parallel.mesh import Mesh
+
+        return build_muon(model, mesh if mesh is not None else Mesh.single(device), cfg.lr, cfg.weight_decay,
+                          (cfg.beta1, cfg.beta2), cfg.muon_momentum, cfg.muon_ns_steps, fused=fused)
     return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                              eps=1e-8, fused=fused, foreach=None if fused else True)
 
