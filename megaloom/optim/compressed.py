@@ -147,7 +147,7 @@ class CompressedAverage:
             lo, hi = r * p.chunk, (r + 1) * p.chunk
             _compress(x[lo:hi], scales[p.first[r]:], bits[lo:hi], p, r, self.worker_error[lo:hi])
         self._sent, self._got = send, torch.empty_like(send)
-        self._pending = comm.all_to_all_single_async(self._got, send, self.group, self.recorder)
+        self._pending = self._all_to_all(self._got, send)
 
     def serve(self) -> None:
         """Server phase for this rank's chunk: average the workers' compressed chunks, compensate, compress, update
@@ -168,7 +168,17 @@ class CompressedAverage:
         msg[:p.chunk8] = pack_signs(bits)
         msg[p.chunk8:p.chunk8 + 4 * n] = scales.view(torch.uint8)
         self._sent, self._got = msg, torch.empty(p.ranks, p.row, dtype=torch.uint8, device=got.device)
-        self._pending = comm.all_gather_into_async(self._got.view(-1), msg, self.group, self.recorder)
+        self._pending = self._all_gather(self._got, msg)
+
+    def _all_to_all(self, got: torch.Tensor, send: torch.Tensor) -> comm.Pending:
+        """The worker phase's transport: row r of ``send`` to rank r, row w of ``got`` from rank w. A method of its
+        own so that a one-process simulation of the ranks (bench/onebit_simulate.py) replaces the transport only,
+        never the arithmetic."""
+        return comm.all_to_all_single_async(got, send, self.group, self.recorder)
+
+    def _all_gather(self, got: torch.Tensor, msg: torch.Tensor) -> comm.Pending:
+        """The server phase's transport: every rank's ``msg`` into row r of ``got`` ([ranks, row])."""
+        return comm.all_gather_into_async(got.view(-1), msg, self.group, self.recorder)
 
     def finish(self, out: torch.Tensor) -> None:
         """Wait for the all-gather and decode every server's chunk into ``out`` (float32 [numel])."""
