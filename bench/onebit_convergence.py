@@ -7,6 +7,21 @@ data-parallel group (issue 40). Not part of the test suite: it trains for minute
     python bench/onebit_convergence.py --out runs/onebit95m --device cuda --steps 2000 --warmup 300 \
         --extra model.preset=gpt2-124m train.micro_batch_size=8           # near the issue's 95M, GPUs
 
+On one GPU, dp 4 simulated in one process (``--simulate-dp 4``: bench/onebit_simulate.py, the same optimizer and
+compression code; AdamW then runs as one process on the same global batch, which is dp 4's arithmetic; no bytes
+measurement). The issue's ~95M parameters: gpt2-124m's blocks with the corpus tokenizer's vocabulary. 2 optimizers
+x 3 seeds must finish in ~6 minutes on an H100, so 600 steps (warm-up 120, as the CPU runs), global batch 16 x 256
+tokens (each simulated rank 4 rows, one micro-batch): about 40 s a 1-bit run (4 rank passes + the exchange per
+step), 15 s an AdamW run, plus start-up (an estimate, not measured yet):
+
+    python bench/onebit_convergence.py --out runs/onebit95m_sim --device cuda --simulate-dp 4 --steps 600 \
+        --warmup 120 --extra model.preset=gpt2-124m model.vocab_size=0 train.seq_len=256 train.micro_batch_size=4 \
+        train.precision=bf16
+
+The issue's full 2,000 steps / warm-up 300: the same with --steps 2000 --warmup 300 (~15 minutes). CPU smoke test:
+
+    python bench/onebit_convergence.py --out /tmp/onebit_sim --simulate-dp 4 --steps 10 --warmup 4 --seeds 1
+
 Each run is `megaloom train --nproc N` on the embedded corpus with one setting changed (train.optimizer) and
 the seed; every other setting is the same (COMMON). The final train loss is the mean of the last 50 logged steps
 (as bench/compare_precision.py takes it), with the eval loss at the end beside it; the gap is the 1-bit run's
@@ -21,7 +36,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -32,6 +49,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's megaloom, also in the spawned ranks (they inherit sys.path)
+sys.path.insert(0, str(ROOT / "bench"))  # onebit_simulate
 
 PEERS = {"adam": ("adamw", "onebit_adam"), "lamb": ("lamb", "onebit_lamb")}
 
@@ -60,12 +78,49 @@ def train(out: Path, optimizer: str, seed: int, args) -> float:
     if (d / "metrics.jsonl").is_file() and len(_rows(d)) >= args.steps:
         return 0.0  # done before (the script can be resumed)
     t0 = time.perf_counter()
+    if args.simulate_dp and optimizer.startswith("onebit"):
+        simulated_run(d, seed, args)
+        return time.perf_counter() - t0
     cmd = [sys.executable, "-m", "megaloom", "train", "--nproc", str(args.nproc), f"run.dir={d}",
            f"train.optimizer={optimizer}", f"train.seed={seed}",
            *common(args.steps, args.warmup, args.device, tuple(args.extra)),
            *lr_overrides(optimizer, args)]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, cwd=ROOT)  # this checkout's megaloom
     return time.perf_counter() - t0
+
+
+def simulated_run(d: Path, seed: int, args) -> None:
+    """1-bit Adam over ``args.simulate_dp`` ranks simulated in this process (bench/onebit_simulate.py) on the data,
+    model, schedule and evaluation `megaloom train` would use; metrics.jsonl as the trainer writes it."""
+    from onebit_simulate import SimulatedOnebitAdam
+
+    from megaloom import accelerator
+    from megaloom.config import load_config
+    from megaloom.optim.build import lr_at, set_lr
+    from megaloom.step import autocast_ctx
+    from megaloom.training.trainer import Trainer
+
+    shutil.rmtree(d, ignore_errors=True)
+    cfg = load_config(None, [f"run.dir={d}", "train.optimizer=adamw", f"train.seed={seed}",  # its AdamW: unused
+                             *common(args.steps, args.warmup, args.device, tuple(args.extra))])
+    trainer = Trainer(cfg).build()
+    t, device, precision = trainer.cfg.train, trainer.device, trainer.precision
+    sim = SimulatedOnebitAdam(trainer.model, t, args.simulate_dp, trainer.cfg.parallel.bucket_mb,
+                              forward_ctx=lambda: autocast_ctx(precision, device))
+    print(f"simulated dp {args.simulate_dp}: {sum(p.numel() for p in trainer.model.parameters()):,} parameters, "
+          f"{t.global_batch_size} x {t.seq_len} tokens a step", flush=True)
+    # a rank's rows in micro-batches of at most the resolved size (which one process chose for the whole batch)
+    micro = math.gcd(t.micro_batch_size, t.global_batch_size // args.simulate_dp)
+    rows = []
+    for step, batch in enumerate(trainer._loader()):
+        set_lr(sim, lr_at(step, t))
+        loss, norm = sim.step(batch.to(device, non_blocking=True), micro)
+        rows.append({"step": step + 1, "loss": loss, "grad_norm": norm})
+    trainer.train_step.optimizer = sim.opt  # (evaluation reads the model only)
+    rows.append({"step": len(rows), **trainer._evaluate()})
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    del trainer, sim
+    accelerator.empty_cache()
 
 
 def _rows(d: Path) -> list[dict]:
@@ -177,7 +232,12 @@ def main() -> None:
                                                             "train.micro_batch_size=8 (the issue's 95M run on GPUs)")
     ap.add_argument("--lamb-lr", type=float, default=0.02, help="train.lr of both LAMB runs (0: the preset's)")
     ap.add_argument("--summary", action="store_true", help="only report the runs on disk")
+    ap.add_argument("--simulate-dp", type=int, default=0, metavar="N",
+                    help="one process (one GPU): 1-bit runs simulate N data-parallel ranks (bench/onebit_simulate.py), "
+                         "AdamW runs as one process on the same global batch; no bytes measurement")
     args = ap.parse_args()
+    if args.simulate_dp:
+        args.nproc = 1  # the AdamW peers: one process, the global batch's mean gradient as dp N's all-reduce gives
     args.out = args.out.resolve()  # the runs start in the checkout (cwd=ROOT)
     args.out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -191,7 +251,8 @@ def main() -> None:
                     print(f"{optimizer} seed {seed}: {final(run_dir(args.out, optimizer, seed))} ({took:.0f}s)",
                           flush=True)
         summary["pairs"][pair] = report(args.out, pair, args)
-        summary["pairs"][pair]["bytes"] = measure_bytes(args.out, list(PEERS[pair]), args)
+        if not args.simulate_dp:
+            summary["pairs"][pair]["bytes"] = measure_bytes(args.out, list(PEERS[pair]), args)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     for pair, r in summary["pairs"].items():
         peer, onebit = PEERS[pair]
@@ -202,7 +263,9 @@ def main() -> None:
             print(f"| {s['seed']} | {s[peer]['train']:.4f} | {s[onebit]['train']:.4f} | {100 * s['gap_train']:+.2f}% | "
                   f"{s[peer]['eval']:.4f} | {s[onebit]['eval']:.4f} | {ge} |")
         print(f"mean gap over seeds: train {100 * r['mean_gap_train']:+.2f}%, eval {100 * r['mean_gap_eval']:+.2f}%")
-        b = r["bytes"]
+        b = r.get("bytes")
+        if b is None:
+            continue
         print(f"bytes per step on dp after the warm-up ({b[peer]['params']:,} parameters): {peer} "
               f"{b[peer]['bytes']:,.0f} buffer / {b[peer]['sent']:,.0f} sent; {onebit} {b[onebit]['bytes']:,.0f} / "
               f"{b[onebit]['sent']:,.0f}: {b[peer]['bytes'] / b[onebit]['bytes']:.1f}x / "
