@@ -62,8 +62,11 @@ def choose_split(path: Path, split: str | None) -> str | None:
     """The split to read of a saved DatasetDict: ``split`` if it has it; without one, its only split; anything else
     is one DataError line naming its splits and how to choose (read before ``datasets`` is imported)."""
     splits = saved_splits(path) if path.is_dir() else None
-    if splits is None:
-        return split
+    return split if splits is None else _pick_split(path, split, list(splits))
+
+
+def _pick_split(path: Path, split: str | None, splits: list[str]) -> str:
+    """``split`` if the DatasetDict at ``path`` has it; without one, its only split; else one DataError line."""
     if split is None and len(splits) == 1:
         return splits[0]
     if split is None:
@@ -85,16 +88,8 @@ def _open_hf(path: Path, split: str | None):
             raise DataError(f"{path} is not a datasets .arrow file ({type(e).__name__}: {e}); pass a folder "
                             "written by save_to_disk or the dataset's .parquet files") from None
     data = datasets.load_from_disk(str(path))
-    if isinstance(data, datasets.DatasetDict):
-        if split is None and len(data) == 1:
-            split = next(iter(data))
-        if split is None:
-            raise DataError(f"{path} is a DatasetDict of {len(data)} splits ({', '.join(sorted(data))}): choose the "
-                            f"one to read with --split, e.g. --split {sorted(data)[0]}")
-        if split not in data:
-            raise DataError(f"{path} is a DatasetDict without a {split!r} split (it has {sorted(data)}); choose one "
-                            "with --split")
-        data = data[split]
+    if isinstance(data, datasets.DatasetDict):  # a folder whose splits were not listed on disk: the same choice
+        data = data[_pick_split(path, split, list(data))]
     return data
 
 

@@ -247,32 +247,10 @@ def predict(cfg: Config, world: int, gpu: GpuKind, mode: str = "cluster", memory
     local, updated = _updated_params(cfg, sizes, busiest)
     opt = optimizer_seconds(gpu, updated)
     if not dry and dp * p.cp > 1:
-        link = comm.link_of(gpu, sizes, "dp", size=dp) if p.cp == 1 else comm.link_of(gpu, sizes, "cp", size=dp * p.cp)
-        n = dp * p.cp
-        last_backward = b_times[busiest] * p.vpp
-        first_forward = f_times[busiest]
-        if p.zero == 0 and t.optimizer.startswith("onebit_"):  # the step after the warm-up: not overlapped
-            exposed["dp"] = comm.onebit_exchange(local, n, link, gpu.hbm_tbps * 1e12)
-        elif p.zero == 0:
-            reduce = comm.all_reduce(4 * local, n, link)
-            exposed["dp"] = max(0.0, reduce - last_backward)
-        elif p.zero in (1, 2):
-            gather_bytes = 2 if cfg.parallel.param_gather == "auto" and t.precision != "fp32" else 4
-            reduce = comm.reduce_scatter(4 * local, n, link)
-            gather = comm.all_gather(gather_bytes * local, n, link)
-            exposed["dp"] = max(0.0, reduce - last_backward) + max(0.0, gather - first_forward)
-        else:  # zero 3 (FSDP2): every micro-batch gathers the weights twice and reduce-scatters the gradients
-            per_mb = 2 * comm.all_gather(2 * local, n, link) + comm.reduce_scatter(4 * local, n, link)
-            exposed["dp"] = max(0.0, per_mb - (f_times[busiest] + b_times[busiest]) * p.vpp) * n_micro
+        exposed["dp"] = _dp_exposed(cfg, gpu, sizes, local, f_times[busiest], b_times[busiest], n_micro)
     step = pipe + exposed.get("dp", 0.0) + opt
     tokens = t.global_batch_size * t.seq_len
-    full = analytic_params(cfg, list(range(m.n_layers)), True, True, 1, 1)
-    mm = sum(full.matmul_layers.values()) + full.matmul_head
-    if m.moe_every:  # routed experts count top_k / n_experts of their weights (observe/flops.py)
-        _, _, fe, _ = _resolved(m)
-        routed = sum(3 * m.n_experts * m.d_model * fe for i in range(m.n_layers) if is_moe_layer(m, i))
-        mm -= int(routed * (1 - m.top_k / m.n_experts))
-    fpt = flops_per_token(m, mm, t.seq_len)
+    fpt = flops_per_token(m, _active_matmul_params(cfg), t.seq_len)
     pred = Prediction(world=world, gpu=gpu.name, sizes=sizes, n_micro=n_micro, step_s=step,
                       tokens_per_s=tokens / step, mfu=fpt * tokens / (world * step * gpu.peak_tflops * 1e12),
                       compute_s=compute, bubble_s=bubble, exposed={k: v for k, v in exposed.items() if v > 0},
@@ -280,6 +258,44 @@ def predict(cfg: Config, world: int, gpu: GpuKind, mode: str = "cluster", memory
     if memory:
         _add_memory(pred, cfg, world, gpu)
     return pred
+
+
+def _dp_exposed(cfg: Config, gpu: GpuKind, sizes: dict[str, int], local: int, forward: float, backward: float,
+                n_micro: int) -> float:
+    """The data-parallel exchange of one step (over dp, or dp x cp) that the busiest rank's compute does not hide:
+    ``local`` its updated parameters, ``forward`` / ``backward`` one micro-batch's chunk times on that rank."""
+    p, t = cfg.parallel, cfg.train
+    dp = sizes["dp"]
+    link = comm.link_of(gpu, sizes, "dp", size=dp) if p.cp == 1 else comm.link_of(gpu, sizes, "cp", size=dp * p.cp)
+    n = dp * p.cp
+    last_backward = backward * p.vpp
+    first_forward = forward
+    if p.zero == 0 and t.optimizer.startswith("onebit_"):  # the step after the warm-up: not overlapped
+        return comm.onebit_exchange(local, n, link, gpu.hbm_tbps * 1e12)
+    if p.zero == 0:
+        reduce = comm.all_reduce(4 * local, n, link)
+        return max(0.0, reduce - last_backward)
+    if p.zero in (1, 2):
+        gather_bytes = 2 if cfg.parallel.param_gather == "auto" and t.precision != "fp32" else 4
+        reduce = comm.reduce_scatter(4 * local, n, link)
+        gather = comm.all_gather(gather_bytes * local, n, link)
+        return max(0.0, reduce - last_backward) + max(0.0, gather - first_forward)
+    # zero 3 (FSDP2): every micro-batch gathers the weights twice and reduce-scatters the gradients
+    per_mb = 2 * comm.all_gather(2 * local, n, link) + comm.reduce_scatter(4 * local, n, link)
+    return max(0.0, per_mb - (forward + backward) * p.vpp) * n_micro
+
+
+def _active_matmul_params(cfg: Config) -> int:
+    """The whole model's matmul parameters a token goes through (the MFU's numerator): routed experts count
+    top_k / n_experts of their weights (observe/flops.py)."""
+    m = cfg.model
+    full = analytic_params(cfg, list(range(m.n_layers)), True, True, 1, 1)
+    mm = sum(full.matmul_layers.values()) + full.matmul_head
+    if m.moe_every:
+        _, _, fe, _ = _resolved(m)
+        routed = sum(3 * m.n_experts * m.d_model * fe for i in range(m.n_layers) if is_moe_layer(m, i))
+        mm -= int(routed * (1 - m.top_k / m.n_experts))
+    return mm
 
 
 def _add_memory(pred: Prediction, cfg: Config, world: int, gpu: GpuKind) -> None:

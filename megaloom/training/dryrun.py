@@ -437,7 +437,33 @@ def _planned(cfg: Config, world: int, device: torch.device, pp_rank: int, update
 
 def _build_and_step(report: DryRunReport, dcfg: Config, rt, steps: int, budget: int | None,
                     device: torch.device) -> None:
-    from megaloom.optim.build import lr_at, set_lr
+    """Build the rank, choose what fits the budget, run the steps with every collective counted, save its shard."""
+    trainer, probe = _build(report, dcfg, rt, device)
+    cfg, mesh = trainer.cfg, trainer.mesh
+    steps = _choose_mode(report, trainer, rt.world_size, steps, budget, device)
+    tally = _count_collectives(trainer)
+    batches = _run_steps(report, trainer, tally, probe, steps, device)
+    report.memory["optimizer"] = optimizer_state_bytes(trainer.optimizer)
+
+    def one_step() -> None:
+        batch = next(batches)
+        float(trainer.train_step(batch.to(device) if batch is not None else None).loss)
+
+    if steps and accelerator.is_accelerator(device):
+        report.profile = profile_rank(trainer, one_step, report, Path(cfg.run.dir) / "profile")
+    if steps and cfg.train.compile:
+        _count_compiled_collectives(report, tally, one_step)
+    mesh.recorder = tally.inner
+
+    # This rank's shard of a checkpoint (module doc: no_dist).
+    report.checkpoint = save_rank_shard(trainer, Path(cfg.run.dir) / "checkpoints" / f"dryrun_rank{rt.rank}")
+    report.seconds["checkpoint"] = report.checkpoint["seconds"]
+    trainer.guard.close()
+    trainer.sink.close()
+
+
+def _build(report: DryRunReport, dcfg: Config, rt, device: torch.device):
+    """The rank built by the Trainer itself, on synthetic data, with the memory it took: (trainer, probe)."""
     from megaloom.training.trainer import Trainer
 
     torch.set_flush_denormal(True)  # unfilled receive buffers may hold denormals: keep the arithmetic fast
@@ -455,13 +481,18 @@ def _build_and_step(report: DryRunReport, dcfg: Config, rt, steps: int, budget: 
     report.memory["build_peak"] = probe.peak()
     report.groups_created = trainer.mesh.group_calls
     report.seconds.update(trainer.build_seconds)
-    cfg, mesh, model = trainer.cfg, trainer.mesh, trainer.model
-    report.memory["weights"] = _tensor_bytes(model.parameters())
-    report.memory["buffers"] = _tensor_bytes(model.buffers())  # RoPE tables and the like: not in the plan
+    report.memory["weights"] = _tensor_bytes(trainer.model.parameters())
+    report.memory["buffers"] = _tensor_bytes(trainer.model.buffers())  # RoPE tables and the like: not in the plan
+    return trainer, probe
 
-    # The plan for this rank, from the built module; which steps fit the budget.
-    full = _planned(cfg, rt.world_size, device, mesh.pp_rank, True, model, trainer.n_micro)
-    lean = _planned(cfg, rt.world_size, device, mesh.pp_rank, False, model, trainer.n_micro)
+
+def _choose_mode(report: DryRunReport, trainer, world: int, steps: int, budget: int | None,
+                 device: torch.device) -> int:
+    """The plan for this rank, from the built module, and which steps fit the budget: full steps, steps without
+    the optimizer update (the optimizer swapped for `_NoUpdate`), or none. Returns the steps to run."""
+    cfg, mesh = trainer.cfg, trainer.mesh
+    full = _planned(cfg, world, device, mesh.pp_rank, True, trainer.model, trainer.n_micro)
+    lean = _planned(cfg, world, device, mesh.pp_rank, False, trainer.model, trainer.n_micro)
     if steps == 0:
         report.mode, report.why, report.plan = "build only", "--dry-run-steps 0", full
     elif budget is None or full.peak <= budget:
@@ -480,8 +511,12 @@ def _build_and_step(report: DryRunReport, dcfg: Config, rt, steps: int, budget: 
                       f"budget of {budget / GB:.2f} GB")
         steps = 0
     report.steps = steps
+    return steps
 
-    # Count every collective from here on, per group.
+
+def _count_collectives(trainer) -> comm.CommTally:
+    """Count every collective from here on, per group: a tally in front of the mesh's recorder."""
+    mesh = trainer.mesh
     names = mesh.group_names()
     grads = trainer.train_step.grads  # the tied embedding's {first, last stage} pair (pipelines)
     emb = getattr(grads, "tied_group", None) or getattr(grads, "embedding_group", None)
@@ -489,9 +524,17 @@ def _build_and_step(report: DryRunReport, dcfg: Config, rt, steps: int, budget: 
         names[emb] = "emb"
     tally = comm.CommTally(names, inner=mesh.recorder)
     mesh.recorder = tally
+    return tally
+
+
+def _run_steps(report: DryRunReport, trainer, tally: comm.CommTally, probe: MemoryProbe, steps: int,
+               device: torch.device):
+    """The measured steps: time, loss, collectives and two memory phases each. Returns the batches left."""
+    from megaloom.optim.build import lr_at, set_lr
+
     # Two measured phases per step, split where TrainStep turns from the micro-batches to the update
     # (`_update`: gradient reduction, clipping, optimizer step): each is compared with the plan's phases.
-    ts, t = trainer.train_step, cfg.train
+    ts, t = trainer.train_step, trainer.cfg.train
     finish_step = ts._update
     phases: dict[str, int] = {}
 
@@ -521,35 +564,23 @@ def _build_and_step(report: DryRunReport, dcfg: Config, rt, steps: int, budget: 
     del ts._update  # the class's method again
     if steps:
         report.memory["step_peak"] = max(report.phase_peaks[-1].values())
-    report.memory["optimizer"] = optimizer_state_bytes(trainer.optimizer)
+    return batches
 
-    def one_step() -> None:
-        batch = next(batches)
-        float(ts(batch.to(device) if batch is not None else None).loss)
 
-    if steps and accelerator.is_accelerator(device):
-        report.profile = profile_rank(trainer, one_step, report, Path(cfg.run.dir) / "profile")
-    if steps and cfg.train.compile:
-        # Compiled blocks call no recorder (parallel/borders.py): count one eager step that issues the same
-        # collectives as the compiled one (the sp regions' linears as compiled, not the shard-saving path).
-        from megaloom.parallel.sp_linear import collectives_as_compiled
+def _count_compiled_collectives(report: DryRunReport, tally: comm.CommTally, one_step) -> None:
+    """Compiled blocks call no recorder (parallel/borders.py): count one eager step that issues the same
+    collectives as the compiled one (the sp regions' linears as compiled, not the shard-saving path)."""
+    from megaloom.parallel.sp_linear import collectives_as_compiled
 
-        tally.reset()
-        try:
-            with torch.compiler.set_stance("force_eager"), collectives_as_compiled():
-                one_step()
-            report.comm.append(tally.rows())
-            report.comm_note = "counted in one more step run eagerly, issuing what the compiled blocks issue"
-        except torch.OutOfMemoryError:
-            report.comm_note = ("the compiled blocks' collectives are not in these counts: the eager step that "
-                                "counts them ran out of memory")
-    mesh.recorder = tally.inner
-
-    # This rank's shard of a checkpoint (module doc: no_dist).
-    report.checkpoint = save_rank_shard(trainer, Path(cfg.run.dir) / "checkpoints" / f"dryrun_rank{rt.rank}")
-    report.seconds["checkpoint"] = report.checkpoint["seconds"]
-    trainer.guard.close()
-    trainer.sink.close()
+    tally.reset()
+    try:
+        with torch.compiler.set_stance("force_eager"), collectives_as_compiled():
+            one_step()
+        report.comm.append(tally.rows())
+        report.comm_note = "counted in one more step run eagerly, issuing what the compiled blocks issue"
+    except torch.OutOfMemoryError:
+        report.comm_note = ("the compiled blocks' collectives are not in these counts: the eager step that "
+                            "counts them ran out of memory")
 
 
 def profile_rank(trainer, one_step, report: DryRunReport, out_dir: Path) -> dict:
