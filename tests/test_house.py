@@ -452,3 +452,120 @@ help = _f("auto", "cuda if available")
     found = _cuda_names("example.py", ast.parse(source))
     assert sorted(line for _, line, _ in found) == [3, 4, 6, 7, 7, 7, 8, 8, 8]
     assert ("example.py", 6, "torch.cuda") in found
+
+
+# ------------------------------------------------------------------------- floors, and who may import whom
+
+# The floors of megaloom, bottom first (docs/architecture.md, "Floors", draws them). A module stands on the floor of
+# the longest entry naming it or a package above it; every room (a top-level package or module) must be placed. A
+# room that holds two layers names its upper modules on their own floor: the fp8 matmul is a kernel the
+# tensor-parallel layers call, the pass that converts a model to it sits above the models and the engine. Modules of
+# one floor may import each other (both ways, as rooms: the module graph itself has no circle); an import of a
+# higher floor is an arrow pointing up. UP_ARROWS_AT_MOST bounds those arrows, counted once per pair of entries.
+FLOORS = [
+    ["megaloom.errors", "megaloom.config"],  # the vocabulary: exceptions, the typed config
+    ["megaloom.accelerator", "megaloom.fa4", "megaloom.precision", "megaloom.observe.log"],  # device, kernels, logging
+    ["megaloom.models"],  # the families and the shared decoder, their parallel plans as data
+    ["megaloom.parallel"],  # the engine: mesh, collectives, tp/sp/cp/ep/pp, gradients
+    ["megaloom.data", "megaloom.observe", "megaloom.resilience", "megaloom.checkpoint", "megaloom.runtime",
+     "megaloom.precision.loss_scaler"],  # services around the engine
+    ["megaloom.preflight", "megaloom.optim", "megaloom.planning", "megaloom.convert",
+     "megaloom.precision.fp8_convert"],  # checks, optimizers, predictions, conversion
+    ["megaloom.step", "megaloom.training"],  # the step and the loop
+    # the commands (and the package's own __init__)
+    ["megaloom", "megaloom.__main__", "megaloom.cli", "megaloom.train", "megaloom.generate", "megaloom.plot"],
+]
+UP_ARROWS_AT_MOST = 5
+_FLOOR = {entry: i for i, entries in enumerate(FLOORS) for entry in entries}
+
+
+def floor_entry(module: str) -> str | None:
+    """The FLOORS entry that places ``module`` (the longest naming it or a package above it); None: unplaced."""
+    if module == "megaloom":
+        return module
+    parts = module.split(".")
+    for n in range(len(parts), 1, -1):
+        if (entry := ".".join(parts[:n])) in _FLOOR:
+            return entry
+    return None
+
+
+def up_arrows(graph: dict[str, set[str]]) -> dict[tuple[str, str], list[tuple[str, str]]]:
+    """(lower entry, higher entry) -> the module imports behind that arrow pointing up."""
+    out: dict[tuple[str, str], list[tuple[str, str]]] = {}
+    for mod, targets in graph.items():
+        for target in targets:
+            a, b = floor_entry(mod), floor_entry(target)
+            if a is not None and b is not None and _FLOOR[a] < _FLOOR[b]:
+                out.setdefault((a, b), []).append((mod, target))
+    return out
+
+
+def test_every_module_has_a_floor():
+    unplaced = sorted(m for m in import_graph() if floor_entry(m) is None)
+    assert not unplaced, f"modules on no floor (add their room to FLOORS and to docs/architecture.md): {unplaced}"
+
+
+def test_few_arrows_point_up():
+    ups = up_arrows(import_graph(functions=True))
+    listing = "\n".join(f"{a} -> {b}: {', '.join(f'{m} -> {t}' for m, t in sorted(pairs)[:3])}"
+                        for (a, b), pairs in sorted(ups.items()))
+    assert len(ups) <= UP_ARROWS_AT_MOST, (f"{len(ups)} arrows point up a floor (at most {UP_ARROWS_AT_MOST}; move the "
+                                           f"shared piece down instead):\n{listing}")
+
+
+def forbidden_imports() -> list[tuple[str, str, str]]:
+    """(importer, imported, why) from docs/architecture.md's table "Forbidden imports": each a package or module
+    whose modules may not import the other's, at load time or at call time."""
+    doc = (ROOT.parent / "docs" / "architecture.md").read_text()
+    section = doc.split("### Forbidden imports", 1)[1].split("\n#", 1)[0]
+    rows = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`megaloom"):
+            rows.append((cells[0].strip("`"), cells[1].strip("`"), cells[2]))
+    return rows
+
+
+def _within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def test_no_forbidden_import():
+    graph = import_graph(functions=True)
+    found = [f"{mod} -> {target} (forbidden: {why})" for importer, imported, why in forbidden_imports()
+             for mod, targets in graph.items() if _within(mod, importer)
+             for target in sorted(targets) if _within(target, imported)]
+    assert not found, "imports docs/architecture.md forbids:\n" + "\n".join(found)
+
+
+def test_the_forbidden_table_is_read():
+    rows = forbidden_imports()
+    assert ("megaloom.models", "megaloom.parallel") in {(a, b) for a, b, _ in rows}
+    modules = set(import_graph())
+    for importer, imported, _ in rows:
+        assert importer in modules and imported in modules, f"a forbidden-import row names no module: {importer}, " \
+                                                            f"{imported}"
+
+
+# Every function in megaloom/ fits on a screen: one that does not is split along its seams (a phase, a choice,
+# a computation with its own name), each piece with a docstring that says what it owns.
+LONGEST_FUNCTION = 80
+
+
+def long_functions() -> list[tuple[str, int, str, int]]:
+    """(path under megaloom/, line, name, lines from ``def`` to its last line) for every function over the limit."""
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(_tree(path)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                n = node.end_lineno - node.lineno + 1
+                if n > LONGEST_FUNCTION:
+                    found.append((path.relative_to(ROOT).as_posix(), node.lineno, node.name, n))
+    return found
+
+
+def test_no_function_over_80_lines():
+    found = long_functions()
+    assert not found, (f"functions over {LONGEST_FUNCTION} lines (split them along their seams):\n"
+                       + "\n".join(f"megaloom/{rel}:{line}: {name} ({n} lines)" for rel, line, name, n in found))
