@@ -352,13 +352,13 @@ class TrainConfig:
                                              "not the zb schedule. auto = on CUDA where the buckets allow it "
                                              "(measured: a llama3-70b tp8 pp8 vpp2 rank 834 -> 764 ms on an H100), "
                                              "off elsewhere.", AUTO_BOOL)
-    bf16_params: AutoBool = _f("auto", "With parallel.zero 1 or 2 over dp > 1, training in bf16 or fp8 (parallel."
+    bf16_params: AutoBool = _f("auto", "With parallel.zero 0, 1 or 2, training in bf16 or fp8 (parallel."
                                        "param_gather=auto): the trained weights held in bf16, their fp32 values only "
-                                       "in ZeRO's master shards (Megatron's bf16 parameters with the distributed "
-                                       "optimizer's fp32 main params): half the weight memory, no per-micro-batch "
-                                       "weight casts, the parameter all-gather landing in the weights. Norm weights "
-                                       "and biases are bf16 too. auto = off (measured on an H100: a llama3-70b rank's "
-                                       "peak -41%, its step +1.3%).", AUTO_BOOL)
+                                       "in the optimizer's masters: ZeRO's shards (Megatron's distributed optimizer: "
+                                       "half the weight memory), every weight at zero 0 (+2 bytes a weight); no "
+                                       "per-micro-batch weight casts, ZeRO's all-gather landing in the weights. "
+                                       "Norm weights and biases are bf16 too. auto = off (measured on an H100: a "
+                                       "llama3-70b rank's peak -41%, its step +1.3%).", AUTO_BOOL)
     offload_activations: bool = _f(False, "Keep the large tensors saved for backward in pinned CPU memory "
                                           "(GPU only; trades PCIe traffic for activation memory).")
     compile: AutoBool = _f("auto", "torch.compile each transformer block. auto = on CUDA (measured to pay for dense "
@@ -945,10 +945,14 @@ def _check_optimizer(cfg: Config, family: Family) -> None:
 def _check_levers(cfg: Config, family: Family) -> None:
     """The speed and memory levers set to true: each needs the layout it was built for."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
-    _require(t.bf16_params is not True or (p.zero in (1, 2) and p.param_gather == "auto"),
-             f"train.bf16_params=true keeps the fp32 weights only in ZeRO's master shards: it needs parallel.zero 1 or "
-             f"2 (got {p.zero}) and parallel.param_gather=auto (got {p.param_gather}); set train.bf16_params=false or "
-             "auto, or parallel.zero=1.")
+    _require(t.bf16_params is not True or (p.zero in (0, 1, 2) and p.param_gather == "auto"
+                                            and t.optimizer in ("adamw", "lamb")
+                                            and not (t.optimizer_offload and p.zero == 0)),
+             f"train.bf16_params=true keeps the fp32 weights only in the optimizer's masters (ZeRO's shards, or every "
+             f"weight at zero 0): it needs parallel.zero 0, 1 or 2 (got {p.zero}; ZeRO-3 has FSDP2's own bf16 "
+             f"policy), parallel.param_gather=auto (got {p.param_gather}) and AdamW or LAMB (got train.optimizer="
+             f"{t.optimizer}; at zero 0 not with train.optimizer_offload, whose host masters start from the "
+             f"parameters); set train.bf16_params=false or auto, or those settings.")
     ring = p.async_tp is True and t.compile is not True and p.tp > 1  # eager ring linears (may: compile auto)
     _require(t.grad_accum_fusion is not True or (p.zero in (0, 1) and p.schedule != "zb" and not ring),
              f"train.grad_accum_fusion=true adds weight gradients into the data-parallel buckets that parallel.zero "

@@ -307,7 +307,8 @@ class ShardedOptimizer:
         self.segments = layout.shard_segments()
         device = self.named_params[0][1].device if self.named_params else self.mesh.device
         # Views (updates land in the parameters), or fp32 master copies when the replicas hold rounded weights.
-        self.separate_masters = getattr(layout, "gather_dtype", torch.float32) != torch.float32
+        self.separate_masters = (getattr(layout, "gather_dtype", torch.float32) != torch.float32
+                                 or getattr(layout, "param_dtype", torch.float32) != torch.float32)
         self.tensors = [nn.Parameter(_master_of(s) if self.separate_masters else s.data) for s in self.segments]
         if hasattr(layout, "release_master_init"):
             layout.release_master_init()

@@ -213,9 +213,11 @@ class DataParallelGrads:
         {first, last stage} group its gradient is summed over (pipeline.stage.tied_parameter and
         build_embedding_groups). ``param_gather_dtype``: what the zero>=1 parameter all-gathers move.
         ``pad_multiple``: each bucket is padded to a multiple of its group's size times this.
-        ``low_precision_params`` (train.bf16_params; zero 1/2 gathering below fp32): the parameters themselves are
-        held in ``param_gather_dtype`` (the gather lands in them; the matmuls read them without a cast), their fp32
-        values live only in the optimizer's master shard (`Segment.master_init` hands it the build's values)."""
+        ``low_precision_params`` (train.bf16_params, ``param_gather_dtype`` below fp32): the parameters themselves
+        are held in ``param_gather_dtype`` (zero 1/2: the gather lands in them; the matmuls read them without a
+        cast), their fp32 values live only in the optimizer's masters (`Segment.master_init` hands it the build's
+        values): this rank's shard with zero 1/2, all of them with zero 0 (the "shard" is then every bucket whole:
+        the reduction is an all-reduce and nothing is gathered; Megatron's non-distributed optimizer)."""
         if zero not in (0, 1, 2):
             raise ConfigError(f"parallel.zero={zero}: DataParallelGrads handles 0, 1 and 2; stage 3 is "
                               "megaloom.optim.zero.FullyShardedGrads (use zero.build_data_parallel).")
@@ -230,11 +232,13 @@ class DataParallelGrads:
         self.model, self.mesh, self.zero = model, mesh, zero
         self.tied, self.tied_group = tied, tied_group
         self.gather_dtype = param_gather_dtype if zero else torch.float32
-        if low_precision_params and (not zero or self.gather_dtype == torch.float32):
-            raise ConfigError("train.bf16_params=true keeps the fp32 weights only in ZeRO's master shards: it needs "
-                              f"parallel.zero 1 or 2 (got {zero}) gathering bf16 parameters (parallel.param_gather="
-                              "auto with train.precision bf16 or fp8); set train.bf16_params=false or auto.")
-        self.param_dtype = self.gather_dtype if low_precision_params else torch.float32
+        if low_precision_params and param_gather_dtype == torch.float32:
+            raise ConfigError("train.bf16_params=true holds the trained weights in bf16: it needs parallel."
+                              "param_gather=auto with train.precision bf16 or fp8; set train.bf16_params=false.")
+        self.param_dtype = param_gather_dtype if low_precision_params else torch.float32
+        # The optimizer steps fp32 masters of a shard: ZeRO's chunk of every bucket, or every bucket whole (zero 0
+        # with bf16 parameters). Plain zero 0 leaves the parameters to any optimizer over model.parameters().
+        self.owns_shard = bool(zero) or low_precision_params
         self.group = mesh.dp_cp_group
         self.size, self.rank = comm.group_size(self.group), comm.group_rank(self.group)
         names = {p: n for n, p in model.named_parameters()}
@@ -243,8 +247,27 @@ class DataParallelGrads:
         for name, p in self.named_params:
             if p.dtype != torch.float32:  # built in fp32; bf16 parameters are made here (_move_params)
                 raise ValueError(f"data parallelism keeps fp32 main gradients; parameter {name} is {p.dtype}")
-        device = self.params[0].device if self.params else mesh.device
         self.bucket_numel = max(1, int(bucket_mb * 2**20) // 4)
+        self._lay_out_buckets(tied, pad_multiple)
+        self.stats = ReductionStats()
+        self._armed = False
+        self._next = 0  # the next bucket to issue, in order
+        self._ready: set[int] = set()  # ids of parameters whose gradient arrived in the armed backward
+        self._armed_ids: set[int] | None = None  # armed parameters (None: all) when chunks are armed one by one
+        self._needs_zero = False
+        self.fused = False  # set by enable_fusion: weight gradients added into the buckets by their GEMMs
+        # Set by a 1-bit optimizer (optim/onebit.py): True while steps keep their gradients local (no reduction).
+        self.local_steps: Callable[[], bool] | None = None
+        self._shard_views = GradViews([GradView(s.grad, self.params[s.owner]) for s in self.shard_segments()]) \
+            if self.owns_shard else None
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        self.constants = DeviceConstants()  # the norm's per-shard weights, on the device once
+
+    def _lay_out_buckets(self, tied: nn.Parameter | None, pad_multiple: int) -> None:
+        """The buckets (each its group's, padded), their main-gradient storage and, where the optimizer owns a
+        shard, the parameters moved into one flat buffer per bucket."""
+        mesh, zero = self.mesh, self.zero
+        device = self.params[0].device if self.params else mesh.device
         # Expert weights (ep > 1) are reduced over the edp group only: the dp ranks that hold the same experts.
         # The tied embedding gets a bucket of its own: then it is laid out alike on the first and last stage.
         kinds = ["tied" if p is tied else "expert" if is_expert_param(p) and mesh.ep > 1 else "dense"
@@ -267,21 +290,8 @@ class DataParallelGrads:
         for b in self.buckets:
             if zero < 2:
                 self._allocate(b)
-            if zero:
+            if self.owns_shard:
                 self._move_params(b)
-        self.stats = ReductionStats()
-        self._armed = False
-        self._next = 0  # the next bucket to issue, in order
-        self._ready: set[int] = set()  # ids of parameters whose gradient arrived in the armed backward
-        self._armed_ids: set[int] | None = None  # armed parameters (None: all) when chunks are armed one by one
-        self._needs_zero = False
-        self.fused = False  # set by enable_fusion: weight gradients added into the buckets by their GEMMs
-        # Set by a 1-bit optimizer (optim/onebit.py): True while steps keep their gradients local (no reduction).
-        self.local_steps: Callable[[], bool] | None = None
-        self._shard_views = GradViews([GradView(s.grad, self.params[s.owner]) for s in self.shard_segments()]) \
-            if zero else None
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
-        self.constants = DeviceConstants()  # the norm's per-shard weights, on the device once
 
     def enable_fusion(self, model: nn.Module) -> int:
         """train.grad_accum_fusion: the blocks' linears add their weight gradients into ``main_grad`` themselves
@@ -326,6 +336,8 @@ class DataParallelGrads:
             b.master_init = None
 
     def _chunk(self, b: Bucket) -> tuple[int, int]:
+        if not self.zero:  # bf16 parameters at zero 0: every bucket whole
+            return 0, b.padded
         n = b.padded // b.size
         return b.rank * n, (b.rank + 1) * n
 
@@ -337,9 +349,10 @@ class DataParallelGrads:
         return self.grad_shard[b.shard_offset:b.shard_offset + b.padded // b.size]
 
     def shard_segments(self) -> list[Segment]:
-        """zero>=1: the pieces of parameters whose optimizer state this rank owns (its chunk of each bucket)."""
-        if not self.zero:
-            raise RuntimeError("shard_segments: only ZeRO (zero >= 1) shards the parameters")
+        """zero>=1: the pieces of parameters whose optimizer state this rank owns (its chunk of each bucket); zero 0
+        with bf16 parameters: every parameter whole."""
+        if not self.owns_shard:
+            raise RuntimeError("shard_segments: only ZeRO (zero >= 1) or bf16 parameters give the optimizer a shard")
         owner = {p: i for i, p in enumerate(self.params)}
         segs: list[Segment] = []
         for b in self.buckets:
@@ -477,7 +490,7 @@ class DataParallelGrads:
         self.stats.per_step.append([b.reductions for b in self.buckets])
         self.stats.steps += 1
         self._armed, self._needs_zero, self._armed_ids = False, True, None
-        if self.zero == 0:
+        if not self.owns_shard:
             for p in self.params:
                 p.grad = p.main_grad
             if self.mesh.tp > 1:
@@ -495,14 +508,14 @@ class DataParallelGrads:
 
     def local_grads(self) -> list[torch.Tensor]:
         """The reduced gradients this rank holds (for the fp16 overflow check and unscaling)."""
-        if self.zero:
+        if self.owns_shard:
             return [self.grad_shard] if self.grad_shard is not None else [self._grad_chunk(b) for b in self.buckets]
         return [p.grad for p in self.params if p.grad is not None]
 
     def clip(self, max_norm: float) -> torch.Tensor:
         """Global L2 norm of the full gradient (each element counted once); scales gradients in place when it
         exceeds ``max_norm``. Returns the norm before clipping."""
-        if self.zero == 0:
+        if not self.owns_shard:
             if self.mesh.tp == 1 and self.mesh.pp == 1 and self.mesh.ep == 1:
                 if not self.local:
                     return torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
@@ -515,7 +528,8 @@ class DataParallelGrads:
                 comm.all_reduce(sq, self.group, recorder=self.mesh.recorder)
                 total = (sq / self.size).sqrt().reshape(())
         else:
-            total = global_grad_norm(self._shard_views.views, self.mesh, over_dp=True, constants=self.constants)
+            total = global_grad_norm(self._shard_views.views, self.mesh, over_dp=bool(self.zero),
+                                     constants=self.constants)
         local = self.local_grads()
         if math.isfinite(max_norm) and local:  # a pipeline stage may hold only frozen parameters (model.freeze)
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
@@ -539,7 +553,10 @@ class DataParallelGrads:
         """Issue the in-place all-gather of every bucket's parameters (after the optimizer updated this rank's
         chunk), last bucket first: it holds the first layers, which the next forward needs first. In
         ``gather_dtype`` below fp32 the chunk is rounded into a landing buffer of that dtype, which is gathered
-        and copied into the parameters when waited for (this rank's chunk too, so all replicas agree)."""
+        and copied into the parameters when waited for (this rank's chunk too, so all replicas agree). Zero 0 (bf16
+        parameters): every rank wrote every parameter from its own (equal) masters; nothing to gather."""
+        if not self.zero:
+            return
         for b in reversed(self.buckets):
             lo, hi = self._chunk(b)
             # Nothing reads a bucket's parameters before its gather is waited for (module pre-hooks, the state-dict

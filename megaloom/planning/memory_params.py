@@ -239,16 +239,17 @@ def master_shards(cfg: Config, precision: str) -> bool:
 
 def bf16_params(lay: RankLayout) -> bool:
     """train.bf16_params on a layout that takes it: the trainable (bucketed) weights held in bf16, their fp32
-    values in ZeRO-1/2's master shards; autocast then makes no weight copies."""
-    return (lay.cfg.train.bf16_params is True and lay.zero in (1, 2) and lay.dp > 1 and lay.world_size > 1
-            and master_shards(lay.cfg, lay.precision))
+    values in the optimizer's masters (ZeRO-1/2's shards; every weight at zero 0, one process too); autocast
+    then makes no weight copies."""
+    return (lay.cfg.train.bf16_params is True and lay.zero in (0, 1, 2) and master_shards(lay.cfg, lay.precision))
 
 
 def _persistent_state(lay: RankLayout, counts: ParamCounts) -> _State:
     zero, dp, p_local = lay.zero, lay.dp, counts.local
     fsdp = zero == 3 and lay.world_size > 1
     onebit = lay.cfg.train.optimizer.startswith("onebit")  # on the buckets, in one process too (optim/onebit.py)
-    buckets = (lay.world_size > 1 or onebit) and not fsdp  # pipelines too: each stage's gradients in buckets
+    # pipelines too: each stage's gradients in buckets; bf16 weights keep their fp32 gradients there, one process too
+    buckets = (lay.world_size > 1 or onebit or bf16_params(lay)) and not fsdp
     # frozen parameters are stored, fp32 (whole but under ZeRO-3); train.bf16_params: the trainable ones in bf16
     weights = (2 if bf16_params(lay) else 4) * p_local + 4 * counts.frozen
     # ZeRO shards dense parameters over dp x cp, expert weights over edp (the dp ranks holding the same experts)
@@ -288,8 +289,8 @@ def _persistent_state(lay: RankLayout, counts: ParamCounts) -> _State:
         for n, group in ((dense, dp * lay.cp), (expert, max(1, dp // ep * lay.cp))):
             if group > 1:  # compressed: worker error of every element, server error of this rank's chunk
                 optimizer += 4 * n + 4 * n // group
-    masters = buckets and zero in (1, 2) and dp > 1 and master_shards(lay.cfg, lay.precision)
-    if masters:
+    masters = (buckets and zero in (1, 2) and dp > 1 and master_shards(lay.cfg, lay.precision)) or bf16_params(lay)
+    if masters:  # (zero 0 with bf16 weights: p_opt is every weight)
         optimizer += 4 * p_opt  # fp32 master shard beside the bf16-rounded weights that the all-gather publishes
     optimizer = optimizer if lay.update else 0
     sharded = (zero >= 1 and buckets) or fsdp

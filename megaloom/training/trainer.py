@@ -50,9 +50,9 @@ from megaloom.observe.memory import peak_memory_gb
 from megaloom.observe.metrics import MetricsSink, console_line, format_eta
 from megaloom.optim.build import build_optimizer, lr_at, set_lr
 from megaloom.optim.muon import ShardedMuon
+from megaloom.optim.offload import build_offloaded
 from megaloom.optim.onebit import KINDS as ONEBIT_KINDS
 from megaloom.optim.onebit import PAD_MULTIPLE as ONEBIT_PAD
-from megaloom.optim.offload import build_offloaded
 from megaloom.optim.onebit import build_onebit
 from megaloom.optim.zero import ShardedOptimizer, build_data_parallel, param_gather_dtype
 from megaloom.parallel.context import SequenceShard, parallelize_context
@@ -266,17 +266,7 @@ class Trainer:
         if stage is not None:  # a schedule executor runs the micro-batches across stages
             # collective; multi-token prediction keeps an embedding copy on the last stage, tied or not
             emb_group = build_embedding_groups(mesh) if cfg.model.tie_embeddings or cfg.model.mtp_depth else None
-            auto = lambda: forward_ctx(self.precision, device, t.offload_activations)  # noqa: E731
-            # the messages: the residual stream's dtype (fp32 unless bf16_residual, also with bf16 weights)
-            residual = (torch.bfloat16 if t.bf16_residual is True else torch.float32 if t.bf16_params is True
-                        else None) if self.precision != "fp32" else None
-            pipe = PipelineExecutor(stage, build_schedule(cfg.parallel.schedule, mesh.pp, cfg.parallel.vpp,
-                                                          self.n_micro),
-                                    mesh, t.micro_batch_size, t.seq_len, sp=cfg.parallel.sp, autocast=auto,
-                                    dtype=residual, documents=self.documents())
-            eval_pipe = PipelineExecutor(stage, forward_only(mesh.pp, cfg.parallel.vpp, self.n_micro), mesh,
-                                         t.micro_batch_size, t.seq_len, sp=cfg.parallel.sp, autocast=auto,
-                                         dtype=residual, documents=self.documents())
+            pipe, eval_pipe = self._pipeline_executors(stage)
             # Gradient buckets of the stage, reduced (zero 0) or reduce-scattered (zero 1/2) over dp as each chunk
             # finishes its last backward; the tied embedding's bucket then summed over the first and last stage.
             grads = build_data_parallel(model, mesh, cfg.parallel.zero, cfg.parallel.bucket_mb, gather_dtype,
@@ -284,16 +274,13 @@ class Trainer:
                                         low_precision_params=t.bf16_params is True)
         # Data parallelism: gradient buckets reduced during the last backward (zero 0), reduce-scattered into a
         # sharded optimizer (zero 1/2), or FSDP2-sharded parameters (zero 3). Built before compile: FSDP2 wraps blocks.
-        elif rt.world_size > 1 or onebit:
+        elif rt.world_size > 1 or onebit or t.bf16_params is True:  # bf16 weights: fp32 grads in the buckets
             grads = build_data_parallel(model, mesh, cfg.parallel.zero, cfg.parallel.bucket_mb, gather_dtype,
                                         pad_multiple=pad, low_precision_params=t.bf16_params is True)
             if fsdp:  # FSDP2 wrapped the meta model: each rank allocates its dim-0 share of its tp shard only
                 self._materialize(model)
         else:
             grads = None
-        if t.bf16_params is True and grads is None:
-            raise ConfigError("train.bf16_params=true keeps the fp32 weights in ZeRO's master shards, which need "
-                              "data-parallel ranks (world > 1, parallel.zero 1 or 2); set train.bf16_params=false.")
         if t.grad_accum_fusion is True:  # before compile: the blocks' linears change
             if hasattr(grads, "enable_fusion"):
                 n = grads.enable_fusion(model)
@@ -316,7 +303,7 @@ class Trainer:
             optimizer = ShardedMuon(grads, lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, weight_decay=t.weight_decay,
                                     momentum=t.muon_momentum, ns_steps=t.muon_ns_steps,
                                     whole_modules=list(model.layers.values()) if t.compile else ())
-        elif cfg.parallel.zero >= 1:
+        elif cfg.parallel.zero >= 1 or t.bf16_params is True:  # zero 0 with bf16 weights: every master here
             optimizer = ShardedOptimizer(grads, t.optimizer, lr=t.lr, betas=(t.beta1, t.beta2),
                                          eps=1e-8 if t.optimizer == "adamw" else 1e-6, weight_decay=t.weight_decay,
                                          whole_modules=list(model.layers.values()) if t.compile else ())
@@ -329,6 +316,22 @@ class Trainer:
                                     seq_shard=self.seq_shard, overlap_optimizer=t.overlap_optimizer,
                                     token_mean=self.masks_targets())
         self.model, self.optimizer, self.pipe, self.eval_pipe = model, optimizer, pipe, eval_pipe
+
+    def _pipeline_executors(self, stage) -> tuple[PipelineExecutor, PipelineExecutor]:
+        """The schedule executors that run this stage's micro-batches across the pipeline: the training schedule
+        and a forward-only one for evaluation."""
+        cfg, t, mesh = self.cfg, self.cfg.train, self.mesh
+        auto = lambda: forward_ctx(self.precision, self.device, t.offload_activations)  # noqa: E731
+        # the messages: the residual stream's dtype (fp32 unless bf16_residual, also with bf16 weights)
+        residual = (torch.bfloat16 if t.bf16_residual is True else torch.float32 if t.bf16_params is True
+                    else None) if self.precision != "fp32" else None
+        pipe = PipelineExecutor(stage, build_schedule(cfg.parallel.schedule, mesh.pp, cfg.parallel.vpp, self.n_micro),
+                                mesh, t.micro_batch_size, t.seq_len, sp=cfg.parallel.sp, autocast=auto,
+                                dtype=residual, documents=self.documents())
+        eval_pipe = PipelineExecutor(stage, forward_only(mesh.pp, cfg.parallel.vpp, self.n_micro), mesh,
+                                     t.micro_batch_size, t.seq_len, sp=cfg.parallel.sp, autocast=auto,
+                                     dtype=residual, documents=self.documents())
+        return pipe, eval_pipe
 
     def masks_targets(self) -> bool:
         """Whether some targets of the data are masked (-100): chat data (only the assistant's tokens), an

@@ -420,6 +420,16 @@ def test_bf16_params_halve_the_trained_weights_and_make_no_weight_casts() -> Non
     assert on.weights * 2 == off.weights and on.optimizer == off.optimizer  # the fp32 masters were there before
     assert on.weight_casts == 0 < off.weight_casts
     assert on.peak < off.peak
-    # without ZeRO there is no master shard to hold the fp32 weights: refused before anything is built
-    with pytest.raises(Exception, match="train.bf16_params=true keeps the fp32 weights only in ZeRO"):
-        load_config(None, [*base[:2], "parallel.zero=0", "train.bf16_params=true"])
+    # zero 0: the masters are every weight (Megatron's non-distributed optimizer): +4 bytes a weight in the
+    # optimizer line, 2 in the weights; one process too (its gradients in buckets, fp32)
+    for world in (8, 1):
+        over = [*base[:2], "parallel.zero=0", "train.precision=bf16", f"parallel.tp={min(world, 8)}",
+                *base[5:]]
+        off0 = plan_memory(load_config(None, over), world_size=world, device="cuda")
+        on0 = plan_memory(load_config(None, [*over, "train.bf16_params=true"]), world_size=world, device="cuda")
+        assert on0.weights * 2 == off0.weights and on0.weight_casts == 0 < off0.weight_casts, world
+        assert on0.optimizer == off0.optimizer + off0.weights, (world, on0.optimizer, off0.optimizer)
+    # ZeRO-3 (FSDP2's own bf16 policy) and 1-bit optimizers: refused before anything is built
+    for bad in (["parallel.zero=3"], ["train.optimizer=onebit_adam"]):
+        with pytest.raises(Exception, match="train.bf16_params=true keeps the fp32 weights only in the optimizer"):
+            load_config(None, [*base[:2], *bad, "train.bf16_params=true"])

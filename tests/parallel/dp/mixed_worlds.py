@@ -49,7 +49,8 @@ class DistBytes:
             setattr(dist, name, fn)
 
 
-def gather_dtype_case(mesh: Mesh, zero: int, dtype: torch.dtype, low: bool = False, fused: bool = False) -> dict:
+def gather_dtype_case(mesh: Mesh, zero: int, dtype: torch.dtype, low: bool = False, fused: bool = False,
+                      clip: float = 1.0) -> dict:
     """Three bf16 steps (autocast) at dp=2 with the parameter gathers in ``dtype``: bytes per step on the
     data-parallel group (the recorder for ZeRO-1/2, the wrapped collectives for FSDP2), the dtypes held.
     ``low``: train.bf16_params (the parameters themselves in ``dtype``, fp32 only in the master shards).
@@ -61,7 +62,7 @@ def gather_dtype_case(mesh: Mesh, zero: int, dtype: torch.dtype, low: bool = Fal
         n_fused = grads.enable_fusion(model) if fused else 0
         opt = ShardedOptimizer(grads, "adamw", lr=LR, betas=BETAS, eps=EPS["adamw"], weight_decay=WD)
         masters0 = [t.detach().clone() for t in opt.tensors]  # the build's values (before any step)
-        step = TrainStep(model, opt, "bf16", mesh.device, 2, 1.0, grads)
+        step = TrainStep(model, opt, "bf16", mesh.device, 2, clip, grads)
         rows = 8 // mesh.dp
         losses = []
         seen: list[torch.dtype] = []
@@ -82,6 +83,7 @@ def gather_dtype_case(mesh: Mesh, zero: int, dtype: torch.dtype, low: bool = Fal
                master=str(opt.tensors[0].dtype), shard_numel=sum(t.numel() for t in opt.tensors),
                masters0=masters0, fused=n_fused, masters=[t.detach().clone() for t in opt.tensors],
                param_bytes=sum(p.numel() * p.element_size() for p in model.parameters()))
+    out["weights"] = [p.detach().clone() for p in model.parameters()]
     if zero < 3:  # the replicas hold the masters rounded (this rank's segments of the gathered weights)
         out["rounded"] = all(torch.equal(s.data, t.detach().to(dtype).to(s.data.dtype)) for s, t in
                              zip(opt.segments, opt.tensors, strict=True))
@@ -102,4 +104,7 @@ def suite_gather_dtype_world2(rank: int, world: int, device: torch.device) -> di
         if zero < 3:
             res[f"z{zero}-bf16-params"] = gather_dtype_case(mesh, zero, torch.bfloat16, low=True)
     res["z1-bf16-params-fused"] = gather_dtype_case(mesh, 1, torch.bfloat16, low=True, fused=True)
+    for zero in (0, 1):  # without clipping (the norm's summation order differs between the layouts): bit for bit
+        res[f"z{zero}-bf16-params-noclip"] = gather_dtype_case(mesh, zero, torch.bfloat16, low=True,
+                                                               fused=not zero, clip=float("inf"))
     return res

@@ -47,3 +47,31 @@ def test_bf16_params_through_a_pipeline_keep_the_fp32_stream(small_corpus, tmp_p
     torchrun(4, tiny_overrides(small_corpus, tmp_path / "pp2", *base))
     got = losses(tmp_path / "pp2")
     assert sorted(got) == [1, 2, 3] and all(5.0 < v < 7.0 for v in got.values()), got  # ln(512) = 6.24 at the start
+
+
+def test_bf16_params_in_one_process_keep_every_master_and_resume_bit_for_bit(small_corpus, tmp_path) -> None:
+    """One process (parallel.zero=0): bf16 weights, their fp32 gradients in buckets, every fp32 master in the
+    optimizer (ShardedOptimizer over every weight whole); the checkpoint holds the masters, a resume continues
+    bit for bit, and the losses are those of bf16 autocast over fp32 weights within bf16 noise."""
+    from megaloom.config import load_config
+    from megaloom.generate import load_for_generation
+    from megaloom.train import train
+
+    base = ["train.steps=4", "checkpoint.every=2", "train.precision=bf16"]
+    whole = tmp_path / "whole"
+    train(load_config(None, tiny_overrides(small_corpus, whole, *base, "train.bf16_params=true")))
+    first = losses(whole)
+    ref = tmp_path / "ref"
+    train(load_config(None, tiny_overrides(small_corpus, ref, *base, "train.bf16_params=false")))
+    plain = losses(ref)
+    assert sorted(first) == [1, 2, 3, 4] and all(abs(first[s] - plain[s]) <= 2e-2 * plain[s] for s in first)
+    model, _ = load_for_generation(whole, torch.device("cpu"))
+    w = model.layers["0"].attn.q_proj.weight.detach()
+    assert w.dtype == torch.float32 and not torch.equal(w, w.to(torch.bfloat16).float())  # masters, not rounded
+    resumed = tmp_path / "resumed"
+    shutil.copytree(whole, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_00000004")
+    (resumed / "checkpoints" / "latest").unlink(missing_ok=True)
+    train(load_config(None, tiny_overrides(small_corpus, resumed, *base, "train.bf16_params=true")))
+    again = losses(resumed)
+    assert [again[s] for s in (3, 4)] == [first[s] for s in (3, 4)], (again, first)

@@ -63,3 +63,19 @@ def test_bf16_parameters_fuse_their_weight_gradients(world: list[dict]) -> None:
         assert fused["fused"] == 7 * 2 and plain["fused"] == 0, (fused["fused"], plain["fused"])
         assert fused["loss"] == plain["loss"], (fused["loss"], plain["loss"])
         assert all(torch.equal(a, b) for a, b in zip(fused["masters"], plain["masters"], strict=True))
+
+
+def test_bf16_parameters_at_zero_0_keep_every_master_and_train_as_zero_1(world: list[dict]) -> None:
+    """train.bf16_params at parallel.zero=0: the weights bf16, the optimizer's fp32 masters every parameter whole
+    (Megatron's non-distributed optimizer: 6 bytes a weight, no casts), the buckets all-reduced and nothing
+    gathered. The same training as ZeRO-1's bf16 parameters (fused there, not here), bit for bit: the losses, the
+    bf16 weights every replica holds; its masters the whole model, ZeRO-1's half of it."""
+    for res in world:
+        z0, z1 = res["z0-bf16-params-noclip"], res["z1-bf16-params-noclip"]
+        assert z0["compute_dtype"] == "torch.bfloat16" and z0["master"] == "torch.float32"
+        assert z0["gather"] == 0 and z0["reduce"] == 0 and z1["gather"] > 0  # zero 0: one all-reduce, no gather
+        assert z0["shard_numel"] == sum(w.numel() for w in z0["weights"]) and z0["rounded"]
+        assert z1["shard_numel"] * 2 >= z0["shard_numel"] > z1["shard_numel"]
+        assert z0["loss"] == z1["loss"], (z0["loss"], z1["loss"])
+        assert all(a.dtype == torch.bfloat16 and torch.equal(a, b)
+                   for a, b in zip(z0["weights"], z1["weights"], strict=True))
