@@ -244,6 +244,19 @@ def bf16_params(lay: RankLayout) -> bool:
     return (lay.cfg.train.bf16_params is True and lay.zero in (0, 1, 2) and master_shards(lay.cfg, lay.precision))
 
 
+
+def _muon_delta(lay: RankLayout, counts: ParamCounts, p_opt: int, full_local: int) -> int:
+    """train.optimizer=muon (megaloom/optim/muon.py) against AdamW's 8 bytes per element: the blocks' matrices keep
+    one fp32 momentum (4 bytes) instead of two moments, and one matrix at a time is gathered: a tp-local fp32
+    buffer on every rank, the tp pieces and the whole matrix on its owner (the largest parameter bounds it). The
+    blocks' share of this rank's elements is taken as their share of the model (their norms, ~0.1%, counted in)."""
+    blocks = sum(counts.block_params.values())
+    muon_share = p_opt * blocks // max(1, full_local)
+    # the largest Muon matrix: at most the largest parameter (often the embedding, not Muon's) and a whole block
+    matrix = min(counts.largest, max(counts.block_params.values(), default=0))
+    return -4 * muon_share + 4 * matrix * (1 + 2 * lay.tp)
+
+
 def _persistent_state(lay: RankLayout, counts: ParamCounts) -> _State:
     zero, dp, p_local = lay.zero, lay.dp, counts.local
     fsdp = zero == 3 and lay.world_size > 1
@@ -282,6 +295,8 @@ def _persistent_state(lay: RankLayout, counts: ParamCounts) -> _State:
         blocks_sorted = sorted(counts.block_params.values(), reverse=True)
         fsdp_gather = 4 * (counts.root_params + sum(blocks_sorted[:2]))
     optimizer = 8 * p_opt
+    if lay.cfg.train.optimizer == "muon":
+        optimizer += _muon_delta(lay, counts, p_opt, full_local)
     if onebit:
         optimizer += 4 * p_opt if lay.cfg.train.optimizer == "onebit_lamb" else 0  # the fresh variance
         optimizer += 4 * p_opt if lay.cfg.train.onebit_variance_window > 0 else 0  # the window's g^2 (warm-up)

@@ -172,7 +172,8 @@ class MemoryPlan:
                                       + (f" training, {s['params_frozen'] / 1e6:.1f}M frozen)" if s.get("params_frozen")
                                          else ")")),
             ("gradients", self.gradients, s.get("grad_note", "fp32")),
-            ("optimizer", self.optimizer, f"{s.get('optimizer')} exp_avg + exp_avg_sq (fp32)"
+            ("optimizer", self.optimizer, "muon: blocks' momentum, AdamW's moments for the rest (fp32), one matrix's "
+             "gather" if s.get("optimizer") == "muon" else f"{s.get('optimizer')} exp_avg + exp_avg_sq (fp32)"
              + (" + 1-bit error feedback, variance window" if str(s.get("optimizer")).startswith("onebit") else "")),
             ("activations", self.activations, f"saved for backward: {self.layers} blocks x {layer / GB:.3f} GB + "
                                               f"embedding/head {s.get('embedding_head_bytes', 0) / GB:.3f} GB per "
