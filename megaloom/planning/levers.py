@@ -29,12 +29,15 @@ musa, npu, mps: none measured) each stays off as on CPU, but precision auto is b
 
 - ``train.grad_accum_fusion``: the blocks' weight-gradient GEMMs accumulate into the fp32 data-parallel buckets
   (megaloom/parallel/grad_fusion.py). Proven equal to the plain path on CPU worlds; measured on an H100 (issue 47,
-  2026-12-06, the dry run of a llama3-70b tp8 x pp8 x vpp2 4k rank: 834 -> 764 ms, elementwise 190 -> 86 ms), so
+  2026-12-06, the dry run of a llama3-70b tp8 x pp8 x vpp2 4k rank: 832 -> 747 ms, elementwise 190 -> 86 ms), so
   on at auto on CUDA where the buckets allow it (zero 0/1, not zb, not the eager async-tp ring); off elsewhere.
 
-- ``train.bf16_params``: the trained weights in bf16 with fp32 master shards in ZeRO-1/2 (megaloom/parallel/
-  data_parallel.py). Measured on an H100 (2026-12-06, the llama3-70b tp8 pp8 vpp2 4k rank with the fusion on):
-  peak 65.3 -> 38.7 GB, step 747 -> 757 ms; off at auto (not faster), a memory lever to turn on by hand.
+- ``train.bf16_params``: the trained weights in bf16 with fp32 masters in the optimizer (ZeRO-1/2's shards; every
+  weight at zero 0; megaloom/parallel/data_parallel.py). Measured on an H100 (2026-12-06, the llama3-70b tp8 pp8
+  vpp2 4k rank with the fusion on): first 747 -> 757 ms (the bf16 weights had been left out of the fused weight
+  gradients), then with them fused 752 -> 707 ms (61.0 -> 64.9% MFU) and peak 65.3 -> 38.7 GB. On at auto on CUDA
+  for bf16 training with ZeRO-1/2 of a dense decoder with AdamW or LAMB (the measured code); off at zero 0 (every
+  master kept: +2 bytes a weight, not measured), for MoE, fp8, offload, 1-bit and Muon.
 
 Explicit true/false (or a kernel name) is never changed. `resolve_levers` returns the resolved copy, written to
 run.dir/config.yaml, and one line per choice for the start-up log.
@@ -115,7 +118,7 @@ def _bf16_residual(cfg: Config, device: str) -> LeverChoice:
     return LeverChoice("train.bf16_residual", True, f"{MEASURED_ON}, {precision}, dense decoder")
 
 
-FUSION_MEASURED = "llama3-70b tp8 pp8 vpp2 4k rank 834 -> 764 ms, H100 2026-12-06"
+FUSION_MEASURED = "llama3-70b tp8 pp8 vpp2 4k rank 832 -> 747 ms, H100 2026-12-06"
 
 
 def _grad_accum_fusion(cfg: Config, device: str, compiled: bool) -> LeverChoice:
@@ -133,12 +136,29 @@ def _grad_accum_fusion(cfg: Config, device: str, compiled: bool) -> LeverChoice:
     return LeverChoice("train.grad_accum_fusion", True, FUSION_MEASURED)
 
 
+BF16_PARAMS_MEASURED = ("llama3-70b tp8 pp8 vpp2 4k rank 752 -> 707 ms, 65.3 -> 38.7 GB peak, H100 2026-12-06")
+
+
 def _bf16_params(cfg: Config, device: str) -> LeverChoice:
-    # Measured on an H100 (the dry run's 70B rank, bench/run_speed.sh dryrun 70b-4k-bf16p): -41% peak memory but
-    # +1.3% step time, so auto keeps it off; it is the memory lever to set by hand.
+    # Measured on an H100 (the dry run's 70B rank, bench/run_speed.sh dryrun 70b-4k-bf16p, with the fused weight
+    # gradients reaching the bf16 weights): -6% step, -41% peak. On where that is the code that ran: ZeRO-1/2's
+    # master shards (zero 0 holds every master: +2 bytes a weight, not measured), bf16, a dense decoder, AdamW/LAMB.
+    p, t = cfg.parallel, cfg.train
+    name = "train.bf16_params"
     if not accelerator.is_cuda(device):
-        return LeverChoice("train.bf16_params", False, _off_cuda(device))
-    return LeverChoice("train.bf16_params", False, "measured: -41% memory, +1.3% time on a 70B rank")
+        return LeverChoice(name, False, _off_cuda(device))
+    precision = compute_precision(cfg, device)
+    if precision != "bf16":
+        return LeverChoice(name, False, f"precision {precision}: not measured")
+    if p.zero not in (1, 2) or p.param_gather != "auto":
+        return LeverChoice(name, False, f"parallel.zero={p.zero}: no master shards (set true to hold every "
+                                        "master at zero 0)" if p.zero not in (1, 2) else "parallel.param_gather")
+    if t.optimizer not in ("adamw", "lamb") or t.optimizer_offload:
+        return LeverChoice(name, False, f"train.optimizer={t.optimizer}"
+                                        f"{' with optimizer_offload' if t.optimizer_offload else ''}")
+    if not get_family(cfg.model.arch).dense_decoder or cfg.model.moe_every:
+        return LeverChoice(name, False, f"{cfg.model.arch}{' MoE' if cfg.model.moe_every else ''}: not measured")
+    return LeverChoice(name, True, BF16_PARAMS_MEASURED)
 
 
 def choose_levers(cfg: Config, device: str, capability: tuple[int, int] | None = None) -> list[LeverChoice]:

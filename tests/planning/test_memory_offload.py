@@ -27,7 +27,7 @@ def test_offload_moves_the_moments_and_masters_off_the_device() -> None:
 def test_offload_under_zero_counts_each_ranks_shard_and_its_master() -> None:
     """ZeRO-1 gathering bf16 keeps an fp32 master shard beside the moments (12 bytes per shard element on the
     device); offloaded, all of it and the gradient buffer go to the host, per rank."""
-    extra = ("train.global_batch_size=8", "parallel.zero=1")
+    extra = ("train.global_batch_size=8", "parallel.zero=1", "train.bf16_params=false")  # the same weights
     z1 = plan_memory(_big("none", *extra), world_size=4, device="cuda")
     off = plan_memory(_big("none", *extra, "train.optimizer_offload=true"), world_size=4, device="cuda")
     shard = z1.optimizer // 12

@@ -415,8 +415,10 @@ def test_bf16_params_halve_the_trained_weights_and_make_no_weight_casts() -> Non
     base = ["model.preset=llama3-8b", "model.vocab_size=128256", "parallel.zero=1", "train.precision=bf16",
             "parallel.tp=8", "train.seq_len=4096", "train.global_batch_size=64", "train.micro_batch_size=1",
             "train.compile=false"]
-    off = plan_memory(load_config(None, base), world_size=64, device="cuda")
+    off = plan_memory(load_config(None, [*base, "train.bf16_params=false"]), world_size=64, device="cuda")
     on = plan_memory(load_config(None, [*base, "train.bf16_params=true"]), world_size=64, device="cuda")
+    auto = plan_memory(load_config(None, base), world_size=64, device="cuda")  # on at auto here (levers.py)
+    assert auto.weights == on.weights and auto.peak == on.peak
     assert on.weights * 2 == off.weights and on.optimizer == off.optimizer  # the fp32 masters were there before
     assert on.weight_casts == 0 < off.weight_casts
     assert on.peak < off.peak
