@@ -164,8 +164,20 @@ def result_row(cfg, report, overrides: list[str], run_id: str | None, wall_s: fl
         "plan_gb": r2(report.plan.peak / GB) if report.plan is not None else None,
         "build_peak_gb": r2(report.memory["build_peak"] / GB) if "build_peak" in report.memory else None,
         "plan_weights_gb": r2(report.plan.weights / GB) if report.plan is not None else None,
-        "overrides": overrides, "wall_s": round(wall_s, 1),
+        "overrides": overrides, "wall_s": round(wall_s, 1), "levers": _levers(cfg, report.device),
     }
+
+
+def _levers(cfg, device) -> dict:
+    """The levers as this run chose them (explicit or auto), so a later check predicts the code that ran."""
+    import dataclasses
+
+    from megaloom.planning.levers import resolve_levers
+
+    resolved, _ = resolve_levers(cfg, str(device).split(":")[0])
+    keys = ("compile", "fused_loss", "attention", "bf16_residual", "grad_accum_fusion", "bf16_params")
+    t = dataclasses.asdict(resolved.train)
+    return {f"train.{k}": t[k] for k in keys if k in t}
 
 
 if __name__ == "__main__":

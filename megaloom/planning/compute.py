@@ -33,11 +33,17 @@ from megaloom.planning.memory_activations import _resolved, is_moe_layer
 
 ACT_BYTES = 10.9  # bytes moved per byte of a block's main activations (fitted, module doc)
 WEIGHT_BYTES = 42.6  # bytes moved per local weight per micro-batch: casts, gradient casts and bucket adds (fitted)
-FUSED_SAVING = 18.0  # of those, what train.grad_accum_fusion removes: the gradient's fp32 copy (6) and add (12); an
-#                      estimate from the bytes, not measured (no GPU run of the lever yet)
+FUSED_SAVING = 14.0  # of those, what train.grad_accum_fusion removes: the gradient's fp32 copy and add, less the
+#                      GEMM's own fp32 accumulate (fitted: the H100 70B 4k rank's elementwise + copy + GEMM kernels,
+#                      832 -> 747 ms over 16 micro-batches of 1.07e9 local weights, at the h100 file's 3.0 TB/s)
+CAST_SAVING = 7.5  # what train.bf16_params removes besides: the weights' casts to bf16 (fitted as above: 752 -> 707
+#                    ms with the fusion on both sides; an fp32 read and a bf16 write per cast, some casts saved)
 HEAD_BYTES = 300.0  # bytes moved per local logit by the vocabulary-parallel loss, forward and backward (fitted)
 EMBEDDING_BYTES = 16.0  # per local embedding element: the dense gradient's fill and scatter, per micro-batch
 KERNELS_PER_BLOCK = 70  # kernels of one compiled dense block, forward + backward (the H200 dry runs: 70-78)
+FUSED_KERNELS = 14  # of those, what the fused weight gradients remove (H100 70B 4k rank: 11,374 -> 9,134 kernels over
+#                     160 block passes)
+CAST_KERNELS = 8  # and what bf16 weights remove (the same rank: 9,134 -> 7,816 kernels)
 RING_KERNELS = 35  # more with context parallelism: ring attention runs eagerly between the block's graphs (105)
 BACKWARD_SHARE = 2.0 / 3.0  # of a block's memory-bound work, the share that runs in backward
 ATTENTION_FORWARD = 1.0 / 3.5  # of fused attention's time, the forward's share (FLOPs 1 : 2.5)
@@ -130,9 +136,12 @@ def block_work(cfg: Config, gpu: GpuKind, layer: int, tokens: int, recompute: bo
     attn_fwd_flops = 2.0 * (tokens * cp) * t.seq_len * hl * (qk_head_dim(m) + v_head_dim(m)) / 2 / cp
     attn = 3.5 * attn_fwd_flops / (gpu.attention_tflops(t.seq_len, core_head_dim(m)) * 1e12)
     act = n_r * d * 4 + n * width * 2 + n * sum(core_widths(m, tp)) * 2 + n * d * 2
-    weight_bytes = WEIGHT_BYTES - (FUSED_SAVING if t.grad_accum_fusion is True and not moe else 0.0)
+    weight_bytes = (WEIGHT_BYTES - (FUSED_SAVING if t.grad_accum_fusion is True and not moe else 0.0)
+                    - (CAST_SAVING if t.bf16_params is True else 0.0))
     memory = gpu.memory_seconds(ACT_BYTES * act + weight_bytes * params)
-    kernels = KERNELS_PER_BLOCK + (RING_KERNELS if cp > 1 else 0)
+    kernels = (KERNELS_PER_BLOCK + (RING_KERNELS if cp > 1 else 0)
+               - (FUSED_KERNELS if t.grad_accum_fusion is True and not moe else 0)
+               - (CAST_KERNELS if t.bf16_params is True else 0))
     forward = Work(fwd, attn * ATTENTION_FORWARD, memory * (1 - BACKWARD_SHARE), kernels // 3)
     backward = Work(bwd, attn * (1 - ATTENTION_FORWARD), memory * BACKWARD_SHARE, kernels - kernels // 3)
     # model FLOPs (MFU's count): 3 passes of the matmuls + the full (not causal-halved) attention, as flops.py
