@@ -292,9 +292,11 @@ class TrainConfig:
     muon_ns_steps: int = _f(5, "With train.optimizer=muon: Newton-Schulz iterations (bf16, Jordan's quintic "
                                "coefficients) orthogonalising each matrix's update.")
     muon_qk_clip: float = _f(0.0, "With train.optimizer=muon: MuonClip's tau (Kimi K2: after each step, the W_q and "
-                                  "W_k rows of a head whose largest pre-softmax logit exceeded tau scaled by "
-                                  "sqrt(tau / max)). Reserved: not served yet (the logit measurement in the "
-                                  "attention module is still to be written), so only 0 (off) is accepted.")
+                                  "W_k rows of a head whose largest pre-softmax logit in the step exceeded tau "
+                                  "scaled by sqrt(tau / max); a key head shared by grouped query heads by its group's; "
+                                  "megaloom/optim/qk_clip.py). 0 = off. The logits are measured in the attention "
+                                  "module (an extra q k^T in fp32, chunked); not with parallel.cp > 1, MLA, "
+                                  "QK-norm or train.compile.")
     onebit_warmup_steps: int = _f(100, "With train.optimizer=onebit_adam / onebit_lamb: steps of uncompressed AdamW / "
                                        "LAMB before the variance freezes and compression starts. The papers warm up "
                                        "for 15-25% of training (DeepSpeed's BERT runs: 23k of 152k steps); too short "
@@ -785,11 +787,11 @@ def _check_muon(cfg: Config) -> None:
              f"train.optimizer=muon with parallel.zero={p.zero}: FSDP2 (ZeRO-3) shards every matrix by rows and "
              "updates the shards with no step at which Muon could gather the whole matrix for Newton-Schulz; set "
              "parallel.zero=1 or 2 (Muon's momentum stays sharded) or train.optimizer=adamw.")
-    # QK-clip needs each head's largest logit measured honestly in the attention module (SDPA and FlashAttention
-    # never return it); until that measurement exists the setting is refused rather than served by a guess.
-    _require(not t.muon_qk_clip,
-             f"train.muon_qk_clip={t.muon_qk_clip}: MuonClip is not available yet (the per-head max-logit measurement "
-             "in the attention module is not written); set train.muon_qk_clip=0. Plain Muon is unaffected.")
+    # QK-clip (megaloom/optim/qk_clip.py): the layouts whose attention it cannot measure or scale are refused there
+    # (MLA, QK-norm, LoRA-frozen q/k: read from the built model); these two are settings.
+    _require(not t.muon_qk_clip or p.cp == 1,
+             f"train.muon_qk_clip={t.muon_qk_clip} with parallel.cp={p.cp}: the attention runs on pieces of the "
+             "sequence and no module sees a head's whole scores; set parallel.cp=1 or train.muon_qk_clip=0.")
 
 
 def validate(cfg: Config) -> None:

@@ -72,9 +72,44 @@ def softcapped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cap:
     return probs @ v
 
 
+LOGIT_CHUNK_ELEMENTS = 1 << 24  # fp32 scores per chunk of `head_logit_max` (64 MiB): bounds its memory
+
+
+@torch.no_grad()
+def head_logit_max(q: torch.Tensor, k: torch.Tensor, scale: float, pos: int = 0, window: int = 0,
+                   causal: bool = True, mask: torch.Tensor | None = None,
+                   chunk_elements: int = LOGIT_CHUNK_ELEMENTS) -> torch.Tensor:
+    """The largest pre-softmax logit (q . k * scale, before any soft-cap) each query head saw, over the positions
+    it may attend to: fp32 [H] from q [B, H, Tq, D] and k [B, H_kv, Tk, D] (query head h reads key head
+    h // (H / H_kv)). Masks: causal (offset by ``pos``, within ``window`` if > 0), or ``mask`` (bool, True = may
+    attend, broadcast to [B, 1, Tq, Tk]: the dense document mask), or none (``causal`` False and no ``mask``).
+    The scores are made ``chunk_elements`` at a time along the queries, in fp32 (MuonClip's measurement,
+    megaloom/optim/qk_clip.py: SDPA and FlashAttention never return the logits)."""
+    b, h, tq, d = q.shape
+    hk, tk = k.shape[1], k.shape[2]
+    qg = q.reshape(b, hk, h // hk, tq, d)
+    kt = k.float().transpose(-2, -1).unsqueeze(2)  # [B, H_kv, 1, D, Tk]
+    rows = max(1, chunk_elements // max(1, b * h * tk))
+    out = torch.full((h,), float("-inf"), dtype=torch.float32, device=q.device)
+    for s in range(0, tq, rows):
+        e = min(tq, s + rows)
+        scores = (qg[..., s:e, :].float() @ kt) * scale  # [B, H_kv, group, rows, Tk]
+        if mask is not None:
+            scores.masked_fill_(~mask[:, :, None, s:e, :], float("-inf"))
+        elif causal:
+            scores.masked_fill_(~attention_mask(e - s, tk, pos + s, window, q.device), float("-inf"))
+        out = torch.maximum(out, scores.amax(dim=(0, 3, 4)).reshape(h))
+    return out
+
+
 class Attention(nn.Module):
     # False for encoders (Traits.causal, set by the Block): every token attends to the whole sequence.
     causal = True
+    # MuonClip (train.muon_qk_clip, megaloom/optim/qk_clip.py sets it): training forwards record each local query
+    # head's largest pre-softmax logit into ``qk_logit_max`` (fp32 [heads], max over the forwards since the
+    # optimizer step read and cleared it).
+    track_qk_logits = False
+    qk_logit_max: torch.Tensor | None = None
 
     def __init__(self, d_model: int, n_heads: int, n_kv_heads: int, bias: bool, dropout: float, window: int,
                  qkv_bias: bool | None = None, norm_eps: float = 1e-5, head_dim: int = 0):
@@ -175,5 +210,17 @@ class Attention(nn.Module):
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D]
         if cache is not None:
             k, v = cache.update(k, v, pos)
+        if self.track_qk_logits and self.training:
+            self.record_qk_logits(q, k, pos, docs)
         y = self.attend(q, k, v, pos, docs).transpose(1, 2).reshape(b, t, -1)
         return self.resid_dropout(self.o_proj(y))
+
+    @torch.no_grad()
+    def record_qk_logits(self, q: torch.Tensor, k: torch.Tensor, pos: int, docs: Documents | None) -> None:
+        """MuonClip's measurement (``track_qk_logits``): the max of this forward's logits per head into
+        ``qk_logit_max``. A dense document mask is respected; FlexAttention's block mask (no dense form) is not:
+        the causal mask stands in, a superset, so a head is at worst clipped for a logit across documents."""
+        scale = self.softmax_scale if self.softmax_scale is not None else q.shape[-1] ** -0.5
+        mask = docs.mask if docs is not None and isinstance(docs.mask, torch.Tensor) else None
+        m = head_logit_max(q, k, scale, pos, self.window, self.causal, mask)
+        self.qk_logit_max = m if self.qk_logit_max is None else torch.maximum(self.qk_logit_max, m)

@@ -54,6 +54,7 @@ from megaloom.optim.offload import build_offloaded
 from megaloom.optim.onebit import KINDS as ONEBIT_KINDS
 from megaloom.optim.onebit import PAD_MULTIPLE as ONEBIT_PAD
 from megaloom.optim.onebit import build_onebit
+from megaloom.optim.qk_clip import install_qk_clip
 from megaloom.optim.zero import ShardedOptimizer, build_data_parallel, param_gather_dtype
 from megaloom.parallel.context import SequenceShard, parallelize_context
 from megaloom.parallel.materialize import materialize
@@ -309,6 +310,8 @@ class Trainer:
                                          whole_modules=list(model.layers.values()) if t.compile else ())
         else:
             optimizer = build_optimizer(model, t, device, mesh)
+        if t.optimizer == "muon" and t.muon_qk_clip:  # MuonClip: the attention measures, each step ends clipping
+            install_qk_clip(model, optimizer, t.muon_qk_clip, mesh, compiled=bool(t.compile))
         self.build_seconds["optimizer"] = time.perf_counter() - t1
         self.train_step = TrainStep(model, optimizer, self.precision, device, t.micro_batch_size, t.grad_clip, grads,
                                     nan_guard=cfg.resilience.nan_guard, pipeline=pipe, attention=t.attention,
