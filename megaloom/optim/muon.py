@@ -35,11 +35,11 @@ own `Segment`s and `Layout`s, so the gather is written against them.
 Refused (ConfigError, megaloom/config.py): ZeRO-3 (FSDP2 shards rows of every matrix across dp with no hook between
 reduce-scatter and update to gather them), the 1-bit optimizers (a different optimizer), overlap_optimizer.
 
-QK-clip (MuonClip, Kimi K2; ``train.muon_qk_clip`` = tau > 0): attention modules measure the largest pre-softmax
-logit of each head during the step's forwards (megaloom/models/attention.py, behind the flag); after the step the
-max over data-parallel ranks is taken and, where a head's exceeds tau, its W_q rows and W_k rows are scaled so that
-its logits scale by gamma = tau / max (sqrt(gamma) each for multi-head attention; with grouped KV heads the shared
-K head takes sqrt of its smallest gamma and each Q head the rest of its own).
+QK-clip (MuonClip, Kimi K2; ``train.muon_qk_clip`` = tau > 0; megaloom/optim/qk_clip.py, installed as
+``after_step``): attention modules measure the largest pre-softmax logit of each head during the step's forwards
+(megaloom/models/attention.py, behind the flag); after the step the max over data-parallel ranks is taken and,
+where a head's exceeds tau, with gamma = tau / max, its W_q rows are scaled by sqrt(gamma) and its K head's rows by
+sqrt of the smallest gamma of the query heads sharing that K head (multi-head attention: exactly gamma).
 """
 
 from __future__ import annotations
