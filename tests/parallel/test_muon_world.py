@@ -1,7 +1,9 @@
 """Muon (megaloom/optim/muon.py) at every layout against the single process, in two worlds started once each
 (2 and 4 gloo processes): tp2, dp2 with ZeRO 0/1/2, ep2 (MoE) with ZeRO 0/1, tp2 x dp2 with ZeRO 0/1/2, tp4 (KV heads
-replicated over tp ranks), and checkpoints resumed exactly at another layout (dp2 ZeRO-1 -> tp2; tp2 x dp2 ZeRO-2 ->
-dp4 ZeRO-1). Newton-Schulz in fp32: every parameter within 1e-5 of the single process after every step."""
+replicated over tp ranks); QK-clip (megaloom/optim/qk_clip.py) at tp2, dp2 ZeRO-1, tp2 x dp2 ZeRO-1 and tp4; the
+pipeline (pp2, pp2 x dp2 ZeRO 0/1, through TrainStep); and checkpoints resumed exactly at another layout (dp2
+ZeRO-1 -> tp2; tp2 x dp2 ZeRO-2 -> dp4 ZeRO-1). Newton-Schulz in fp32: every parameter within 1e-5 of the single
+process after every step."""
 
 from __future__ import annotations
 
@@ -11,8 +13,9 @@ from .harness import run_world
 from .muon_worlds import suite_muon2, suite_muon4
 
 TOL = 1e-5
-PARITY2 = ["tp2-z0", "dp2-z0", "dp2-z1", "dp2-z2", "ep2-z0", "ep2-z1"]
-PARITY4 = ["tp2dp2-z0", "tp2dp2-z1", "tp2dp2-z2", "tp4-z0"]
+PARITY2 = ["tp2-z0", "dp2-z0", "dp2-z1", "dp2-z2", "ep2-z0", "ep2-z1", "tp2-z0-clip", "dp2-z1-clip"]
+PARITY4 = ["tp2dp2-z0", "tp2dp2-z1", "tp2dp2-z2", "tp4-z0", "tp2dp2-z1-clip", "tp4-z0-clip"]
+PIPELINE = [("world2", "pp2-z0"), ("world4", "pp2dp2-z0"), ("world4", "pp2dp2-z1")]
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +34,8 @@ def _check_parity(world: list[dict], case: str) -> None:
         assert max(r["errors"]) < TOL, (case, rank, r["errors"])
         assert r["moved"] > 100 * TOL  # the weights did move: the comparison is not vacuous
         assert "momentum_buffer" in r["state_keys"] and "exp_avg" in r["state_keys"], r["state_keys"]
+        if case.endswith("-clip"):  # QK-clip: the single process clipped some heads, and so did this layout
+            assert r["ref_clipped"] > 0 and r["clipped"] > 0, (case, rank, r["ref_clipped"], r["clipped"])
 
 
 @pytest.mark.parametrize("case", PARITY2)
@@ -41,6 +46,17 @@ def test_muon_layout_equals_single_process_world2(world2: list[dict], case: str)
 @pytest.mark.parametrize("case", PARITY4)
 def test_muon_layout_equals_single_process_world4(world4: list[dict], case: str) -> None:
     _check_parity(world4, case)
+
+
+@pytest.mark.parametrize(("world_name", "case"), PIPELINE)
+def test_muon_through_the_pipeline_equals_single_process(request, world_name: str, case: str) -> None:
+    """pp2 (1F1B, 4 micro-batches, clipped gradients, TrainStep): every step's loss and gradient norm, and the
+    weights after 4 steps, within 1e-5 of the single process."""
+    for rank, res in enumerate(request.getfixturevalue(world_name)):
+        r = res[case]
+        for got, want in zip(r["loss"] + r["norm"], r["loss_ref"] + r["norm_ref"], strict=True):
+            assert abs(got - want) <= 1e-5 * abs(want), (case, rank, r["loss"], r["loss_ref"], r["norm"])
+        assert r["param_err"] < TOL, (case, rank, r["param_err"])
 
 
 def test_owners_spread_the_gather_buffers(world4: list[dict]) -> None:

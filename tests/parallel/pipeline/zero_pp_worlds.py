@@ -21,6 +21,7 @@ from megaloom.config import Config, load_config
 from megaloom.models import Transformer
 from megaloom.models.lora import is_adapter_name
 from megaloom.optim.lamb import build_lamb
+from megaloom.optim.muon import ShardedMuon, build_muon
 from megaloom.optim.onebit import KINDS, PAD_MULTIPLE, OnebitOptimizer
 from megaloom.optim.param_groups import param_groups
 from megaloom.optim.zero import ShardedOptimizer, build_data_parallel
@@ -69,6 +70,12 @@ class Log(comm.OpRecorder):
 
 
 def optimizer(model, grads, zero: int, kind: str, mesh: Mesh | None, whole_modules=()):
+    if kind == "muon":  # Newton-Schulz in fp32: parity (tests/parallel/muon_worlds.py)
+        if zero:
+            return ShardedMuon(grads, lr=LR, betas=BETAS, weight_decay=WD, ns_dtype=torch.float32,
+                               whole_modules=whole_modules)
+        return build_muon(model, mesh or Mesh.single(next(model.parameters()).device), LR, WD, BETAS,
+                          ns_dtype=torch.float32)
     if kind in KINDS:  # 1-bit Adam / LAMB over the buckets (zero 0)
         return OnebitOptimizer(model, grads, KINDS[kind], lr=LR, betas=BETAS, eps=EPS[kind], weight_decay=WD,
                                warmup_steps=ONEBIT_WARMUP)
