@@ -16,40 +16,17 @@ import types
 import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import yaml
 
-from megaloom.errors import ConfigError
-
-if TYPE_CHECKING:
-    from megaloom.models.family import Family
-
-
-# The config is the vocabulary every layer speaks, the model families included (each is built from a ModelConfig),
-# so config.py sits below them and imports none of them when it loads. Validating a config and resolving its preset
-# do ask the families (their names, rules, presets, size defaults): those lookups import megaloom.models when they
-# are called. At load time they would be an import cycle, and would make every command (`megaloom status`, `plot`)
-# import torch and every family. tests/test_house.py lists them as the config's one way up.
-def _families() -> tuple[str, ...]:
-    from megaloom.models.registry import FAMILIES
-
-    return tuple(FAMILIES)
-
-
-def _all_families() -> list[Family]:
-    from megaloom.models.registry import FAMILIES
-
-    return list(FAMILIES.values())
-
-
-def _family(name: str) -> Family:
-    from megaloom.models.registry import get_family
-
-    try:
-        return get_family(name)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+from megaloom.errors import ConfigError as ConfigError
+from megaloom.model_keys import LoraConfig as LoraConfig
+from megaloom.model_keys import ModelConfig
+from megaloom.model_keys import check as check_model_keys
+from megaloom.model_keys import resolved_head_dim as resolved_head_dim
+from megaloom.model_keys.base import AUTO_BOOL, AutoBool, _f, model_rules
+from megaloom.model_keys.base import require as _require
 
 
 def _choices(f: dataclasses.Field) -> tuple | None:
@@ -60,174 +37,9 @@ def _choices(f: dataclasses.Field) -> tuple | None:
 
 TRACKERS = ("tensorboard", "wandb", "mlflow")  # run.trackers (megaloom/observe/trackers/)
 
-# A switch that "auto" leaves to megaloom (train.compile, train.fused_loss): true, false or "auto", resolved to a
-# bool for the device before the run's config.yaml is written (megaloom/planning/levers.py).
-AutoBool = bool | str
-AUTO_BOOL = ("auto", True, False)
-
-
-def _f(default: Any, help: str, choices: tuple | None = None) -> Any:
-    """A dataclass field with a docstring (``help``) and, optionally, the values it may take."""
-    meta = {"help": help, "choices": choices}
-    if isinstance(default, list | dict):
-        return field(default_factory=lambda d=default: type(d)(d), metadata=meta)
-    if dataclasses.is_dataclass(default):  # a sub-section (model.lora): a fresh copy per config
-        return field(default_factory=lambda d=default: dataclasses.replace(d), metadata=meta)
-    return field(default=default, metadata=meta)
-
-
-@dataclass
-class LoraConfig:
-    """model.lora: low-rank adapters (Hu et al. 2021) on the blocks' linears; the base model trains frozen
-    (megaloom/models/lora.py)."""
-
-    rank: int = _f(0, "LoRA rank r; 0 = off. > 0: every base parameter is frozen (the language model's; other parts "
-                      "follow model.freeze) and only the adapters A (r x in) and B (out x r) train: y = W x + "
-                      "(alpha / r) B A x.")
-    alpha: float = _f(16.0, "LoRA scale numerator: the adapters' output is multiplied by alpha / rank (PEFT's "
-                            "lora_alpha).")
-    targets: list[str] = _f(["q_proj", "k_proj", "v_proj", "o_proj"],
-                            "The blocks' linears that get adapters, by the model's names: q_proj, k_proj, v_proj, "
-                            "o_proj (attention), gate_proj, up_proj, down_proj (dense MLP; gate_proj only in gated "
-                            "MLPs).")
-    dropout: float = _f(0.0, "Dropout on the adapters' input (PEFT's lora_dropout).")
-
-
-@dataclass
-class ModelConfig:
-    preset: str = _f("tiny", "Named model shape (see megaloom.models.presets); other model keys override it.")
-    arch: str = _f("llama", "Model family: a folder megaloom/models/<family>/ listed in megaloom/models/registry.py "
-                            "(gpt2: LayerNorm, GeLU, learned positions, biases; llama: RMSNorm, SwiGLU, RoPE, GQA; "
-                            "bert: masked-LM encoder; t5: span-corruption encoder-decoder).",
-                   lambda: _families())
-    n_layers: int = _f(4, "Number of transformer blocks.")
-    d_model: int = _f(128, "Hidden size.")
-    n_heads: int = _f(4, "Attention (query) heads.")
-    n_kv_heads: int = _f(0, "Key/value heads for grouped-query attention; 0 = n_heads (multi-head attention).")
-    head_dim: int = _f(0, "Width of one attention head; 0 = d_model / n_heads. Set it where a model's heads are "
-                          "wider or narrower than that (Qwen3-0.6B/4B/32B: 128): q/k/v project d_model to "
-                          "heads x head_dim, o_proj back to d_model.")
-    ffn_dim: int = _f(0, "MLP hidden size; 0 = 4*d_model (gpt2) or the Llama rule 8/3*d_model rounded to 256.")
-    vocab_size: int = _f(0, "Embedding rows; 0 = the tokenizer's vocabulary padded to a multiple of 64.")
-    max_seq_len: int = _f(1024, "Longest sequence the position embedding / RoPE tables cover.")
-    tie_embeddings: bool = _f(True, "Share the input embedding and the output head weights.")
-    norm_eps: float = _f(1e-5, "Epsilon of LayerNorm / RMSNorm.")
-    rope_theta: float = _f(10000.0, "RoPE base frequency (families with rotary positions).")
-    rope_scaling: str = _f("none", "RoPE frequency scaling for contexts beyond pretraining, applied to the RoPE tables "
-                                   "in training and generation: none; llama3 (Llama 3.1/3.2/3.3: low frequencies / "
-                                   "model.rope_factor, high ones kept, a smooth ramp between); yarn (YaRN as Qwen "
-                                   "and transformers' rope_type 'yarn' compute it). Set by `megaloom convert "
-                                   "--from-hf` from config.json's rope_scaling / rope_parameters.",
-                           ("none", "llama3", "yarn"))
-    rope_factor: float = _f(1.0, "With model.rope_scaling: the context extension factor (Llama 3.1: 8, Llama 3.2: "
-                                 "32; HF's factor).")
-    rope_original_max_len: int = _f(0, "With model.rope_scaling: the context length of pretraining (HF's "
-                                       "original_max_position_embeddings; Llama 3.1: 8192); must be > 0 then.")
-    rope_low_freq_factor: float = _f(1.0, "With model.rope_scaling=llama3: wavelengths above rope_original_max_len / "
-                                          "this are divided by rope_factor (HF's low_freq_factor).")
-    rope_high_freq_factor: float = _f(4.0, "With model.rope_scaling=llama3: wavelengths below rope_original_max_len "
-                                           "/ this are kept (HF's high_freq_factor).")
-    rope_beta_fast: float = _f(32.0, "With model.rope_scaling=yarn: dimensions turning more often than this within "
-                                     "rope_original_max_len keep their frequency (HF's beta_fast).")
-    rope_beta_slow: float = _f(1.0, "With model.rope_scaling=yarn: dimensions turning less often than this are "
-                                    "interpolated, / rope_factor (HF's beta_slow).")
-    rope_attention_factor: float = _f(0.0, "With model.rope_scaling=yarn: scale of cos/sin (HF's attention_factor); "
-                                           "0 = 0.1 * ln(rope_factor) + 1.")
-    rope_truncate: bool = _f(True, "With model.rope_scaling=yarn: round the interpolation ramp's ends to whole "
-                                   "dimensions (HF's truncate).")
-    qkv_bias: bool = _f(False, "Biases on the q/k/v projections only (Qwen style); families with biases everywhere "
-                               "(gpt2) have them anyway.")
-    dropout: float = _f(0.0, "Dropout on attention probabilities and residual branches.")
-    init_std: float = _f(0.02, "Std of the normal init; output projections use init_std/sqrt(2*n_layers). Models "
-                               "wider than 256: min(0.02, sqrt(2/(5*d_model))) (megaloom/models/recipes.py).")
-    parallel_block: bool = _f(False, "MegaScale/GPT-J parallel block: attention and MLP read the same normed input.")
-    sliding_window: int = _f(0, "Sliding-window attention span in tokens; 0 = full causal attention.")
-    attn_softcap: float = _f(0.0, "Attention-logit soft-capping (Gemma 2: 50): each score q.k / sqrt(d) becomes "
-                                  "cap * tanh(score / cap) before the softmax; the fused kernels cannot apply it, so "
-                                  "the attention core runs the math path (train.attention=auto picks math). 0 = off.")
-    final_softcap: float = _f(0.0, "Final-logit soft-capping (Gemma 2: 30): the head's logits become "
-                                   "cap * tanh(logits / cap) (train.fused_loss=auto stays off). 0 = off.")
-    query_pre_attn_scalar: int = _f(0, "Gemma 2: attention scores scaled by query_pre_attn_scalar^-1/2 instead of "
-                                       "head_dim^-1/2 (Gemma 2 27B: 144 = d_model / n_heads, heads of 128). 0 = "
-                                       "head_dim.")
-    # Multi-head latent attention (DeepSeek-V2/V3, megaloom/models/mla.py): keys and values through one low-rank
-    # latent per token, queries optionally too, a RoPE key part shared by all heads.
-    attention: str = _f("gqa", "Attention kind: gqa (multi-head / grouped-query, n_kv_heads) or mla (DeepSeek's "
-                               "multi-head latent attention: model.kv_lora_rank, q_lora_rank, qk_nope_head_dim, "
-                               "qk_rope_head_dim, v_head_dim; families with rotary positions and the plain "
-                               "attention).", ("gqa", "mla"))
-    q_lora_rank: int = _f(0, "With model.attention=mla: rank of the queries' low-rank compression (DeepSeek-V3: "
-                             "1536); 0 = one full query projection (DeepSeek-V2-Lite).")
-    kv_lora_rank: int = _f(0, "With model.attention=mla: width of the compressed key/value latent per token "
-                              "(DeepSeek-V3: 512), what an inference cache holds beside the RoPE key.")
-    qk_nope_head_dim: int = _f(0, "With model.attention=mla: per-head query/key dimensions without rotary "
-                                  "positions (DeepSeek-V3: 128).")
-    qk_rope_head_dim: int = _f(0, "With model.attention=mla: per-head query dimensions with rotary positions, "
-                                  "matched by one RoPE key shared by all heads (DeepSeek-V3: 64; even).")
-    v_head_dim: int = _f(0, "With model.attention=mla: per-head value dimensions (DeepSeek-V3: 128).")
-    rope_mscale_all_dim: float = _f(1.0, "With model.attention=mla and model.rope_scaling=yarn: the softmax scale "
-                                         "is multiplied by (0.1 * this * ln(model.rope_factor) + 1)^2, DeepSeek's "
-                                         "mscale (HF's mscale_all_dim; 0 = unchanged).")
-    moe_every: int = _f(0, "Mixture-of-Experts instead of the MLP in blocks i with (i+1) % moe_every == 0 "
-                           "(1 = every block); 0 = dense model.")
-    n_experts: int = _f(8, "Routed experts per MoE layer.")
-    top_k: int = _f(2, "Routed experts per token.")
-    n_shared_experts: int = _f(0, "Shared experts (DeepSeek): a dense SwiGLU of n_shared_experts*expert_ffn_dim "
-                                  "that every token uses.")
-    expert_ffn_dim: int = _f(0, "Hidden size of one expert (SwiGLU); 0 = the dense MLP size.")
-    router_score: str = _f("softmax", "Router scores: softmax (Mixtral) or sigmoid (DeepSeek-V3).",
-                           ("softmax", "sigmoid"))
-    moe_norm_topk: bool = _f(True, "Renormalise the chosen experts' router weights to sum 1 per token (HF's "
-                                   "norm_topk_prob; Mixtral, DeepSeek-V3 and the released Qwen3-MoE: true). false: "
-                                   "each expert's output is weighted by its raw score (softmax probability or "
-                                   "sigmoid), times model.routed_scaling_factor (Qwen3MoeConfig's default).")
-    aux_loss_weight: float = _f(0.01, "Weight of the load-balancing loss E*sum(f_e*P_e) (1 at perfect balance).")
-    z_loss_weight: float = _f(0.0, "Weight of the router z-loss mean(logsumexp(logits)^2); 0 = off.")
-    capacity_factor: float = _f(0.0, "Expert capacity ceil(cf*tokens*top_k/n_experts); overflow tokens are dropped "
-                                     "(they keep only the residual); 0 = dropless.")
-    aux_free_bias_rate: float = _f(0.0, "DeepSeek-V3 aux-loss-free balancing: per-expert selection-bias step after "
-                                        "each optimizer step; 0 = off.")
-    first_dense_layers: int = _f(0, "With model.moe_every: the first N blocks keep the dense MLP (model.ffn_dim) "
-                                     "(DeepSeek-V3: 3; HF's first_k_dense_replace).")
-    n_expert_groups: int = _f(1, "Group-limited routing (DeepSeek-V3: 8 groups): the experts split into this many "
-                                 "groups, each group scored by the sum of its two best (biased) scores; tokens choose "
-                                 "their top_k experts inside the model.topk_groups best groups. 1 = no limit.")
-    topk_groups: int = _f(1, "With model.n_expert_groups > 1: groups each token may route to (DeepSeek-V3: 4).")
-    routed_scaling_factor: float = _f(1.0, "Multiplier of the routed experts' combine weights (after their "
-                                           "renormalisation, if model.moe_norm_topk; DeepSeek-V3: 2.5).")
-    mtp_depth: int = _f(0, "Multi-token prediction (DeepSeek-V3: 1): this many sequential modules after the last "
-                           "block, module k predicting the token k+1 places after the next from the previous "
-                           "module's states and the embedding of the token k places ahead, through its own block and "
-                           "the shared head (megaloom/models/mtp.py); trained with train.mtp_loss_weight, not used "
-                           "at inference. 0 = off.")
-    # Multimodal families (llava): a ViT image encoder whose patch features, through a 2-layer MLP projector, take
-    # the place of the <image> tokens of the text. 0 vision layers = a text-only model (these keys are unused).
-    vision_layers: int = _f(0, "ViT blocks of the image encoder (multimodal families such as llava); 0 = text only.")
-    vision_d_model: int = _f(0, "Hidden size of the image encoder.")
-    vision_heads: int = _f(0, "Attention heads of the image encoder.")
-    vision_ffn_dim: int = _f(0, "MLP hidden size of the image encoder; 0 = 4 * model.vision_d_model.")
-    vision_act: str = _f("quick_gelu", "Image encoder MLP activation: quick_gelu (CLIP) or gelu.",
-                         ("quick_gelu", "gelu"))
-    vision_cls: bool = _f(True, "A class token before the patches (CLIP); its output is not passed to the language "
-                                "model (LLaVA's 'default' feature selection).")
-    vision_norm_eps: float = _f(1e-5, "Epsilon of the image encoder's LayerNorms.")
-    image_size: int = _f(224, "Side of the square images the encoder reads (pixels); images are resized to it.")
-    patch_size: int = _f(14, "Side of one image patch (pixels): (image_size / patch_size)^2 tokens per image.")
-    image_token_id: int = _f(-1, "Token id of <image> placeholders (each image fills (image_size/patch_size)^2 of "
-                                 "them); -1 = the tokenizer's <image> token.")
-    sentence_order: bool = _f(False, "BERT only: ALBERT's sentence-order prediction head besides the masked LM: each "
-                                     "row becomes [CLS] A [SEP] B [SEP] (A, B its two halves, swapped for half the "
-                                     "rows), a pooler + 2-way head on [CLS] predicts the order; not with pp>1.")
-    freeze: list[str] = _f([], "Parts trained frozen (no gradients, no optimizer state, skipped by the gradient "
-                               "reduction): any of vision, projector, language; e.g. vision,language = LLaVA's "
-                               "projector-only pretraining.")
-    lora: LoraConfig = _f(LoraConfig(), "Low-rank adapters (model.lora.rank, .alpha, .targets, .dropout).")
-
-
-def resolved_head_dim(m: ModelConfig) -> int:
-    """The attention head width: model.head_dim, or d_model / n_heads when it is 0 (every layer that sizes heads,
-    q/k/v/o, RoPE tables, KV caches, the memory plan and FLOP counts asks this, never d_model / n_heads)."""
-    return m.head_dim or m.d_model // m.n_heads
+# The model section (ModelConfig, its sub-section LoraConfig, resolved_head_dim) is assembled from one group of keys
+# per owner in megaloom/model_keys/; the rules that need a model family are asked through `model_rules()`
+# (megaloom/models/rules.py, wired by megaloom/__init__.py): this module imports no family.
 
 
 @dataclass
@@ -673,8 +485,6 @@ def load_yaml(path: Path, what: str) -> Any:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
     """Defaults <- model preset <- YAML file <- command-line overrides, then validation."""
-    from megaloom.models.presets import PRESETS  # at call time: see _families
-
     values: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -696,6 +506,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 
     cfg = Config()
     preset = values.get("model.preset", cfg.model.preset)
+    PRESETS = model_rules().presets()
     if not isinstance(preset, str) or preset not in PRESETS:
         raise ConfigError(f"model.preset: unknown preset {preset!r}.{_suggest(str(preset), list(PRESETS))} "
                           f"Valid: {', '.join(PRESETS)}.")
@@ -720,9 +531,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 def _apply_size_defaults(cfg: Config, given: set[str]) -> None:
     """Learning rate, warm-up, min_lr and init std by the model's width (megaloom/models/recipes.py), for each key
     the user did not give."""
-    from megaloom.models.recipes import train_defaults  # at call time: see _families
-
-    defaults = train_defaults(cfg.model)
+    defaults = model_rules().size_defaults(cfg.model)
     if not defaults:
         return
     for key, value in defaults.items():
@@ -753,11 +562,6 @@ def config_from_dict(d: dict) -> Config:
 # config.py does not (every command, `megaloom status` too, loads it), so the form and the names live here.
 DEVICE_FORM = re.compile(r"auto|cpu|(?!cpu:|auto:)[a-z][a-z0-9_]*(:\d+)?")
 DEVICE_TYPES_NAMED = "cuda, xpu, musa, npu, mps, ..."  # the accelerator types messages name (any torch knows works)
-
-
-def _require(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ConfigError(msg)
 
 
 def _check_timeouts(r: ResilienceConfig) -> None:
@@ -799,14 +603,11 @@ def validate(cfg: Config) -> None:
     (a config with several mistakes reports the first), each group a function of its own."""
     _check_choices(cfg)
     _check_bounds(cfg)
-    m = cfg.model
-    _check_vision(m, cfg.data, cfg.train.seq_len)
-    _check_heads(m)
-    family = _family(m.arch)
-    _check_model_family(cfg, family)
+    check_model_keys(cfg.model, cfg.data.max_images, cfg.train.seq_len)  # the image encoder, the heads
+    model_rules().check(cfg)  # the model section against its family (megaloom/models/rules.py)
     _check_parallel(cfg)
-    _check_optimizer(cfg, family)
-    _check_levers(cfg, family)
+    _check_optimizer(cfg)
+    _check_levers(cfg)
     _check_batch_and_io(cfg)
 
 
@@ -857,54 +658,6 @@ def _check_bounds(cfg: Config) -> None:
     _require(0 <= t.beta1 < 1 and 0 <= t.beta2 < 1, "train.beta1 and train.beta2 must be in [0, 1).")
 
 
-def _check_heads(m: ModelConfig) -> None:
-    """The attention heads divide the width (or model.head_dim sets it), and the query heads the key/value heads."""
-    _require(m.head_dim >= 0, f"model.head_dim must be >= 0 (0 = d_model / n_heads), got {m.head_dim}.")
-    _require(m.head_dim or m.d_model % m.n_heads == 0,
-             f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads}); "
-             f"head counts that would work: {_divisors(m.d_model, m.n_heads)} (or set model.head_dim).")
-    kv = m.n_kv_heads or m.n_heads
-    _require(m.n_heads % kv == 0,
-             f"model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({kv}); "
-             f"n_kv_heads that would work: {_divisors(m.n_heads)}.")
-
-
-def _check_model_family(cfg: Config, family: Family) -> None:
-    """The model keys the family must be able to build: RoPE head widths, latent attention, multi-token prediction,
-    RoPE scaling, the family's own rules, LoRA targets, soft-capping, the sentence-order head, the experts."""
-    m, t, p = cfg.model, cfg.train, cfg.parallel
-    if family.traits.positions == "rope" and m.attention != "mla":  # MLA rotates qk_rope_head_dim (_check_mla)
-        _require(resolved_head_dim(m) % 2 == 0,
-                 f"{m.arch} arch: head dim ({'model.head_dim' if m.head_dim else 'd_model/n_heads'}) must be even "
-                 "for RoPE.")
-    _check_mla(m, family.traits)
-    _require(m.mtp_depth >= 0 and t.mtp_loss_weight >= 0,
-             f"model.mtp_depth ({m.mtp_depth}) and train.mtp_loss_weight ({t.mtp_loss_weight}) must be >= 0.")
-    tr = family.traits
-    _require(not m.mtp_depth or (tr.causal and tr.positions == "rope" and family.objective is None
-                                 and not m.vision_layers),
-             f"model.mtp_depth={m.mtp_depth} with model.arch={m.arch}: multi-token prediction continues a causal "
-             "decoder with rotary positions that trains on next tokens; set model.mtp_depth=0.")
-    _check_rope_scaling(m, family.traits.positions == "rope")
-    if family.validate is not None:
-        family.validate(m)
-    from megaloom.models.lora import check_targets  # the model's linear names live with the model
-
-    check_targets(m.lora, gated_mlp=family.traits.gated_mlp, dense_mlp=m.moe_every != 1)
-    _check_softcap(cfg, family)
-    if m.sentence_order and not family.traits.sentence_order:
-        owners = " or ".join(f"model.arch={f.name}" for f in _all_families() if f.traits.sentence_order)
-        raise ConfigError(f"model.sentence_order=true with model.arch={m.arch}: this family has no sentence-order "
-                          f"head; set model.sentence_order=false (or {owners}).")
-    if m.moe_every:
-        _require(1 <= m.top_k <= m.n_experts, f"model.top_k ({m.top_k}) must be between 1 and model.n_experts "
-                                              f"({m.n_experts}).")
-        _require(m.n_experts % p.ep == 0,
-                 f"parallel.ep={p.ep} does not divide model.n_experts={m.n_experts} (each ep rank owns whole "
-                 f"experts); parallel.ep values that would work: {_divisors(m.n_experts)}.")
-        _check_expert_groups(m)
-
-
 def _check_parallel(cfg: Config) -> None:
     """Settings of the parallel section that depend on each other."""
     p = cfg.parallel
@@ -913,7 +666,7 @@ def _check_parallel(cfg: Config) -> None:
                        "the GEMMs; set parallel.sp=true (or parallel.async_tp=auto or false).")
 
 
-def _check_optimizer(cfg: Config, family: Family) -> None:
+def _check_optimizer(cfg: Config) -> None:
     """The optimizer's own settings and the layouts each optimizer serves."""
     t, p = cfg.train, cfg.parallel
     if t.optimizer.startswith("onebit"):
@@ -944,7 +697,7 @@ def _check_optimizer(cfg: Config, family: Family) -> None:
                  "and train.overlap_optimizer=false (offload overlaps its own step), or train.optimizer_offload=false.")
 
 
-def _check_levers(cfg: Config, family: Family) -> None:
+def _check_levers(cfg: Config) -> None:
     """The speed and memory levers set to true: each needs the layout it was built for."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
     _require(t.bf16_params is not True or (p.zero in (0, 1, 2) and p.param_gather == "auto"
@@ -964,7 +717,7 @@ def _check_levers(cfg: Config, family: Family) -> None:
     _require(t.recompute_casts is not True or t.compile is not False,
              "train.recompute_casts=true changes what compiled blocks save, and train.compile=false compiles none; "
              "set train.compile=true (or auto, on a GPU) or leave train.recompute_casts at auto.")
-    _check_fp8_experts(m, t, p, family)
+    _check_fp8_experts(m, t, p)
     _require(t.bf16_residual is not True or t.precision in ("auto", "bf16", "fp8"),
              f"train.bf16_residual=true with train.precision={t.precision}: a bf16 residual stream needs bf16 "
              "autocast. Use train.precision=bf16 (or fp8), or train.bf16_residual=false.")
@@ -1002,7 +755,7 @@ def _check_batch_and_io(cfg: Config) -> None:
     _require(r in ("auto", "none") or bool(r), "checkpoint.resume must be auto, none or a checkpoint directory.")
 
 
-def _check_fp8_experts(m: ModelConfig, t: TrainConfig, p: ParallelConfig, family: Family) -> None:
+def _check_fp8_experts(m: ModelConfig, t: TrainConfig, p: ParallelConfig) -> None:
     """train.fp8_experts: fp8 training of a model with MoE layers whose expert GEMMs fp8 kernels can take."""
     if not t.fp8_experts:
         return
@@ -1011,137 +764,12 @@ def _check_fp8_experts(m: ModelConfig, t: TrainConfig, p: ParallelConfig, family
                                    "train.fp8_experts=false.")
     _require(bool(m.moe_every), "train.fp8_experts=true but this model has no MoE layers (model.moe_every=0); set "
                                 "train.fp8_experts=false.")
-    width = m.expert_ffn_dim or m.ffn_dim or family.traits.default_ffn_dim(m.d_model)
+    width = m.expert_ffn_dim or model_rules().mlp_width(m)
     local = width // p.tp if width % p.tp == 0 else width  # a width tp does not divide is refused where it is split
     _require(m.d_model % 16 == 0 and local % 16 == 0,
              f"train.fp8_experts=true: the fp8 grouped GEMMs need model.d_model ({m.d_model}) and the expert width "
              f"per tensor-parallel rank ({local}: model.expert_ffn_dim or the MLP width, / parallel.tp={p.tp}) to be "
              "multiples of 16; change them or set train.fp8_experts=false.")
-
-
-def _check_mla(m: ModelConfig, traits) -> None:
-    """Multi-head latent attention's keys describe a shape (model.attention=mla), in a family that can take it: one
-    with rotary positions whose attention is the plain one (a family's own attention class, e.g. QK-norm, is not
-    MLA's)."""
-    if m.attention != "mla":
-        return
-    _require(traits.positions == "rope" and traits.attention is None and traits.causal,
-             f"model.attention=mla with model.arch={m.arch}: latent attention replaces a causal decoder's plain "
-             "attention with rotary positions; this family has its own attention or no rotary positions. Set "
-             "model.attention=gqa.")
-    for key in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-        _require(getattr(m, key) >= 1, f"model.attention=mla needs model.{key} >= 1, got {getattr(m, key)} "
-                                       "(DeepSeek-V3: kv_lora_rank 512, qk_nope_head_dim 128, qk_rope_head_dim 64, "
-                                       "v_head_dim 128).")
-    _require(m.q_lora_rank >= 0, f"model.q_lora_rank must be >= 0 (0 = no query compression), got {m.q_lora_rank}.")
-    _require(m.qk_rope_head_dim % 2 == 0, f"model.qk_rope_head_dim ({m.qk_rope_head_dim}) must be even for RoPE.")
-    _require(m.n_kv_heads in (0, m.n_heads),
-             f"model.n_kv_heads={m.n_kv_heads} with model.attention=mla: every head reads keys and values from the "
-             "one shared latent, so there are no key/value head groups; set model.n_kv_heads=0.")
-    _require(m.rope_mscale_all_dim >= 0, f"model.rope_mscale_all_dim must be >= 0, got {m.rope_mscale_all_dim}.")
-    # d_model / n_heads is what 0 means (and what config.yaml of megaloom before issue 49 carried under MLA): the
-    # same as 0, read back; any other width is a mistake.
-    _require(not m.head_dim or m.head_dim * m.n_heads == m.d_model,
-             f"model.head_dim={m.head_dim} with model.attention=mla: latent attention's heads are "
-             "model.qk_nope_head_dim + model.qk_rope_head_dim wide (queries, keys) and "
-             "model.v_head_dim (values); set model.head_dim=0.")
-
-
-def _check_softcap(cfg: Config, family) -> None:
-    """Soft-capping (model.attn_softcap / final_softcap) in a family that builds it, with the kernels that can."""
-    m, t, p = cfg.model, cfg.train, cfg.parallel
-    for key, cap in (("attn_softcap", m.attn_softcap), ("final_softcap", m.final_softcap)):
-        _require(cap >= 0, f"model.{key} must be >= 0 (0 = off), got {cap}.")
-        if cap and not family.traits.softcap:
-            owners = " or ".join(f"model.arch={f.name}" for f in _all_families() if f.traits.softcap)
-            raise ConfigError(f"model.{key}={cap:g} with model.arch={m.arch}: this family does not build "
-                              f"soft-capping; set model.{key}=0 (or {owners}).")
-    if m.query_pre_attn_scalar:
-        _require(m.query_pre_attn_scalar > 0 and family.traits.query_scale,
-                 f"model.query_pre_attn_scalar={m.query_pre_attn_scalar} with model.arch={m.arch}: "
-                 + ("must be > 0 (0 = head_dim)." if family.traits.query_scale else
-                    "this family scales queries by head_dim^-1/2 only; set model.query_pre_attn_scalar=0."))
-    if m.attn_softcap:
-        _require(t.attention in ("auto", "torch", "math"),
-                 f"model.attn_softcap={m.attn_softcap:g} with train.attention={t.attention}: the fused attention "
-                 "kernels cannot soft-cap the scores; set train.attention=auto (or math): the attention core runs "
-                 "the math path.")
-        _require(p.cp == 1, f"model.attn_softcap={m.attn_softcap:g} with parallel.cp={p.cp}: context-parallel "
-                            "attention runs the fused kernels, which cannot soft-cap; set parallel.cp=1.")
-    _require(not (m.final_softcap and t.fused_loss is True),
-             f"model.final_softcap={m.final_softcap:g} with train.fused_loss=true: the fused head and loss compute "
-             "the logits chunk by chunk without the cap; set train.fused_loss=false or auto.")
-
-
-def _check_expert_groups(m: ModelConfig) -> None:
-    """Group-limited routing: the groups split the experts, and the chosen groups hold at least top_k experts."""
-    g = m.n_expert_groups
-    _require(g >= 1 and m.n_experts % g == 0,
-             f"model.n_expert_groups ({g}) must divide model.n_experts ({m.n_experts}); values that would work: "
-             f"{_divisors(m.n_experts)}.")
-    _require(1 <= m.topk_groups <= g, f"model.topk_groups ({m.topk_groups}) must be between 1 and "
-                                      f"model.n_expert_groups ({g}).")
-    _require(g == 1 or m.n_experts // g >= 2,
-             f"model.n_expert_groups={g}: each group is scored by its two best experts, so it needs at least two "
-             f"(model.n_experts={m.n_experts}).")
-    _require(m.topk_groups * (m.n_experts // g) >= m.top_k,
-             f"model.top_k ({m.top_k}) exceeds the experts of model.topk_groups={m.topk_groups} groups "
-             f"({m.topk_groups * (m.n_experts // g)}); raise model.topk_groups.")
-    _require(m.first_dense_layers >= 0, f"model.first_dense_layers must be >= 0, got {m.first_dense_layers}.")
-    _require(m.routed_scaling_factor > 0, f"model.routed_scaling_factor must be > 0, got {m.routed_scaling_factor}.")
-
-
-def _check_rope_scaling(m: ModelConfig, rope: bool) -> None:
-    """The model.rope_* scaling keys describe a scaling the RoPE tables can compute."""
-    if m.rope_scaling == "none":
-        return
-    _require(rope, f"model.rope_scaling={m.rope_scaling} with model.arch={m.arch}: this family has no rotary "
-                   "positions; set model.rope_scaling=none.")
-    _require(m.rope_factor > 0, f"model.rope_factor must be > 0 with model.rope_scaling={m.rope_scaling}, got "
-                                f"{m.rope_factor} (e.g. 8 for Llama 3.1).")
-    _require(m.rope_original_max_len >= 1,
-             f"model.rope_original_max_len must be >= 1 with model.rope_scaling={m.rope_scaling}, got "
-             f"{m.rope_original_max_len}: set it to the context length of pretraining (e.g. 8192 for Llama 3.1).")
-    if m.rope_scaling == "llama3":
-        _require(0 < m.rope_low_freq_factor < m.rope_high_freq_factor,
-                 f"model.rope_low_freq_factor ({m.rope_low_freq_factor}) must be > 0 and below "
-                 f"model.rope_high_freq_factor ({m.rope_high_freq_factor}) (Llama 3.1: 1 and 4).")
-    else:
-        _require(m.rope_beta_fast > 0 and m.rope_beta_slow > 0,
-                 f"model.rope_beta_fast ({m.rope_beta_fast}) and model.rope_beta_slow ({m.rope_beta_slow}) must be "
-                 "> 0 (YaRN's defaults: 32 and 1).")
-        _require(m.rope_attention_factor >= 0,
-                 f"model.rope_attention_factor must be >= 0 (0 = YaRN's default), got {m.rope_attention_factor}.")
-
-
-def _check_vision(m: ModelConfig, d: DataConfig, seq_len: int) -> None:
-    """The image encoder's shape fits together, and one image's tokens fit a training row."""
-    parts = ("vision", "projector", "language")
-    for part in m.freeze:
-        _require(part in parts, f"model.freeze: {part!r} is not one of {', '.join(parts)}.")
-    if not m.vision_layers:
-        _require(not ({"vision", "projector"} & set(m.freeze)),
-                 f"model.freeze={','.join(m.freeze)}: this model has no image encoder (model.vision_layers=0).")
-        return
-    _require(m.vision_d_model > 0 and m.vision_heads > 0 and m.vision_d_model % m.vision_heads == 0,
-             f"model.vision_d_model ({m.vision_d_model}) must be a positive multiple of model.vision_heads "
-             f"({m.vision_heads}).")
-    _require(m.patch_size > 0 and m.image_size % m.patch_size == 0,
-             f"model.image_size ({m.image_size}) must be a multiple of model.patch_size ({m.patch_size}).")
-    per_image = (m.image_size // m.patch_size) ** 2
-    _require(per_image < seq_len, f"one image is {per_image} tokens ((model.image_size / model.patch_size)^2) but "
-                                  f"train.seq_len is {seq_len}; raise train.seq_len or model.patch_size.")
-    _require(d.max_images >= 1, f"data.max_images must be >= 1, got {d.max_images}.")
-    _require(len(set(m.freeze)) < 3, "model.freeze lists every part (vision, projector, language): nothing would "
-                                     "train; leave at least one out.")
-
-
-def _divisors(n: int, near: int | None = None) -> str:
-    ds = [d for d in range(1, n + 1) if n % d == 0]
-    if near is not None:
-        ds = sorted(ds, key=lambda d: abs(d - near))[:4]
-        ds.sort()
-    return ", ".join(map(str, ds[:8]))
 
 
 def describe_keys() -> str:
