@@ -51,6 +51,7 @@ from megaloom.checkpoint.sharded import (
     sharded_state,
 )
 from megaloom.errors import CheckpointError, NoUsableCheckpoint, SaveFailed
+from megaloom.model_keys import shape_keys
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.state import ensure_optimizer_state
 
@@ -407,19 +408,12 @@ def _jsonable(obj: object) -> object:
 def check_compatible(saved: dict, current: dict, adapters: bool = True) -> None:
     """Refuse to load weights of another shape, naming every field that differs. ``adapters``: compare the LoRA
     adapters too (False: this load leaves them as built, a new LoRA stage on a checkpoint without them)."""
-    keys = ["arch", "n_layers", "d_model", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size",
-            "tie_embeddings", "parallel_block", "qkv_bias", "moe_every", "n_experts", "n_shared_experts",
-            "expert_ffn_dim", "sentence_order",  # BERT's pooler and order head are parameters of their own
-            # latent attention's projections, the dense blocks before the MoE ones, multi-token prediction
-            "attention", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-            "first_dense_layers", "mtp_depth",
-            # an image encoder's shape (multimodal families; absent from text models' checkpoints)
-            "vision_layers", "vision_d_model", "vision_heads", "vision_ffn_dim", "vision_cls", "image_size",
-            "patch_size"]
-    if _learned_positions(current):  # a table of max_seq_len rows; RoPE tables are recomputed, so any length loads
-        keys.append("max_seq_len")
-    if not current.get("moe_every") and not saved.get("moe_every"):  # expert shapes matter only with experts
-        keys = [k for k in keys if k not in ("n_experts", "n_shared_experts", "expert_ffn_dim")]
+    # The keys that size weights say so in their declaration (megaloom/model_keys/: `_f(..., shape=...)`; a key absent
+    # from the saved config, an image encoder's in a text model's checkpoint, is not compared). max_seq_len sizes a
+    # table of learned positions only (RoPE tables are recomputed: any length loads); experts matter only with experts.
+    with_experts = bool(current.get("moe_every") or saved.get("moe_every"))
+    when = {"positions": _learned_positions(current), "experts": with_experts}
+    keys = [k for k, shape in shape_keys().items() if shape is True or when[shape]]
     diff = [f"model.{k}: checkpoint {saved.get(k)!r} vs config {current.get(k)!r}"
             for k in keys if k in saved and _effective(saved, k) != _effective(current, k)]
     if diff:

@@ -15,7 +15,7 @@ are a contract). A new group is its module and its place in this list.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from megaloom.model_keys import decoder, llava
 from megaloom.model_keys.bert import BertKeys
@@ -28,7 +28,7 @@ from megaloom.model_keys.mla import MlaKeys
 from megaloom.model_keys.moe import MoeKeys
 from megaloom.model_keys.mtp import MtpKeys
 
-__all__ = ["LoraConfig", "ModelConfig", "check", "resolved_head_dim"]
+__all__ = ["LoraConfig", "ModelConfig", "check", "resolved_head_dim", "shape_keys"]
 
 
 @dataclass
@@ -41,3 +41,9 @@ def check(m: ModelConfig, max_images: int, seq_len: int) -> None:
     then the heads."""
     llava.check(m, max_images, seq_len)
     decoder.check_heads(m)
+
+
+def shape_keys() -> dict[str, bool | str]:
+    """The model keys that size the weights (their fields' ``shape``), in key order: True, or the condition under
+    which they do ("positions": with learned positions; "experts": in a model with experts)."""
+    return {f.name: f.metadata["shape"] for f in fields(ModelConfig) if f.metadata.get("shape")}
