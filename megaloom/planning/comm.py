@@ -17,6 +17,14 @@ rail-optimised, as DGX/HGX nodes are built). Ring algorithms, as NCCL uses for l
   ``COMPRESS_BYTES_PER_ELEMENT`` per parameter. megaloom/optim/onebit.py's StepModel (docs/parallelism.md, "when it
   pays") uses the same two numbers.
 
+- Muon's exchange (megaloom/optim/muon.py, `muon_exchange`): per weight matrix, in the same order on every rank
+  and each collective blocking, under ZeRO-1/2 a reduce of the tp-local fp32 update over the data-parallel group
+  to its owner and a broadcast back (rooted, pipelined: (n - 1) alpha + B / bw), and over tp a gather of the
+  pieces on one rank and a scatter back (as an all-gather: (n - 1) (alpha + B / n / bw)); the owner's
+  Newton-Schulz in between (5 iterations, 4 a^2 b + 2 a^3 FLOPs each on the a x b wide orientation, at the
+  bf16 peak). Nothing overlaps it: the next matrix starts when this one is back, so every rank waits for every
+  matrix's chain (the round-robin owners spread the memory, not the time) - all exposed.
+
 ``bw`` is the link's one-way bandwidth that a ring reaches (GpuKind.nvlink_gbps inside a node, nic_gbps across),
 ``alpha`` its latency. Not modelled: congestion between groups sharing a NIC, SHARP / NVLS in-network reduction,
 and hierarchical (intra-node then inter-node) algorithms, which NCCL uses for all-reduces across nodes (here the
@@ -95,3 +103,64 @@ def onebit_exchange(params: float, n: int, link: Link, hbm_bytes_per_s: float) -
 
 def p2p(nbytes: float, link: Link) -> float:
     return link.alpha + nbytes / link.bw
+
+
+def rooted(nbytes: float, n: int, link: Link) -> float:
+    """A reduce to, or a broadcast from, one rank of an ``nbytes`` buffer: a pipelined chain (NCCL's ring)."""
+    return 0.0 if n <= 1 else (n - 1) * link.alpha + nbytes / link.bw
+
+
+@dataclass(frozen=True)
+class MuonMatrix:
+    """One parameter Muon updates, as its exchange sees it: ``local`` elements on a tp rank (a stack of experts
+    counted whole: one exchange), ``rows`` x ``cols`` one whole matrix (tp undone), ``stack`` matrices in it,
+    ``tp_split`` whether tp cuts it (the router and MLA's down-projections are whole on every tp rank), ``expert``
+    whether its data-parallel group is edp (dp / ep) rather than dp."""
+
+    local: int
+    rows: int
+    cols: int
+    stack: int = 1
+    tp_split: bool = True
+    expert: bool = False
+
+    def ns_flops(self, steps: int = 5) -> float:
+        a, b = sorted((self.rows, self.cols))
+        return self.stack * steps * (4.0 * a * a * b + 2.0 * a ** 3)
+
+
+def muon_bytes(matrices: list[MuonMatrix], tp: int, dp: int, ep: int, zero: int) -> dict[tuple[str, str], int]:
+    """Bytes Muon's exchange records (megaloom.parallel.comm's buffer sizes: a reduce or broadcast its buffer, a
+    gather or scatter its whole gathered buffer) per (group, op), summed over the tp x dp ranks of one pipeline
+    stage for one step. Under ZeRO the tp gather runs on the owner's dp rank only (one tp group per data-parallel
+    group of tp ranks: ep of them for expert stacks); without it on every replica."""
+    out: dict[tuple[str, str], int] = {}
+
+    def add(key: tuple[str, str], n: int) -> None:
+        out[key] = out.get(key, 0) + n
+
+    for m in matrices:
+        group = max(1, dp // ep) if m.expert else dp
+        rooted_dp = zero >= 1 and group > 1
+        if rooted_dp:
+            add(("dp", "reduce"), 4 * m.local * tp * dp)
+            add(("dp", "broadcast"), 4 * m.local * tp * dp)
+        if m.tp_split and tp > 1:
+            ranks = tp * (dp // group if rooted_dp else dp)
+            add(("tp", "gather"), 4 * m.local * tp * ranks)
+            add(("tp", "scatter"), 4 * m.local * tp * ranks)
+    return out
+
+
+def muon_exchange(matrices: list[MuonMatrix], tp: int, dp: int, ep: int, zero: int, tp_link: Link | None,
+                  dp_link: Link | None, edp_link: Link | None, flops_per_s: float) -> tuple[float, float]:
+    """(communication, Newton-Schulz) seconds of one step's Muon exchange on every rank of a stage (module doc)."""
+    comm_s = ns_s = 0.0
+    for m in matrices:
+        group, link = (max(1, dp // ep), edp_link) if m.expert else (dp, dp_link)
+        if zero >= 1 and group > 1:
+            comm_s += 2 * rooted(4 * m.local, group, link)
+        if m.tp_split and tp > 1:
+            comm_s += 2 * all_gather(4 * m.local * tp, tp, tp_link)
+        ns_s += m.ns_flops() / flops_per_s
+    return comm_s, ns_s

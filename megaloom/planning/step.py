@@ -179,6 +179,52 @@ def _updated_params(cfg: Config, sizes: dict[str, int], pp_rank: int) -> tuple[i
     return local, shard
 
 
+def _rank_layers(cfg: Config, pp_rank: int) -> list[int]:
+    """The blocks pipeline rank ``pp_rank`` holds (all of them without a pipeline)."""
+    p = cfg.parallel
+    if p.pp == 1:
+        return list(range(cfg.model.n_layers))
+    from megaloom.parallel.pipeline.partition import partition_layers
+
+    part = partition_layers(cfg.model.n_layers, p.pp, p.vpp, p.pp_first_stage_layers or None,
+                            p.pp_last_stage_layers or None)
+    return [i for s in part.stages_of_rank(pp_rank) for i in part.layers(s)]
+
+
+def muon_matrices(cfg: Config, layers: list[int]) -> list[comm.MuonMatrix]:
+    """The matrices Muon updates in ``layers`` (megaloom/optim/muon.py's `is_muon_param`: the blocks' 2-D weights
+    and expert stacks), tp-local and whole, in the order of the model's parameters."""
+    m, tp, ep = cfg.model, cfg.parallel.tp, cfg.parallel.ep
+    _, ffn, fe, _ = _resolved(m)
+    gated = get_family(m.arch).traits.gated_mlp
+    out = []
+    for i in layers:
+        for loc, whole in zip(attention_projections(m, tp), attention_projections(m, 1), strict=True):
+            split = loc.split != "replicated"
+            out.append(comm.MuonMatrix(loc.out * loc.inp, whole.out, whole.inp, tp_split=split))
+        if is_moe_layer(m, i):
+            out.append(comm.MuonMatrix(m.n_experts * m.d_model, m.n_experts, m.d_model, tp_split=False))
+            e = m.n_experts // ep
+            out += [comm.MuonMatrix(e * fe // tp * m.d_model, fe, m.d_model, e, expert=True) for _ in range(3)]
+            if m.n_shared_experts:
+                sf = m.n_shared_experts * fe
+                out += [comm.MuonMatrix(sf // tp * m.d_model, sf, m.d_model) for _ in range(3)]
+        else:
+            out += [comm.MuonMatrix(ffn // tp * m.d_model, ffn, m.d_model) for _ in range(3 if gated else 2)]
+    return out
+
+
+def _muon_seconds(cfg: Config, gpu: GpuKind, sizes: dict[str, int], pp_rank: int) -> tuple[float, float]:
+    """(exchange, Newton-Schulz) seconds of pipeline rank ``pp_rank``'s Muon step (planning/comm.py)."""
+    p = cfg.parallel
+    dp = sizes["dp"]
+    tp_link = comm.link_of(gpu, sizes, "tp")
+    dp_link = comm.link_of(gpu, sizes, "dp")
+    edp_link = comm.link_of(gpu, sizes, "dp", size=max(1, dp // p.ep))
+    return comm.muon_exchange(muon_matrices(cfg, _rank_layers(cfg, pp_rank)), p.tp, dp, p.ep, p.zero, tp_link,
+                              dp_link, edp_link, gpu.peak_tflops * 1e12)
+
+
 @functools.lru_cache(maxsize=4096)
 def _makespan(schedule: str, pp: int, vpp: int, n_micro: int, b_over_f: float, comm_over_f: float) -> float:
     """The simulated schedule's makespan in units of one forward (times scale with the forward when the ratios
@@ -248,7 +294,10 @@ def predict(cfg: Config, world: int, gpu: GpuKind, mode: str = "cluster", memory
     opt = optimizer_seconds(gpu, updated)
     if not dry and dp * p.cp > 1:
         exposed["dp"] = _dp_exposed(cfg, gpu, sizes, local, f_times[busiest], b_times[busiest], n_micro)
-    step = pipe + exposed.get("dp", 0.0) + opt
+    if t.optimizer == "muon":  # its exchange blocks the step: exposed whole; Newton-Schulz joins the optimizer
+        muon_comm, ns = _muon_seconds(cfg, gpu, sizes, busiest)
+        exposed["muon"], opt = (0.0 if dry else muon_comm), opt + ns
+    step = pipe + exposed.get("dp", 0.0) + exposed.get("muon", 0.0) + opt
     tokens = t.global_batch_size * t.seq_len
     fpt = flops_per_token(m, _active_matmul_params(cfg), t.seq_len)
     pred = Prediction(world=world, gpu=gpu.name, sizes=sizes, n_micro=n_micro, step_s=step,

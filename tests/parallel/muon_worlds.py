@@ -20,6 +20,7 @@ from megaloom.models.registry import get_family
 from megaloom.optim.muon import ShardedMuon, build_muon
 from megaloom.optim.qk_clip import install_qk_clip
 from megaloom.optim.zero import build_data_parallel
+from megaloom.parallel import comm
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.pipeline.stage import build_embedding_groups
 from megaloom.parallel.tensor import parallelize_tensor
@@ -139,6 +140,25 @@ def pipeline_cases(world: int, rank: int, device: torch.device, zeros: tuple[int
     return {f"{tag}-z{z}": zpp.zero_pp_case(mesh, emb, cache, "1f1b", zero=z, kind="muon") for z in zeros}
 
 
+MUON_OPS = ("reduce", "broadcast", "gather", "scatter")  # Muon's exchange (ZeRO's own are reduce_scatter, all_gather)
+
+
+def tally_case(mesh: Mesh, zero: int, moe: bool = False) -> dict[str, int]:
+    """One step with a `comm.CommTally` on the mesh's recorder: the bytes of Muon's exchange ops this rank
+    recorded, "group op" -> bytes (the planner's count is checked against their sum over the ranks)."""
+    model, grads, opt = build(base_model(mesh, moe), mesh, zero)
+    names = {g: "dp" for g in (mesh.dp_group, mesh.dp_cp_group, mesh.edp_group) if g is not None}
+    if mesh.tp_group is not None:
+        names[mesh.tp_group] = "tp"
+    tally = comm.CommTally(names)
+    mesh.recorder = tally
+    try:
+        train(model, grads, opt, mesh, global_batches(1), reference(mesh, moe, {}), 0)
+    finally:
+        mesh.recorder = comm.NullRecorder()
+    return {f"{g} {op}": n for (g, op), n in tally.bytes.items() if op in MUON_OPS}
+
+
 def suite_muon2(rank: int, world: int, device: torch.device, root: str) -> dict:
     cache: dict = {}
     dp = Mesh.build(tiny_config(world=world), world, rank, device)
@@ -150,6 +170,7 @@ def suite_muon2(rank: int, world: int, device: torch.device, root: str) -> dict:
            "tp2-z0-clip": parity_case(tp, 0, cache, tau=TAU), "dp2-z1-clip": parity_case(dp, 1, cache, tau=TAU)}
     res["dp2-z1-to-tp2-z0"] = resume_case(dp, 1, tp, 0, root, cache)
     res.update(pipeline_cases(world, rank, device, (0,)))
+    res["tally-tp2-z0"], res["tally-ep2-z1"] = tally_case(tp, 0), tally_case(ep, 1, moe=True)
     return res
 
 
@@ -163,4 +184,5 @@ def suite_muon4(rank: int, world: int, device: torch.device, root: str) -> dict:
     dp4 = Mesh.build(tiny_config(world=world), world, rank, device)
     res["tp2dp2-z2-to-dp4-z1"] = resume_case(tp2, 2, dp4, 1, root, cache)
     res.update(pipeline_cases(world, rank, device, (0, 1)))
+    res["tally-tp2dp2-z1"] = tally_case(tp2, 1)
     return res

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import pytest
 
+from megaloom.planning.comm import muon_bytes
+from megaloom.planning.step import muon_matrices
+
 from .harness import run_world
-from .muon_worlds import suite_muon2, suite_muon4
+from .muon_worlds import MOE, suite_muon2, suite_muon4
+from .worlds import tiny_config
 
 TOL = 1e-5
 PARITY2 = ["tp2-z0", "dp2-z0", "dp2-z1", "dp2-z2", "ep2-z0", "ep2-z1", "tp2-z0-clip", "dp2-z1-clip"]
@@ -57,6 +61,21 @@ def test_muon_through_the_pipeline_equals_single_process(request, world_name: st
         for got, want in zip(r["loss"] + r["norm"], r["loss_ref"] + r["norm_ref"], strict=True):
             assert abs(got - want) <= 1e-5 * abs(want), (case, rank, r["loss"], r["loss_ref"], r["norm"])
         assert r["param_err"] < TOL, (case, rank, r["param_err"])
+
+
+@pytest.mark.parametrize(("world_name", "case", "tp", "ep", "zero"), [
+    ("world2", "tally-tp2-z0", 2, 1, 0), ("world2", "tally-ep2-z1", 1, 2, 1), ("world4", "tally-tp2dp2-z1", 2, 1, 1)])
+def test_the_planner_counts_the_bytes_the_exchange_sends(request, world_name, case, tp, ep, zero) -> None:
+    """planning/comm.py's `muon_bytes` of the config's matrices (planning/step.py's `muon_matrices`) equals what a
+    comm.CommTally recorded on the gloo world's ranks in one step, summed over the ranks, op by op."""
+    world = request.getfixturevalue(world_name)
+    measured: dict[str, int] = {}
+    for res in world:
+        for key, n in res[case].items():
+            measured[key] = measured.get(key, 0) + n
+    cfg = tiny_config(tp=tp, ep=ep, world=len(world), extra=MOE if ep > 1 else ())
+    planned = muon_bytes(muon_matrices(cfg, list(range(cfg.model.n_layers))), tp, len(world) // tp, ep, zero)
+    assert measured and {f"{g} {op}": n for (g, op), n in planned.items()} == measured, (planned, measured)
 
 
 def test_owners_spread_the_gather_buffers(world4: list[dict]) -> None:
