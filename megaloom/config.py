@@ -1,6 +1,7 @@
 """The one typed configuration object that flows from the CLI to every part of megaloom.
 
-Every default lives here and nowhere else. A run is described by a YAML file and/or dotted
+Every default lives here and nowhere else (the model section's in megaloom/model_keys/, one group of keys per
+owner, assembled into `ModelConfig`). A run is described by a YAML file and/or dotted
 ``key=value`` overrides (``model.preset=tiny train.steps=50``); both are validated against these
 dataclasses before anything heavy starts, so a typo or an impossible value fails in milliseconds with
 a message that names the key and what would be valid.
