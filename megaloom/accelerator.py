@@ -151,8 +151,12 @@ def pick(spec: str, local_rank: int) -> torch.device:
 
 def set_device(device: torch.device) -> None:
     """Make ``device`` this process's current one (its kernels, streams and allocations go there by default);
-    initialises the device's runtime, as torch.cuda.set_device did."""
-    torch.accelerator.set_device_index(device)
+    initialises the device's runtime, as torch.cuda.set_device did. A device without an index (``cuda``: a
+    single-process run) means the current one: torch.accelerator refuses it (found by the offload thread on an
+    H100, 2026-12-06)."""
+    if device.type == CPU:
+        return
+    torch.accelerator.set_device_index(device if device.index is not None else torch.accelerator.current_device_index())
 
 
 def default_device() -> torch.device:

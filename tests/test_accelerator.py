@@ -230,3 +230,19 @@ def test_a_tracker_holding_a_device_rng_copies_and_pickles():
     assert tracker._device_rng == accelerator.DeviceRNG("cuda", 1)
     assert copy.deepcopy(tracker)._device_rng == tracker._device_rng  # models holding it are deep-copied
     assert pickle.loads(pickle.dumps(tracker._device_rng)) == tracker._device_rng
+
+
+def test_set_device_without_an_index_means_the_current_one(monkeypatch) -> None:
+    """torch.accelerator.set_device_index refuses a device without an index (torch 2.11 on an H100: the offload
+    thread's `cuda`); megaloom passes the current index instead, and any given index as it is."""
+    import torch
+
+    from megaloom import accelerator
+
+    calls = []
+    monkeypatch.setattr(torch.accelerator, "set_device_index", lambda d: calls.append(d))
+    monkeypatch.setattr(torch.accelerator, "current_device_index", lambda: 3)
+    accelerator.set_device(torch.device("meta"))  # a device type without an index (CUDA's on a GPU machine)
+    accelerator.set_device(torch.device("meta", 1))
+    accelerator.set_device(torch.device("cpu"))  # nothing to set
+    assert calls == [3, torch.device("meta", 1)]
