@@ -124,3 +124,13 @@ def test_refused_settings_name_the_setting_and_the_fix(overrides, fragment):
 def test_the_clip_is_accepted_by_the_config():
     cfg = load_config(None, ["train.optimizer=muon", "train.muon_qk_clip=50"])
     assert cfg.train.muon_qk_clip == 50
+
+
+def test_compile_auto_resolves_to_off_with_the_clip():
+    from megaloom.accelerator import CUDA
+    from megaloom.planning.levers import choose_levers
+
+    for clip, want in ((50, False), (0, True)):
+        cfg = load_config(None, ["train.optimizer=muon", f"train.muon_qk_clip={clip}"])
+        got = {c.key: c.value for c in choose_levers(cfg, CUDA)}
+        assert got["train.compile"] is want, got
