@@ -108,8 +108,8 @@ class TrainConfig:
                                   "W_k rows of a head whose largest pre-softmax logit in the step exceeded tau "
                                   "scaled by sqrt(tau / max); a key head shared by grouped query heads by its group's; "
                                   "megaloom/optim/qk_clip.py). 0 = off. The logits are measured in the attention "
-                                  "module (an extra q k^T in fp32, chunked); not with parallel.cp > 1, MLA, "
-                                  "QK-norm or train.compile.")
+                                  "module (an extra q k^T in fp32, chunked); not with parallel.cp > 1, MLA or "
+                                  "QK-norm.")
     onebit_warmup_steps: int = _f(100, "With train.optimizer=onebit_adam / onebit_lamb: steps of uncompressed AdamW / "
                                        "LAMB before the variance freezes and compression starts. The papers warm up "
                                        "for 15-25% of training (DeepSpeed's BERT runs: 23k of 152k steps); too short "
@@ -593,7 +593,7 @@ def _check_muon(cfg: Config) -> None:
              "updates the shards with no step at which Muon could gather the whole matrix for Newton-Schulz; set "
              "parallel.zero=1 or 2 (Muon's momentum stays sharded) or train.optimizer=adamw.")
     # QK-clip (megaloom/optim/qk_clip.py): the layouts whose attention it cannot measure or scale are refused there
-    # (MLA, QK-norm, LoRA-frozen q/k: read from the built model); these two are settings.
+    # (MLA, QK-norm, LoRA-frozen q/k: read from the built model); this one is a setting.
     _require(not t.muon_qk_clip or p.cp == 1,
              f"train.muon_qk_clip={t.muon_qk_clip} with parallel.cp={p.cp}: the attention runs on pieces of the "
              "sequence and no module sees a head's whole scores; set parallel.cp=1 or train.muon_qk_clip=0.")

@@ -77,8 +77,6 @@ def _off_cuda(device: str) -> str:
 def _compile(cfg: Config, device: str) -> LeverChoice:
     if not accelerator.is_cuda(device):
         return LeverChoice("train.compile", False, _off_cuda(device))
-    if cfg.train.optimizer == "muon" and cfg.train.muon_qk_clip:  # megaloom/optim/qk_clip.py
-        return LeverChoice("train.compile", False, "train.muon_qk_clip's logit measurement runs eager")
     return LeverChoice("train.compile", True, MEASURED_ON)
 
 

@@ -311,7 +311,7 @@ class Trainer:
         else:
             optimizer = build_optimizer(model, t, device, mesh)
         if t.optimizer == "muon" and t.muon_qk_clip:  # MuonClip: the attention measures, each step ends clipping
-            install_qk_clip(model, optimizer, t.muon_qk_clip, mesh, compiled=bool(t.compile))
+            install_qk_clip(model, optimizer, t.muon_qk_clip, mesh)
         self.build_seconds["optimizer"] = time.perf_counter() - t1
         self.train_step = TrainStep(model, optimizer, self.precision, device, t.micro_batch_size, t.grad_clip, grads,
                                     nan_guard=cfg.resilience.nan_guard, pipeline=pipe, attention=t.attention,

@@ -120,7 +120,7 @@ def test_build_optimizer_builds_muon_and_the_schedule_sets_every_group():
 
 @pytest.mark.parametrize(("overrides", "fragment"), [
     (["parallel.zero=3"], "parallel.zero=1 or 2"),
-    (["train.muon_qk_clip=100", "train.compile=true"], "train.compile=false"),
+    (["train.muon_qk_clip=100", "parallel.cp=2"], "parallel.cp=1"),
     (["train.muon_momentum=1.0"], "train.muon_momentum"),
     (["train.muon_ns_steps=0"], "train.muon_ns_steps"),
     (["train.overlap_optimizer=true"], "train.overlap_optimizer=false"),
