@@ -23,11 +23,12 @@ def test_train_loop_converts_and_trains_in_fp8(small_corpus, tmp_path, monkeypat
     from tests.conftest import tiny_overrides
 
     monkeypatch.setattr("megaloom.training.trainer.resolve_precision", lambda cfg, device: "fp8")
-    cfg = load_config(None, tiny_overrides(small_corpus, tmp_path / "run", "model.n_layers=4", "train.steps=16",
+    # 3 blocks: the first and last stay bf16 (train.fp8_keep_first_last), the middle one's 7 linears in fp8
+    cfg = load_config(None, tiny_overrides(small_corpus, tmp_path / "run", "model.n_layers=3", "train.steps=12",
                                            "checkpoint.every=0", "train.fp8_recipe=rowwise"))
     res = train(cfg)
-    assert "fp8 (rowwise): 14 linear layers in fp8" in capsys.readouterr().out
-    assert res.losses[16] < res.losses[1] - 0.5, res.losses
+    assert "fp8 (rowwise): 7 linear layers in fp8" in capsys.readouterr().out
+    assert res.losses[12] < res.losses[1] - 0.4, res.losses  # 6.23 -> 5.62 on CPU
 
 
 def test_fp8_trains_with_onebit_adam(small_corpus, tmp_path, monkeypatch, capsys) -> None:
@@ -38,10 +39,11 @@ def test_fp8_trains_with_onebit_adam(small_corpus, tmp_path, monkeypatch, capsys
     from tests.conftest import tiny_overrides
 
     monkeypatch.setattr("megaloom.training.trainer.resolve_precision", lambda cfg, device: "fp8")
-    cfg = load_config(None, tiny_overrides(small_corpus, tmp_path / "run", "model.n_layers=4", "train.steps=16",
+    cfg = load_config(None, tiny_overrides(small_corpus, tmp_path / "run", "model.n_layers=3", "train.steps=12",
                                            "checkpoint.every=0", "train.optimizer=onebit_adam",
-                                           "train.onebit_warmup_steps=6"))
+                                           "train.onebit_warmup_steps=5"))
     res = train(cfg)
-    assert "fp8 (tensorwise): 14 linear layers in fp8" in capsys.readouterr().out
+    assert "fp8 (tensorwise): 7 linear layers in fp8" in capsys.readouterr().out
     assert all(loss == loss for loss in res.losses.values())  # finite
-    assert res.losses[16] < res.losses[6] - 0.3 and res.losses[6] < res.losses[1], res.losses
+    # 6.23 -> 5.98 (step 5, the warm-up's end) -> 5.65 (step 12) on CPU
+    assert res.losses[12] < res.losses[5] - 0.15 and res.losses[5] < res.losses[1], res.losses
