@@ -75,3 +75,21 @@ def test_bf16_params_in_one_process_keep_every_master_and_resume_bit_for_bit(sma
     train(load_config(None, tiny_overrides(small_corpus, resumed, *base, "train.bf16_params=true")))
     again = losses(resumed)
     assert [again[s] for s in (3, 4)] == [first[s] for s in (3, 4)], (again, first)
+
+
+def test_a_checkpoint_of_fp32_weights_continues_with_bf16_weights(small_corpus, tmp_path) -> None:
+    """A checkpoint written with fp32 weights (train.bf16_params=false, as every checkpoint before it existed)
+    loads into a run with bf16 weights: its fp32 values become the optimizer's masters, and the run continues as
+    the fp32 one does within bf16 noise (the same data, the same optimizer state)."""
+    from megaloom.config import load_config
+    from megaloom.train import train
+
+    base = ["train.steps=4", "checkpoint.every=2", "train.precision=bf16"]
+    old = tmp_path / "old"
+    fp32 = train(load_config(None, tiny_overrides(small_corpus, old, *base, "train.bf16_params=false")))
+    ckpt = old / "checkpoints" / "step_00000002"
+    new = train(load_config(None, tiny_overrides(small_corpus, tmp_path / "new", *base, "train.bf16_params=true",
+                                                 f"checkpoint.resume={ckpt}")))
+    assert sorted(new.losses) == [3, 4], new.losses  # resumed after step 2
+    for step in (3, 4):
+        assert abs(new.losses[step] - fp32.losses[step]) <= 2e-2 * fp32.losses[step], (step, new.losses, fp32.losses)
