@@ -37,7 +37,7 @@ musa, npu, mps: none measured) each stays off as on CPU, but precision auto is b
   vpp2 4k rank with the fusion on): first 747 -> 757 ms (the bf16 weights had been left out of the fused weight
   gradients), then with them fused 752 -> 707 ms (61.0 -> 64.9% MFU) and peak 65.3 -> 38.7 GB. On at auto on CUDA
   for bf16 training with ZeRO-1/2 of a dense decoder with AdamW or LAMB (the measured code); off at zero 0 (every
-  master kept: +2 bytes a weight, not measured), for MoE, fp8, offload, 1-bit and Muon.
+  master kept: +2 bytes a weight, not measured), for MoE, fp8, offload, 1-bit, Muon, LoRA and frozen parts.
 
 Explicit true/false (or a kernel name) is never changed. `resolve_levers` returns the resolved copy, written to
 run.dir/config.yaml, and one line per choice for the start-up log.
@@ -158,6 +158,8 @@ def _bf16_params(cfg: Config, device: str) -> LeverChoice:
                                         f"{' with optimizer_offload' if t.optimizer_offload else ''}")
     if not get_family(cfg.model.arch).dense_decoder or cfg.model.moe_every:
         return LeverChoice(name, False, f"{cfg.model.arch}{' MoE' if cfg.model.moe_every else ''}: not measured")
+    if cfg.model.lora.rank or cfg.model.freeze:  # fine-tunes: frozen fp32 weights beside bf16 ones, not measured
+        return LeverChoice(name, False, "LoRA / frozen parts: not measured")
     return LeverChoice(name, True, BF16_PARAMS_MEASURED)
 
 

@@ -55,6 +55,7 @@ def test_hopper_takes_the_measured_fast_path(monkeypatch):
     (["parallel.zero=1", "train.precision=fp8"], "train.bf16_params", False),
     (["parallel.zero=1", "train.optimizer_offload=true"], "train.bf16_params", False),
     (["parallel.zero=1", "parallel.param_gather=fp32"], "train.bf16_params", False),
+    (["parallel.zero=1", "model.lora.rank=8"], "train.bf16_params", False),  # fine-tunes: not measured
 ])
 def test_each_lever_where_it_applies(overrides, key, value):
     assert chosen(overrides, "cuda", (9, 0))[key] == value
