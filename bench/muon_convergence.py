@@ -108,12 +108,16 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--extra", nargs="*", default=[], help="more key=value settings for every run")
     ap.add_argument("--summary", action="store_true", help="print the table from the runs on disk, train nothing")
+    ap.add_argument("--only", choices=OPTIMIZERS, help="train this optimizer only, no table (several at once on one "
+                                                       "GPU; then --summary)")
     args = ap.parse_args()
     if not args.summary:
         for seed in args.seeds:
-            for optimizer in OPTIMIZERS:
+            for optimizer in (args.only,) if args.only else OPTIMIZERS:
                 secs = train(args.out, optimizer, seed, args)
                 print(f"{optimizer} seed {seed}: {secs:.0f} s", flush=True)
+    if args.only:
+        return
     print(table(args.out, args.seeds))
 
 

@@ -111,14 +111,18 @@ def simulated_run(d: Path, seed: int, args) -> None:
           f"{t.global_batch_size} x {t.seq_len} tokens a step", flush=True)
     # a rank's rows in micro-batches of at most the resolved size (which one process chose for the whole batch)
     micro = math.gcd(t.micro_batch_size, t.global_batch_size // args.simulate_dp)
-    rows = []
-    for step, batch in enumerate(trainer._loader()):
-        set_lr(sim, lr_at(step, t))
-        loss, norm = sim.step(batch.to(device, non_blocking=True), micro)
-        rows.append({"step": step + 1, "loss": loss, "grad_norm": norm})
-    trainer.train_step.optimizer = sim.opt  # (evaluation reads the model only)
-    rows.append({"step": len(rows), **trainer._evaluate()})
-    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    steps = 0
+    # line by line: a run cut short (a device call's limit) keeps its rows
+    with open(d / "metrics.jsonl", "w") as metrics:
+        for step, batch in enumerate(trainer._loader()):
+            set_lr(sim, lr_at(step, t))
+            loss, norm = sim.step(batch.to(device, non_blocking=True), micro)
+            metrics.write(json.dumps({"step": step + 1, "loss": loss, "grad_norm": norm}) + "\n")
+            steps = step + 1
+            if steps % 100 == 0:
+                metrics.flush()
+        trainer.train_step.optimizer = sim.opt  # (evaluation reads the model only)
+        metrics.write(json.dumps({"step": steps, **trainer._evaluate()}) + "\n")
     del trainer, sim
     accelerator.empty_cache()
 
@@ -232,6 +236,8 @@ def main() -> None:
                                                             "train.micro_batch_size=8 (the issue's 95M run on GPUs)")
     ap.add_argument("--lamb-lr", type=float, default=0.02, help="train.lr of both LAMB runs (0: the preset's)")
     ap.add_argument("--summary", action="store_true", help="only report the runs on disk")
+    ap.add_argument("--only", default="", help="train this one optimizer of the pair, no report (several at once "
+                                               "on one GPU; then --summary)")
     ap.add_argument("--simulate-dp", type=int, default=0, metavar="N",
                     help="one process (one GPU): 1-bit runs simulate N data-parallel ranks (bench/onebit_simulate.py), "
                          "AdamW runs as one process on the same global batch; no bytes measurement")
@@ -247,9 +253,13 @@ def main() -> None:
         if not args.summary:
             for seed in args.seeds:
                 for optimizer in PEERS[pair]:
+                    if args.only and optimizer != args.only:
+                        continue
                     took = train(args.out, optimizer, seed, args)
                     print(f"{optimizer} seed {seed}: {final(run_dir(args.out, optimizer, seed))} ({took:.0f}s)",
                           flush=True)
+        if args.only:
+            continue
         summary["pairs"][pair] = report(args.out, pair, args)
         if not args.simulate_dp:
             summary["pairs"][pair]["bytes"] = measure_bytes(args.out, list(PEERS[pair]), args)
