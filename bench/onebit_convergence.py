@@ -119,7 +119,7 @@ def simulated_run(d: Path, seed: int, args) -> None:
             loss, norm = sim.step(batch.to(device, non_blocking=True), micro)
             metrics.write(json.dumps({"step": step + 1, "loss": loss, "grad_norm": norm}) + "\n")
             steps = step + 1
-            if steps % 100 == 0:
+            if steps % 20 == 0:
                 metrics.flush()
         trainer.train_step.optimizer = sim.opt  # (evaluation reads the model only)
         metrics.write(json.dumps({"step": steps, **trainer._evaluate()}) + "\n")
