@@ -101,6 +101,7 @@ dry_layout() {  # the issue-34 layouts: world, then the config overrides
       model.n_kv_heads=8 model.ffn_dim=53248 train.micro_batch_size=1 parallel.zero=1 parallel.sp=true \
       parallel.tp=8 parallel.pp=16 parallel.pp_first_stage_layers=7 parallel.pp_last_stage_layers=7 \
       train.seq_len=8192 model.max_seq_len=8192 train.global_batch_size=1024";;
+    405b-rcfull) echo "$(dry_layout 405b) train.recompute=full";;  # fits an 80 GB H100 (planned 25.8 GB against 120.5)
     405b-vpp2) echo "$(dry_layout 405b) parallel.vpp=2 parallel.schedule=interleaved";;  # Llama 3's uneven interleaving
     mixtral) echo "--world 256 model.preset=mixtral-8x7b train.micro_batch_size=1 parallel.zero=1 parallel.ep=8 \
       parallel.pp=4 train.seq_len=4096 train.global_batch_size=512";;
