@@ -157,6 +157,8 @@ def result_row(cfg, report, overrides: list[str], run_id: str | None, wall_s: fl
         "step_ms": r2(prof.get("step_ms")), "kernel_ms": r2(prof.get("kernel_ms")), "busy_ms": r2(prof.get("busy_ms")),
         "floor_ms": r2(prof.get("floor_total_ms")), "gpu_busy": r2(prof.get("gpu_busy")) if prof else None,
         "step_vs_floor": r2(prof.get("step_vs_floor")), "mfu": round(prof["mfu"], 4) if "mfu" in prof else None,
+        "mfu_step": round(prof["mfu_step"], 4) if "mfu_step" in prof else None,
+        "fake_copy_ms": r2(prof.get("fake_copy_ms")),
         "kernels": prof.get("kernels"), "kinds_ms": {k: r2(v) for k, v in prof.get("kinds_ms", {}).items()},
         "floor_kinds_ms": {k: r2(v) for k, v in (prof.get("floor_ms") or {}).items()},
         "steps_s": [round(report.seconds[f"step_{i + 1}"], 3) for i in range(len(report.losses))],

@@ -111,3 +111,32 @@ def test_dry_run_of_rank_0_and_the_last_stage_of_64_ranks() -> None:
     # (one per kind of group, parallel/groups.py).
     assert _calls(wide) == calls
     assert wide["groups_created"] == first["groups_created"] <= 7
+
+
+def test_profile_rank_leaves_the_fake_groups_copies_out_of_the_compute_only_mfu(tmp_path, monkeypatch) -> None:
+    # profile_rank's arithmetic on CPU (the GPU path's logic): the profiled breakdown (stubbed: what an H100 trace of
+    # the llama3-70b rank gave, scaled) holds the fake group's copies as their own kind; the compute-only MFU is over
+    # the step less them, mfu_step over the whole step, and the summary line names both.
+    from types import SimpleNamespace
+
+    import megaloom.observe.flops as flops
+    import megaloom.observe.profile as profile
+    from megaloom.training.dryrun import profile_lines, profile_rank
+    from megaloom.training.trainer import Trainer
+
+    cfg = load_config(None, ["model.preset=tiny", "train.device=cpu", f"run.dir={tmp_path}/run", "train.compile=false",
+                             "run.tensorboard=false"])
+    trainer = Trainer(cfg).build()
+    kinds = {"gemm": 70.0, profile.FAKE_GROUP_KIND: 4.0, "copy": 1.0}
+    monkeypatch.setattr(profile, "profile_step", lambda *a, **k: {"busy_ms": 75.0, "kinds_ms": dict(kinds)})
+    monkeypatch.setattr(profile, "kernel_count", lambda path: 123)
+    monkeypatch.setattr(profile, "device_ceilings", lambda name: None)
+    monkeypatch.setattr(flops, "device_peak_flops", lambda device: 1e15)
+    report = SimpleNamespace(seconds={"step_1": 5.0, "step_2": 0.080, "step_3": 0.080}, losses=[0.0, 0.0, 0.0])
+    prof = profile_rank(trainer, lambda: None, report, tmp_path / "profile")
+    flop = prof["model_tflop"] * 1e12
+    assert prof["step_ms"] == pytest.approx(80.0) and prof["fake_copy_ms"] == 4.0
+    assert prof["mfu"] == pytest.approx(flop / 0.076 / 1e15) and prof["mfu_step"] == pytest.approx(flop / 0.080 / 1e15)
+    summary = profile_lines(prof)[-1]
+    assert "less the fake group's 4.0 ms of copies" in summary
+    assert f"{100 * prof['mfu_step']:.1f}% of the whole step" in summary

@@ -589,15 +589,17 @@ def profile_rank(trainer, one_step, report: DryRunReport, out_dir: Path) -> dict
     the GPU's measured matmul ceiling, attention as the kernel ran, the optimizer's traffic at HBM bandwidth;
     observe/profile.py) and the rank's compute-only MFU: the model FLOPs of this rank's share of the step (6 x
     its matmul parameters x the tokens it processes, plus attention scores and values of its heads, counted as
-    observe/flops.py counts them) over the step time, with the collectives free (the fake group moves no data)."""
+    observe/flops.py counts them) over the step time less the fake group's own device copies (torch's fake
+    backend fills the outputs of its all-gathers and reduce-scatters with copies on the compute stream, work a real
+    group does with NCCL kernels on their own stream): the collectives free. ``mfu_step``: over the whole step."""
     from megaloom.observe.flops import device_peak_flops, matmul_params
-    from megaloom.observe.profile import device_ceilings, floor_ms, kernel_count, profile_step
+    from megaloom.observe.profile import FAKE_GROUP_KIND, device_ceilings, floor_ms, kernel_count, profile_step
 
     cfg, mesh, model = trainer.cfg, trainer.mesh, trainer.model
     t = cfg.train
     timed = [report.seconds[f"step_{i + 1}"] for i in range(len(report.losses))]
     step_ms = 1e3 * float(np.median(timed[1:] if len(timed) > 1 else timed))
-    b = profile_step(one_step, out_dir, mesh.device.type, moe=cfg.model.moe_every > 0)
+    b = profile_step(one_step, out_dir, mesh.device.type, moe=cfg.model.moe_every > 0, fake_group=True)
     b["kernels"] = kernel_count(out_dir / "trace.json.gz")
     tokens = trainer.n_micro * t.micro_batch_size * t.seq_len // mesh.cp  # this rank's tokens per step
     mm = matmul_params(model)
@@ -626,9 +628,12 @@ def profile_rank(trainer, one_step, report: DryRunReport, out_dir: Path) -> dict
                          hbm_tb_per_s=ceilings["hbm_tbps"])
         prof.update(floor_ms=floor, floor_total_ms=sum(floor.values()),
                     step_vs_floor=step_ms / sum(floor.values()), ceilings=ceilings)
+    fake_ms = min(b["kinds_ms"].get(FAKE_GROUP_KIND, 0.0), step_ms)
+    prof["fake_copy_ms"] = fake_ms
     peak = device_peak_flops(mesh.device)
     if peak:
-        prof["mfu"] = model_flop / (step_ms / 1e3) / peak
+        prof["mfu"] = model_flop / ((step_ms - fake_ms) / 1e3) / peak
+        prof["mfu_step"] = model_flop / (step_ms / 1e3) / peak
     return prof
 
 
@@ -644,8 +649,10 @@ def profile_lines(prof: dict) -> list[str]:
     if "step_vs_floor" in prof:
         summary += f"; step / floor {prof['step_vs_floor']:.2f}"
     if "mfu" in prof:
+        fake = prof.get("fake_copy_ms", 0.0)
         summary += (f"; compute-only MFU {100 * prof['mfu']:.1f}% ({prof['model_tflop']:.1f} TFLOP of this rank's "
-                    f"model FLOPs, {prof['tokens']:,} tokens; collectives free on the fake group)")
+                    f"model FLOPs, {prof['tokens']:,} tokens, over the step less the fake group's {fake:.1f} ms of "
+                    f"copies: collectives free; {100 * prof.get('mfu_step', prof['mfu']):.1f}% of the whole step)")
     return lines + [summary]
 
 

@@ -9,6 +9,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import json  # noqa: E402
 
+import pytest  # noqa: E402
 from profile_breakdown import breakdown, kind_of, table  # noqa: E402
 
 
@@ -88,3 +89,43 @@ def test_the_floor_counts_gemm_at_the_ceiling_attention_as_run_and_the_optimizer
     lines = table(b, step_ms=256.0, floor=f).splitlines()
     assert lines[0].split()[-2:] == ["floor", "ms"] and lines[1].split()[-1] == "159.87"
     assert lines[-1].endswith(f"step / floor = {256.0 / sum(f.values()):.3f}")
+
+
+def test_inductor_kernels_named_after_a_collective_are_compute() -> None:
+    # the residual add fused with the reduce-scatter input's layout (llama3-70b tp8 sp, H100 2026-12-06: 24 ms of
+    # "communication" on a fake group that runs no collective kernel)
+    assert kind_of("triton_poi_fused__unsafe_view_add_permute_reduce_scatter_tensor_view_5") == \
+        "elementwise/norm/other"
+    assert kind_of("triton_red_fused__fused_rms_norm_add_all_gather_into_tensor_3") == "elementwise/norm/other"
+    assert kind_of("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL") == "communication"
+
+
+def test_a_dry_runs_fake_group_copies_are_their_own_kind(tmp_path: Path) -> None:
+    # Device work whose launch (matched by correlation id, same thread) lies inside a c10d operator is the fake
+    # group's: the copies into an all-gather's chunks. A copy launched elsewhere, or inside a c10d operator of
+    # another thread, stays a copy; without fake_group (a real run) nothing moves.
+    rt = lambda tid, ts, corr: {"ph": "X", "cat": "cuda_runtime", "name": "cudaMemcpyAsync", "tid": tid,  # noqa: E731
+                                "ts": ts, "dur": 1.0, "args": {"correlation": corr}}
+    dev = lambda name, ts, dur, corr, cat="gpu_memcpy": {"ph": "X", "cat": cat, "name": name, "ts": ts,  # noqa: E731
+                                                         "dur": dur, "args": {"correlation": corr}}
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#1", "ts": 0.0, "dur": 400.0},
+        {"ph": "X", "cat": "cpu_op", "name": "c10d::allgather_into_tensor_coalesced_", "tid": 1, "ts": 10.0,
+         "dur": 20.0},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::copy_", "tid": 1, "ts": 12.0, "dur": 5.0},
+        rt(1, 13.0, 1), rt(1, 18.0, 2),            # two copies inside the all-gather
+        rt(1, 40.0, 3),                            # a copy after it
+        {"ph": "X", "cat": "cpu_op", "name": "c10d::_reduce_scatter_base_", "tid": 2, "ts": 45.0, "dur": 20.0},
+        rt(1, 50.0, 4),                            # thread 1 copies while thread 2 is inside a collective
+        rt(1, 60.0, 5),                            # a GEMM
+        dev("Memcpy DtoD (Device -> Device)", 100.0, 10.0, 1), dev("Memcpy DtoD (Device -> Device)", 110.0, 10.0, 2),
+        dev("Memcpy DtoD (Device -> Device)", 120.0, 5.0, 3), dev("Memcpy DtoD (Device -> Device)", 125.0, 5.0, 4),
+        dev("nvjet_sm90_tst_128x256", 130.0, 50.0, 5, cat="kernel"),
+    ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    from megaloom.observe.profile import FAKE_GROUP_KIND
+
+    fake = breakdown(path, "cuda", fake_group=True)["kinds_ms"]
+    assert fake == pytest.approx({FAKE_GROUP_KIND: 0.02, "copy": 0.01, "gemm": 0.05})
+    assert breakdown(path, "cuda")["kinds_ms"] == pytest.approx({"copy": 0.03, "gemm": 0.05})
