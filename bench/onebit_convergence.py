@@ -131,11 +131,15 @@ def _rows(d: Path) -> list[dict]:
     return [json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()]
 
 
-def final(d: Path) -> dict:
+def final(d: Path, upto: int | None = None) -> dict:
+    """The mean loss of the last 50 steps (of the first ``upto``: a run cut short is compared at the step it
+    reached), and the eval loss at the end (None when cut short)."""
     rows = _rows(d)
     losses = [r["loss"] for r in rows if r.get("loss") is not None]
     evals = [r["eval_loss"] for r in rows if r.get("eval_loss") is not None]
-    return {"train": statistics.fmean(losses[-50:]), "eval": evals[-1] if evals else None, "steps": len(losses)}
+    n = len(losses) if upto is None else min(upto, len(losses))
+    return {"train": statistics.fmean(losses[n - 50:n]), "eval": evals[-1] if evals and n == len(losses) else None,
+            "steps": n}
 
 
 # ------------------------------------------------------------------------------------------------------ bytes
@@ -214,10 +218,13 @@ def report(out: Path, pair: str, args) -> dict:
     peer, onebit = PEERS[pair]
     seeds = []
     for seed in args.seeds:
-        a, b = final(run_dir(out, peer, seed)), final(run_dir(out, onebit, seed))
+        n = min(final(run_dir(out, o, seed))["steps"] for o in (peer, onebit))  # the step both reached
+        a, b = final(run_dir(out, peer, seed), n), final(run_dir(out, onebit, seed), n)
         seeds.append({"seed": seed, peer: a, onebit: b, "gap_train": b["train"] / a["train"] - 1,
                       "gap_eval": (b["eval"] / a["eval"] - 1) if a["eval"] and b["eval"] else None})
-    mean = {k: statistics.fmean(s[k] for s in seeds) for k in ("gap_train", "gap_eval")}
+    evals = [s["gap_eval"] for s in seeds if s["gap_eval"] is not None]
+    mean = {"gap_train": statistics.fmean(s["gap_train"] for s in seeds),
+            "gap_eval": statistics.fmean(evals) if len(evals) == len(seeds) else None}
     means = {opt: statistics.fmean(s[opt]["train"] for s in seeds) for opt in (peer, onebit)}
     return {"pair": pair, "seeds": seeds, "mean_gap_train": mean["gap_train"], "mean_gap_eval": mean["gap_eval"],
             "mean_train": means, "gap_of_means": means[onebit] / means[peer] - 1}
@@ -266,13 +273,15 @@ def main() -> None:
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     for pair, r in summary["pairs"].items():
         peer, onebit = PEERS[pair]
-        print(f"\n| seed | {peer} train | {onebit} train | gap | {peer} eval | {onebit} eval | gap |")
-        print("|---|---|---|---|---|---|---|")
+        print(f"\n| seed | steps | {peer} train | {onebit} train | gap | {peer} eval | {onebit} eval | gap |")
+        print("|---|---|---|---|---|---|---|---|")
+        ev = lambda x: f"{x:.4f}" if x is not None else "-"  # noqa: E731  (a run cut short: no eval)
         for s in r["seeds"]:
             ge = f"{100 * s['gap_eval']:+.2f}%" if s["gap_eval"] is not None else "-"
-            print(f"| {s['seed']} | {s[peer]['train']:.4f} | {s[onebit]['train']:.4f} | {100 * s['gap_train']:+.2f}% | "
-                  f"{s[peer]['eval']:.4f} | {s[onebit]['eval']:.4f} | {ge} |")
-        print(f"mean gap over seeds: train {100 * r['mean_gap_train']:+.2f}%, eval {100 * r['mean_gap_eval']:+.2f}%")
+            print(f"| {s['seed']} | {s[peer]['steps']} | {s[peer]['train']:.4f} | {s[onebit]['train']:.4f} | "
+                  f"{100 * s['gap_train']:+.2f}% | {ev(s[peer]['eval'])} | {ev(s[onebit]['eval'])} | {ge} |")
+        me = f"{100 * r['mean_gap_eval']:+.2f}%" if r["mean_gap_eval"] is not None else "-"
+        print(f"mean gap over seeds: train {100 * r['mean_gap_train']:+.2f}%, eval {me}")
         b = r.get("bytes")
         if b is None:
             continue

@@ -12,12 +12,17 @@
 #
 #   RUNS=/tmp/runs PACK=$OUT/runs.tgz DEADLINE=540 bash bench/run_optim_gpu.sh | tee $OUT/optim_gpu.log  # device
 #   RUNS=/tmp/r STEPS=4 SEEDS=1 DEVICE=cpu SMOKE=0 bash bench/run_optim_gpu.sh   # the script's own CPU check
+#
+# Continuing: RESUME=<an earlier runs.tgz> unpacks its runs first (a run whose metrics hold every step is not run
+# again); ONEBIT_OPTS="onebit_adam" MUON_SEEDS="" runs the 1-bit side alone (its AdamW peers from RESUME).
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1
 RUNS=$(realpath -m "${RUNS:-runs/optim_gpu}"); DEADLINE=${DEADLINE:-570}; STEPS=${STEPS:-2000}; SEEDS=${SEEDS:-1 2 3}
 DEVICE=${DEVICE:-cuda}; SMOKE=${SMOKE:-1}; MUON_SEEDS=${MUON_SEEDS:-1}
 mkdir -p "$RUNS"
+[ -n "${RESUME:-}" ] && tar xzf "$RESUME" -C "$RUNS" && echo "resumed from $RESUME"
+ONEBIT_OPTS=${ONEBIT_OPTS:-adamw onebit_adam}
 start=$SECONDS
 if [ "$SMOKE" = 1 ]; then bash bench/gpu_smoke.sh 2>&1 | tee "$RUNS/smoke.txt"; fi
 if [ "$DEVICE" = cuda ] && nvidia-cuda-mps-control -d 2>/dev/null; then  # undone below if a process cannot use it
@@ -41,7 +46,7 @@ MUON=(model.preset=gpt2-124m model.vocab_size=0 "data.paths=$RUNS/stdlib_tok" "d
       train.global_batch_size=8 train.micro_batch_size=8 train.lr=6e-4 train.min_lr=6e-5 train.precision=bf16)
 [ "$DEVICE" = cpu ] && ONEBIT=(train.seq_len=64) && MUON=("data.paths=$RUNS/stdlib_tok" "data.tokenizer=$TOK" train.seq_len=64)
 for seed in $SEEDS; do
-  for opt in adamw onebit_adam; do
+  for opt in $ONEBIT_OPTS; do
     timeout -s KILL "$left" python3 bench/onebit_convergence.py --out "$RUNS/onebit95m_sim" --device "$DEVICE" --simulate-dp 4 \
       --steps "$STEPS" --warmup 300 --seeds "$seed" --only "$opt" --extra "${ONEBIT[@]}" \
       > "$RUNS/onebit-$opt-$seed.log" 2>&1 &
