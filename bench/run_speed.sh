@@ -89,6 +89,7 @@ dry_layout() {  # the issue-34 layouts: world, then the config overrides
     70b-4k) echo "--world 1024 $L70 parallel.tp=8 parallel.pp=8 parallel.vpp=2 parallel.schedule=interleaved \
       train.seq_len=4096 train.global_batch_size=256";;
     70b-4k-nofuse) echo "$(dry_layout 70b-4k) train.grad_accum_fusion=false";;  # the fusion lever's A/B
+    70b-4k-embfuse) echo "$(dry_layout 70b-4k) train.embedding_grad_fusion=true";;  # the embedding's rows fused
     70b-4k-bf16p) echo "$(dry_layout 70b-4k) train.bf16_params=true";;  # bf16 weights, fp32 master shards
     70b-4k-novpp) echo "--world 1024 $L70 parallel.tp=8 parallel.pp=8 train.seq_len=4096 train.global_batch_size=256";;
     70b-8k) echo "--world 1024 $L70 parallel.tp=8 parallel.pp=8 parallel.vpp=2 parallel.schedule=interleaved \

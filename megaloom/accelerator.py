@@ -305,6 +305,12 @@ def profiler_activity(device: Device) -> Any | None:
     return getattr(ProfilerActivity, kind.upper(), None)
 
 
+def trace_launch_categories() -> tuple[str, ...]:
+    """The categories of a profiler trace's host-side launch calls (their ``args.correlation`` names the device
+    work they launched): CUDA's runtime and driver API (another accelerator's traces: unverified, likely others)."""
+    return ("cuda_runtime", "cuda_driver", "xpu_runtime", "xpu_driver")
+
+
 # ------------------------------------------------------------------------------------- streams and events
 @dataclass(frozen=True)
 class Streams:

@@ -167,6 +167,12 @@ class TrainConfig:
                                              "not the zb schedule. auto = on CUDA where the buckets allow it "
                                              "(measured: a llama3-70b tp8 pp8 vpp2 rank 834 -> 764 ms on an H100), "
                                              "off elsewhere.", AUTO_BOOL)
+    embedding_grad_fusion: AutoBool = _f("auto", "With train.grad_accum_fusion, the untied token embedding adds its "
+                                                 "weight gradient's rows straight into its fp32 main gradient (an "
+                                                 "index_put accumulate on CUDA) instead of a dense [vocab, d] "
+                                                 "gradient and its add per micro-batch (megaloom/parallel/"
+                                                 "grad_fusion.py). auto = off: not yet measured on a GPU.",
+                                         AUTO_BOOL)
     bf16_params: AutoBool = _f("auto", "With parallel.zero 0, 1 or 2, training in bf16 or fp8 (parallel."
                                        "param_gather=auto): the trained weights held in bf16, their fp32 values only "
                                        "in the optimizer's masters: ZeRO's shards (Megatron's distributed optimizer: "
@@ -715,6 +721,10 @@ def _check_levers(cfg: Config) -> None:
              f"0 and 1 keep (zero={p.zero}), outside the zero-bubble schedule's deferred weight pass (schedule="
              f"{p.schedule}) and the eager async-tp ring linears (async_tp={p.async_tp}, compile={t.compile}); set "
              "train.grad_accum_fusion=false or auto, or change those settings.")
+    _require(t.embedding_grad_fusion is not True or t.grad_accum_fusion is not False,
+             "train.embedding_grad_fusion=true adds the embedding's gradient into the buckets as train."
+             "grad_accum_fusion does for the linears; with train.grad_accum_fusion=false there is no fused path: set "
+             "train.grad_accum_fusion=true (or auto, on a GPU) or train.embedding_grad_fusion=false.")
     _require(t.recompute_casts is not True or t.compile is not False,
              "train.recompute_casts=true changes what compiled blocks save, and train.compile=false compiles none; "
              "set train.compile=true (or auto, on a GPU) or leave train.recompute_casts at auto.")

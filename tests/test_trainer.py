@@ -74,3 +74,30 @@ def test_eta_leaves_out_the_warm_up_step():
     iv.reset()
     iv.steps, iv.compute_s = 2, 1.0  # later intervals: the plain mean
     assert iv.seconds_per_step() == 0.5
+
+
+def test_embedding_grad_fusion_reaches_the_token_embedding(small_corpus, tmp_path):
+    # One process with bf16 weights (its gradients in buckets) and the fused linears: train.embedding_grad_fusion
+    # routes the untied token embedding's gradient too; two steps the same bit for bit either way (CPU: the dense
+    # gradient and its add), so the setting changes where the work runs, not the numbers.
+    import json
+
+    losses = {}
+    for embedding in (False, True):
+        run = tmp_path / f"run-{embedding}"
+        cfg = load_config(None, tiny_overrides(small_corpus, run, "train.steps=2", "train.precision=bf16",
+                                               "train.bf16_params=true", "train.grad_accum_fusion=true",
+                                               f"train.embedding_grad_fusion={embedding}", "model.tie_embeddings=false",
+                                               "checkpoint.every=0", "checkpoint.final=false"))
+        trainer = Trainer(cfg).build()
+        assert getattr(trainer.model.tok_emb.weight, "fused_wgrad", False) is embedding
+        assert type(trainer.model.tok_emb).__name__ == ("FusedEmbedding" if embedding else "Embedding")
+        trainer.fit()
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        losses[embedding] = [r["loss"] for r in rows if r.get("loss") is not None]
+    assert len(losses[True]) == 2 and losses[True] == losses[False]
+
+
+def test_embedding_grad_fusion_needs_the_fused_path():
+    with pytest.raises(ConfigError, match="train.embedding_grad_fusion=true"):
+        load_config(None, ["train.embedding_grad_fusion=true", "train.grad_accum_fusion=false"])

@@ -123,9 +123,12 @@ def launched_by_collectives(events: list[dict], spans: list[dict]) -> set[int]:
         return set()
     starts = {tid: [a for a, _ in sorted(iv)] for tid, iv in inside.items()}
     ends = {tid: list(accumulate((b for _, b in sorted(iv)), max)) for tid, iv in inside.items()}
+    from megaloom.accelerator import trace_launch_categories
+
+    categories = trace_launch_categories()
     launches = {}  # correlation id -> (tid, ts) of the runtime call that launched it
     for e in events:
-        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {}):
+        if e.get("cat") in categories and "correlation" in e.get("args", {}):
             launches[e["args"]["correlation"]] = (e.get("tid"), e["ts"])
     out = set()
     for i, e in enumerate(spans):

@@ -71,12 +71,12 @@ from megaloom.config import ConfigError
 from megaloom.models.moe import MoE
 from megaloom.parallel import comm
 from megaloom.parallel.expert import is_expert_param
-from megaloom.parallel.grad_fusion import FusedLinear
+from megaloom.parallel.grad_fusion import FusedEmbedding, FusedLinear
 from megaloom.parallel.grad_norm import DeviceConstants, global_grad_norm
 from megaloom.parallel.layout import copy_layout
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.tensor import sync_tp_grads
-from megaloom.parallel.tp_layers import ColumnParallelLinear, RowParallelLinear
+from megaloom.parallel.tp_layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 DEFAULT_BUCKET_MB = 25.0
 
@@ -293,13 +293,14 @@ class DataParallelGrads:
             if self.owns_shard:
                 self._move_params(b)
 
-    def enable_fusion(self, model: nn.Module) -> int:
+    def enable_fusion(self, model: nn.Module, embeddings: bool = True) -> int:
         """train.grad_accum_fusion: the blocks' linears add their weight gradients into ``main_grad`` themselves
-        (megaloom/parallel/grad_fusion.py); returns how many weights. zero 0/1 only (zero 2 frees the buckets)."""
+        (megaloom/parallel/grad_fusion.py), and with ``embeddings`` (train.embedding_grad_fusion) the untied token
+        embedding; returns how many weights. zero 0/1 only (zero 2 frees the buckets)."""
         if self.zero not in (0, 1):
             raise ConfigError(f"train.grad_accum_fusion=true needs gradient buckets that live across steps "
                               f"(parallel.zero 0 or 1); got zero={self.zero}.")
-        fused = enable_grad_accum_fusion(model)
+        fused = enable_grad_accum_fusion(model, self.tied, embeddings)
         self.fused = bool(fused)
         return len(fused)
 
@@ -626,10 +627,36 @@ def fusable_linears(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return out
 
 
-def enable_grad_accum_fusion(model: nn.Module) -> list[nn.Parameter]:
-    """Route the weight gradients of `fusable_linears` into their ``main_grad`` (which the data-parallel buckets
-    have given them); returns the parameters concerned. Call after the buckets are built, before compile."""
+def fusable_embeddings(model: nn.Module, tied: nn.Parameter | None = None) -> list[tuple[str, nn.Module]]:
+    """The token embedding (``model.tok_emb``, plain or vocabulary-parallel) when its weight gradient can be fused
+    (grad_fusion.FusedEmbeddingGrad): a trainable fp32 or bf16 weight held by it alone (not ``tied``, not shared
+    with a head), without ``padding_idx``, ``max_norm`` or sparse gradients. Only that module: an embedding whose
+    weight a model reads directly (a ViT's positions: ``x + pos_emb.weight``) would lose its gradient."""
+    m = getattr(model, "tok_emb", None)
+    if isinstance(m, VocabParallelEmbedding):
+        pass
+    elif type(m) is not nn.Embedding or m.padding_idx is not None or m.max_norm is not None or m.sparse:
+        return []
+    w = m.weight
+    shared = sum(p is w for _, p in model.named_parameters(remove_duplicate=False)) > 1
+    if w.requires_grad and w.dtype in (torch.float32, torch.bfloat16) and w is not tied and not shared:
+        return [("tok_emb", m)]
+    return []
+
+
+def enable_grad_accum_fusion(model: nn.Module, tied: nn.Parameter | None = None,
+                             embeddings: bool = True) -> list[nn.Parameter]:
+    """Route the weight gradients of `fusable_linears` (and with ``embeddings`` of `fusable_embeddings`) into their
+    ``main_grad`` (which the data-parallel buckets have given them); returns the parameters concerned. Call after
+    the buckets are built, before compile."""
     fused = []
+    for name, m in fusable_embeddings(model, tied) if embeddings else []:
+        if getattr(m.weight, "main_grad", None) is None:
+            continue  # (a parameter outside the buckets: nothing to add into)
+        if type(m) is nn.Embedding:
+            setattr(model, name, FusedEmbedding.from_embedding(m))
+        m.weight.fused_wgrad = True
+        fused.append(m.weight)
     for name, m in fusable_linears(model):
         if getattr(m.weight, "main_grad", None) is None:
             raise RuntimeError(f"train.grad_accum_fusion: {name}.weight has no main_grad (data-parallel buckets "

@@ -27,6 +27,15 @@ With train.bf16_params the weights are bf16 and their fp32 main gradients still 
 GEMM accumulates into them (before, those weights were left out and their bf16 gradients went through the
 bucket hook's add: +36 ms of elementwise kernels on the H100 70B rank, 2026-12-06).
 
+The token (and learned-position) embeddings fuse too (`FusedEmbeddingGrad`): their weight gradient is the
+batch's rows of a [vocab, d] matrix, which autograd builds dense (a zero-fill of the whole table, a sort and a
+scatter) before the bucket hook adds the whole table into ``main_grad`` once more: per micro-batch ~1 ms of the
+70B rank's [16,032, 8,192] bf16 table on the H100 (16 of them a step, 2026-12-06 trace). Fused, the op
+``megaloom::accumulate_rows`` adds only the batch's rows into the fp32 ``main_grad``, on an accelerator with one
+``index_put_(accumulate=True)`` (sorted by row, deterministic, no host sync); on CPU the dense gradient and the add
+as before, bit for bit. Not a tied embedding (the head adds into the same parameter through autograd), nor one
+with ``padding_idx``, ``max_norm`` or sparse gradients.
+
 Where: the linears of the blocks (attention q/k/v/o and the dense MLP, plain or tensor-parallel), with data
 parallelism's buckets (world > 1, parallel.zero 0 or 1: zero 2 frees the buckets between steps). Not fp8 linears
 (their own weight-gradient path), not the embedding or the head, not expert weights, and not with the
@@ -119,3 +128,62 @@ class FusedLinear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         return fused_linear(x, self.weight, self.bias)
+
+
+def rows_on_device(main_grad: Tensor) -> bool:
+    """Whether `accumulate_rows` adds the rows one by one (an accelerator: ``index_put_`` accumulate) rather than
+    as the dense gradient (CPU: the unfused arithmetic). A function of its own so a CPU test can take either."""
+    return main_grad.device.type != "cpu"
+
+
+@torch.library.custom_op("megaloom::accumulate_rows", mutates_args=("main_grad",))
+def accumulate_rows(main_grad: Tensor, ids: Tensor, grad_out: Tensor) -> None:
+    """``main_grad[ids[i]] += grad_out[i]`` for every position i: an embedding's weight gradient added into its fp32
+    ``main_grad`` [rows, d] (``grad_out``: [..., d] in the weight's dtype, ``ids``: [...] local rows)."""
+    g = grad_out.reshape(-1, grad_out.shape[-1])
+    i = ids.reshape(-1)
+    if rows_on_device(main_grad):  # the batch's rows only; sorted by row on CUDA: deterministic
+        main_grad.index_put_((i,), g.to(torch.float32), accumulate=True)
+    else:  # as autograd (the dense gradient in the weight's dtype) + the bucket hook's add
+        main_grad.add_(torch.ops.aten.embedding_dense_backward(g, i, main_grad.shape[0], -1, False))
+
+
+@accumulate_rows.register_fake
+def _(main_grad: Tensor, ids: Tensor, grad_out: Tensor) -> None:
+    return None
+
+
+class FusedEmbeddingGrad(Function):
+    """``weight[ids]``; the weight's gradient accumulated into ``main_grad`` (module doc)."""
+
+    @staticmethod
+    def forward(ctx, ids: Tensor, weight: Tensor, main_grad: Tensor) -> Tensor:
+        ctx.save_for_backward(ids)
+        ctx.main_grad, ctx.w_dtype = main_grad, weight.dtype  # (not saved: changed in place, as FusedWgradLinear's)
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (ids,) = ctx.saved_tensors
+        accumulate_rows(ctx.main_grad, ids, grad.to(ctx.w_dtype))
+        return None, torch.empty_like(ctx.main_grad, dtype=ctx.w_dtype), None
+
+
+def embedding_lookup(ids: Tensor, weight: Tensor) -> Tensor:
+    """``F.embedding(ids, weight)``, its weight gradient fused when the weight is (``weight.fused_wgrad``)."""
+    if getattr(weight, "fused_wgrad", False) and weight.requires_grad and torch.is_grad_enabled():
+        return FusedEmbeddingGrad.apply(ids, weight, weight.main_grad)
+    return F.embedding(ids, weight)
+
+
+class FusedEmbedding(nn.Embedding):
+    """An ``nn.Embedding`` whose weight gradient goes straight into ``weight.main_grad`` (the same parameter)."""
+
+    @classmethod
+    def from_embedding(cls, emb: nn.Embedding) -> FusedEmbedding:
+        new = cls.__new__(cls)
+        new.__dict__.update(emb.__dict__)
+        return new
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return embedding_lookup(ids, self.weight)

@@ -16,13 +16,12 @@ of one slice over groups of tp ranks (``tp_replicas``), or replicated with a par
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megaloom.models.lora import has_lora, lora_delta
 from megaloom.parallel import borders
 from megaloom.parallel.collective_matmul import linear_reduce_scatter
-from megaloom.parallel.grad_fusion import fused_linear
+from megaloom.parallel.grad_fusion import embedding_lookup, fused_linear
 from megaloom.parallel.layout import Layout, set_layout
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.sp_linear import SeqRegion, gathered_linears, lean_path_active, to_compute_dtype
@@ -176,7 +175,7 @@ def lookup_vocab_rows(ids: torch.Tensor, weight: torch.Tensor, vocab_start: int,
     g, rec = mesh.tp_group, mesh.recorder
     local = ids - vocab_start
     outside = (local < 0) | (local >= weight.shape[0])
-    out = F.embedding(local.masked_fill(outside, 0), weight).masked_fill(outside.unsqueeze(-1), 0.0)
+    out = embedding_lookup(local.masked_fill(outside, 0), weight).masked_fill(outside.unsqueeze(-1), 0.0)
     if output_mode == "reduce":
         return borders.reduce_from_tp(out, g, rec)
     # Reduce-scattered in the compute dtype (half the bytes under bf16 autocast, as every other sp

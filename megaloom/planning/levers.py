@@ -181,6 +181,8 @@ def choose_levers(cfg: Config, device: str, capability: tuple[int, int] | None =
     if t.grad_accum_fusion == "auto":
         compiled = t.compile is True or any(c.key == "train.compile" and c.value for c in out)
         out.append(_grad_accum_fusion(cfg, device, compiled))
+    if t.embedding_grad_fusion == "auto":  # built and proven on CPU; its GPU time not yet measured
+        out.append(LeverChoice("train.embedding_grad_fusion", False, "not yet measured on a GPU"))
     if t.bf16_params == "auto":
         out.append(_bf16_params(cfg, device))
     return out

@@ -284,7 +284,7 @@ class Trainer:
             grads = None
         if t.grad_accum_fusion is True:  # before compile: the blocks' linears change
             if hasattr(grads, "enable_fusion"):
-                n = grads.enable_fusion(model)
+                n = grads.enable_fusion(model, embeddings=t.embedding_grad_fusion is True)
                 log.debug(f"megaloom: {n} weight gradients accumulate into the data-parallel buckets in their GEMMs")
             else:  # one process (or FSDP2): no buckets; the gradients go to .grad as usual
                 log.debug("megaloom: train.grad_accum_fusion: no gradient buckets to add into")

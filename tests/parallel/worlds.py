@@ -46,11 +46,12 @@ MLA_KEYS = ["model.attention=mla", "model.q_lora_rank=16", "model.kv_lora_rank=2
             "model.qk_rope_head_dim=8", "model.v_head_dim=12"]
 
 
+UNTIED = "llama-untied"  # a case name: llama whose head has its own weight (the token embedding's gradient fuses)
 MTP = "mtp"  # a case name: the latent-attention llama with two multi-token-prediction modules
 
 
 def family_arch(arch: str) -> str:
-    return {BERT_SOP: "bert", MLA: "llama", MTP: "llama"}.get(arch, arch)
+    return {BERT_SOP: "bert", MLA: "llama", MTP: "llama", UNTIED: "llama"}.get(arch, arch)
 
 
 def kv_heads(arch: str) -> int:
@@ -108,7 +109,8 @@ def tiny_config(arch: str = "llama", tp: int = 1, pp: int = 1, ep: int = 1, sp: 
         f"model.arch={family_arch(arch)}", f"model.sentence_order={arch == BERT_SOP}", f"model.vocab_size={VOCAB}",
         "model.d_model=64", f"model.n_layers={N_LAYERS}",
         "model.n_heads=4", f"model.n_kv_heads={kv_heads(arch)}", "model.ffn_dim=128",
-        f"model.max_seq_len={SEQ}", f"model.tie_embeddings={tie}", f"model.dropout={dropout}", f"train.seq_len={SEQ}",
+        f"model.max_seq_len={SEQ}", f"model.tie_embeddings={tie and arch != UNTIED}", f"model.dropout={dropout}",
+        f"train.seq_len={SEQ}",
         f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.ep={ep}", f"parallel.sp={sp}",
         "train.micro_batch_size=1", f"train.global_batch_size={max(dp, 1)}", *arch_keys(arch), *extra])
 

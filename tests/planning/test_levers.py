@@ -18,14 +18,14 @@ def chosen(overrides: list[str], device: str, capability=None) -> dict:
 def test_cpu_keeps_the_plain_path():
     assert chosen([], "cpu") == {"train.compile": False, "train.fused_loss": False, "train.attention": "torch",
                                  "train.bf16_residual": False, "train.grad_accum_fusion": False,
-                                 "train.bf16_params": False}
+                                 "train.embedding_grad_fusion": False, "train.bf16_params": False}
 
 
 def test_hopper_takes_the_measured_fast_path(monkeypatch):
     monkeypatch.setattr("megaloom.planning.levers.fa4_importable", lambda: False)  # flash-attn-4: the test below
     assert chosen([], "cuda", (9, 0)) == {"train.compile": True, "train.fused_loss": True, "train.attention": "cudnn",
                                           "train.bf16_residual": True, "train.grad_accum_fusion": True,
-                                          "train.bf16_params": False}
+                                          "train.embedding_grad_fusion": False, "train.bf16_params": False}
     assert chosen([], "cuda", (8, 0))["train.attention"] == "torch"  # cuDNN measured faster on Hopper only
 
 
@@ -64,7 +64,7 @@ def test_each_lever_where_it_applies(overrides, key, value):
 def test_explicit_values_are_never_changed():
     cfg = load_config(None, ["train.compile=false", "train.fused_loss=true", "train.attention=flash",
                              "train.bf16_residual=false", "train.grad_accum_fusion=false",
-                             "train.bf16_params=false"])
+                             "train.embedding_grad_fusion=false", "train.bf16_params=false"])
     resolved, choices = resolve_levers(cfg, "cuda", (9, 0))
     assert choices == [] and resolved is cfg
 

@@ -39,7 +39,7 @@ from ..full_state import (
     sharded_model_state,
 )
 from ..llava_worlds import llava_dp_case
-from ..worlds import BERT_SOP, tiny_config, token_rows
+from ..worlds import BERT_SOP, UNTIED, tiny_config, token_rows
 
 GLOBAL_BATCH, STEPS, LR, WD, BETAS = 8, 10, 3e-3, 0.1, (0.9, 0.95)
 BUCKET_MB = 0.05  # ~13k fp32 elements: the tiny model (~80k parameters) spreads over several buckets
@@ -402,6 +402,7 @@ def suite_dp4(rank: int, world: int, device: torch.device, root: str) -> dict:
         res[f"tp2dp2-z{zero}"] = dp_case(tp, zero, clip=0.05, cache=cache)
     res["tp2dp2-z1-sp"] = dp_case(tp, 1, sp=True, cache=cache)
     res["tp2dp2-z1-sp-fused"] = dp_case(tp, 1, sp=True, cache=cache, fused=True)
+    res["tp2dp2-z1-sp-fused-untied"] = dp_case(tp, 1, sp=True, cache=cache, fused=True, arch=UNTIED)
     res["tp2dp2-z0-lamb"] = dp_case(tp, 0, "lamb", cache=cache)
     res["tp2dp2-z2-lamb"] = dp_case(tp, 2, "lamb", cache=cache)
     res["tp2dp2-z1-roundtrip"] = dp_case(tp, 1, roundtrip=True, cache=cache)

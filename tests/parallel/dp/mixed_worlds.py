@@ -50,12 +50,16 @@ class DistBytes:
 
 
 def gather_dtype_case(mesh: Mesh, zero: int, dtype: torch.dtype, low: bool = False, fused: bool = False,
-                      clip: float = 1.0) -> dict:
+                      clip: float = 1.0, untied: bool = False) -> dict:
     """Three bf16 steps (autocast) at dp=2 with the parameter gathers in ``dtype``: bytes per step on the
     data-parallel group (the recorder for ZeRO-1/2, the wrapped collectives for FSDP2), the dtypes held.
     ``low``: train.bf16_params (the parameters themselves in ``dtype``, fp32 only in the master shards).
-    ``fused``: train.grad_accum_fusion (the blocks' weight gradients added into the buckets by their GEMMs)."""
-    model = parallelize_tensor(copy.deepcopy(base_model("llama", mesh)), mesh, False)
+    ``fused``: train.grad_accum_fusion (the blocks' weight gradients added into the buckets by their GEMMs).
+    ``untied``: the head gets its own copy of the embedding's values (then the token embedding fuses too)."""
+    model = copy.deepcopy(base_model("llama", mesh))
+    if untied:
+        model.head.weight = torch.nn.Parameter(model.tok_emb.weight.detach().clone())
+    model = parallelize_tensor(model, mesh, False)
     tally = comm.CommTally({mesh.dp_cp_group: "dp"})
     with DistBytes(mesh.dp_cp_group) as fsdp:
         grads = build_data_parallel(model, mesh, zero, 0.05, dtype, low_precision_params=low)
@@ -104,6 +108,9 @@ def suite_gather_dtype_world2(rank: int, world: int, device: torch.device) -> di
         if zero < 3:
             res[f"z{zero}-bf16-params"] = gather_dtype_case(mesh, zero, torch.bfloat16, low=True)
     res["z1-bf16-params-fused"] = gather_dtype_case(mesh, 1, torch.bfloat16, low=True, fused=True)
+    for fused in (False, True):  # an untied token embedding: its weight gradient fused too
+        res[f"z1-bf16-params-untied-{fused}"] = gather_dtype_case(mesh, 1, torch.bfloat16, low=True, fused=fused,
+                                                                  untied=True)
     for zero in (0, 1):  # without clipping (the norm's summation order differs between the layouts): bit for bit
         res[f"z{zero}-bf16-params-noclip"] = gather_dtype_case(mesh, zero, torch.bfloat16, low=True,
                                                                fused=not zero, clip=float("inf"))

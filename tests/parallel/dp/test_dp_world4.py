@@ -15,7 +15,7 @@ from .dp_worlds import suite_dp4
 
 CASES = ["dp4-z0", "dp4-z1", "dp4-z2", "dp4-z3", "dp4-z2-clip", "dp4-z1-lamb", "tp2dp2-z0", "tp2dp2-z1",
          "tp2dp2-z2", "tp2dp2-z3", "tp2dp2-z1-sp", "tp2dp2-z0-lamb", "tp2dp2-z2-lamb", "tp2dp2-z1-roundtrip",
-         "tp2dp2-z1-sp-fused", "tp2dp2-z3-model-only"]
+         "tp2dp2-z1-sp-fused", "tp2dp2-z1-sp-fused-untied", "tp2dp2-z3-model-only"]
 ONEBIT = ["dp4-onebit_adam", "dp4-onebit_lamb-clip", "tp2dp2-onebit_adam-sp", "dp4-onebit_adam-bf16"]
 
 
@@ -106,3 +106,11 @@ def test_onebit_resume_is_exact_with_the_error_buffers(world: list[dict]) -> Non
         assert r["window_held"] > 0 and r["window_after"] == 0, r  # freed at the freeze
         assert r["window"] == r["whole"][3:], (r["window"], r["whole"][3:])  # bitwise
         assert r["window_elsewhere_err"] == 0.0
+
+
+def test_an_untied_vocabulary_parallel_embedding_fuses_too(world: list[dict]) -> None:
+    """tp2 x dp2 with sp: the vocabulary-parallel token embedding of an untied model adds its rows into its fp32
+    main gradient (grad_fusion.accumulate_rows) beside the blocks' linears; the run equals the single process
+    (test_world4_matches_single_process's case)."""
+    for res in world:
+        assert res["tp2dp2-z1-sp-fused-untied"]["fused"] == res["tp2dp2-z1-sp-fused"]["fused"] + 1 > 1

@@ -65,6 +65,19 @@ def test_bf16_parameters_fuse_their_weight_gradients(world: list[dict]) -> None:
         assert all(torch.equal(a, b) for a, b in zip(fused["masters"], plain["masters"], strict=True))
 
 
+def test_an_untied_token_embedding_fuses_its_weight_gradient_too(world: list[dict]) -> None:
+    """The token embedding's weight gradient added into its fp32 main gradient by grad_fusion.accumulate_rows (the
+    70B rank's dense [V/tp, d] gradient, its zero-fill and its add: ~15 ms a step on the H100). On CPU the op computes
+    the dense gradient and adds it, as autograd and the bucket hook did: the same training bit for bit, with one more
+    fused weight (the head's copy stays on the hook's path)."""
+    for res in world:
+        fused, plain = res["z1-bf16-params-untied-True"], res["z1-bf16-params-untied-False"]
+        assert fused["fused"] == 7 * 2 + 1 and plain["fused"] == 0, (fused["fused"], plain["fused"])
+        assert fused["loss"] == plain["loss"], (fused["loss"], plain["loss"])
+        assert all(torch.equal(a, b) for a, b in zip(fused["masters"], plain["masters"], strict=True))
+        assert fused["loss"] != res["z1-bf16-params-fused"]["loss"]  # (untied: another model, not the same run)
+
+
 def test_bf16_parameters_at_zero_0_keep_every_master_and_train_as_zero_1(world: list[dict]) -> None:
     """train.bf16_params at parallel.zero=0: the weights bf16, the optimizer's fp32 masters every parameter whole
     (Megatron's non-distributed optimizer: 6 bytes a weight, no casts), the buckets all-reduced and nothing
