@@ -53,6 +53,8 @@ def dry_run_check(gpu_name: str = "h200") -> None:
     print("| GPU | layout (rank) | levers set | seq | measured step | predicted | error |\n"
           "|---|---|---|---:|---:|---:|---:|")
     for r in rows[::-1]:
+        if r.get("step_ms") is None:  # a build-only row (the plan did not fit the GPU)
+            continue
         kind = "H100" if "H100" in r.get("gpu", "") else "H200"
         gpu = gpus[kind]
         levers = " ".join(o.removeprefix("train.") for o in r["overrides"] if o.startswith(

@@ -32,12 +32,19 @@ from megaloom.planning.hardware import GpuKind
 from megaloom.planning.memory_activations import _resolved, is_moe_layer
 
 ACT_BYTES = 10.9  # bytes moved per byte of a block's main activations (fitted, module doc)
-WEIGHT_BYTES = 42.6  # bytes moved per local weight per micro-batch: casts, gradient casts and bucket adds (fitted)
-FUSED_SAVING = 14.0  # of those, what train.grad_accum_fusion removes: the gradient's fp32 copy and add, less the
-#                      GEMM's own fp32 accumulate (fitted: the H100 70B 4k rank's elementwise + copy + GEMM kernels,
-#                      832 -> 747 ms over 16 micro-batches of 1.07e9 local weights, at the h100 file's 3.0 TB/s)
-CAST_SAVING = 7.5  # what train.bf16_params removes besides: the weights' casts to bf16 (fitted as above: 752 -> 707
-#                    ms with the fusion on both sides; an fp32 read and a bf16 write per cast, some casts saved)
+# The weights' memory-bound traffic per local weight per micro-batch (casts, gradient casts, bucket adds), refitted
+# 2026-12-06 to the H100 dry runs of the llama3-70b tp8 pp8 vpp2 rank (4k and 8k; elementwise + copy kernels less
+# the fake group's copies, less ACT_BYTES x the activations, at the h100 file's 3.0 TB/s): fusion off and fp32
+# weights 27.6 bytes (86c7f87), the fusion on 9.3 (e161373), the fusion and bf16 weights 1.5 at 4k and 0.8 at 8k
+# (c58b457). (The H200 fit of 2026-12-04, 42.6 bytes, measured the code of that day: its bucket adds and casts.)
+WEIGHT_BYTES = 27.6  # fusion off, fp32 weights: autocast's weight casts, the bf16 gradient's fp32 copy and the add
+FUSED_SAVING = 18.3  # what train.grad_accum_fusion removes: the gradient's fp32 copy and the bucket hook's add
+CAST_SAVING = 8.1  # what train.bf16_params removes besides: the weights' casts to bf16 (1.2 bytes a weight remain)
+MOE_WEIGHT_BYTES = 42.6  # an MoE layer's (experts unfused, their grouped GEMMs' casts): the 2026-12-04 fit, which the
+#                         H100 mixtral-8x7b ep8 and deepseek-v3 ep64 ranks of 2026-12-06 still match (-4.3%, +0.4%)
+FAKE_COPY_BYTES = 15.0  # per token x d_model element and block: the dry run's fake-group copies of sp's 4 all-gathers
+#                        (each writes and reads the gathered bf16 [tokens, d]: 16 by count; fitted 15.0 from the H100
+#                        70B 4k rank's 26.96 ms, 2026-12-06 07:10 trace); a real group's NCCL kernels replace them
 HEAD_BYTES = 300.0  # bytes moved per local logit by the vocabulary-parallel loss, forward and backward (fitted)
 EMBEDDING_BYTES = 16.0  # per local embedding element: the dense gradient's fill and scatter, per micro-batch
 KERNELS_PER_BLOCK = 70  # kernels of one compiled dense block, forward + backward (the H200 dry runs: 70-78)
@@ -58,6 +65,7 @@ class Work:
     attention: float = 0.0
     memory: float = 0.0  # memory-bound kernels
     kernels: int = 0
+    fake: float = 0.0  # a dry run's fake-group copies (sp's gathers): counted by mode="dry-run" only
 
     @property
     def gpu(self) -> float:
@@ -65,7 +73,7 @@ class Work:
 
     def __add__(self, o: Work) -> Work:
         return Work(self.gemm + o.gemm, self.attention + o.attention, self.memory + o.memory,
-                    self.kernels + o.kernels)
+                    self.kernels + o.kernels, self.fake + o.fake)
 
 
 @dataclass(frozen=True)
@@ -79,10 +87,10 @@ class ChunkWork:
     backward: Work
     model_flops: float
 
-    def seconds(self, gpu: GpuKind, part: str) -> float:
-        """GPU time, or the host's if longer (module doc)."""
+    def seconds(self, gpu: GpuKind, part: str, dry: bool = False) -> float:
+        """GPU time, or the host's if longer (module doc); ``dry``: with the fake group's copies (a dry run)."""
         w = self.forward if part == "F" else self.backward
-        return max(w.gpu, w.kernels * gpu.launch_us * 1e-6)
+        return max(w.gpu + (w.fake if dry else 0.0), w.kernels * gpu.launch_us * 1e-6)
 
 
 def _gemm(gpu: GpuKind, m: int, n: int, k: int, recompute: bool) -> tuple[float, float]:
@@ -136,14 +144,17 @@ def block_work(cfg: Config, gpu: GpuKind, layer: int, tokens: int, recompute: bo
     attn_fwd_flops = 2.0 * (tokens * cp) * t.seq_len * hl * (qk_head_dim(m) + v_head_dim(m)) / 2 / cp
     attn = 3.5 * attn_fwd_flops / (gpu.attention_tflops(t.seq_len, core_head_dim(m)) * 1e12)
     act = n_r * d * 4 + n * width * 2 + n * sum(core_widths(m, tp)) * 2 + n * d * 2
-    weight_bytes = (WEIGHT_BYTES - (FUSED_SAVING if t.grad_accum_fusion is True and not moe else 0.0)
+    weight_bytes = ((MOE_WEIGHT_BYTES if moe else WEIGHT_BYTES)
+                    - (FUSED_SAVING if t.grad_accum_fusion is True and not moe else 0.0)
                     - (CAST_SAVING if t.bf16_params is True else 0.0))
     memory = gpu.memory_seconds(ACT_BYTES * act + weight_bytes * params)
     kernels = (KERNELS_PER_BLOCK + (RING_KERNELS if cp > 1 else 0)
                - (FUSED_KERNELS if t.grad_accum_fusion is True and not moe else 0)
                - (CAST_KERNELS if t.bf16_params is True else 0))
-    forward = Work(fwd, attn * ATTENTION_FORWARD, memory * (1 - BACKWARD_SHARE), kernels // 3)
-    backward = Work(bwd, attn * (1 - ATTENTION_FORWARD), memory * BACKWARD_SHARE, kernels - kernels // 3)
+    # the dry run's fake group fills every chunk of sp's all-gathers with copies (2 forward, 2 backward per block)
+    fake = gpu.memory_seconds(FAKE_COPY_BYTES * n * d) if sp else 0.0
+    forward = Work(fwd, attn * ATTENTION_FORWARD, memory * (1 - BACKWARD_SHARE), kernels // 3, fake / 2)
+    backward = Work(bwd, attn * (1 - ATTENTION_FORWARD), memory * BACKWARD_SHARE, kernels - kernels // 3, fake / 2)
     # model FLOPs (MFU's count): 3 passes of the matmuls + the full (not causal-halved) attention, as flops.py
     model = 3.0 * mm_flops + 3.0 * 2.0 * attn_fwd_flops
     return forward, backward, model

@@ -272,8 +272,8 @@ def predict(cfg: Config, world: int, gpu: GpuKind, mode: str = "cluster", memory
     f_times, b_times, exposed = [], [], {}
     for w, layers in zip(works, stage_layers, strict=True):
         cf, cb = ({}, {}) if dry else _inside_stage_comm(cfg, gpu, sizes, w, layers)
-        f_times.append(w.seconds(gpu, "F") + sum(cf.values()))
-        b_times.append(w.seconds(gpu, "B") + sum(cb.values()))
+        f_times.append(w.seconds(gpu, "F", dry) + sum(cf.values()))
+        b_times.append(w.seconds(gpu, "B", dry) + sum(cb.values()))
         for k in set(cf) | set(cb):
             exposed[k] = max(exposed.get(k, 0.0), (cf.get(k, 0.0) + cb.get(k, 0.0)) * n_micro * p.vpp)
     # the busiest pipeline rank: its chunks' forwards and backwards of every micro-batch
