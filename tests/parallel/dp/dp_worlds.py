@@ -403,6 +403,12 @@ def suite_dp4(rank: int, world: int, device: torch.device, root: str) -> dict:
     res["tp2dp2-z1-sp"] = dp_case(tp, 1, sp=True, cache=cache)
     res["tp2dp2-z1-sp-fused"] = dp_case(tp, 1, sp=True, cache=cache, fused=True)
     res["tp2dp2-z1-sp-fused-untied"] = dp_case(tp, 1, sp=True, cache=cache, fused=True, arch=UNTIED)
+    # bf16 weights (train.bf16_params) at tp2 x dp2 + sp, fused: against one process with bf16 weights
+    from .mixed_worlds import gather_dtype_case
+
+    bf16 = torch.bfloat16
+    res["bf16p-one-process"] = gather_dtype_case(Mesh.single(device), 0, bf16, low=True)
+    res["tp2dp2-z1-sp-bf16p-fused"] = gather_dtype_case(tp, 1, bf16, low=True, fused=True, sp=True)
     res["tp2dp2-z0-lamb"] = dp_case(tp, 0, "lamb", cache=cache)
     res["tp2dp2-z2-lamb"] = dp_case(tp, 2, "lamb", cache=cache)
     res["tp2dp2-z1-roundtrip"] = dp_case(tp, 1, roundtrip=True, cache=cache)

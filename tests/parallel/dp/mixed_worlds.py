@@ -50,7 +50,7 @@ class DistBytes:
 
 
 def gather_dtype_case(mesh: Mesh, zero: int, dtype: torch.dtype, low: bool = False, fused: bool = False,
-                      clip: float = 1.0, untied: bool = False) -> dict:
+                      clip: float = 1.0, untied: bool = False, sp: bool = False) -> dict:
     """Three bf16 steps (autocast) at dp=2 with the parameter gathers in ``dtype``: bytes per step on the
     data-parallel group (the recorder for ZeRO-1/2, the wrapped collectives for FSDP2), the dtypes held.
     ``low``: train.bf16_params (the parameters themselves in ``dtype``, fp32 only in the master shards).
@@ -59,7 +59,7 @@ def gather_dtype_case(mesh: Mesh, zero: int, dtype: torch.dtype, low: bool = Fal
     model = copy.deepcopy(base_model("llama", mesh))
     if untied:
         model.head.weight = torch.nn.Parameter(model.tok_emb.weight.detach().clone())
-    model = parallelize_tensor(model, mesh, False)
+    model = parallelize_tensor(model, mesh, sp)
     tally = comm.CommTally({mesh.dp_cp_group: "dp"})
     with DistBytes(mesh.dp_cp_group) as fsdp:
         grads = build_data_parallel(model, mesh, zero, 0.05, dtype, low_precision_params=low)
