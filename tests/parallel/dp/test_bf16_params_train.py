@@ -39,9 +39,10 @@ def test_bf16_params_train_and_resume_bit_for_bit(small_corpus, tmp_path) -> Non
 
 @pytest.mark.slow
 def test_bf16_params_through_a_pipeline_keep_the_fp32_stream(small_corpus, tmp_path) -> None:
-    """pp=2 x dp=2 (the weight gradients fused): the embedding's weight is bf16, the residual stream and the stage messages stay fp32 (as with
-    fp32 weights; train.bf16_residual makes them bf16): before that, the first stage's bf16 output met an fp32
-    receive buffer and the run stopped. The losses: one process's with bf16 weights within bf16 noise (2e-2)."""
+    """pp=2 x dp=2, the weight gradients fused: the embedding's weight is bf16, the residual stream and the stage
+    messages stay fp32 (as with fp32 weights; train.bf16_residual makes them bf16): before that, the first stage's
+    bf16 output met an fp32 receive buffer and the run stopped. The losses: one process's with bf16 weights within
+    bf16 noise (2e-2)."""
     base = ["train.steps=3", "parallel.pp=2", "parallel.zero=1", "train.precision=bf16", "train.bf16_residual=false",
             "train.bf16_params=true", "train.grad_accum_fusion=true"]
     torchrun(4, tiny_overrides(small_corpus, tmp_path / "pp2", *base))
