@@ -57,6 +57,22 @@ def test_bf16_params_through_a_pipeline_keep_the_fp32_stream(small_corpus, tmp_p
     assert all(abs(got[s] - ref[s]) <= 2e-2 * ref[s] for s in got), (got, ref)
 
 
+@pytest.mark.slow
+def test_bf16_params_with_context_parallelism_match_one_process(small_corpus, tmp_path) -> None:
+    """cp=2 (the ring, each rank half of every sequence; zero 0: every fp32 master on both ranks, the buckets
+    all-reduced over the cp group), bf16 weights and the fused weight gradients: one process's losses with bf16
+    weights within bf16 noise (2e-2)."""
+    from megaloom.config import load_config
+    from megaloom.train import train
+
+    base = ["train.steps=3", "train.precision=bf16", "train.bf16_params=true", "train.grad_accum_fusion=true"]
+    torchrun(2, tiny_overrides(small_corpus, tmp_path / "cp2", *base, "parallel.cp=2"))
+    got = losses(tmp_path / "cp2")
+    ref = train(load_config(None, tiny_overrides(small_corpus, tmp_path / "one", *base))).losses
+    assert sorted(got) == [1, 2, 3] and all(abs(got[s] - ref[s]) <= 2e-2 * ref[s] for s in got), (got, ref)
+    assert got != ref  # (a different layout really ran)
+
+
 def test_bf16_params_in_one_process_keep_every_master_and_resume_bit_for_bit(small_corpus, tmp_path) -> None:
     """One process (parallel.zero=0): bf16 weights, their fp32 gradients in buckets, every fp32 master in the
     optimizer (ShardedOptimizer over every weight whole); the checkpoint holds the masters, a resume continues
