@@ -15,13 +15,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from megaloom.errors import ConfigError
 
-if TYPE_CHECKING:
-    from megaloom.config import Config
-    from megaloom.model_keys import ModelConfig
+# The rules' arguments are megaloom.config's Config and this package's ModelConfig, named in words only: both import
+# this module, and an import of either here (even for annotations) would tie them in a circle.
+Config = ModelConfig = Any
 
 # A switch that "auto" leaves to megaloom (train.compile, train.fused_loss): true, false or "auto", resolved to a
 # bool for the device before the run's config.yaml is written (megaloom/planning/levers.py).

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -31,12 +30,10 @@ from megaloom.models.lora import init_rule as lora_init_rule
 from megaloom.models.mla import MLAttention
 from megaloom.models.moe import MoE, is_moe_block
 from megaloom.models.mtp import MTPModule, mtp_tokens_and_targets
-
-if TYPE_CHECKING:
-    from megaloom.models.family import Family
+from megaloom.models.traits import FamilyView
 
 
-def family_of(cfg: ModelConfig) -> Family:
+def family_of(cfg: ModelConfig) -> FamilyView:
     """The family named by ``cfg.arch``. The registry is imported when asked: it imports every family, and every
     family imports this module (its shared decoder), so the lookup by name can only happen at call time."""
     from megaloom.models.registry import get_family
@@ -49,7 +46,7 @@ def resolved_ffn_dim(cfg: ModelConfig) -> int:
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int = 0, family: Family | None = None):
+    def __init__(self, cfg: ModelConfig, layer_idx: int = 0, family: FamilyView | None = None):
         super().__init__()
         tr = (family or family_of(cfg)).traits
         self.parallel = cfg.parallel_block
@@ -115,7 +112,7 @@ class Span:
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg: ModelConfig, family: Family | None = None):
+    def __init__(self, cfg: ModelConfig, family: FamilyView | None = None):
         super().__init__()
         if cfg.vocab_size <= 0:
             raise ValueError("model.vocab_size must be resolved (> 0) before building the model")

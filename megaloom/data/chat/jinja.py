@@ -12,12 +12,9 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
-from typing import TYPE_CHECKING
 
+from megaloom.data.chat.render import Render
 from megaloom.data.errors import DataError
-
-if TYPE_CHECKING:  # an annotation only: templates imports this module when a template is jinja
-    from megaloom.data.chat.templates import Render
 
 FIXED_NOW = datetime(2024, 7, 26)
 

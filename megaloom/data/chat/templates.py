@@ -15,13 +15,11 @@ compare.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megaloom.data.chat.render import Render
 from megaloom.data.errors import DataError
-
-Render = Callable[[list[dict], bool], str]  # (messages, add_generation_prompt) -> text
 
 
 @dataclass(frozen=True)
