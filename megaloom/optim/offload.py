@@ -13,10 +13,10 @@ foreach) on each chunk as soon as its gradients have landed, and copies its new 
 One process or zero=0 data parallelism: the chunks are the model's in forward order (`forward_order_chunks`:
 embedding, block 0, 1, ..., final norm and head) and the next forward's pre-hook of each module waits for its
 chunk only (the host thread, then a stream wait): block i runs on the device while the host updates the blocks
-after it. ZeRO-1/2 (each rank offloads its own shard: the flat buckets' 1/dp chunks): the parameter all-gather
-needs every rank's updated chunk of a bucket, so there the step runs to its end (still pipelined: the copies of
-one chunk overlap the host arithmetic of its neighbours) before the gathers are issued, which the forward's
-hooks wait for as without offload.
+after it. ZeRO-1/2 (each rank offloads its own shard: the flat buckets' 1/dp chunks): the chunks are the buckets,
+in the order their parameter all-gathers are issued (the last bucket, the first layers, first); as soon as a
+bucket's chunk is back on the device its all-gather is issued, so the gathers run while the host updates the next
+buckets; the forward's hooks wait for them as without offload.
 
 The arithmetic is AdamW's, elementwise, over 1-D masters: with the same kernel as the on-device step (foreach on
 CPU) the update is bitwise the same; the fused CPU kernel differs by the float32 rounding of its own order
@@ -58,11 +58,13 @@ class HostOffloadOptimizer:
                  grads_of: Callable[[], list[torch.Tensor | None]], targets: Callable[[], list[torch.Tensor]],
                  device: torch.device, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, chunks: Sequence[tuple[nn.Module, list[int]]] = (),
-                 overlap: bool = False, layout: Any = None, fused: bool | None = None) -> None:
+                 overlap: bool = False, layout: Any = None, fused: bool | None = None,
+                 gathers: Sequence[Any] | None = None) -> None:
         """``grads_of``: each segment's device gradient now (None: no gradient this step); ``targets``: each
         segment's device weights (views the new values are copied into); ``chunks``: (module whose forward reads
         them, segment indices) in forward order; ``overlap``: the host step runs on a thread beside the next
-        forward (needs ``chunks`` covering every segment); ``layout``: ZeRO-1/2's DataParallelGrads."""
+        forward (needs ``chunks`` covering every segment); ``layout``: ZeRO-1/2's DataParallelGrads; ``gathers``:
+        the layout's bucket each chunk is (issued once the chunk is back), one per chunk."""
         self.named_params, self.segments, self.layout = named_params, segments, layout
         self.mesh = getattr(layout, "mesh", None)
         self.device, self._grads_of, self._targets = device, grads_of, targets
@@ -91,6 +93,9 @@ class HostOffloadOptimizer:
         self._chunk_groups = [[[self.tensors[i] for i in idx if id(self.tensors[i]) in ids] for ids in in_group]
                               for idx in self.chunks]
         self.overlap = overlap
+        self.gathers = list(gathers) if gathers is not None else None
+        if self.gathers is not None and (overlap or len(self.gathers) != len(self.chunks)):
+            raise ValueError("gathers: one bucket per chunk, and only for the step run in the training thread")
         self._thread: threading.Thread | None = None
         self._ready: list[threading.Event] | None = None
         self._landed: dict[int, Any] = {}  # chunk -> the event of its upload (accelerator), until waited for
@@ -146,8 +151,12 @@ class HostOffloadOptimizer:
             return
         self._run(hyper, fetched)
         self.wait_all()
-        if self.layout is not None:
+        if self.layout is None:
+            return
+        if self.gathers is None:
             self.layout.publish_params(getattr(self, "overlap_param_gather", True))
+        elif not getattr(self, "overlap_param_gather", True):
+            self.layout.wait_params()
 
     def _download(self, grads: list[torch.Tensor | None]) -> list[Any] | None:
         """Copy the gradients into the host buffers, chunk by chunk; on an accelerator asynchronously on the side
@@ -181,6 +190,11 @@ class HostOffloadOptimizer:
                     fetched[i].synchronize()
                 self._step_chunk(i, hyper)
                 self._upload(i)
+                if self.gathers is not None:  # (the training thread) the bucket's gather, after its upload
+                    event = self._landed.pop(i, None)
+                    if event is not None:
+                        self.streams.current().wait_event(event)
+                    self.layout.gather_bucket(self.gathers[i])
                 if self._ready is not None:
                     self._ready[i].set()
         except BaseException as e:  # re-raised in the training thread (wait_all, or a forward's hook)
@@ -194,6 +208,8 @@ class HostOffloadOptimizer:
         """One step of the inner AdamW over chunk ``i``'s masters (the same state; elementwise, so the chunks
         together are the whole step)."""
         groups = [{**h, "params": ps} for h, ps in zip(hyper, self._chunk_groups[i], strict=True) if ps]
+        if not groups:  # (a bucket whose chunk on this rank is padding only)
+            return
         self.inner.param_groups = groups
         try:
             self.inner.step()
@@ -288,6 +304,23 @@ def check_offload(t: TrainConfig, zero: int) -> None:
                           "its shard) or train.optimizer_offload=false.")
 
 
+def bucket_chunks(grads: Any, segments: list[Segment]) -> tuple[list[tuple[None, list[int]]], list[Any]]:
+    """ZeRO-1/2: the segments grouped by the bucket they lie in, in the order the parameter all-gathers are issued
+    (the last bucket first: it holds the first layers); (chunks, each chunk's bucket)."""
+    def bucket_of(s: Segment) -> int:
+        ptr = s.data.data_ptr()
+        for k, b in enumerate(grads.buckets):
+            start = b.param_data.data_ptr()
+            if start <= ptr < start + b.param_data.numel() * b.param_data.element_size():
+                return k
+        raise ValueError("a shard segment outside every bucket")
+
+    of = [bucket_of(s) for s in segments]
+    order = range(len(grads.buckets) - 1, -1, -1)  # every bucket: one whose chunk is all padding here still gathers
+    chunks = [(None, [i for i, k in enumerate(of) if k == b]) for b in order]
+    return chunks, [grads.buckets[b] for b in order]
+
+
 def build_offloaded(model: nn.Module, grads: Any, t: TrainConfig, device: torch.device, zero: int = 0,
                     overlap: bool | None = None, whole_modules: Sequence[nn.Module] = (),
                     fused: bool | None = None) -> HostOffloadOptimizer:
@@ -299,8 +332,10 @@ def build_offloaded(model: nn.Module, grads: Any, t: TrainConfig, device: torch.
     hyper = dict(lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8, weight_decay=t.weight_decay, fused=fused)
     if zero in (1, 2):
         segments = grads.shard_segments()
+        chunks, gathers = bucket_chunks(grads, segments)
         opt = HostOffloadOptimizer(grads.named_params, segments, lambda: grads.segment_grads(segments),
-                                   lambda: [s.data for s in segments], device, layout=grads, **hyper)
+                                   lambda: [s.data for s in segments], device, layout=grads, chunks=chunks,
+                                   gathers=gathers, **hyper)
         opt._hooks += register_param_waits(grads, whole_modules)
         return opt
     seen: set[int] = set()

@@ -559,17 +559,22 @@ class DataParallelGrads:
         if not self.zero:
             return
         for b in reversed(self.buckets):
-            lo, hi = self._chunk(b)
-            # Nothing reads a bucket's parameters before its gather is waited for (module pre-hooks, the state-dict
-            # pre-hook, the optimizer step): the other ranks' chunks may be overwritten in any way meanwhile.
-            if b.param_data.dtype == self.gather_dtype:  # fp32, or parameters held in the gather's dtype
-                b.gather = comm.all_gather_into_async(b.param_data, b.param_data[lo:hi], b.group,
-                                                      recorder=self.mesh.recorder, scratch=True)
-                continue
-            b.gather_buf = torch.empty(b.padded, dtype=self.gather_dtype, device=b.param_data.device)
-            b.gather_buf[lo:hi].copy_(b.param_data[lo:hi])
-            b.gather = comm.all_gather_into_async(b.gather_buf, b.gather_buf[lo:hi], b.group,
+            self.gather_bucket(b)
+
+    def gather_bucket(self, b: Bucket) -> None:
+        """Issue bucket ``b``'s in-place parameter all-gather (`gather_params`' step; an offloaded step issues
+        each bucket's as soon as its chunk is back on the device)."""
+        lo, hi = self._chunk(b)
+        # Nothing reads a bucket's parameters before its gather is waited for (module pre-hooks, the state-dict
+        # pre-hook, the optimizer step): the other ranks' chunks may be overwritten in any way meanwhile.
+        if b.param_data.dtype == self.gather_dtype:  # fp32, or parameters held in the gather's dtype
+            b.gather = comm.all_gather_into_async(b.param_data, b.param_data[lo:hi], b.group,
                                                   recorder=self.mesh.recorder, scratch=True)
+            return
+        b.gather_buf = torch.empty(b.padded, dtype=self.gather_dtype, device=b.param_data.device)
+        b.gather_buf[lo:hi].copy_(b.param_data[lo:hi])
+        b.gather = comm.all_gather_into_async(b.gather_buf, b.gather_buf[lo:hi], b.group,
+                                              recorder=self.mesh.recorder, scratch=True)
 
     def wait_params(self, params: list[nn.Parameter] | None = None) -> None:
         """Block until the all-gathers holding ``params`` (default: all) have landed."""

@@ -93,6 +93,27 @@ def resume_case(mesh: Mesh, zero: int, root: str) -> dict:
     return out
 
 
+def order_case(mesh: Mesh, zero: int) -> dict:
+    """One offloaded ZeRO step, its host steps and parameter all-gathers logged in the order they happen."""
+    base = base_model("llama", mesh)
+    model, grads, opt = _build(base, mesh, zero, True)
+    log: list[tuple[str, int]] = []
+    step_chunk, gather = opt._step_chunk, grads.gather_bucket
+
+    def logged_step(i, hyper):
+        log.append(("host step", i))
+        step_chunk(i, hyper)
+
+    def logged_gather(b):
+        log.append(("gather", grads.buckets.index(b)))
+        gather(b)
+
+    opt._step_chunk, grads.gather_bucket = logged_step, logged_gather
+    run_steps(model, grads, opt, mesh, global_batches()[:1], GLOBAL_BATCH // mesh.dp // 2, math.inf, None)
+    grads.wait_params()
+    return dict(log=log, buckets=len(grads.buckets))
+
+
 def suite_offload_dp2(rank: int, world: int, device: torch.device, root: str) -> dict:
     mesh = Mesh.build(tiny_config(world=world), world, rank, device)
     res = {}
@@ -101,4 +122,6 @@ def suite_offload_dp2(rank: int, world: int, device: torch.device, root: str) ->
     res["z1-clip"] = parity_case(mesh, 1, 0.05)
     res["z1-fused"] = parity_case(mesh, 1, 0.05, fused=True)
     res["z1-resume"] = resume_case(mesh, 1, root)
+    for zero in (1, 2):
+        res[f"z{zero}-order"] = order_case(mesh, zero)
     return res

@@ -142,3 +142,19 @@ def test_combinations_offload_cannot_serve_are_refused_with_the_fix(bad: list[st
     with pytest.raises(ConfigError, match="train.optimizer_offload=true") as e:
         load_config(None, ["train.optimizer_offload=true", *bad])
     assert fragment in str(e.value) and "train.optimizer_offload=false" in str(e.value)
+
+
+def test_bucket_chunks_cover_every_bucket_even_one_without_segments_here() -> None:
+    """A rank whose chunk of a bucket is padding only still issues that bucket's gather (the other ranks wait in
+    it): `bucket_chunks` gives every bucket a chunk, empty where this rank holds none of it."""
+    from types import SimpleNamespace
+
+    from megaloom.optim.offload import bucket_chunks
+    from megaloom.parallel.data_parallel import Segment
+
+    flats = [torch.zeros(8), torch.zeros(8), torch.zeros(8)]
+    grads = SimpleNamespace(buckets=[SimpleNamespace(param_data=f) for f in flats])
+    segs = [Segment(0, 0, flats[0][:4], None), Segment(1, 0, flats[2][2:6], None), Segment(2, 0, flats[2][6:], None)]
+    chunks, gathers = bucket_chunks(grads, segs)
+    assert [idx for _, idx in chunks] == [[1, 2], [], [0]]  # buckets 2, 1, 0: the gathers' order
+    assert [[k for k, x in enumerate(grads.buckets) if x is b] for b in gathers] == [[2], [1], [0]]

@@ -49,3 +49,16 @@ def test_a_checkpoint_resumes_exactly_and_loads_into_the_on_device_optimizer(wor
         r = res["z1-resume"]
         assert r["resumed"] == r["straight"], r
         assert r["on_device"] == r["straight"], r  # the same kernel on the device: the same numbers
+
+
+@pytest.mark.parametrize("zero", [1, 2])
+def test_each_buckets_gather_starts_once_its_chunk_is_updated(world: list[dict], zero: int) -> None:
+    """ZeRO-1/2 offloaded: the host steps the shard bucket by bucket, last bucket (the first layers) first, and
+    issues that bucket's parameter all-gather before the next bucket's host step, so the gathers run beside the
+    host arithmetic (before: every gather after the whole host step)."""
+    for res in world:
+        r = res[f"z{zero}-order"]
+        n = r["buckets"]
+        assert n > 1, n
+        want = [x for b in range(n) for x in (("host step", b), ("gather", n - 1 - b))]
+        assert [tuple(e) for e in r["log"]] == want, r["log"]
