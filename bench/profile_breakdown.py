@@ -34,8 +34,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--step-ms", type=float, default=None, help="the unprofiled step time, for the shares")
     ap.add_argument("--top", type=int, default=3, help="largest kernels listed per kind")
+    ap.add_argument("--fake-group", action="store_true",
+                    help="a dry run's trace: the device copies launched inside collectives as their own kind")
     args = ap.parse_args(argv)
-    b = breakdown(Path(args.trace), args.device, args.moe)
+    b = breakdown(Path(args.trace), args.device, args.moe, args.fake_group)
     print(table(b, args.step_ms))
     for kind, rows in top_kernels(Path(args.trace), args.device, args.moe, args.top).items():
         print(f"\n{kind}:")
