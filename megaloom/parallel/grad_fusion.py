@@ -27,7 +27,8 @@ With train.bf16_params the weights are bf16 and their fp32 main gradients still 
 GEMM accumulates into them (before, those weights were left out and their bf16 gradients went through the
 bucket hook's add: +36 ms of elementwise kernels on the H100 70B rank, 2026-12-06).
 
-The token (and learned-position) embeddings fuse too (`FusedEmbeddingGrad`): their weight gradient is the
+With train.embedding_grad_fusion (off at auto until measured) the untied token embedding fuses too
+(`FusedEmbeddingGrad`; `data_parallel.fusable_embeddings` takes ``model.tok_emb`` alone): its weight gradient is the
 batch's rows of a [vocab, d] matrix, which autograd builds dense (a zero-fill of the whole table, a sort and a
 scatter) before the bucket hook adds the whole table into ``main_grad`` once more: per micro-batch ~1 ms of the
 70B rank's [16,032, 8,192] bf16 table on the H100 (16 of them a step, 2026-12-06 trace). Fused, the op
@@ -38,7 +39,7 @@ with ``padding_idx``, ``max_norm`` or sparse gradients.
 
 Where: the linears of the blocks (attention q/k/v/o and the dense MLP, plain or tensor-parallel), with data
 parallelism's buckets (world > 1, parallel.zero 0 or 1: zero 2 frees the buckets between steps). Not fp8 linears
-(their own weight-gradient path), not the embedding or the head, not expert weights, and not with the
+(their own weight-gradient path), not the head (nor the embedding but as above), not expert weights, and not with the
 zero-bubble schedule (whose deferred weight pass reads the weights' gradients from autograd). The pass that finds
 and switches them is `data_parallel.enable_grad_accum_fusion`, above the tensor-parallel layers that call
 `fused_linear` here.
