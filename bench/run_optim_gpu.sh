@@ -19,11 +19,13 @@ set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1
 RUNS=$(realpath -m "${RUNS:-runs/optim_gpu}"); DEADLINE=${DEADLINE:-570}; STEPS=${STEPS:-2000}; SEEDS=${SEEDS:-1 2 3}
-DEVICE=${DEVICE:-cuda}; SMOKE=${SMOKE:-1}; MUON_SEEDS=${MUON_SEEDS:-1}
+DEVICE=${DEVICE:-cuda}; SMOKE=${SMOKE:-1}; MUON_SEEDS=${MUON_SEEDS-1}
 mkdir -p "$RUNS"
 [ -n "${RESUME:-}" ] && tar xzf "$RESUME" -C "$RUNS" && echo "resumed from $RESUME"
 ONEBIT_OPTS=${ONEBIT_OPTS:-adamw onebit_adam}
 start=$SECONDS
+# SMOKE=bg: the smoke suite beside the runs (its dry runs and gloo world are small; the 1-bit runs need the call's
+# whole 10 minutes); its lines are printed at the end
 if [ "$SMOKE" = 1 ]; then bash bench/gpu_smoke.sh 2>&1 | tee "$RUNS/smoke.txt"; fi
 if [ "$DEVICE" = cuda ] && nvidia-cuda-mps-control -d 2>/dev/null; then  # undone below if a process cannot use it
   if python3 -c "import torch; torch.zeros(1, device='cuda').add_(1); torch.cuda.synchronize()" 2>/dev/null; then
@@ -32,15 +34,16 @@ if [ "$DEVICE" = cuda ] && nvidia-cuda-mps-control -d 2>/dev/null; then  # undon
     echo quit | nvidia-cuda-mps-control; echo "MPS failed its check: off"
   fi
 fi
+if [ "$SMOKE" = bg ]; then bash bench/gpu_smoke.sh > "$RUNS/smoke.txt" 2>&1 & fi  # (after MPS: its client too)
 # the standard library's code outside tests (as the CPU runs of docs/optimizers.md), with the default tokenizer
 PYLIB=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['stdlib'])")
 TOK=$(python3 -c "from megaloom.data.corpus import cache_root, prepare_default; print(prepare_default(cache_root(''), 8192)[0])")
-find "$PYLIB" -name '*.py' -not -path '*/test*/*' -not -path '*/idlelib/*' -not -path '*-packages/*' | sort \
+[ -n "$MUON_SEEDS" ] && find "$PYLIB" -name '*.py' -not -path '*/test*/*' -not -path '*/idlelib/*' -not -path '*-packages/*' | sort \
   > "$RUNS/stdlib_files.txt"
-python3 -m megaloom preprocess --tokenizer "$TOK" --out "$RUNS/stdlib_tok" --workers 8 $(cat "$RUNS/stdlib_files.txt") \
+[ -n "$MUON_SEEDS" ] && python3 -m megaloom preprocess --tokenizer "$TOK" --out "$RUNS/stdlib_tok" --workers 8 $(cat "$RUNS/stdlib_files.txt") \
   2>&1 | tail -2
 left=$((DEADLINE - (SECONDS - start) - 25))  # 25 s for the tables
-echo "=== $(date -u +%FT%TZ) runs start, $left s left ($(wc -l < "$RUNS/stdlib_files.txt") stdlib files)"
+echo "=== $(date -u +%FT%TZ) runs start, $left s left"
 ONEBIT=(model.preset=gpt2-124m model.vocab_size=0 train.seq_len=256 train.micro_batch_size=4 train.precision=bf16)
 MUON=(model.preset=gpt2-124m model.vocab_size=0 "data.paths=$RUNS/stdlib_tok" "data.tokenizer=$TOK" train.seq_len=512
       train.global_batch_size=8 train.micro_batch_size=8 train.lr=6e-4 train.min_lr=6e-5 train.precision=bf16)
@@ -48,7 +51,7 @@ MUON=(model.preset=gpt2-124m model.vocab_size=0 "data.paths=$RUNS/stdlib_tok" "d
 for seed in $SEEDS; do
   for opt in $ONEBIT_OPTS; do
     timeout -s KILL "$left" python3 bench/onebit_convergence.py --out "$RUNS/onebit95m_sim" --device "$DEVICE" --simulate-dp 4 \
-      --steps "$STEPS" --warmup 300 --seeds "$seed" --only "$opt" --extra "${ONEBIT[@]}" \
+      --steps "$STEPS" --warmup "${WARMUP:-300}" --seeds "$seed" --only "$opt" --extra "${ONEBIT[@]}" \
       > "$RUNS/onebit-$opt-$seed.log" 2>&1 &
   done
 done
@@ -66,10 +69,11 @@ while [ -n "$(jobs -r)" ]; do  # progress every 30 s: the steps each run has log
 done
 wait
 echo "=== $(date -u +%FT%TZ) runs done ($((SECONDS - start)) s)"
+[ "$SMOKE" = bg ] && cat "$RUNS/smoke.txt"
 tail -n 3 "$RUNS"/*.log
 python3 bench/onebit_convergence.py --out "$RUNS/onebit95m_sim" --simulate-dp 4 --steps "$STEPS" --seeds $SEEDS \
   --summary 2>&1 | tail -8
-python3 bench/muon_convergence.py --out "$RUNS/muon95m" --steps "$STEPS" --seeds $MUON_SEEDS --summary 2>&1 | tail -6
+[ -n "$MUON_SEEDS" ] && python3 bench/muon_convergence.py --out "$RUNS/muon95m" --steps "$STEPS" --seeds $MUON_SEEDS --summary 2>&1 | tail -6
 [ "$DEVICE" = cuda ] && echo quit | nvidia-cuda-mps-control 2>/dev/null
-tar czf "${PACK:-$RUNS/runs.tgz}" --exclude=checkpoints --exclude='*.bin' -C "$RUNS" onebit95m_sim muon95m $(cd "$RUNS" && ls ./*.log) \
+tar czf "${PACK:-$RUNS/runs.tgz}" --exclude=checkpoints --exclude='*.bin' -C "$RUNS" onebit95m_sim $(cd "$RUNS" && ls -d muon95m 2>/dev/null) $(cd "$RUNS" && ls ./*.log) \
   && ls -la "${PACK:-$RUNS/runs.tgz}"

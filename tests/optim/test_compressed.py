@@ -27,6 +27,16 @@ def test_chunk_plan_cuts_pieces_at_parameters_and_chunks() -> None:
         ChunkPlan(60, 2, [], torch.device("cpu"))
 
 
+@pytest.mark.parametrize("ranks,bounds", [(1, []), (2, [3, 40, 41]), (4, [8, 9, 10, 63, 64, 65, 100])])
+def test_expand_repeats_each_segment_scale_over_its_elements(ranks: int, bounds: list[int]) -> None:
+    plan = ChunkPlan(8 * ranks * 5, ranks, bounds, torch.device("cpu"))
+    scales = torch.randn(plan.s_max + 2)  # a message row holds s_max scales: the first count[r] are chunk r's
+    for r in range(ranks):
+        lengths = torch.tensor([plan.lengths[i] for i in plan.segments(r)])
+        want = torch.repeat_interleave(scales[:plan.count[r]], lengths)
+        assert torch.equal(plan.expand(scales, r), want)
+
+
 def test_one_rank_exchange_keeps_each_piece_norm_and_zeros_exact() -> None:
     """One scale per piece, the piece's root mean square (so the compressed piece keeps its L2 norm); a piece of
     zeros (padding) stays exactly zero, and so do its errors."""
