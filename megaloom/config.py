@@ -68,6 +68,11 @@ class ParallelConfig:
                                        "vpp > 1: the first pipeline rank's layers, all its chunks together.")
     pp_last_stage_layers: int = _f(0, "Layers on the last pipeline stage (it also holds head and loss); 0 = balanced. "
                                       "With vpp > 1: the last pipeline rank's layers, all its chunks together.")
+    pp_scatter_gather: bool = _f(True, "With pp > 1 and tp > 1 without sp: each tp rank sends only its 1/tp of a "
+                                       "pipeline message (activation or gradient, identical on a stage's tp ranks "
+                                       "without sp) and the receiving stage all-gathers it over tp: the inter-stage "
+                                       "bytes divided by tp (Megatron-LM's scatter/gather optimisation). With sp the "
+                                       "messages are already 1/tp.")
     timeline_step: int = _f(0, "With pp > 1: time every pipeline action of this step and draw the measured "
                                "timeline (run.dir/timeline_step<N>.png/.json); 0 = off.")
     bucket_mb: float = _f(25.0, "Size of the gradient buckets reduced (overlapped with backward) over data parallel.")

@@ -281,9 +281,14 @@ def predict(cfg: Config, world: int, gpu: GpuKind, mode: str = "cluster", memory
     busiest = max(range(p.pp), key=lambda r: per_rank[r]) if pp_rank is None else pp_rank
     compute = per_rank[busiest]
     if p.pp > 1 and not dry:
-        pp_msg = t.micro_batch_size * t.seq_len // p.cp // (p.tp if p.sp else 1) * m.d_model * 2
-        pp_link = comm.link_of(gpu, sizes, "pp")
-        p2p = comm.p2p(pp_msg, pp_link)
+        whole = t.micro_batch_size * t.seq_len // p.cp * m.d_model * 2
+        # sp's messages are sequence-shards; without sp, scatter/gather sends a 1/tp piece and the receiving
+        # stage all-gathers it over tp before use (parallel/pipeline/executor.py)
+        scatter = p.tp > 1 and not p.sp and p.pp_scatter_gather
+        pp_msg = whole // (p.tp if p.sp or scatter else 1)
+        p2p = comm.p2p(pp_msg, comm.link_of(gpu, sizes, "pp"))
+        if scatter:
+            p2p += comm.all_gather(whole, p.tp, comm.link_of(gpu, sizes, "tp"))
         f, b = max(f_times), max(b_times)
         pipe = f * _makespan(p.schedule, p.pp, p.vpp, n_micro, round(b / f, 1), round(p2p / f, 2))
         exposed["pp"] = p2p * 2 * n_micro * p.vpp  # (its messages also stretch the makespan above)

@@ -330,10 +330,12 @@ class Trainer:
                     else None) if self.precision != "fp32" else None
         pipe = PipelineExecutor(stage, build_schedule(cfg.parallel.schedule, mesh.pp, cfg.parallel.vpp, self.n_micro),
                                 mesh, t.micro_batch_size, t.seq_len, sp=cfg.parallel.sp, autocast=auto,
-                                dtype=residual, documents=self.documents())
+                                dtype=residual, documents=self.documents(),
+                                scatter_gather=cfg.parallel.pp_scatter_gather)
         eval_pipe = PipelineExecutor(stage, forward_only(mesh.pp, cfg.parallel.vpp, self.n_micro), mesh,
                                      t.micro_batch_size, t.seq_len, sp=cfg.parallel.sp, autocast=auto,
-                                     dtype=residual, documents=self.documents())
+                                     dtype=residual, documents=self.documents(),
+                                     scatter_gather=cfg.parallel.pp_scatter_gather)
         return pipe, eval_pipe
 
     def masks_targets(self) -> bool:

@@ -139,6 +139,25 @@ def test_the_compiled_tp_overlap_hides_most_tp_time_but_not_the_input_gradients(
     assert eager.exposed["tp"] == pytest.approx(before.exposed["tp"])  # the eager ring is not modelled
 
 
+def test_scatter_gather_messages_cost_a_tp_piece_on_the_nic_and_a_tp_all_gather() -> None:
+    """A Table-1-like layout (tp8 pp4 without sp, a node per stage): the pipeline's exposed message time with
+    scatter/gather is the 1/8 piece over the NIC plus the all-gather over NVLink, by the ring formulas."""
+    shape = ["model.arch=gpt2", "model.d_model=4096", "model.n_heads=32", "model.n_kv_heads=32",
+             "model.ffn_dim=16384", "model.n_layers=8", "model.vocab_size=51200", "model.max_seq_len=2048",
+             "train.seq_len=2048", "train.global_batch_size=64", "train.micro_batch_size=1", "parallel.tp=8",
+             "parallel.pp=4", "parallel.sp=false", "train.recompute=full", "train.precision=bf16"]
+    g = load_gpu("a100-80gb")
+    whole, split = (predict(resolved(_shaped(load_config(None, [*shape, f"parallel.pp_scatter_gather={o}"]))),
+                            64, g, memory=False) for o in ("false", "true"))
+    sizes = {"tp": 8, "cp": 1, "dp": 2, "pp": 4}
+    msg, nic, nvlink = 2048 * 4096 * 2, comm.link_of(g, sizes, "pp"), comm.link_of(g, sizes, "tp")
+    assert nic.bw < nvlink.bw
+    n = 2 * 64 // 2  # a forward and a backward message per micro-batch
+    assert split.exposed["pp"] == pytest.approx(n * (comm.p2p(msg / 8, nic) + comm.all_gather(msg, 8, nvlink)))
+    assert whole.exposed["pp"] == pytest.approx(n * comm.p2p(msg, nic))
+    assert split.step_s < whole.step_s
+
+
 def test_plan_writes_a_config_that_train_accepts_and_predict_reads_it(tmp_path: Path) -> None:
     out = tmp_path / "plan.yaml"
     cfg = load_config(None, ["model.preset=llama3-8b", "train.seq_len=4096", "train.global_batch_size=64"])

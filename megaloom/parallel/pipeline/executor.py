@@ -71,10 +71,19 @@ class _Batch:
 class _Msg:
     tensor: torch.Tensor
     batch: _Batch | None = None  # None: passed locally between chunks of this rank
+    piece: torch.Tensor | None = None  # scatter/gather: this rank's 1/tp received, gathered into tensor on get
+    gather: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+
+    @property
+    def ready(self) -> bool:
+        return (self.batch is None or self.batch.done) and self.piece is None
 
     def get(self) -> torch.Tensor:
         if self.batch is not None:
             self.batch.wait()
+        if self.piece is not None:
+            self.gather(self.tensor, self.piece)
+            self.piece = None
         return self.tensor
 
 
@@ -100,7 +109,7 @@ class PipelineExecutor:
                  sp: bool = False, dtype: torch.dtype | None = None,
                  autocast: Callable[[], AbstractContextManager] = contextlib.nullcontext,
                  scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None, timing: bool = False,
-                 documents: Callable[[torch.Tensor], Documents] | None = None) -> None:
+                 documents: Callable[[torch.Tensor], Documents] | None = None, scatter_gather: bool = False) -> None:
         """``autocast``: context for each forward (e.g. ``lambda: autocast_ctx(precision, device)``);
         ``scale_loss``: applied to the last stage's loss before backward (fp16 ``GradScaler.scale``);
         ``dtype``: of the activations between stages (default: the parameters'; hidden states stay in the
@@ -108,7 +117,13 @@ class PipelineExecutor:
         ``timing``: record when each action ran (synchronising the GPU around each one; for profiling);
         ``documents``: the document boundaries of a micro-batch's input tokens (data.document_mask /
         reset_positions). Every stage's blocks need them, so every stage then gets the batch and finds them from
-        the tokens itself: a few integers per document, cheaper than sending them along with the activations."""
+        the tokens itself: a few integers per document, cheaper than sending them along with the activations.
+        ``scatter_gather`` (tp > 1 without sp, parallel.pp_scatter_gather): Megatron-LM's scatter/gather of
+        pipeline messages (Narayanan et al. 2021, section 4.1). Without sequence parallelism every tp rank of a
+        stage holds the same activation and, by the tp regions' all-reduce in backward, the same input gradient;
+        so each sends only its 1/tp of the flattened tensor to its peer of the next (previous) stage, and the
+        receiving stage's tp ranks all-gather the pieces over their own (intra-node) links before use: the
+        inter-node bytes of a message divided by tp. With sp the messages are already 1/tp (sequence-sharded)."""
         if schedule.pp != mesh.pp or schedule.vpp != stage.partition.vpp:
             raise ValueError(f"schedule for pp={schedule.pp} vpp={schedule.vpp}, but the mesh has pp={mesh.pp} and "
                              f"the stage vpp={stage.partition.vpp}")
@@ -126,6 +141,8 @@ class PipelineExecutor:
         self.shard = SequenceShard(mesh.cp, mesh.cp_rank) if mesh.cp > 1 else (lambda x: x)
         local_seq = self.seq_len // mesh.tp if sp and mesh.tp > 1 else self.seq_len
         self.shape = (micro_batch_size, local_seq, stage.cfg.d_model)
+        numel = micro_batch_size * local_seq * stage.cfg.d_model
+        self.scatter = scatter_gather and mesh.tp > 1 and not sp and numel % mesh.tp == 0
         self.dtype = dtype or next(p.dtype for p in stage.parameters() if p.is_floating_point())
         # Global ranks of this pipeline, by stage rank (the p2p peers and the loss's broadcast source).
         self.pp_ranks = next(g for g in mesh.layout(mesh.world_size, mesh.sizes, mesh.order)["pp"] if mesh.rank in g)
@@ -189,9 +206,10 @@ class PipelineExecutor:
                 else:
                     a = step[0]
                     msg = self._input_of(a, st)
-                    if msg is not None and msg.batch is not None and not msg.batch.done:
-                        # Waiting for data is drawn as communication, not as part of the computation.
-                        self._timed("COMM", -1, -1, msg.batch.wait, f"wait for the input of {a}")
+                    if msg is not None and not msg.ready:
+                        # Waiting for data (and gathering its pieces) is drawn as communication, not as part of
+                        # the computation.
+                        self._timed("COMM", -1, -1, msg.get, f"wait for the input of {a}")
                     self._timed(a.kind.value, a.microbatch, a.stage, lambda a=a: self._compute(a, st))
         for b in st.batches:
             b.wait()
@@ -227,22 +245,34 @@ class PipelineExecutor:
             peer = self.pp_ranks[peer_of(a, self.schedule.pp)]
             key = (a.microbatch, a.stage)
             if a.kind == Kind.SEND_F:
-                sends.append((st.outputs[key].detach(), peer))
+                sends.append((self._piece(st.outputs[key].detach()), peer))
                 if not self.schedule.backward:
                     del st.outputs[key]
             elif a.kind == Kind.SEND_B:
-                sends.append((st.input_grads.pop(key), peer))
+                sends.append((self._piece(st.input_grads.pop(key)), peer))
             else:
                 buf = torch.empty(self.shape, dtype=self.dtype, device=self.mesh.device)
-                recvs.append((buf, peer))
-                new.append((a, buf))
+                piece = torch.empty(buf.numel() // self.mesh.tp, dtype=self.dtype,
+                                    device=self.mesh.device) if self.scatter else None
+                recvs.append((buf if piece is None else piece, peer))
+                new.append((a, buf, piece))
         works = comm.send_recv(sends, recvs, self.mesh.pp_group, self.mesh.recorder, wait=False)
         batch = _Batch(works, [t for t, _ in sends] + [t for t, _ in recvs])
         # Sends are never waited on mid-step; drop finished ones so their tensors are freed as they complete.
         st.batches = [b for b in st.batches if not b.reap()] + [batch]
-        for a, buf in new:
+        for a, buf, piece in new:
             inbox = st.inbox_f if a.kind == Kind.RECV_F else st.inbox_b
-            inbox[(a.microbatch, a.stage)] = _Msg(buf, batch)
+            inbox[(a.microbatch, a.stage)] = _Msg(buf, batch, piece, self._gather if piece is not None else None)
+
+    def _piece(self, t: torch.Tensor) -> torch.Tensor:
+        """What this rank sends of a message: the whole tensor, or with scatter/gather its tp rank's 1/tp (a view
+        of the flattened tensor, kept alive by the batch until sent)."""
+        if not self.scatter:
+            return t
+        return t.contiguous().view(-1).chunk(self.mesh.tp)[self.mesh.tp_rank]
+
+    def _gather(self, full: torch.Tensor, piece: torch.Tensor) -> None:
+        comm.all_gather_into(full.view(-1), piece, self.mesh.tp_group, self.mesh.recorder)
 
     # ------------------------------------------------------------------------------------------- computation
 

@@ -51,11 +51,12 @@ def _err(a: torch.Tensor, b: torch.Tensor) -> float:
 def pipeline_case(mesh: Mesh, emb_group, schedule: str, m: int, vpp: int = 1, n_layers: int = 4,
                   arch: str = "llama", tie: bool = True, sp: bool = False, split_data: bool = False,
                   steps: int = 5, timing: bool = False, lora: bool = False, clip: float = CLIP,
-                  ends: tuple[int, int] | None = None) -> dict:
+                  ends: tuple[int, int] | None = None, scatter: bool = False) -> dict:
     """``split_data``: each data-parallel replica gets its own micro-batches (the reference sees them all);
     otherwise every replica runs the same ones (a pure pipeline check on a world larger than pp * tp).
     ``ends``: the end pipeline ranks' layer counts (parallel.pp_first/last_stage_layers; with vpp > 1 each end
-    rank's chunks together).
+    rank's chunks together). ``scatter``: the executors' scatter/gather of messages (parallel.pp_scatter_gather);
+    the first step's bytes on the pipeline and tp groups are recorded (``bytes``).
     ``lora``: adapters on every linear, the base frozen (then ``clip`` below the adapters' smaller norm)."""
     cfg = pp_config(mesh.pp, mesh.tp, vpp, sp, n_layers, arch, tie, mesh.world_size, schedule)
     cfg = with_lora(cfg) if lora else cfg
@@ -68,7 +69,8 @@ def pipeline_case(mesh: Mesh, emb_group, schedule: str, m: int, vpp: int = 1, n_
     freeze_base(full, cfg)
     base_before = base_params(full) if lora else {}
     stage = build_stage(full, partition_layers(n_layers, mesh.pp, vpp, *(ends or (None, None))), mesh)
-    ex = PipelineExecutor(stage, build_schedule(schedule, mesh.pp, vpp, m), mesh, MICRO, SEQ, sp=sp, timing=timing)
+    ex = PipelineExecutor(stage, build_schedule(schedule, mesh.pp, vpp, m), mesh, MICRO, SEQ, sp=sp, timing=timing,
+                          scatter_gather=scatter)
     sync = PipelineGradientSync(stage, mesh, emb_group if stage.tied_across_stages else None)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
     opt = torch.optim.AdamW(stage.parameters(), lr=3e-3, weight_decay=0.1)
@@ -89,7 +91,13 @@ def pipeline_case(mesh: Mesh, emb_group, schedule: str, m: int, vpp: int = 1, n_
         out["norm_ref"].append(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip).item())
 
         feeds = stage.has_embedding or stage.has_head
+        inner = mesh.recorder
+        if step == 0:
+            mesh.recorder = comm.CommTally({mesh.pp_group: "pp", mesh.tp_group: "tp"}, inner=inner)
         loss = ex.run(batch[mine] if feeds else None)
+        if step == 0:
+            out["bytes"] = {f"{g} {op}": n for (g, op), n in mesh.recorder.bytes.items()}
+            mesh.recorder = inner
         sync.finish()
         if split_data:  # report the global-batch mean, as train.py's _dp_mean does
             loss = comm.all_reduce(loss.clone(), mesh.dp_group) / mesh.dp
@@ -124,7 +132,7 @@ def pipeline_case(mesh: Mesh, emb_group, schedule: str, m: int, vpp: int = 1, n_
     if timing:
         out["events"] = [(a.kind, a.microbatch, a.stage, a.start, a.end) for a in ex.events]
     # Evaluation: a forward-only schedule gives the reference's loss on new data.
-    ev = PipelineExecutor(stage, forward_only(mesh.pp, vpp, m), mesh, MICRO, SEQ, sp=sp)
+    ev = PipelineExecutor(stage, forward_only(mesh.pp, vpp, m), mesh, MICRO, SEQ, sp=sp, scatter_gather=scatter)
     eval_batch = token_rows(gen, m * MICRO, arch).to(mesh.device)
     with torch.no_grad():
         ref_eval = sum(ref(x, y) for x, y in micro_batches(eval_batch, MICRO)) / m
@@ -173,6 +181,10 @@ def suite_pipeline_world4(rank: int, world: int, device: torch.device) -> dict:
     mesh = Mesh.build(pp_config(pp=2, tp=2), world, rank, device)
     group = build_embedding_groups(mesh)
     res["pp2-tp2-1f1b-m4"] = pipeline_case(mesh, group, "1f1b", 4)
+    # Megatron's scatter/gather of messages (tp without sp): 1/tp of each message between stages
+    res["pp2-tp2-1f1b-m4-scatter"] = pipeline_case(mesh, group, "1f1b", 4, scatter=True)
+    res["pp2-tp2-zb-m4-scatter"] = pipeline_case(mesh, group, "zb", 4, scatter=True)
+    res["pp2-tp2-interleaved-v2-m2-scatter"] = pipeline_case(mesh, group, "interleaved", 2, vpp=2, scatter=True)
     res["pp2-tp2-sp-zb-m4"] = pipeline_case(mesh, group, "zb", 4, sp=True)
     res["pp2-tp2-sp-interleaved-v2-m2-gpt2"] = pipeline_case(mesh, group, "interleaved", 2, vpp=2, sp=True,
                                                              arch="gpt2")

@@ -25,7 +25,9 @@ PARITY = ([f"pp4-{s}-m{m}" for s, m in CASES_PP4] + ["pp4-interleaved-v2-m4", "p
                                                        "pp2-dp2-1f1b-m4", "pp2-dp2-zb-m2-gpt2", "pp2-1f1b-m4-qwen3",
                                                        "pp2-dp2-1f1b-m4-bert", "pp2-1f1b-m4-gemma", "pp2-1f1b-m4-mla",
                                                        "pp2-1f1b-m4-mtp", "pp2-1f1b-m4-mtp-untied"]
-          + ["pp2-tp2-1f1b-m4", "pp2-tp2-sp-zb-m4", "pp2-tp2-sp-interleaved-v2-m2-gpt2", "pp2-tp2-sp-1f1b-m4-qwen3",
+          + ["pp2-tp2-1f1b-m4", "pp2-tp2-1f1b-m4-scatter", "pp2-tp2-zb-m4-scatter",
+             "pp2-tp2-interleaved-v2-m2-scatter", "pp2-tp2-sp-zb-m4", "pp2-tp2-sp-interleaved-v2-m2-gpt2",
+             "pp2-tp2-sp-1f1b-m4-qwen3",
                 "pp2-tp2-sp-1f1b-m4-bert", "pp2-tp2-sp-1f1b-m4-lora", "pp2-tp2-sp-1f1b-m4-gemma",
                 "pp2-tp2-sp-1f1b-m4-mla", "pp2-tp2-sp-1f1b-m4-mtp", "pp2-tp2-sp-1f1b-m4-mtp-untied"])
 
@@ -39,6 +41,17 @@ def _sizes(case: str) -> dict[str, int]:
     pp = 4 if case.startswith("pp4") else 2
     tp = 2 if "tp2" in case else 1
     return dict(pp=pp, tp=tp, dp=WORLD // (pp * tp), cp=1, ep=1)
+
+
+def test_scatter_gather_sends_a_tp_share_of_each_message(world: list[dict]) -> None:
+    """The same 1F1B step with and without scatter/gather: each message crosses between stages as 1/tp of its
+    bytes and the receiving stage all-gathers it over tp (and without it nothing is gathered at all)."""
+    for rank, res in enumerate(world):
+        whole, split = res["pp2-tp2-1f1b-m4"]["bytes"], res["pp2-tp2-1f1b-m4-scatter"]["bytes"]
+        for kind in ("pp send", "pp recv"):
+            assert whole[kind] > 0 and split[kind] * 2 == whole[kind], (rank, kind, whole, split)
+        assert "tp all_gather" not in whole
+        assert split["tp all_gather"] == whole["pp recv"], (rank, split)  # every received message, whole again
 
 
 @pytest.mark.parametrize("case", PARITY)
