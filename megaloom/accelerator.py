@@ -30,13 +30,16 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from megaloom.config import DEVICE_FORM, DEVICE_TYPES_NAMED
 from megaloom.errors import ConfigError
+
+if TYPE_CHECKING:
+    from megaloom.config import Config
 
 CPU = "cpu"
 CUDA = "cuda"
@@ -309,6 +312,39 @@ def trace_launch_categories() -> tuple[str, ...]:
     """The categories of a profiler trace's host-side launch calls (their ``args.correlation`` names the device
     work they launched): CUDA's runtime and driver API (another accelerator's traces: unverified, likely others)."""
     return ("cuda_runtime", "cuda_driver", "xpu_runtime", "xpu_driver")
+
+
+# ------------------------------------------------------------------------------------ what the device computes in
+def compute_precision(cfg: Config, device: Device) -> str:
+    """train.precision with "auto" resolved: bf16 on any accelerator, fp32 on the CPU; any other value as set.
+
+    Decided in one place: the runtime (`megaloom.runtime.resolve_precision`, which adds the refusals of a precision
+    the device cannot run), the attention kernel's choice, the speed levers and the memory plan all ask it, so what
+    a run computes in and what the plan predicts for it cannot drift apart."""
+    p = cfg.train.precision
+    return ("bf16" if is_accelerator(device) else "fp32") if p == "auto" else p
+
+
+_FP32_OUT_GEMM: dict[str, bool] = {}
+
+
+def fp32_out_gemm(device: torch.device) -> bool:
+    """Whether this device runs GEMMs of bf16 inputs with fp32 output, in place into an fp32 accumulator.
+
+    ``torch.mm(a, b, out_dtype=torch.float32)`` and ``torch.addmm(c, a, b, out_dtype=torch.float32, out=c)``: the
+    GEMM's epilogue reads and writes the fp32 accumulator, so a sum of products never passes through a bf16 tensor
+    and an fp32 add (CUDA in recent PyTorch). Used by the fused head + loss (`models/fused_ce.py`) and by the weight
+    gradients fused into the data-parallel buckets (`parallel/grad_fusion.py`); both fall back to the product and
+    an add where it is missing. Probed once per device type, on tiny tensors."""
+    if device.type not in _FP32_OUT_GEMM:
+        try:
+            a = torch.ones(16, 16, device=device, dtype=torch.bfloat16)
+            c = torch.mm(a, a, out_dtype=torch.float32)
+            torch.addmm(c, a, a, out_dtype=torch.float32, out=c)
+            _FP32_OUT_GEMM[device.type] = bool(c.dtype == torch.float32 and c[0, 0].item() == 32.0)
+        except (RuntimeError, TypeError, NotImplementedError):
+            _FP32_OUT_GEMM[device.type] = False
+    return _FP32_OUT_GEMM[device.type]
 
 
 # ------------------------------------------------------------------------------------- streams and events

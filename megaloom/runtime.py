@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 
 from megaloom import accelerator
+from megaloom.accelerator import compute_precision
 from megaloom.config import Config, ConfigError
 from megaloom.observe.log import get_logger
-from megaloom.precision.auto import compute_precision
 from megaloom.resilience import flight_recorder
 
 log = get_logger(__name__)
@@ -151,7 +151,7 @@ def seed_everything(seed: int) -> None:
 
 
 def resolve_precision(cfg: Config, device: torch.device) -> str:
-    """train.precision for this device (`precision.auto`'s rule), refusing what the device cannot run."""
+    """train.precision for this device (`accelerator.compute_precision`'s rule), refusing what the device cannot run."""
     p = compute_precision(cfg, device)
     if cfg.train.precision == "auto":
         if p == "fp32" and cfg.train.bf16_residual is True:

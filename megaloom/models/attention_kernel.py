@@ -7,9 +7,8 @@ never import each other for it), read from the config and the device alone.
 
 from __future__ import annotations
 
-from megaloom.accelerator import is_cuda
+from megaloom.accelerator import compute_precision, is_cuda
 from megaloom.config import Config
-from megaloom.precision.auto import compute_precision
 
 
 def attention_backend(cfg: Config, device: str, tp: int = 1) -> str:

@@ -25,8 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from megaloom.accelerator import CUDA
-from megaloom.precision.fp32_gemm import fp32_out_gemm
+from megaloom.accelerator import CUDA, fp32_out_gemm
 
 IGNORE_INDEX = -100
 # Target size of one chunk's logits, in elements: 2**29 = 1 GiB in bf16, 4096 tokens for a 128k vocabulary. The

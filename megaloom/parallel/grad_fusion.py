@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd import Function
 
-from megaloom.precision.fp32_gemm import fp32_out_gemm
+from megaloom.accelerator import fp32_out_gemm
 
 
 @torch.library.custom_op("megaloom::accumulate_wgrad", mutates_args=("main_grad",))

@@ -49,10 +49,10 @@ import dataclasses
 from dataclasses import dataclass
 
 from megaloom import accelerator
+from megaloom.accelerator import compute_precision
 from megaloom.config import Config
 from megaloom.fa4 import fa4_importable
 from megaloom.models.registry import get_family
-from megaloom.precision.auto import compute_precision
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,10 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from megaloom.accelerator import CUDA, is_cuda
+from megaloom.accelerator import CUDA, compute_precision, is_cuda
 from megaloom.config import Config, ModelConfig, resolved_head_dim
 from megaloom.models.attention_kernel import attention_backend
 from megaloom.planning.memory_mla import is_mla, mla_attention_bytes
-from megaloom.precision.auto import compute_precision
 
 
 def _traits(m: ModelConfig):

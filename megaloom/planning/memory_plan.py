@@ -95,7 +95,7 @@ from dataclasses import asdict, dataclass, field
 
 from torch import nn
 
-from megaloom.accelerator import CUDA, fused_optimizer, is_accelerator, is_cuda
+from megaloom.accelerator import CUDA, compute_precision, fused_optimizer, is_accelerator, is_cuda
 from megaloom.config import Config
 from megaloom.models.attention_kernel import attention_backend
 from megaloom.observe.log import get_logger
@@ -124,7 +124,6 @@ from megaloom.planning.memory_params import (
     count_model_params,
     master_shards,
 )
-from megaloom.precision.auto import compute_precision
 
 log = get_logger(__name__)
 GB = 1e9  # the report's unit, as megaloom.observe.memory.peak_memory_gb
