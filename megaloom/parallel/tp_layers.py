@@ -15,7 +15,10 @@ of one slice over groups of tp ranks (``tp_replicas``), or replicated with a par
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from megaloom.models.lora import has_lora, lora_delta
@@ -26,10 +29,13 @@ from megaloom.parallel.layout import Layout, set_layout
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.sp_linear import SeqRegion, gathered_linears, lean_path_active, to_compute_dtype
 from megaloom.parallel.tp_lora import split_column_adapter, split_row_adapter
-from megaloom.precision import fp8
 
 INPUT_MODES = ("copy", "gather", "none")
 OUTPUT_MODES = ("reduce", "reduce_scatter")
+# (x, weight, bias, recipe, fast_accum) -> y: the fp8 matmul (`megaloom.precision.fp8.float8_linear`), handed to a
+# layer by `precision.fp8_convert.convert_to_float8` with its recipe: precision/ builds on this engine, so the engine
+# is given the kernel rather than importing it.
+Fp8Linear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, str, bool], torch.Tensor]
 
 
 def _shard(t: torch.Tensor, dim: int, start: int, length: int) -> nn.Parameter:
@@ -55,6 +61,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = set_layout(bias, Layout(tp_dim=0, tp_replicas=replicas)) if bias is not None else None
         self.fp8_recipe: str | None = None  # set by precision.fp8_convert.convert_to_float8: the matmul in fp8
         self.fp8_fast_accum = True
+        self.fp8_linear: Fp8Linear | None = None  # set with fp8_recipe: the kernel that runs it
         self.seq_region: SeqRegion | None = None  # set by the enclosing sp region: outputs come from it
         self.region_input = True  # False: reads a tensor made inside its region (styles.Colwise.region_input)
         self.ring = False  # input "gather" as ring steps under the GEMM (parallel.async_tp, collective_matmul)
@@ -93,7 +100,7 @@ class ColumnParallelLinear(nn.Module):
             x = borders.gather_from_seq(x, g, rec, self.overlap)
         if self.fused_wgrad:
             return fused_linear(x, self.weight, self.bias)
-        return fp8.linear(x, self.weight, self.bias, self.fp8_recipe, self.fp8_fast_accum)
+        return local_linear(self, x, self.bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} "
@@ -119,6 +126,7 @@ class RowParallelLinear(nn.Module):
         self.bias = set_layout(bias, Layout(tp_partial=sp)) if bias is not None else None
         self.fp8_recipe: str | None = None  # set by precision.fp8_convert.convert_to_float8: the matmul in fp8
         self.fp8_fast_accum = True
+        self.fp8_linear: Fp8Linear | None = None  # set with fp8_recipe: the kernel that runs it
         self.ring = False  # "reduce_scatter" as ring steps under the GEMM (parallel.async_tp, collective_matmul)
         self.overlap = False  # compiled: the reduce-scatter in the form Inductor fuses with this GEMM (async_tp)
         self.fused_wgrad = False  # weight gradient into weight.main_grad (train.grad_accum_fusion, grad_fusion)
@@ -142,7 +150,7 @@ class RowParallelLinear(nn.Module):
         if self.fused_wgrad:
             y = fused_linear(x, self.weight, None)
         else:
-            y = fp8.linear(x, self.weight, None, self.fp8_recipe, self.fp8_fast_accum)
+            y = local_linear(self, x, None)
         if has_lora(self):  # this rank's partial product of the adapter, summed by the same reduction
             y = y + lora_delta(self, x)
         if self.output_mode == "reduce":
@@ -154,6 +162,14 @@ class RowParallelLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} (local of tp={self.mesh.tp}), "
                 f"out_features={self.out_features}, bias={self.bias is not None}, output={self.output_mode}")
+
+
+def local_linear(layer: ColumnParallelLinear | RowParallelLinear, x: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """This rank's matmul of a tensor-parallel layer: F.linear, or in fp8 when ``fp8_recipe`` is set."""
+    if layer.fp8_recipe is None:
+        return F.linear(x, layer.weight, bias)
+    return layer.fp8_linear(x, layer.weight, bias, layer.fp8_recipe, layer.fp8_fast_accum)
 
 
 def rank_major(linear, x: torch.Tensor, tp: int) -> torch.Tensor:

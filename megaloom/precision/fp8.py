@@ -32,7 +32,8 @@ There is no host synchronisation (scales stay on the device), so the function tr
 `megaloom.precision.fp8_convert.convert_to_float8` switches the attention and MLP linears of the transformer
 blocks: an ``nn.Linear`` becomes a `Float8Linear` (the same Parameter objects under the same names, so
 checkpoints do not change); a tensor-parallel ``ColumnParallelLinear`` / ``RowParallelLinear`` gets
-``fp8_recipe`` set and runs its local matmul in fp8 (`linear`, here) while its collectives stay in bf16.
+``fp8_recipe`` set and runs its local matmul in fp8 (`float8_linear`, handed to it by the pass) while its
+collectives stay in bf16.
 """
 
 from __future__ import annotations
@@ -170,14 +171,6 @@ def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         if bias is not None:
             y = y + bias.to(dtype)
     return y
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           fp8_recipe: str | None = None, fast_accum: bool = True) -> torch.Tensor:
-    """F.linear, or `float8_linear` when ``fp8_recipe`` is set (what the tensor-parallel layers call)."""
-    if fp8_recipe is None:
-        return F.linear(x, weight, bias)
-    return float8_linear(x, weight, bias, fp8_recipe, fast_accum)
 
 
 class Float8Linear(nn.Linear):

@@ -5,9 +5,9 @@ An ``nn.Linear`` becomes a `Float8Linear` (the same Parameter objects under the 
 change); a tensor-parallel ``ColumnParallelLinear`` / ``RowParallelLinear`` gets ``fp8_recipe`` set and runs its
 local matmul in fp8 while its collectives stay in bf16.
 
-A module of its own, above the tensor-parallel layers it recognises: they run their local matmul through
-`megaloom.precision.fp8.linear`, so the matmul must sit below them and this pass above (both in fp8.py was an
-import circle, issue 37).
+A module of its own, above the tensor-parallel layers it recognises. Those import nothing of precision/: this pass
+hands each the fp8 matmul (`megaloom.precision.fp8.float8_linear`, as ``fp8_linear``) with its recipe, as it hands
+the grouped experts theirs (``fp8_mm``).
 
 ``experts=True`` (train.fp8_experts) also runs the grouped MoE experts' GEMMs in fp8 (`megaloom.precision.fp8_grouped`)
 by setting `GroupedExperts.fp8_mm`; their parameters are untouched.
@@ -32,7 +32,7 @@ from megaloom.models.moe import MoE
 from megaloom.observe.log import get_logger
 from megaloom.parallel.tp_layers import ColumnParallelLinear, RowParallelLinear
 from megaloom.precision import fp8_block, fp8_grouped
-from megaloom.precision.fp8 import Float8Linear, _check_recipe
+from megaloom.precision.fp8 import Float8Linear, _check_recipe, float8_linear
 
 log = get_logger(__name__)
 
@@ -129,6 +129,8 @@ def convert_to_float8(model: nn.Module, recipe: str = "tensorwise", keep_first_l
                 continue
             if isinstance(mod, ColumnParallelLinear | RowParallelLinear | Float8Linear):
                 mod.fp8_recipe, mod.fp8_fast_accum = recipe, fast_accum
+                if not isinstance(mod, Float8Linear):  # a tensor-parallel layer is given the kernel it calls
+                    mod.fp8_linear = float8_linear
             else:
                 parent_name, _, attr = name.rpartition(".")
                 parent = block.get_submodule(parent_name) if parent_name else block

@@ -223,6 +223,7 @@ def test_tp_pair_on_one_rank_matches_float8_linear(recipe, modes) -> None:
     col = ColumnParallelLinear.from_linear(up, mesh, modes[0])
     row = RowParallelLinear.from_linear(down, mesh, modes[1])
     col.fp8_recipe = row.fp8_recipe = recipe
+    col.fp8_linear = row.fp8_linear = float8_linear  # what convert_to_float8 hands a tensor-parallel layer
     f_up, f_down = Float8Linear.from_linear(up, recipe), Float8Linear.from_linear(down, recipe)
     x = torch.randn(2, 16, 32)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
@@ -249,6 +250,7 @@ def test_convert_a_tensor_parallel_model_sets_the_local_matmuls() -> None:
     s = convert_to_float8(model, keep_first_last=True)
     assert len(s.converted) == 14
     assert model.layers[str(1)].attn.k_proj.fp8_recipe == "tensorwise"  # local shard [16, 64]
+    assert model.layers[str(1)].attn.k_proj.fp8_linear is float8_linear
     assert model.layers[str(0)].attn.q_proj.fp8_recipe is None and model.head.fp8_recipe is None
 
 
