@@ -17,6 +17,7 @@ from megaloom import accelerator
 from megaloom.accelerator import compute_precision
 from megaloom.config import Config, ConfigError
 from megaloom.observe.log import get_logger
+from megaloom.parallel.mesh import init_timeout
 from megaloom.resilience import flight_recorder
 
 log = get_logger(__name__)
@@ -75,14 +76,6 @@ def collective_timeout(cfg: Config) -> timedelta:
     watchdog's; `shorten_timeouts`). Until then they run under `init_timeout`, given to init_process_group and to
     each group megaloom creates, which would otherwise take torch's default (10 min on NCCL)."""
     return timedelta(seconds=cfg.resilience.collective_timeout_s)
-
-
-def init_timeout(cfg: Config) -> timedelta:
-    """The training groups' timeout until the first step has finished (`resilience.init_timeout_s`, 0 = twice
-    the collective timeout): start-up, compilation and communicator set-up take longer than a step. After step 1
-    `shorten_timeouts` sets `collective_timeout` (TorchTitan's init and train timeouts)."""
-    r = cfg.resilience
-    return timedelta(seconds=r.init_timeout_s or 2 * r.collective_timeout_s)
 
 
 def set_group_timeout(group: Any, timeout: timedelta) -> bool:

@@ -29,7 +29,6 @@ from megaloom.config import Config, ConfigError, ModelConfig
 from megaloom.models.transformer import resolved_ffn_dim
 from megaloom.parallel.comm import NullRecorder, OpRecorder
 from megaloom.parallel.groups import partition_group
-from megaloom.runtime import init_timeout
 
 DIMS = ("pp", "dp", "cp", "tp")
 DEFAULT_ORDER = "pp-dp-cp-tp"
@@ -43,6 +42,14 @@ def _divisors(n: int) -> list[int]:
 
 def _fmt(values: list[int], limit: int = 8) -> str:
     return ", ".join(map(str, values[:limit])) + (", ..." if len(values) > limit else "")
+
+
+def init_timeout(cfg: Config) -> timedelta:
+    """The training groups' timeout until the first step has finished (`resilience.init_timeout_s`, 0 = twice
+    the collective timeout): start-up, compilation and communicator set-up take longer than a step. After step 1
+    `runtime.shorten_timeouts` sets `collective_timeout` (TorchTitan's init and train timeouts)."""
+    r = cfg.resilience
+    return timedelta(seconds=r.init_timeout_s or 2 * r.collective_timeout_s)
 
 
 def tp_sizes_for_model(m: ModelConfig, limit: int = 64) -> list[int]:
