@@ -9,6 +9,8 @@ which are then copied aside. Then, as the ranks would:
 - warm-up (OnebitOptimizer.steps < train.onebit_warmup_steps): the buckets hold the mean of the N gradients (what
   the all-reduce of pre-divided buckets gives, summed in this order), `DataParallelGrads.clip` clips them and
   `OnebitOptimizer.step()` runs its warm-up branch: the real AdamW, variance window and freeze;
+- variance refreshes (train.onebit_variance_updates, 0/1 Adam's policy): as the warm-up, the mean of the N
+  gradients clipped, then `OnebitOptimizer.refresh_variance` and the simulated ranks' errors rescaled;
 - compressed steps: each rank's gradient is scaled by the one clip coefficient of the root-mean-square of the ranks'
   norms (DataParallelGrads.clip's local rule), each forms its momentum b1 m + (1 - b1) g_w in the frozen
   preconditioner's units, clamped (OnebitOptimizer._exchange_momentum's arithmetic, per rank), and the N
@@ -78,7 +80,8 @@ class SimulatedOnebitAdam:
         self.grads = build_data_parallel(model, Mesh.single(device), 0, bucket_mb, pad_multiple=PAD_MULTIPLE * ranks)
         self.opt = OnebitOptimizer(model, self.grads, "adam", lr=t.lr, betas=(t.beta1, t.beta2), eps=1e-8,
                                    weight_decay=t.weight_decay, warmup_steps=t.onebit_warmup_steps,
-                                   variance_window=t.onebit_variance_window)
+                                   variance_window=t.onebit_variance_window,
+                                   variance_updates=t.onebit_variance_updates)
         self.clip = t.grad_clip if t.grad_clip > 0 else math.inf
         self.exchanges = []  # per bucket: the N ranks' exchanges, on one loopback
         for b in self.grads.buckets:
@@ -91,7 +94,7 @@ class SimulatedOnebitAdam:
     def param_groups(self) -> list[dict]:
         return self.opt.param_groups
 
-    def _rank_gradient(self, rows: torch.Tensor, micro: int) -> tuple[list[torch.Tensor], float]:
+    def _rank_gradient(self, rows: torch.Tensor, micro: int) -> tuple[list[torch.Tensor], torch.Tensor]:
         """One rank's gradient (its micro-batches' mean) as copies of the buckets, and its loss. Afterwards every
         ``p.grad`` is its view of the buckets (DataParallelGrads.finish), as on a rank before its step."""
         self.opt.zero_grad()  # no .grad for the backward to add into: the hooks move each gradient to its bucket
@@ -107,10 +110,11 @@ class SimulatedOnebitAdam:
             loss.backward()
             total += loss.detach()
         self.grads.finish()
-        return [b.data.clone() for b in self.grads.buckets], float(total)
+        return [b.data.clone() for b in self.grads.buckets], total
 
     def step(self, batch: torch.Tensor, micro: int) -> tuple[float, float]:
-        """One optimizer step of the N ranks on the global ``batch``; returns (mean loss, gradient norm)."""
+        """One optimizer step of the N ranks on the global ``batch``; returns (mean loss, gradient norm), read from
+        the device once at the end (a read per rank would leave the GPU idle while the host queues the next)."""
         local = batch.shape[0] // self.n
         per_rank = [self._rank_gradient(batch[w * local:(w + 1) * local], micro) for w in range(self.n)]
         flats = [f for f, _ in per_rank]
@@ -118,16 +122,26 @@ class SimulatedOnebitAdam:
         with torch.no_grad():
             norm = self._update(flats)
         self.opt.zero_grad()
+        loss, norm = torch.stack([torch.as_tensor(loss, dtype=torch.float32).reshape(()).to(norm.device),
+                                  norm.float().reshape(())]).tolist()
         return loss, norm
 
-    def _update(self, flats: list[list[torch.Tensor]]) -> float:
-        if not self.opt.compressing():  # the all-reduced mean, clipped, the optimizer's warm-up step
+    def _update(self, flats: list[list[torch.Tensor]]) -> torch.Tensor:
+        if not self.opt.compressing():  # the all-reduced mean, clipped: a warm-up step, or a variance refresh
             for k, b in enumerate(self.grads.buckets):
                 b.data.copy_(flats[0][k] / self.n)
                 for f in flats[1:]:
                     b.data.add_(f[k] / self.n)
-            norm = float(self.grads.clip(self.clip))
-            self.opt.step()
+            norm = self.grads.clip(self.clip)
+            if self.opt.refreshing():  # OnebitOptimizer.step's refresh branch, on the simulated ranks' errors
+                for ratio, exchanges in zip(self.opt.refresh_variance(), self.exchanges, strict=True):
+                    for ex in exchanges:
+                        ex.rescale(ratio)
+                self.opt._adam_update()
+                torch._foreach_add_([self.opt.state[p]["step"] for p in self.opt.params], 1.0)
+                self.opt.steps += 1
+            else:
+                self.opt.step()
             return norm
         norm = self._clip_local(flats)
         self._exchange(flats)
@@ -136,7 +150,7 @@ class SimulatedOnebitAdam:
         self.opt.steps += 1
         return norm
 
-    def _clip_local(self, flats: list[list[torch.Tensor]]) -> float:
+    def _clip_local(self, flats: list[list[torch.Tensor]]) -> torch.Tensor:
         """DataParallelGrads.clip's local rule: every rank's gradient by one coefficient, of the RMS of their norms."""
         norms = [torch.nn.utils.get_total_norm(f, foreach=True) for f in flats]
         sq = sum(x.float().pow(2) for x in norms)
@@ -145,7 +159,7 @@ class SimulatedOnebitAdam:
             coef = torch.clamp(self.clip / (total + 1e-6), max=1.0)
             for f in flats:
                 torch._foreach_mul_(f, coef)
-        return float(total)
+        return total
 
     def _exchange(self, flats: list[list[torch.Tensor]]) -> None:
         """OnebitOptimizer._exchange_momentum for every simulated rank: the momenta averaged into ``m``."""

@@ -14,7 +14,8 @@
 #   RUNS=/tmp/r STEPS=4 SEEDS=1 DEVICE=cpu SMOKE=0 bash bench/run_optim_gpu.sh   # the script's own CPU check
 #
 # Continuing: RESUME=<an earlier runs.tgz> unpacks its runs first (a run whose metrics hold every step is not run
-# again); ONEBIT_OPTS="onebit_adam" MUON_SEEDS="" runs the 1-bit side alone (its AdamW peers from RESUME).
+# again); ONEBIT_OPTS="onebit_adam" MUON_SEEDS="" runs the 1-bit side alone (its AdamW peers from RESUME);
+# ONEBIT_OPTS="" ZERO_ONE=16 MUON_SEEDS="" runs 1-bit Adam with 0/1 Adam's variance policy alone (the same peers).
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1
@@ -22,7 +23,7 @@ RUNS=$(realpath -m "${RUNS:-runs/optim_gpu}"); DEADLINE=${DEADLINE:-570}; STEPS=
 DEVICE=${DEVICE:-cuda}; SMOKE=${SMOKE:-1}; MUON_SEEDS=${MUON_SEEDS-1}
 mkdir -p "$RUNS"
 [ -n "${RESUME:-}" ] && tar xzf "$RESUME" -C "$RUNS" && echo "resumed from $RESUME"
-ONEBIT_OPTS=${ONEBIT_OPTS:-adamw onebit_adam}
+ONEBIT_OPTS=${ONEBIT_OPTS-adamw onebit_adam}; ZERO_ONE=${ZERO_ONE:-}
 start=$SECONDS
 # SMOKE=bg: the smoke suite beside the runs (its dry runs and gloo world are small; the 1-bit runs need the call's
 # whole 10 minutes); its lines are printed at the end
@@ -55,6 +56,11 @@ for seed in $SEEDS; do
       > "$RUNS/onebit-$opt-$seed.log" 2>&1 &
   done
 done
+for seed in $SEEDS; do  # ZERO_ONE=N: 1-bit Adam with 0/1 Adam's variance policy too (onebit95m_sim01, its peers copied)
+  [ -n "$ZERO_ONE" ] && timeout -s KILL "$left" python3 bench/onebit_convergence.py --out "$RUNS/onebit95m_sim01" \
+    --device "$DEVICE" --simulate-dp 4 --steps "$STEPS" --warmup "${WARMUP:-300}" --seeds "$seed" --only onebit_adam \
+    --extra "${ONEBIT[@]}" "train.onebit_variance_updates=$ZERO_ONE" > "$RUNS/onebit01-$seed.log" 2>&1 &
+done
 for seed in $MUON_SEEDS; do
   for opt in adamw muon; do
     timeout -s KILL "$left" python3 bench/muon_convergence.py --out "$RUNS/muon95m" --device "$DEVICE" --steps "$STEPS" \
@@ -73,7 +79,13 @@ echo "=== $(date -u +%FT%TZ) runs done ($((SECONDS - start)) s)"
 tail -n 3 "$RUNS"/*.log
 python3 bench/onebit_convergence.py --out "$RUNS/onebit95m_sim" --simulate-dp 4 --steps "$STEPS" --seeds $SEEDS \
   --summary 2>&1 | tail -8
+if [ -n "$ZERO_ONE" ]; then
+  for d in "$RUNS"/onebit95m_sim/adamw_seed*; do [ -d "$d" ] && cp -r "$d" "$RUNS/onebit95m_sim01/"; done
+  echo "0/1 Adam's variance policy (train.onebit_variance_updates=$ZERO_ONE):"
+  python3 bench/onebit_convergence.py --out "$RUNS/onebit95m_sim01" --simulate-dp 4 --steps "$STEPS" --seeds $SEEDS \
+    --summary 2>&1 | tail -8
+fi
 [ -n "$MUON_SEEDS" ] && python3 bench/muon_convergence.py --out "$RUNS/muon95m" --steps "$STEPS" --seeds $MUON_SEEDS --summary 2>&1 | tail -6
 [ "$DEVICE" = cuda ] && echo quit | nvidia-cuda-mps-control 2>/dev/null
-tar czf "${PACK:-$RUNS/runs.tgz}" --exclude=checkpoints --exclude='*.bin' -C "$RUNS" onebit95m_sim $(cd "$RUNS" && ls -d muon95m 2>/dev/null) $(cd "$RUNS" && ls ./*.log) \
+tar czf "${PACK:-$RUNS/runs.tgz}" --exclude=checkpoints --exclude='*.bin' -C "$RUNS" onebit95m_sim $(cd "$RUNS" && ls -d muon95m onebit95m_sim01 2>/dev/null) $(cd "$RUNS" && ls ./*.log) \
   && ls -la "${PACK:-$RUNS/runs.tgz}"

@@ -123,6 +123,11 @@ class TrainConfig:
                                             "warm-up whose mean squared gradient becomes the frozen variance (a "
                                             "less noisy estimate than Adam's average at the warm-up's end, which "
                                             "0 keeps, as DeepSpeed does).")
+    onebit_variance_updates: int = _f(0, "With train.optimizer=onebit_adam: after the warm-up, keep updating the "
+                                         "variance with an uncompressed step at exponentially growing intervals "
+                                         "(0/1 Adam's policy, Lu et al. 2022): N updates at each interval, which "
+                                         "starts at 1 and doubles after every N (DeepSpeed's var_update_scaler, 16). "
+                                         "0 = frozen after the warm-up (1-bit Adam).")
     weight_decay: float = _f(0.1, "Decoupled weight decay (not applied to biases and norm weights).")
     beta1: float = _f(0.9, "AdamW beta1.")
     beta2: float = _f(0.95, "AdamW beta2.")
@@ -688,6 +693,10 @@ def _check_optimizer(cfg: Config) -> None:
         _require(0 <= t.onebit_variance_window <= 1,
                  f"train.onebit_variance_window is a fraction of the warm-up (0 to 1), got {t.onebit_variance_window}; "
                  "e.g. train.onebit_variance_window=0.5 (its second half), or 0 for Adam's variance at its end.")
+        _require(t.onebit_variance_updates >= 0 and (t.onebit_variance_updates == 0 or t.optimizer == "onebit_adam"),
+                 f"train.onebit_variance_updates={t.onebit_variance_updates}: a count of updates per interval (>= 0) "
+                 "that refreshes 1-bit Adam's variance; 1-bit LAMB's frozen trust ratios assume a frozen variance. "
+                 "Set it to 0, or e.g. 16 with train.optimizer=onebit_adam.")
         _require(p.zero == 0,
                  f"train.optimizer={t.optimizer} with parallel.zero={p.zero}: 1-bit compression keeps the momentum and "
                  "the frozen variance of every parameter on every data-parallel rank (each rank updates the whole "

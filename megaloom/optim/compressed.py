@@ -204,6 +204,13 @@ class CompressedAverage:
         self.finish(out)
         return out
 
+    def rescale(self, ratio: torch.Tensor) -> None:
+        """The errors re-expressed in new units, ``ratio`` (float32 [numel]) elementwise: 1-bit Adam exchanges its
+        momentum times a preconditioner, so a variance refresh changes what an error element means."""
+        p = self.plan
+        self.worker_error.mul_(ratio)
+        self.server_error.mul_(ratio[self.rank * p.chunk:(self.rank + 1) * p.chunk])
+
     def reset(self) -> None:
         """Forget the errors (a checkpoint written at another data-parallel size has none for this one)."""
         self.worker_error.zero_()

@@ -19,7 +19,7 @@ from megaloom.checkpoint.async_save import AsyncCheckpointer
 from megaloom.config import ConfigError, load_config
 from megaloom.models import Transformer
 from megaloom.optim.lamb import build_lamb
-from megaloom.optim.onebit import PAD_MULTIPLE, OnebitOptimizer
+from megaloom.optim.onebit import PAD_MULTIPLE, OnebitOptimizer, variance_refresh
 from megaloom.optim.param_groups import param_groups
 from megaloom.optim.zero import build_data_parallel
 from megaloom.parallel.mesh import Mesh
@@ -154,6 +154,8 @@ def test_an_element_quiet_when_the_variance_froze_steps_no_further_than_adam_wou
     (["train.optimizer=onebit_adam", "train.onebit_warmup_steps=0"], "train.onebit_warmup_steps must be >= 1"),
     (["train.optimizer=onebit"], "train.optimizer: 'onebit' is not one of"),
     (["train.optimizer=onebit_adam", "train.onebit_variance_window=1.5"], "train.onebit_variance_window is a fraction"),
+    (["train.optimizer=onebit_lamb", "train.onebit_variance_updates=16"], "e.g. 16 with train.optimizer=onebit_adam"),
+    (["train.optimizer=onebit_adam", "train.onebit_variance_updates=-1"], "train.onebit_variance_updates=-1"),
 ])
 def test_config_refusals_name_the_setting_and_the_fix(overrides: list[str], fragment: str) -> None:
     with pytest.raises(ConfigError, match=fragment):
@@ -192,6 +194,26 @@ def test_an_in_place_background_save_holds_the_state_of_its_step(tmp_path, monke
     assert opt2.steps == 1 and opt2.compressing()
     for n, p in fresh.named_parameters():
         assert torch.equal(p, at_save[0][n]) and torch.equal(opt2.state[p]["exp_avg"], at_save[1][n]), n
+
+
+def test_variance_refreshes_follow_zero_one_adams_doubling_intervals() -> None:
+    """train.onebit_variance_updates=N: multiples of an interval that starts at 1 and doubles after every N updates
+    (N = 2: 1, 2 | 4, 6 | 8, 12 | 16, 24 | ...; N = 16 after a 300-step warm-up: 45 of the next 1,700 steps)."""
+    assert [t for t in range(1, 50) if variance_refresh(t, 2)] == [1, 2, 4, 6, 8, 12, 16, 24, 32, 48]
+    assert [t for t in range(1, 50) if variance_refresh(t, 1)] == [1, 2, 4, 8, 16, 32]
+    assert sum(variance_refresh(t, 16) for t in range(301, 2001)) == 45
+    assert not any(variance_refresh(t, 0) for t in range(1, 100))  # 1-bit Adam: frozen
+    model = _model()
+    grads = build_data_parallel(model, Mesh.single(torch.device("cpu")), 0, 1.0, pad_multiple=PAD_MULTIPLE)
+    opt = OnebitOptimizer(model, grads, "adam", lr=LR, betas=BETAS, weight_decay=WD, warmup_steps=2,
+                          variance_updates=2)
+    kinds = []
+    for _ in range(8):
+        kinds.append("refresh" if opt.refreshing() else "compressed" if opt.compressing() else "warm-up")
+        opt.steps += 1
+    assert kinds == ["warm-up"] * 2 + ["compressed", "refresh", "compressed", "refresh", "compressed", "refresh"]
+    with pytest.raises(ConfigError, match="onebit_variance_updates"):
+        OnebitOptimizer(model, grads, "lamb", warmup_steps=2, variance_updates=2)
 
 
 def test_step_model_against_hand_computed_numbers() -> None:

@@ -418,6 +418,7 @@ def suite_dp4(rank: int, world: int, device: torch.device, root: str) -> dict:
     res["dp4-onebit_lamb-clip"] = onebit_worlds.onebit_case(mesh, "onebit_lamb", clip=0.05)
     res["tp2dp2-onebit_adam-sp"] = onebit_worlds.onebit_case(tp, "onebit_adam", sp=True)
     res["dp4-onebit_adam-bf16"] = onebit_worlds.onebit_case(mesh, "onebit_adam", bf16=True)
+    res["dp4-onebit_adam-refresh"] = onebit_worlds.onebit_case(mesh, "onebit_adam", refresh=onebit_worlds.REFRESH)
     res["dp4-onebit-bytes"] = onebit_worlds.bytes_case(mesh)
     res["dp4-onebit-resume"] = onebit_worlds.resume_case(mesh, "onebit_lamb", elsewhere=tp)
     return res

@@ -38,6 +38,7 @@ from .dp_worlds import BETAS, BUCKET_MB, EPS, GLOBAL_BATCH, LR, WD, base_model, 
 WARMUP = 4  # of the 10 steps: 6 compressed
 WINDOW = 0.5  # train.onebit_variance_window: the frozen variance is the mean g^2 of the warm-up's last 2 steps
 WINDOW_STEPS = 2
+REFRESH = 2  # train.onebit_variance_updates of the refresh case: the variance updated at steps 6 and 8 (1-based)
 BOUND = max(1.0, (1 - BETAS[0]) / math.sqrt(1 - BETAS[1]))  # Adam's per-element step bound (onebit.step_bound)
 
 
@@ -105,12 +106,27 @@ def _one_bit_against(x: torch.Tensor, segments: list[tuple[int, int]], base: int
     return out, scale_err
 
 
+def refresh_steps(updates: int, upto: int) -> set[int]:
+    """0/1 Adam's variance steps (1-based), as DeepSpeed's ZeroOneAdam counts them step by step: a step updates the
+    variance where it is a multiple of the interval, which doubles after every ``updates`` updates."""
+    steps, interval, count = set(), 1, 0
+    for t in range(1, upto + 1):
+        if updates and t % interval == 0:
+            steps.add(t)
+            count += 1
+            if count == updates:
+                count, interval = 0, interval * 2
+    return steps
+
+
 class Simulation:
     """``workers`` data-parallel replicas of one model, simulated in this process (tensor parallelism, if any, is
     real: ``mesh`` is a tp-only mesh)."""
 
-    def __init__(self, base, mesh: Mesh, workers: int, kind: str, clip: float, sp: bool = False) -> None:
+    def __init__(self, base, mesh: Mesh, workers: int, kind: str, clip: float, sp: bool = False,
+                 refresh: int = 0) -> None:
         self.model = parallelize_tensor(copy.deepcopy(base), mesh, sp)
+        self.refreshes = refresh_steps(refresh, 1000)
         self.mesh, self.n, self.kind, self.clip = mesh, workers, kind, clip
         self.groups = param_groups(self.model, WD)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -199,11 +215,14 @@ class Simulation:
         loss = sum(total for _, total in per_worker) / self.n
         b1, b2 = BETAS
         self.t += 1
-        if self.t <= WARMUP:  # all-reduced gradient, plain Adam / LAMB
+        if self.t <= WARMUP or self.t in self.refreshes:  # all-reduced gradient
             avg = [sum(g[k] / self.n for g in grads) for k in range(len(self.buckets))]
             if math.isfinite(self.clip):
                 avg = [a * min(1.0, self.clip / (self.norm(avg).item() + 1e-6)) for a in avg]
             g = self._unflatten(avg)
+            if self.t > WARMUP:
+                self._refresh(g)
+                return loss
             for p in self.params:
                 self.m[p] = b1 * self.m[p] + (1 - b1) * g[p]
                 self.v[p] = b2 * self.v[p] + (1 - b2) * g[p] * g[p]
@@ -256,6 +275,22 @@ class Simulation:
             self.m[p] = m_new[p].clone()
         self._compressed_update()
         return loss
+
+    def _refresh(self, g: dict) -> None:
+        """0/1 Adam's variance step: exact momentum, v_hat's average kept in the frozen units (v = v_hat (1 -
+        b2^T)), every error multiplied by the new preconditioner over the old, then the frozen-variance update."""
+        b1, b2 = BETAS
+        eps = EPS["adamw"]
+        old = [1 / ((v / (1 - b2 ** WARMUP)).sqrt() + eps) for v in self.flat(self.v)]
+        for p in self.params:
+            self.m[p] = b1 * self.m[p] + (1 - b1) * g[p]
+            self.v[p] = b2 * self.v[p] + (1 - b2) * (1 - b2 ** WARMUP) * g[p] * g[p]
+        new = [1 / ((v / (1 - b2 ** WARMUP)).sqrt() + eps) for v in self.flat(self.v)]
+        for k, (d_old, d_new) in enumerate(zip(old, new, strict=True)):
+            for w in range(self.n):
+                self.worker_err[w][k] = self.worker_err[w][k] * d_new / d_old
+            self.server_err[k] = self.server_err[k] * d_new / d_old
+        self._compressed_update()
 
     def _unflatten(self, flats: list[torch.Tensor]) -> dict:
         out = {}
@@ -311,12 +346,12 @@ class Simulation:
 # ------------------------------------------------------------------------------------------------- the cases
 
 
-def build_onebit(base, mesh: Mesh, kind: str, sp: bool = False, bucket_mb: float = BUCKET_MB):
+def build_onebit(base, mesh: Mesh, kind: str, sp: bool = False, bucket_mb: float = BUCKET_MB, refresh: int = 0):
     model = parallelize_tensor(copy.deepcopy(base), mesh, sp)
     grads = build_data_parallel(model, mesh, 0, bucket_mb, pad_multiple=PAD_MULTIPLE)
     opt = OnebitOptimizer(model, grads, "adam" if kind == "onebit_adam" else "lamb", lr=LR, betas=BETAS,
                           eps=EPS["adamw" if kind == "onebit_adam" else "lamb"], weight_decay=WD,
-                          warmup_steps=WARMUP, variance_window=WINDOW)
+                          warmup_steps=WARMUP, variance_window=WINDOW, variance_updates=refresh)
     return model, grads, opt
 
 
@@ -356,9 +391,11 @@ class SignBits:
         return workers, [m >= 0 for m in self.opt.m]
 
 
-def onebit_case(mesh: Mesh, kind: str, clip: float = math.inf, sp: bool = False, bf16: bool = False) -> dict:
+def onebit_case(mesh: Mesh, kind: str, clip: float = math.inf, sp: bool = False, bf16: bool = False,
+                refresh: int = 0) -> dict:
     """10 steps at this layout against the simulation of ``mesh.dp`` workers (tp, if any, real in both);
-    ``bf16``: both under bf16 autocast, as `train.precision=bf16` runs the model (fp32 weights and gradients).
+    ``bf16``: both under bf16 autocast, as `train.precision=bf16` runs the model (fp32 weights and gradients);
+    ``refresh``: train.onebit_variance_updates (0/1 Adam's variance steps among the compressed ones).
 
     The warm-up steps run side by side from the same weights. Each compressed step the simulation starts from the
     ranks' state (`Simulation.load`) and its result is compared with theirs: a 1-bit sign is a discontinuous
@@ -373,15 +410,15 @@ def onebit_case(mesh: Mesh, kind: str, clip: float = math.inf, sp: bool = False,
     batches = global_batches()
     tp_only = dataclasses.replace(mesh, dp=1, dp_rank=0, dp_group=None, dp_cp_group=None, edp_group=None,
                                   recorder=comm.NullRecorder())
-    sim = Simulation(base, tp_only, mesh.dp, kind, clip, sp)
-    model, grads, opt = build_onebit(base, mesh, kind, sp)
+    sim = Simulation(base, tp_only, mesh.dp, kind, clip, sp, refresh)
+    model, grads, opt = build_onebit(base, mesh, kind, sp, refresh=refresh)
     bits = SignBits(opt)
     log = DpLog(mesh.dp_cp_group)
     sim_params = dict(sim.model.named_parameters())
     losses, ref, state_bytes, param_err, momentum_err, error_err = [], [], 0, 0.0, 0.0, 0.0
     for step, batch in enumerate(batches):
-        compressing = step >= WARMUP
-        if compressing:
+        compressing = opt.compressing()
+        if step >= WARMUP:  # (a variance refresh too: from the ranks' state, its errors rescaled on both sides)
             sim.load(model, opt, mesh.dp_cp_group)
         log.step = step
         mesh.recorder = log
@@ -397,7 +434,7 @@ def onebit_case(mesh: Mesh, kind: str, clip: float = math.inf, sp: bool = False,
         with torch.no_grad():
             param_err = max(param_err, max((p - sim_params[n]).abs().max().item()
                                            for n, p in model.named_parameters()))
-            if compressing:  # the momentum (relative to its bucket's largest) and this rank's errors
+            if step >= WARMUP:  # the momentum (relative to its bucket's largest) and this rank's errors
                 w = mesh.dp_rank
                 for k, (m, want) in enumerate(zip(opt.m, sim.flat(sim.m), strict=True)):
                     momentum_err = max(momentum_err, ((m - want).abs().max() / want.abs().max()).item())
@@ -417,7 +454,9 @@ def onebit_case(mesh: Mesh, kind: str, clip: float = math.inf, sp: bool = False,
                 rounding=(longest + 2 + ROUNDINGS) * EPS32,
                 decisions=t.decisions, near=t.near, flips=t.flips, mismatches=t.mismatches, numel=mine.numel(),
                 replica_err=(other - mine).abs().max().item(),
-                ops=log.ops, warmup=WARMUP, n_buckets=len(grads.buckets), state_bytes=state_bytes,
+                ops=log.ops, warmup=WARMUP,
+                refreshes=sorted(t - 1 for t in sim.refreshes if WARMUP < t <= len(batches)),
+                n_buckets=len(grads.buckets), state_bytes=state_bytes,
                 tp=mesh.tp, world=mesh.world_size,
                 frozen=opt.frozen_trust_ratios().tolist() if kind == "onebit_lamb" else None)
 

@@ -16,7 +16,8 @@ from .dp_worlds import suite_dp4
 CASES = ["dp4-z0", "dp4-z1", "dp4-z2", "dp4-z3", "dp4-z2-clip", "dp4-z1-lamb", "tp2dp2-z0", "tp2dp2-z1",
          "tp2dp2-z2", "tp2dp2-z3", "tp2dp2-z1-sp", "tp2dp2-z0-lamb", "tp2dp2-z2-lamb", "tp2dp2-z1-roundtrip",
          "tp2dp2-z1-sp-fused", "tp2dp2-z1-sp-fused-untied", "tp2dp2-z3-model-only"]
-ONEBIT = ["dp4-onebit_adam", "dp4-onebit_lamb-clip", "tp2dp2-onebit_adam-sp", "dp4-onebit_adam-bf16"]
+ONEBIT = ["dp4-onebit_adam", "dp4-onebit_lamb-clip", "tp2dp2-onebit_adam-sp", "dp4-onebit_adam-bf16",
+          "dp4-onebit_adam-refresh"]
 
 
 @pytest.fixture(scope="module")
@@ -64,11 +65,13 @@ def test_onebit_matches_a_simulation_of_the_algorithm(world: list[dict], case: s
         warm, n = r["warmup"], r["n_buckets"]
         for step in range(len(r["loss"])):
             ops = sorted(name for s, name in r["ops"] if s == step)
-            if step < warm:
+            if step < warm or step in r["refreshes"]:  # (0/1 Adam's variance steps: uncompressed)
                 want = ["all_reduce_sum_async"] * n
             else:
                 want = ["all_reduce_sum"] + ["all_gather_async", "all_to_all_async"] * n
             assert ops == sorted(want), (step, ops)
+    if case.endswith("refresh"):
+        assert world[0][case]["refreshes"] == [5, 7], world[0][case]["refreshes"]
     if case.startswith("dp4-onebit_lamb"):  # the warm-up's trust ratios were averaged and frozen, not all 1
         assert any(abs(c - 1) > 1e-3 for c in world[0][case]["frozen"])
     # the memory plan's optimizer state: momentum, variance (LAMB: fresh variance), worker and server errors
