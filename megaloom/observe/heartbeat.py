@@ -13,16 +13,21 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import threading
 import time
 from pathlib import Path
 
 from megaloom.observe.log import get_logger
-from megaloom.resilience.suspects import node_name
 
 log = get_logger(__name__)
 
 STALE_AFTER_BEATS = 3  # a file older than this many intervals belongs to a rank that stopped beating
+
+
+def node_name() -> str:
+    """This process's node, as the scheduler names it."""
+    return os.environ.get("SLURMD_NODENAME") or os.environ.get("MEGALOOM_NODE") or socket.gethostname()
 
 
 class Heartbeat:

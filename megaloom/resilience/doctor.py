@@ -22,12 +22,13 @@ import torch
 import torch.distributed as dist
 
 from megaloom import accelerator
+from megaloom.observe.heartbeat import node_name
 from megaloom.observe.log import get_logger
 from megaloom.parallel import comm
 from megaloom.parallel.host_group import HostGroup
 from megaloom.resilience.faults import FaultPlan
 from megaloom.resilience.straggler import slower_than_others
-from megaloom.resilience.suspects import node_name, record
+from megaloom.resilience.suspects import record
 
 log = get_logger(__name__)
 

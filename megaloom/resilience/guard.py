@@ -8,12 +8,11 @@ from pathlib import Path
 import torch
 
 from megaloom.config import Config
-from megaloom.observe.heartbeat import Heartbeat
+from megaloom.observe.heartbeat import Heartbeat, node_name
 from megaloom.parallel.comm import LastOpRecorder
 from megaloom.parallel.host_group import HostGroup
 from megaloom.resilience.faults import FaultPlan
 from megaloom.resilience.straggler import StragglerDetector
-from megaloom.resilience.suspects import node_name
 from megaloom.resilience.watchdog import Watchdog
 
 

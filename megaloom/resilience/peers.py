@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 from megaloom.errors import PeerLost as PeerLost
+from megaloom.observe.heartbeat import node_name
 from megaloom.resilience.last_words import last_checkpoint, restarts, say, to_launcher
-from megaloom.resilience.suspects import node_name
 
 # What a collective on a dead peer raises (gloo's TCP transport, NCCL, the TCPStore), matched in the message.
 PEER_LOSS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused",

@@ -25,18 +25,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 from collections import defaultdict
 from pathlib import Path
 
 SUSPECTS = Path("resilience") / "suspects.jsonl"
 REASONS = ("straggler", "hang", "doctor")
-
-
-def node_name() -> str:
-    """This process's node, as the scheduler names it."""
-    return os.environ.get("SLURMD_NODENAME") or os.environ.get("MEGALOOM_NODE") or socket.gethostname()
 
 
 def attempt() -> int:

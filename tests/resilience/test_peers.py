@@ -6,8 +6,8 @@ import os
 import subprocess
 import sys
 
+from megaloom.observe.heartbeat import node_name
 from megaloom.resilience.peers import describe, peer_loss
-from megaloom.resilience.suspects import node_name
 
 
 def _beats(run_dir, pids: dict[int, int], node: str | None = None) -> None:

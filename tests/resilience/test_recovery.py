@@ -9,6 +9,7 @@ import time
 import pytest
 
 from megaloom.config import load_config
+from megaloom.observe import heartbeat
 from megaloom.resilience import suspects
 from megaloom.resilience.peers import PEER_LOSS
 from megaloom.train import train
@@ -129,4 +130,4 @@ def test_doctor_passes_healthy_and_names_a_slow_rank(tmp_path):
     # the slow rank's node is recorded; one doctor failure is enough for `megaloom evict`
     rows = suspects.read(tmp_path)
     assert (1, "doctor") in {(r["rank"], r["reason"]) for r in rows}, rows
-    assert suspects.evict_command(str(tmp_path)) == suspects.node_name()
+    assert suspects.evict_command(str(tmp_path)) == heartbeat.node_name()
