@@ -78,8 +78,8 @@ def _peer_lost_line(args: argparse.Namespace, e: BaseException) -> str | None:
 
 def _say(args: argparse.Namespace, line: str, kind: str, **facts) -> None:
     """The line this process ends with: printed, or handed to `megaloom train --nproc N`'s launcher, which says one
-    line for the job (resilience/last_words.py)."""
-    from megaloom.resilience.last_words import say
+    line for the job (parallel/last_words.py)."""
+    from megaloom.parallel.last_words import say
 
     step = getattr(getattr(args, "trainer", None), "step", None)
     say(line, kind=kind, step=None if step is None else step + 1, **facts)
@@ -88,7 +88,7 @@ def _say(args: argparse.Namespace, line: str, kind: str, **facts) -> None:
 def _loader_died(args: argparse.Namespace, e: BaseException) -> bool:
     """A data-loader worker of this rank died (killed, out of memory): one line naming it, the step and the
     checkpoint the next run resumes from, instead of the DataLoader's traceback; False for any other error."""
-    from megaloom.resilience.last_words import loader_death
+    from megaloom.parallel.last_words import loader_death
     from megaloom.resilience.peers import restart_note
 
     cause = loader_death(e) if getattr(args, "command", None) == "train" else None

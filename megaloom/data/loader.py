@@ -67,8 +67,7 @@ def ignore_stop_signals(worker_id: int = 0) -> None:
     could save. Ignored here, the trainer decides: it saves, stops and shuts its workers down. A worker still
     ends with the trainer however the trainer ends: the loader's shutdown, torch's check that the parent lives,
     and (Linux) the kernel's SIGKILL when the trainer dies (PR_SET_PDEATHSIG)."""
-    from megaloom.parallel.launch import die_with_parent
-    from megaloom.resilience.signals import STOP_SIGNALS
+    from megaloom.parallel.launch import STOP_SIGNALS, die_with_parent
 
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)

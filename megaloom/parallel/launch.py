@@ -12,6 +12,8 @@ import tempfile
 from pathlib import Path
 
 from megaloom.config import ConfigError
+from megaloom.parallel.last_words import LAUNCHER_ENV, last_checkpoint
+from megaloom.parallel.last_words import read as read_last_words
 
 
 def _strip_nproc(argv: list[str]) -> list[str]:
@@ -41,6 +43,9 @@ def torchrun_command(nproc: int, argv: list[str], max_restarts: int = 0) -> list
     return cmd + ["-m", "megaloom", "train", *_strip_nproc(list(argv))]
 
 
+# The signals a rank turns into a save and a stop (resilience/signals.py's StopRequests) and its data-loader workers
+# ignore (data/loader.py): a scheduler's preemption notice and Ctrl-C. Here, below both, with what the launcher passes.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 # Signals the launcher passes on to torchrun, which passes them to every worker (torchrun's --signals-to-handle:
 # its default list lacks SIGUSR1, whose default action would kill torchrun and orphan the workers).
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP)
@@ -81,8 +86,6 @@ def run_torchrun(cmd: list[str], run_dir: Path | None = None) -> int:
     the ranks that did not and the newest checkpoint in ``run_dir``. torchrun runs in its own process group, so a
     terminal's Ctrl-C reaches it once (through here), and it dies with this process (die_with_parent), taking
     its workers with it (each worker does the same: training/trainer startup)."""
-    from megaloom.resilience.last_words import LAUNCHER_ENV
-
     env = dict(os.environ)
     # torchrun's --signals-to-handle (PET_ environment form, which its launcher copies into the variable its
     # process context reads); the latter too for a torch whose torchrun reads it directly
@@ -110,16 +113,12 @@ def run_torchrun(cmd: list[str], run_dir: Path | None = None) -> int:
             return 0
         exits = _read_exits(exits_file)
         if not received:
-            from megaloom.resilience.last_words import read
-
-            line, status = _failure_line(rc, exits, read(tmp), run_dir)
+            line, status = _failure_line(rc, exits, read_last_words(tmp), run_dir)
             print(f"megaloom: stopped: {line}", file=sys.stderr, flush=True)
             return status
     name = signal.Signals(received[0]).name
     if exits and all(code in STOPPED_CLEANLY for code in exits.values()):
         return 130 if received[0] == signal.SIGINT else 0
-    from megaloom.resilience.last_words import last_checkpoint
-
     print(f"megaloom: stopped: {name} reached the job, but {_not_stopped(exits)}; {last_checkpoint(run_dir)}",
           file=sys.stderr, flush=True)
     return 1
@@ -161,11 +160,9 @@ def _failure_line(rc: int, exits: dict[int, int | None], words: dict[int, dict],
                   run_dir: Path | None) -> tuple[str, int]:
     """(the job's one line after torchrun failed without a signal, the launcher's exit status) from how each rank
     ended (``exits``: torchrun's statuses, written by torchrun_main) and what the ranks handed over (``words``:
-    resilience/last_words.py). The cause first: a rank that said why it stopped (its data-loader worker died, an
+    parallel/last_words.py). The cause first: a rank that said why it stopped (its data-loader worker died, an
     error), else the rank(s) a survivor saw die, else the ranks killed by a signal torchrun does not send, else any
     that failed; then how they ended and the checkpoint the next run resumes from."""
-    from megaloom.resilience.last_words import last_checkpoint
-
     own = {r: w for r, w in words.items() if w.get("kind") != "peer_lost"}
     seen = [w for w in words.values() if w.get("kind") == "peer_lost" and w.get("dead")]
     failed = {r: c for r, c in exits.items() if c != 0}

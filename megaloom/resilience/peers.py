@@ -19,7 +19,7 @@ from pathlib import Path
 
 from megaloom.errors import PeerLost as PeerLost
 from megaloom.observe.heartbeat import node_name
-from megaloom.resilience.last_words import last_checkpoint, restarts, say, to_launcher
+from megaloom.parallel.last_words import last_checkpoint, restarts, say, to_launcher
 
 # What a collective on a dead peer raises (gloo's TCP transport, NCCL, the TCPStore), matched in the message.
 PEER_LOSS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused",
@@ -88,7 +88,7 @@ def restart_note(run_dir: str | Path | None = None) -> str:
 def describe(error_pattern: str, rank: int, world: int, step: int | None, run_dir: str | Path,
              settle_s: float = 2.0) -> str:
     """The one line for the job, or "" when a lower rank still alive will say it, or when this rank handed it to
-    the launcher of `megaloom train --nproc N`, which says it (resilience/last_words.py). ``step``: the last step this
+    the launcher of `megaloom train --nproc N`, which says it (parallel/last_words.py). ``step``: the last step this
     rank finished (None: while the job was starting). A dying process closes its sockets before it is a zombie, so
     the connection may be lost a moment before the death shows: up to ``settle_s`` is given to it."""
     deadline = time.monotonic() + settle_s
@@ -108,7 +108,7 @@ def describe(error_pattern: str, rank: int, world: int, step: int | None, run_di
         who = "another rank left the job"
     when = "while the job was starting" if step is None else f"at step {step + 1}"
     line = f"{who} {when} (rank {rank} lost its connection to it: {error_pattern}); {restart_note(run_dir)}"
-    if to_launcher() is not None:  # `megaloom train --nproc N` says the job's one line (resilience/last_words.py)
+    if to_launcher() is not None:  # `megaloom train --nproc N` says the job's one line (parallel/last_words.py)
         say(f"stopped: {line}", kind="peer_lost", dead=dead, step=None if step is None else step + 1,
             seen_by=rank, pattern=error_pattern)
         return ""

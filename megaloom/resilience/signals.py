@@ -19,8 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megaloom.parallel.host_group import HostGroup
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+from megaloom.parallel.launch import STOP_SIGNALS
 
 
 def signal_name(signum: int) -> str:

@@ -1,6 +1,6 @@
 """A rank's death under `megaloom train --nproc 2` (kill -9 of a rank, a killed data-loader worker) ends in exactly one
 line naming the rank, the cause and the checkpoint the next run resumes from, and no traceback (parallel/launch.py,
-resilience/last_words.py)."""
+parallel/last_words.py)."""
 
 import json
 import os
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from megaloom.parallel.last_words import last_checkpoint
 from megaloom.parallel.launch import _failure_line
-from megaloom.resilience.last_words import last_checkpoint
 from tests.conftest import tiny_overrides, wait_for_step
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")

@@ -8,6 +8,8 @@ does not print its line but hands it to the launcher (`say`: a JSON file per ran
 MEGALOOM_LAUNCHER_DIR); a job that torchrun restarts prints it at once (the job goes on: the line says why it
 restarted). Under a plain torchrun there is no launcher: each rank prints its own line (one rank for a lost peer,
 resilience/peers.py), naming the checkpoint the next run resumes from.
+
+Beside the launcher, which reads it; the ranks' resilience code (peers.py) and the command (cli.py) say through it.
 """
 
 from __future__ import annotations
