@@ -30,7 +30,7 @@ from megaloom.data.dataset import build_datasets, source_prefixes
 from megaloom.data.identity import data_identity
 from megaloom.data.image_text.batch import ImageTextBatch
 from megaloom.data.loader import StepBatches, make_loader
-from megaloom.data.objective import ObjectiveDataset
+from megaloom.data.objective import ObjectiveDataset, inputs_and_labels
 from megaloom.fa4 import check_fa4
 from megaloom.models import count_params, registry
 from megaloom.models.attention_kernel import attention_backend
@@ -331,11 +331,12 @@ class Trainer:
         pipe = PipelineExecutor(stage, build_schedule(cfg.parallel.schedule, mesh.pp, cfg.parallel.vpp, self.n_micro),
                                 mesh, t.micro_batch_size, t.seq_len, sp=cfg.parallel.sp, autocast=auto,
                                 dtype=residual, documents=self.documents(),
-                                scatter_gather=cfg.parallel.pp_scatter_gather)
+                                scatter_gather=cfg.parallel.pp_scatter_gather, inputs_and_labels=inputs_and_labels)
         eval_pipe = PipelineExecutor(stage, forward_only(mesh.pp, cfg.parallel.vpp, self.n_micro), mesh,
                                      t.micro_batch_size, t.seq_len, sp=cfg.parallel.sp, autocast=auto,
                                      dtype=residual, documents=self.documents(),
-                                     scatter_gather=cfg.parallel.pp_scatter_gather)
+                                     scatter_gather=cfg.parallel.pp_scatter_gather,
+                                     inputs_and_labels=inputs_and_labels)
         return pipe, eval_pipe
 
     def masks_targets(self) -> bool:

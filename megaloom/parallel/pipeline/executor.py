@@ -20,15 +20,14 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from megaloom import accelerator
-from megaloom.data.image_text.batch import ImageTextBatch
-from megaloom.data.objective import inputs_and_labels
 from megaloom.models.documents import Documents
 from megaloom.parallel import comm
 from megaloom.parallel.context.layout import SequenceShard
@@ -104,13 +103,30 @@ class _StepState:
     docs: list = field(default_factory=list)  # per micro-batch document boundaries (data.document_mask), every stage
 
 
+@runtime_checkable
+class SplitsItself(Protocol):
+    """A batch that cuts its own micro-batches: (inputs, labels, the first stage's keyword arguments) for each
+    ``micro`` rows (the image-text batch, data/image_text/batch.py: masked labels, the images for the encoder)."""
+
+    def micro_inputs(self, micro: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, dict]]: ...
+
+
+# A micro-batch of token rows -> (inputs, labels). How rows are laid out is the data's knowledge (causal rows
+# [B, T + 1] shifted by one, or an objective's [B, 2, T]: data/objective.py's `inputs_and_labels`, which the trainer
+# passes); the engine is given it rather than importing the data layer above it.
+RowsSplit = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
 class PipelineExecutor:
     def __init__(self, stage: PipelineStage, schedule: Schedule, mesh: Mesh, micro_batch_size: int, seq_len: int,
                  sp: bool = False, dtype: torch.dtype | None = None,
                  autocast: Callable[[], AbstractContextManager] = contextlib.nullcontext,
                  scale_loss: Callable[[torch.Tensor], torch.Tensor] | None = None, timing: bool = False,
-                 documents: Callable[[torch.Tensor], Documents] | None = None, scatter_gather: bool = False) -> None:
-        """``autocast``: context for each forward (e.g. ``lambda: autocast_ctx(precision, device)``);
+                 documents: Callable[[torch.Tensor], Documents] | None = None, scatter_gather: bool = False,
+                 inputs_and_labels: RowsSplit | None = None) -> None:
+        """``inputs_and_labels``: a micro-batch of token rows -> (inputs, labels) (`RowsSplit`; needed on the first
+        and last stage, or with ``documents``, unless the batches split themselves, `SplitsItself`);
+        ``autocast``: context for each forward (e.g. ``lambda: autocast_ctx(precision, device)``);
         ``scale_loss``: applied to the last stage's loss before backward (fp16 ``GradScaler.scale``);
         ``dtype``: of the activations between stages (default: the parameters'; hidden states stay in the
         parameter dtype under autocast because the residual stream adds to the fp32 embedding output);
@@ -131,7 +147,7 @@ class PipelineExecutor:
         self.stage, self.schedule, self.mesh = stage, schedule, mesh
         self.micro, self.seq_len = micro_batch_size, seq_len
         self.autocast, self.scale_loss, self.timing = autocast, scale_loss, timing
-        self.documents = documents
+        self.documents, self.inputs_and_labels = documents, inputs_and_labels
         self.token_mean = False  # TrainStep sets it: masked targets weigh each token once (parallel/token_mean.py)
         self.rank = mesh.pp_rank
         self.steps = schedule.steps(self.rank)
@@ -177,11 +193,13 @@ class PipelineExecutor:
             if batch is None or batch.shape[0] != m * self.micro:
                 got = None if batch is None else tuple(batch.shape)
                 raise ValueError(f"pipeline stage {self.rank} needs a batch of {m} x {self.micro} rows, got {got}")
-            if isinstance(batch, ImageTextBatch):  # masked labels; the images go to the first stage (the encoder)
+            if isinstance(batch, SplitsItself):  # masked labels; the images go to the first stage (the encoder)
                 st.tokens, st.labels, st.first_kwargs = (list(v) for v in zip(*batch.micro_inputs(self.micro),
                                                                                 strict=True))
             else:  # token rows, or an objective's (inputs, labels) rows (data/objective.py)
-                pairs = [inputs_and_labels(batch[i * self.micro:(i + 1) * self.micro]) for i in range(m)]
+                if self.inputs_and_labels is None:
+                    raise ValueError("PipelineExecutor(inputs_and_labels=...) is needed for a batch of token rows")
+                pairs = [self.inputs_and_labels(batch[i * self.micro:(i + 1) * self.micro]) for i in range(m)]
                 st.tokens = [self.shard(x) for x, _ in pairs]
                 st.labels = [self.shard(y) for _, y in pairs]
                 if self.documents is not None:  # found in the whole sequence, then this cp rank's part

@@ -12,6 +12,7 @@ import copy
 import torch
 
 from megaloom.config import Config, load_config
+from megaloom.data.objective import inputs_and_labels
 from megaloom.models.registry import get_family
 from megaloom.parallel import comm
 from megaloom.parallel.mesh import Mesh
@@ -70,7 +71,7 @@ def pipeline_case(mesh: Mesh, emb_group, schedule: str, m: int, vpp: int = 1, n_
     base_before = base_params(full) if lora else {}
     stage = build_stage(full, partition_layers(n_layers, mesh.pp, vpp, *(ends or (None, None))), mesh)
     ex = PipelineExecutor(stage, build_schedule(schedule, mesh.pp, vpp, m), mesh, MICRO, SEQ, sp=sp, timing=timing,
-                          scatter_gather=scatter)
+                          scatter_gather=scatter, inputs_and_labels=inputs_and_labels)
     sync = PipelineGradientSync(stage, mesh, emb_group if stage.tied_across_stages else None)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.1)
     opt = torch.optim.AdamW(stage.parameters(), lr=3e-3, weight_decay=0.1)
@@ -132,7 +133,8 @@ def pipeline_case(mesh: Mesh, emb_group, schedule: str, m: int, vpp: int = 1, n_
     if timing:
         out["events"] = [(a.kind, a.microbatch, a.stage, a.start, a.end) for a in ex.events]
     # Evaluation: a forward-only schedule gives the reference's loss on new data.
-    ev = PipelineExecutor(stage, forward_only(mesh.pp, vpp, m), mesh, MICRO, SEQ, sp=sp, scatter_gather=scatter)
+    ev = PipelineExecutor(stage, forward_only(mesh.pp, vpp, m), mesh, MICRO, SEQ, sp=sp, scatter_gather=scatter,
+                          inputs_and_labels=inputs_and_labels)
     eval_batch = token_rows(gen, m * MICRO, arch).to(mesh.device)
     with torch.no_grad():
         ref_eval = sum(ref(x, y) for x, y in micro_batches(eval_batch, MICRO)) / m

@@ -10,6 +10,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from megaloom.config import load_config
+from megaloom.data.objective import inputs_and_labels
 from megaloom.models import Transformer, apply_recompute
 from megaloom.parallel.layout import layout_of
 from megaloom.parallel.mesh import Mesh
@@ -106,7 +107,7 @@ def test_executor_on_one_process(schedule: str, vpp: int) -> None:
     stage = PipelineStage(copy.deepcopy(ref), partition_layers(4, 1, vpp), 0)
     mesh = Mesh.single()
     ex = PipelineExecutor(stage, build_schedule(schedule, 1, vpp, 3), mesh, micro_batch_size=2, seq_len=SEQ,
-                          timing=True)
+                          timing=True, inputs_and_labels=inputs_and_labels)
     opt_ref = torch.optim.AdamW(ref.parameters(), lr=3e-3)
     opt = torch.optim.AdamW(stage.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(1)
@@ -134,13 +135,15 @@ def test_executor_on_one_process(schedule: str, vpp: int) -> None:
     kinds = [e.kind for e in ex.events]
     assert "COMM" not in kinds and kinds.count("F") == 3 * vpp
     batch = torch.randint(0, VOCAB, (6, SEQ + 1), generator=gen)
-    ev = PipelineExecutor(stage, forward_only(1, vpp, 3), mesh, 2, SEQ).run(batch)
+    ev = PipelineExecutor(stage, forward_only(1, vpp, 3), mesh, 2, SEQ,
+                          inputs_and_labels=inputs_and_labels).run(batch)
     with torch.no_grad():
         assert ev.item() == pytest.approx(sum(ref(x, y) for x, y in micro_batches(batch, 2)).item() / 3, rel=1e-6)
 
 
 def test_executor_refuses_a_wrong_batch() -> None:
     stage = PipelineStage(_model(), partition_layers(4, 1), 0)
-    ex = PipelineExecutor(stage, build_schedule("1f1b", 1, 1, 2), Mesh.single(), 2, SEQ)
+    ex = PipelineExecutor(stage, build_schedule("1f1b", 1, 1, 2), Mesh.single(), 2, SEQ,
+                          inputs_and_labels=inputs_and_labels)
     with pytest.raises(ValueError, match="needs a batch of 2 x 2 rows"):
         ex.run(torch.zeros(3, SEQ + 1, dtype=torch.long))

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from megaloom.checkpoint.store import load_checkpoint, save_checkpoint
 from megaloom.config import Config, load_config
+from megaloom.data.objective import inputs_and_labels
 from megaloom.models import Transformer
 from megaloom.models.lora import is_adapter_name
 from megaloom.optim.lamb import build_lamb
@@ -128,7 +129,7 @@ class Layout:
         for block in self.blocks:
             block.compile(backend="eager")
         self.ex = PipelineExecutor(self.stage, build_schedule(schedule, mesh.pp, p.vpp, m), mesh, MICRO, SEQ,
-                                   sp=p.sp)
+                                   sp=p.sp, inputs_and_labels=inputs_and_labels)
         self.grads = build_data_parallel(self.model, mesh, zero, bucket_mb, gather_dtype,
                                          tied=tied_parameter(self.stage), tied_group=emb_group,
                                          pad_multiple=PAD_MULTIPLE if kind in KINDS else 1)
