@@ -82,7 +82,7 @@ from megaloom.optim.param_groups import param_groups
 from megaloom.parallel import comm
 from megaloom.parallel.data_parallel import DataParallelGrads
 from megaloom.parallel.expert import is_expert_param
-from megaloom.planning.comm import COMPRESS_BYTES_PER_ELEMENT  # the planner's number, one place
+from megaloom.planning.comm import COMPRESS_BYTES_PER_ELEMENT, variance_refresh  # the planner's, one place
 
 log = get_logger(__name__)
 
@@ -108,23 +108,6 @@ def window_steps(warmup: int, fraction: float) -> int:
     """How many of the warm-up's last steps the frozen variance averages (``train.onebit_variance_window``: a
     fraction of the warm-up; 0: none, the variance freezes as Adam's average left it)."""
     return 0 if fraction <= 0 else max(1, min(warmup, round(fraction * warmup)))
-
-
-def variance_refresh(step: int, updates: int) -> bool:
-    """Whether 1-based step ``step`` updates the variance under 0/1 Adam's policy with ``updates`` updates per
-    interval (module doc): the interval starts at 1 and doubles after every ``updates`` updates; a step updates
-    where it is a multiple of the interval in force. A host-side function of the step alone (a resume needs no
-    state)."""
-    if updates <= 0:
-        return False
-    interval, count, s = 1, 0, 0
-    while True:
-        s = (s // interval + 1) * interval  # the next multiple of the interval in force
-        if s >= step:
-            return s == step
-        count += 1
-        if count == updates:
-            count, interval = 0, interval * 2
 
 
 def step_bound(betas: tuple[float, float]) -> float:

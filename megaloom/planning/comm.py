@@ -101,6 +101,29 @@ def onebit_exchange(params: float, n: int, link: Link, hbm_bytes_per_s: float) -
     return all_to_all(bits, n, link) + all_gather(bits, n, link) + COMPRESS_BYTES_PER_ELEMENT * params / hbm_bytes_per_s
 
 
+def variance_refresh(step: int, updates: int) -> bool:
+    """Whether 1-based step ``step`` updates 1-bit Adam's variance under 0/1 Adam's policy with ``updates`` updates
+    per interval (megaloom/optim/onebit.py's module doc): the interval starts at 1 and doubles after every
+    ``updates`` updates; a step updates where it is a multiple of the interval in force. A host-side function of the
+    step alone (a resume needs no state); here because the step model prices these steps too."""
+    if updates <= 0:
+        return False
+    interval, count, s = 1, 0, 0
+    while True:
+        s = (s // interval + 1) * interval  # the next multiple of the interval in force
+        if s >= step:
+            return s == step
+        count += 1
+        if count == updates:
+            count, interval = 0, interval * 2
+
+
+def refreshed_fraction(warmup: int, steps: int, updates: int) -> float:
+    """The share of the steps after 1-bit Adam's warm-up that are variance steps (uncompressed all-reduces)."""
+    after = range(warmup + 1, steps + 1)
+    return sum(variance_refresh(t, updates) for t in after) / len(after) if len(after) else 0.0
+
+
 def p2p(nbytes: float, link: Link) -> float:
     return link.alpha + nbytes / link.bw
 

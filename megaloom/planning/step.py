@@ -324,11 +324,12 @@ def _dp_exposed(cfg: Config, gpu: GpuKind, sizes: dict[str, int], local: int, fo
     n = dp * p.cp
     last_backward = backward * p.vpp
     first_forward = forward
+    plain = max(0.0, comm.all_reduce(4 * local, n, link) - last_backward)  # zero 0: under the last backward
     if p.zero == 0 and t.optimizer.startswith("onebit_"):  # the step after the warm-up: not overlapped
-        return comm.onebit_exchange(local, n, link, gpu.hbm_tbps * 1e12)
+        refreshed = comm.refreshed_fraction(t.onebit_warmup_steps, t.steps, t.onebit_variance_updates)
+        return (1 - refreshed) * comm.onebit_exchange(local, n, link, gpu.hbm_tbps * 1e12) + refreshed * plain
     if p.zero == 0:
-        reduce = comm.all_reduce(4 * local, n, link)
-        return max(0.0, reduce - last_backward)
+        return plain
     if p.zero in (1, 2):
         gather_bytes = 2 if cfg.parallel.param_gather == "auto" and t.precision != "fp32" else 4
         reduce = comm.reduce_scatter(4 * local, n, link)

@@ -19,10 +19,11 @@ from megaloom.checkpoint.async_save import AsyncCheckpointer
 from megaloom.config import ConfigError, load_config
 from megaloom.models import Transformer
 from megaloom.optim.lamb import build_lamb
-from megaloom.optim.onebit import PAD_MULTIPLE, OnebitOptimizer, variance_refresh
+from megaloom.optim.onebit import PAD_MULTIPLE, OnebitOptimizer
 from megaloom.optim.param_groups import param_groups
 from megaloom.optim.zero import build_data_parallel
 from megaloom.parallel.mesh import Mesh
+from megaloom.planning.comm import variance_refresh
 
 SETTINGS = ["model.vocab_size=64", "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "train.seq_len=16",
             "model.max_seq_len=16"]
