@@ -45,6 +45,7 @@ from megaloom.optim.lamb import Lamb
 from megaloom.parallel import comm
 from megaloom.parallel.data_parallel import (
     DEFAULT_BUCKET_MB,
+    STEP_GROUP_ELEMENTS,
     DataParallelGrads,
     GradView,
     GradViews,
@@ -266,9 +267,6 @@ def shard_norm_sync(owners: list[int], params: list[nn.Parameter], mesh: Mesh, g
 
     sync.constants = constants
     return sync
-
-
-STEP_GROUP_ELEMENTS = 1 << 22  # 16 MiB of fp32: the foreach AdamW's temporary per group (CPU), beyond one segment
 
 
 def step_groups(indices: list[int], numels: list[int], limit: int) -> list[list[int]]:

@@ -79,6 +79,10 @@ from megaloom.parallel.tensor import sync_tp_grads
 from megaloom.parallel.tp_layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
 DEFAULT_BUCKET_MB = 25.0
+# A ZeRO shard's optimizer step runs over groups of about this many elements (optim/zero.py's `step_groups`): 16 MiB
+# of fp32, the foreach AdamW's temporary per group (CPU), beyond one segment. Here, beside the buckets it cuts and
+# below both that step and the memory plan that predicts its temporary.
+STEP_GROUP_ELEMENTS = 1 << 22
 
 
 def plan_buckets(numels: list[int], bucket_numel: int, world: int) -> list[tuple[list[int], list[int], int]]:

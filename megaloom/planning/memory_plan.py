@@ -71,8 +71,8 @@ block, the head's weight gradient). The end of each backward is an event too: al
 the other micro-batches' activations are still held (the peak of a stage that runs all its forwards before its
 first backward), and from the second backward through the first virtual stage on, the embedding's dense fp32
 gradient waits to be added into .grad. The optimizer step adds its temporaries (foreach AdamW on CPU: one fp32
-copy of the state, or with ZeRO of one parameter group of megaloom.optim.zero.STEP_GROUP_ELEMENTS; LAMB: the
-update of every parameter). The predicted peak is the largest event; which one
+copy of the state, or with ZeRO of one parameter group of megaloom.parallel.data_parallel.STEP_GROUP_ELEMENTS;
+LAMB: the update of every parameter). The predicted peak is the largest event; which one
 it is is reported with it. Steady state is assumed (optimizer state exists, i.e. from the second step on);
 ``update=False`` plans steps that never call the optimizer (a dry run that leaves the update out).
 
@@ -583,7 +583,7 @@ def _fp8_linear_params(cfg: Config, tp: int, moe: bool, keep_attention: bool = F
 
 def _step_transient(cfg: Config, device: str, p_opt: int, largest: int, tp: int, pp: int, dp: int,
                     buckets: bool, update: bool = True, zero: int = 0) -> int:
-    from megaloom.optim.zero import STEP_GROUP_ELEMENTS
+    from megaloom.parallel.data_parallel import STEP_GROUP_ELEMENTS
 
     t = cfg.train
     sharded = buckets and zero >= 1  # megaloom.optim.zero.ShardedOptimizer over the buckets' 1/dp chunks

@@ -317,9 +317,9 @@ def test_zero_shards_optimizer_state():
 
 
 def test_zero_optimizer_step_temporaries_are_one_parameter_group_on_cpu():
-    """The foreach AdamW (CPU) steps a ZeRO shard in groups of STEP_GROUP_ELEMENTS (megaloom.optim.zero): its
-    sqrt(exp_avg_sq) temporary is one group's, not the shard's; zero 0 still takes the whole state's."""
-    from megaloom.optim.zero import STEP_GROUP_ELEMENTS
+    """The foreach AdamW (CPU) steps a ZeRO shard in groups of STEP_GROUP_ELEMENTS (megaloom.parallel.data_parallel):
+    its sqrt(exp_avg_sq) temporary is one group's, not the shard's; zero 0 still takes the whole state's."""
+    from megaloom.parallel.data_parallel import STEP_GROUP_ELEMENTS
 
     cfg0 = _big("none", "train.global_batch_size=8", "parallel.tp=2")
     z0 = plan_memory(cfg0, world_size=4, device="cpu")
