@@ -186,11 +186,9 @@ def _report(graph: dict[str, set[str]], found: list[set[str]]) -> str:
 
 # Imports inside functions that reach up the layers on purpose: (importer, prefix of the modules it may import
 # when called) -> why. Every other call-time import must go down, like the module-level ones.
-CALL_TIME_UP = {
-    ("megaloom.models.transformer", "megaloom.models.registry"):
-        "Transformer(cfg) without a family finds it by model.arch; the registry imports every family, each built "
-        "on this module",
-}
+# Empty today: the decoder built without its family (`Transformer(cfg)`) asks for it through the package's seam
+# (`model_keys.base.model_rules().family`), not by importing the registry.
+CALL_TIME_UP: dict[tuple[str, str], str] = {}
 
 
 def _without_allowed(graph: dict[str, set[str]], load: dict[str, set[str]]) -> dict[str, set[str]]:
@@ -448,19 +446,19 @@ help = _f("auto", "cuda if available")
 
 # The floors of megaloom, bottom first (docs/architecture.md, "Floors", draws them). A module stands on the floor of
 # the longest entry naming it or a package above it; every room (a top-level package or module) must be placed. A
-# room that holds two layers names its upper modules on their own floor: the fp8 matmul is a kernel the
-# tensor-parallel layers call, the pass that converts a model to it sits above the models and the engine. Modules of
-# one floor may import each other (both ways, as rooms: the module graph itself has no circle); an import of a
-# higher floor is an arrow pointing up. UP_ARROWS_AT_MOST bounds those arrows, counted once per pair of entries.
+# room that holds two layers names its upper modules on their own floor (observe/log below the models, the rest of
+# observe/ above the engine). Modules of one floor may import each other (both ways, as rooms: the module graph
+# itself has no circle); an import of a higher floor is an arrow pointing up. UP_ARROWS_AT_MOST bounds those
+# arrows, counted once per pair of entries.
 FLOORS = [
     ["megaloom.errors", "megaloom.config", "megaloom.model_keys"],  # the vocabulary: exceptions, the typed config
-    ["megaloom.accelerator", "megaloom.fa4", "megaloom.precision", "megaloom.observe.log"],  # device, kernels, logging
+    ["megaloom.accelerator", "megaloom.fa4", "megaloom.observe.log"],  # device (and its facts), kernels, logging
     ["megaloom.models"],  # the families and the shared decoder, their parallel plans as data
-    ["megaloom.parallel"],  # the engine: mesh, collectives, tp/sp/cp/ep/pp, gradients
-    ["megaloom.data", "megaloom.observe", "megaloom.resilience", "megaloom.checkpoint", "megaloom.runtime",
-     "megaloom.precision.loss_scaler"],  # services around the engine
+    ["megaloom.parallel"],  # the engine: mesh, collectives, tp/sp/cp/ep/pp, gradients, the launcher
+    ["megaloom.data", "megaloom.observe", "megaloom.resilience", "megaloom.checkpoint",
+     "megaloom.runtime"],  # services around the engine
     ["megaloom.preflight", "megaloom.optim", "megaloom.planning", "megaloom.convert",
-     "megaloom.precision.fp8_convert"],  # checks, optimizers, predictions, conversion
+     "megaloom.precision"],  # checks, optimizers, predictions, conversion, fp8 and the loss scaler
     ["megaloom.step", "megaloom.training"],  # the step and the loop
     # the commands (and the package's own __init__)
     ["megaloom", "megaloom.__main__", "megaloom.cli", "megaloom.train", "megaloom.generate", "megaloom.plot"],

@@ -5,7 +5,8 @@ may take, and for model keys whether it shapes the weights (``shape``: a checkpo
 `megaloom.checkpoint.store.check_compatible` compares exactly these keys). This module, megaloom/config.py and every
 key group in this package import no torch and nothing of megaloom.models: every command loads them.
 
-`ModelRules` is what validating a config needs from the families (their names, presets, size defaults, rules).
+`ModelRules` is what validating a config needs from the families (their names, presets, size defaults, rules), and
+the family by name for the shared decoder, which every family builds on and so cannot import their registry.
 megaloom/config.py asks `model_rules()`; the package (megaloom/__init__.py) wires it to `megaloom.models.rules`,
 imported only when a config is first validated, so the config layer never imports the models.
 """
@@ -75,6 +76,12 @@ class ModelRules(Protocol):
 
     def check(self, cfg: Config) -> None:
         """The model section against its family (raises ConfigError naming the key and the fix)."""
+        ...
+
+    def family(self, name: str) -> Any:
+        """The family called ``name`` (model.arch; a ValueError lists the known ones). Asked through this seam by the
+        shared decoder (megaloom/models/transformer.py) built without its family: every family builds on the decoder,
+        so the decoder cannot import the registry that lists them."""
         ...
 
 

@@ -1,6 +1,6 @@
 """What validating a config asks the model families (`megaloom.model_keys.base.ModelRules`): their names, presets
 and size defaults, the MLP width a family gives, and the model section's rules that need the family (its traits,
-its own `validate`, the adapters' targets).
+its own `validate`, the adapters' targets); and the family by name, for the shared decoder built without one.
 
 megaloom/config.py reaches this module only through `megaloom.model_keys.base.model_rules()`, which the package
 wires here (megaloom/__init__.py): the config layer imports no family, and loads torch only when a config is first
@@ -40,6 +40,9 @@ class _Rules:
 
     def check(self, cfg: Config) -> None:
         check_model(cfg, _family(cfg.model.arch))
+
+    def family(self, name: str) -> Family:
+        return get_family(name)
 
 
 RULES = _Rules()

@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from megaloom.accelerator import CUDA
 from megaloom.config import ModelConfig, resolved_head_dim
+from megaloom.model_keys.base import model_rules
 from megaloom.models.attention import Attention, KVCache
 from megaloom.models.attention_shapes import is_mla, rope_dim
 from megaloom.models.documents import Documents
@@ -34,11 +35,10 @@ from megaloom.models.traits import FamilyView
 
 
 def family_of(cfg: ModelConfig) -> FamilyView:
-    """The family named by ``cfg.arch``. The registry is imported when asked: it imports every family, and every
-    family imports this module (its shared decoder), so the lookup by name can only happen at call time."""
-    from megaloom.models.registry import get_family
-
-    return get_family(cfg.arch)
+    """The family named by ``cfg.arch``, for a decoder built without one (`Family.build` passes itself). Every family
+    builds on this module, so it cannot import the registry that lists them: it asks the package's seam
+    (`megaloom.model_keys.base.model_rules`, which megaloom/__init__.py wires to megaloom/models/rules.py)."""
+    return model_rules().family(cfg.arch)
 
 
 def resolved_ffn_dim(cfg: ModelConfig) -> int:
