@@ -100,7 +100,10 @@ def test_dry_run_of_rank_0_and_the_last_stage_of_64_ranks() -> None:
     calls = _calls(first)
     assert calls == _calls(first, 0)
     message = 1 * 64 * 128 * 4  # micro-batch x seq x d_model, fp32
-    assert calls[("pp", "send")] == (2, 2 * message) and calls[("pp", "recv")] == (2, 2 * message)
+    # Megatron's scatter/gather (tp 2 without sp, parallel.pp_scatter_gather): each message crosses between the
+    # stages as this tp rank's half, and the received halves are all-gathered over tp before use
+    assert calls[("pp", "send")] == (2, message) and calls[("pp", "recv")] == (2, message)
+    assert calls[("tp", "all_gather")] == (2, 2 * message), calls
     # the stage's gradients reduced bucket by bucket (each once per step), all of them: 4 bytes per parameter
     n_calls, n_bytes = calls[("dp/dp_cp/edp", "all_reduce_sum")]
     assert n_calls >= 1 and n_bytes == 4 * first["plan"]["setup"]["params_local"]
