@@ -17,9 +17,8 @@ sys.path.insert(0, str(ROOT))  # run from a checkout without installing
 
 from megaloom.config import load_config  # noqa: E402
 from megaloom.planning import compute  # noqa: E402
-from megaloom.planning.command import _shaped  # noqa: E402
 from megaloom.planning.hardware import load_gpu  # noqa: E402
-from megaloom.planning.search import resolved  # noqa: E402
+from megaloom.planning.memory_fit import resolve_for_planning  # noqa: E402
 from megaloom.planning.step import predict  # noqa: E402
 
 # Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM" (SC'21,
@@ -63,7 +62,7 @@ def dry_run_check(gpu_name: str = "h200") -> None:
         if key in seen:
             continue
         seen.add(key)
-        cfg = resolved(_shaped(load_config(None, [*r["overrides"], *_levers_then(r)])))
+        cfg = resolve_for_planning(load_config(None, [*r["overrides"], *_levers_then(r)]))
         from megaloom.parallel.mesh import rank_coords
         from megaloom.preflight import preflight
 
@@ -91,7 +90,7 @@ def megatron_check() -> None:
                 "model.max_seq_len=2048", "train.seq_len=2048", f"train.global_batch_size={batch}",
                 "train.micro_batch_size=1", f"parallel.tp={tp}", f"parallel.pp={pp}", "parallel.sp=false",
                 "parallel.zero=0", "train.recompute=full", "train.precision=bf16", *MEGATRON_LEVERS]
-        cfg = resolved(_shaped(load_config(None, over)))
+        cfg = resolve_for_planning(load_config(None, over))
         p = predict(cfg, n, gpu, memory=False)
         s, v = 2048, 51200
         flops = 96 * batch * s * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))

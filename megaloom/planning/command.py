@@ -11,26 +11,16 @@ unchanged.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 from pathlib import Path
 
 from megaloom.config import Config, ConfigError, load_config
 from megaloom.planning.hardware import GpuKind, load_gpu, with_cluster
-from megaloom.planning.search import Option, fit_memory, resolved, search
+from megaloom.planning.memory_fit import resolve_for_planning
+from megaloom.planning.search import Option, fit_memory, search
+from megaloom.planning.shape import shaped
 from megaloom.planning.step import Prediction, predict
-
-
-def _shaped(cfg: Config) -> Config:
-    """A copy with the vocabulary and sizes filled in as `megaloom train` would (the default tokenizer's)."""
-    import math
-
-    from megaloom.planning.shape import resolve_model_shape
-
-    out = copy.deepcopy(cfg)
-    resolve_model_shape(out, out.data.default_vocab_size, pad_multiple=math.lcm(64, out.parallel.tp))
-    return out
 
 
 def _row(i: int, cfg: Config, p: Prediction) -> str:
@@ -79,14 +69,14 @@ def plan_command(cfg: Config, gpus: int, gpu_kind: str, top: int = 10, out: str 
     gpu = with_cluster(load_gpu(gpu_kind), gpus_per_node, nic_gbps)
     if predict_config:
         given = load_config(predict_config, [])
-        shaped = resolved(_shaped(given))
-        fitted = fit_memory(shaped, gpus, gpu)
-        chosen = fitted[0] if fitted else shaped
+        resolved = resolve_for_planning(given)
+        fitted = fit_memory(resolved, gpus, gpu)
+        chosen = fitted[0] if fitted else resolved
         pred = predict(chosen, gpus, gpu)
         if json_out:
             Path(json_out).write_text(json.dumps(dataclasses.asdict(pred), indent=1) + "\n")
         return describe(pred, chosen, gpu)
-    options, counts = search(_shaped(cfg), gpus, gpu, top)
+    options, counts = search(shaped(cfg), gpus, gpu, top)
     lines = [f"{cfg.model.preset or cfg.model.arch} on {gpus:,} x {gpu.name} ({gpu.source} calibration; "
              f"{gpu.gpus_per_node} a node, NIC {gpu.nic_gbps:g} GB/s per GPU), seq {cfg.train.seq_len}, global "
              f"batch {cfg.train.global_batch_size}: {counts['candidates']} layouts, {counts['refused']} refused by the "

@@ -9,7 +9,6 @@ micro-batches per step), which is how one picks settings for a new model or GPU 
 from __future__ import annotations
 
 import copy
-import math
 
 from megaloom.accelerator import CUDA
 from megaloom.config import Config, ConfigError
@@ -17,18 +16,16 @@ from megaloom.parallel.context import check_context
 from megaloom.parallel.mesh import validate_layout
 from megaloom.planning.levers import resolve_levers
 from megaloom.planning.memory_plan import GB, MemoryPlan, plan_memory
-from megaloom.planning.shape import resolve_model_shape
+from megaloom.planning.shape import shaped
 
 HEADROOM = 0.95  # the caching allocator's fragmentation: keep 5% of the budget free
 NO_BUDGET_MICRO = 8  # train.micro_batch_size auto without a device memory limit (CPU): at most this
 
 
 def resolve_for_planning(cfg: Config) -> Config:
-    """A copy with the sizes that follow the tokenizer filled in as `megaloom train` would (the default
-    tokenizer's vocabulary when model.vocab_size = 0)."""
-    cfg = copy.deepcopy(cfg)
-    resolve_model_shape(cfg, cfg.data.default_vocab_size, pad_multiple=math.lcm(64, cfg.parallel.tp))
-    return resolve_levers(cfg, CUDA)[0]  # the levers left at auto, as a CUDA run would choose them
+    """A copy resolved as a CUDA run of it would be: the model's sizes (`shape.shaped`: the default tokenizer's
+    vocabulary when model.vocab_size = 0) and the levers left at auto (planning/levers.py)."""
+    return resolve_levers(shaped(cfg), CUDA)[0]
 
 
 def worst_stage(cfg: Config, world_size: int, device: str = CUDA) -> tuple[int, MemoryPlan]:

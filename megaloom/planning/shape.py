@@ -7,6 +7,7 @@ resolve.py, so the planner imported the trainer's resolution, which imports the 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 
@@ -29,6 +30,14 @@ def resolved_model(m: ModelConfig, tokenizer_vocab: int, pad_multiple: int = 64)
     head_dim = 0 if m.attention == "mla" else resolved_head_dim(m)
     m = dataclasses.replace(m, vocab_size=vocab, n_kv_heads=m.n_kv_heads or m.n_heads, head_dim=head_dim)
     return dataclasses.replace(m, ffn_dim=resolved_ffn_dim(m))
+
+
+def shaped(cfg: Config) -> Config:
+    """A copy of ``cfg`` with the model's "auto" sizes filled in as `megaloom train` fills them, the vocabulary from
+    the default tokenizer's (model.vocab_size = 0): the one shape every planning command (`megaloom plan`,
+    `megaloom memory`, the memory fit, the dry run's plan) reads; the trainer resolves with its own tokenizer."""
+    return dataclasses.replace(copy.deepcopy(cfg), model=resolved_model(cfg.model, cfg.data.default_vocab_size,
+                                                                        vocab_pad_multiple(cfg)))
 
 
 def resolve_model_shape(cfg: Config, tokenizer_vocab: int, pad_multiple: int = 64) -> None:

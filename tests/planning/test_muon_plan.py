@@ -9,9 +9,9 @@ import pytest
 
 from megaloom.config import load_config
 from megaloom.planning import comm
-from megaloom.planning.command import _shaped
 from megaloom.planning.hardware import load_gpu
 from megaloom.planning.memory_params import analytic_params
+from megaloom.planning.shape import shaped
 from megaloom.planning.step import muon_matrices, predict
 
 BASE = ["model.preset=llama3-8b", "parallel.tp=8", "train.seq_len=4096", "train.micro_batch_size=1",
@@ -20,7 +20,7 @@ BASE = ["model.preset=llama3-8b", "parallel.tp=8", "train.seq_len=4096", "train.
 
 @pytest.mark.parametrize("tp", [1, 8, 16])  # 16 > 8 KV heads: the k / v pieces replicated over 2 tp ranks
 def test_the_matrices_are_the_blocks_matmul_weights(tp):
-    cfg = _shaped(load_config(None, BASE))
+    cfg = shaped(load_config(None, BASE))
     layers = list(range(cfg.model.n_layers))
     mats = muon_matrices(cfg, layers)
     whole = analytic_params(cfg, layers, False, False, 1, 1)
@@ -34,10 +34,10 @@ def test_the_matrices_are_the_blocks_matmul_weights(tp):
 
 def test_the_exchange_is_exposed_and_newton_schulz_joins_the_optimizer():
     gpu = load_gpu("h100-sxm")
-    adam, muon = (predict(_shaped(load_config(None, [*BASE, f"train.optimizer={o}"])), 32, gpu, memory=False)
+    adam, muon = (predict(shaped(load_config(None, [*BASE, f"train.optimizer={o}"])), 32, gpu, memory=False)
                   for o in ("adamw", "muon"))
     assert "muon" not in adam.exposed and muon.exposed["muon"] > 0
-    cfg = _shaped(load_config(None, [*BASE, "train.optimizer=muon"]))
+    cfg = shaped(load_config(None, [*BASE, "train.optimizer=muon"]))
     mats = muon_matrices(cfg, list(range(4)))
     sizes = muon.sizes
     want, ns = comm.muon_exchange(mats, 8, sizes["dp"], 1, 1, comm.link_of(gpu, sizes, "tp"),
@@ -46,7 +46,7 @@ def test_the_exchange_is_exposed_and_newton_schulz_joins_the_optimizer():
     assert muon.exposed["muon"] == pytest.approx(want)
     assert muon.optimizer_s == pytest.approx(adam.optimizer_s + ns)
     assert muon.step_s == pytest.approx(adam.step_s + want + ns, rel=1e-9)
-    dry = predict(_shaped(load_config(None, [*BASE, "train.optimizer=muon"])), 32, gpu, mode="dry-run",
+    dry = predict(shaped(load_config(None, [*BASE, "train.optimizer=muon"])), 32, gpu, mode="dry-run",
                   memory=False)
     assert "muon" not in dry.exposed  # the fake group: collectives free, Newton-Schulz still computed
 

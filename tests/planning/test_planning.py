@@ -14,11 +14,13 @@ from megaloom.config import ConfigError, load_config
 from megaloom.parallel.pipeline.checker import simulate
 from megaloom.parallel.pipeline.schedules import build_schedule
 from megaloom.planning import comm
-from megaloom.planning.command import _shaped, plan_command
+from megaloom.planning.command import plan_command
 from megaloom.planning.compute import block_work
 from megaloom.planning.hardware import load_gpu
+from megaloom.planning.memory_fit import resolve_for_planning
 from megaloom.planning.memory_plan import GB, plan_memory
-from megaloom.planning.search import accepted, candidates, resolved, search
+from megaloom.planning.search import accepted, candidates, search
+from megaloom.planning.shape import shaped
 from megaloom.planning.step import _makespan, predict
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,7 +58,7 @@ def test_calibration_interpolates_and_unknown_kinds_are_named() -> None:
 
 
 def test_a_block_costs_its_gemm_flops_at_the_calibrated_rate() -> None:
-    cfg = _shaped(load_config(None, ["model.preset=llama3-8b", "parallel.tp=4", "parallel.sp=true",
+    cfg = shaped(load_config(None, ["model.preset=llama3-8b", "parallel.tp=4", "parallel.sp=true",
                                      "train.seq_len=4096", "train.micro_batch_size=1"]))
     g = flat_gpu()
     n, d, hd, tp = 4096, 4096, 128, 4
@@ -74,7 +76,7 @@ def test_a_block_costs_its_gemm_flops_at_the_calibrated_rate() -> None:
 def test_a_block_with_wide_heads_costs_heads_times_head_dim() -> None:
     """model.head_dim (Qwen3-32B: 64 heads of 128 over d_model 5120): q/o are d x 8192, k/v d x 1024 per rank
     group, and attention runs over heads x head_dim."""
-    cfg = _shaped(load_config(None, ["model.preset=qwen3-32b", "parallel.tp=8", "parallel.sp=true",
+    cfg = shaped(load_config(None, ["model.preset=qwen3-32b", "parallel.tp=8", "parallel.sp=true",
                                      "train.seq_len=4096", "train.micro_batch_size=1"]))
     g = flat_gpu()
     n, d, hd, tp = 4096, 5120, 128, 8
@@ -95,7 +97,7 @@ def test_long_pipelines_extrapolate_the_simulated_steady_state_exactly() -> None
 
 
 def test_the_search_proposes_only_accepted_layouts_whose_memory_is_the_plans() -> None:
-    cfg = _shaped(load_config(None, ["model.preset=llama3-8b", "train.seq_len=4096", "train.global_batch_size=64"]))
+    cfg = shaped(load_config(None, ["model.preset=llama3-8b", "train.seq_len=4096", "train.global_batch_size=64"]))
     g = load_gpu("h100-sxm")
     options, counts = search(cfg, 64, g, top=6)
     assert options and counts["refused"] > 0 and counts["predicted"] >= len(options)
@@ -111,7 +113,7 @@ def test_the_search_proposes_only_accepted_layouts_whose_memory_is_the_plans() -
 
 def test_the_search_tries_end_stage_counts_where_the_layers_do_not_divide() -> None:
     # the 405B-class shape (126 layers): no pp = 16 layout existed before; now Llama 3's 7 / 8 x 14 / 7, interleaved too
-    cfg = _shaped(load_config(None, [
+    cfg = shaped(load_config(None, [
         "model.preset=llama3-70b", "model.n_layers=126", "model.d_model=16384", "model.n_heads=128",
         "model.ffn_dim=53248", "train.seq_len=8192", "model.max_seq_len=8192", "train.global_batch_size=2048"]))
     pp16 = [c for c in candidates(cfg, 8192, load_gpu("h100-sxm")) if c.parallel.pp == 16]
@@ -130,12 +132,12 @@ def test_the_compiled_tp_overlap_hides_most_tp_time_but_not_the_input_gradients(
              "train.micro_batch_size=1", "parallel.tp=8", "parallel.pp=16", "parallel.sp=true", "parallel.zero=1",
              "parallel.pp_first_stage_layers=7", "parallel.pp_last_stage_layers=7"]
     g = load_gpu("h100-sxm")
-    before, after = (predict(resolved(_shaped(load_config(None, [*shape, f"parallel.async_tp={a}"]))), 8192, g)
+    before, after = (predict(resolve_for_planning(load_config(None, [*shape, f"parallel.async_tp={a}"])), 8192, g)
                      for a in ("false", "auto"))
     # the backward's input-gradient reduce-scatters stay exposed: a quarter of the collectives, at least
     assert 0.25 * before.exposed["tp"] < after.exposed["tp"] < 0.5 * before.exposed["tp"]
     assert after.step_s < before.step_s
-    eager = predict(resolved(_shaped(load_config(None, [*shape, "train.compile=false"]))), 8192, g)
+    eager = predict(resolve_for_planning(load_config(None, [*shape, "train.compile=false"])), 8192, g)
     assert eager.exposed["tp"] == pytest.approx(before.exposed["tp"])  # the eager ring is not modelled
 
 
@@ -147,7 +149,7 @@ def test_scatter_gather_messages_cost_a_tp_piece_on_the_nic_and_a_tp_all_gather(
              "train.seq_len=2048", "train.global_batch_size=64", "train.micro_batch_size=1", "parallel.tp=8",
              "parallel.pp=4", "parallel.sp=false", "train.recompute=full", "train.precision=bf16"]
     g = load_gpu("a100-80gb")
-    whole, split = (predict(resolved(_shaped(load_config(None, [*shape, f"parallel.pp_scatter_gather={o}"]))),
+    whole, split = (predict(resolve_for_planning(load_config(None, [*shape, f"parallel.pp_scatter_gather={o}"])),
                             64, g, memory=False) for o in ("false", "true"))
     sizes = {"tp": 8, "cp": 1, "dp": 2, "pp": 4}
     msg, nic, nvlink = 2048 * 4096 * 2, comm.link_of(g, sizes, "pp"), comm.link_of(g, sizes, "tp")
@@ -165,7 +167,7 @@ def test_plan_writes_a_config_that_train_accepts_and_predict_reads_it(tmp_path: 
     assert "megaloom train --config" in text
     chosen = load_config(out, [])
     assert chosen.model.vocab_size == cfg.model.vocab_size  # the user's model, only the layout changed
-    assert accepted(resolved(_shaped(chosen)), 64)
+    assert accepted(resolve_for_planning(chosen), 64)
     described = plan_command(cfg, 64, "h100-sxm", predict_config=str(out))
     assert "step" in described and "fits" in described
 
@@ -180,7 +182,7 @@ def test_the_dry_run_prediction_meets_the_h200_rows() -> None:
     for r in rows:
         # the levers as auto chose them on that date: neither the fused weight gradients nor bf16 weights yet
         then = ["train.grad_accum_fusion=false", "train.bf16_params=false"]
-        cfg = resolved(_shaped(load_config(None, [*r["overrides"], *then])))
+        cfg = resolve_for_planning(load_config(None, [*r["overrides"], *then]))
         pred = predict(cfg, r["world"], g, mode="dry-run", memory=False, pp_rank=0)
         err = abs(1e3 * pred.step_s - r["step_ms"]) / r["step_ms"]
         bound = 0.16 if ("tp4-pp2" in r["layout"] or "cp2" in r["layout"]) else 0.10
@@ -213,11 +215,11 @@ def test_onebit_exchange_is_the_step_models_numbers() -> None:
     slow = flat_gpu(nic_gbps=1.0)  # dp across nodes on 1 GB/s NICs: the all-reduce is exposed, 1-bit wins
     base = ["model.preset=llama3-8b", "parallel.tp=8", "train.seq_len=4096", "train.micro_batch_size=1",
             "train.global_batch_size=32", "model.n_layers=4"]
-    adam, onebit = (predict(_shaped(load_config(None, [*base, f"train.optimizer={o}"])), 32, slow, memory=False)
+    adam, onebit = (predict(shaped(load_config(None, [*base, f"train.optimizer={o}"])), 32, slow, memory=False)
                     for o in ("adamw", "onebit_adam"))
     from megaloom.planning.step import _updated_params
 
-    cfg = _shaped(load_config(None, [*base, "train.optimizer=onebit_adam"]))
+    cfg = shaped(load_config(None, [*base, "train.optimizer=onebit_adam"]))
     local, _ = _updated_params(cfg, onebit.sizes, 0)
     link = comm.link_of(slow, onebit.sizes, "dp")
     assert link.inter_node and onebit.exposed["dp"] == pytest.approx(
