@@ -53,6 +53,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     args.trainer = Trainer(cfg)  # main() reads its step and run directory if Ctrl-C stops the run
     with console_verbosity(verbosity):
         result = args.trainer.build().fit()
+    args.trainer.close()  # every rank done before any tears down
     if result.stopped_by is not None:  # SIGTERM/SIGUSR1/Ctrl-C, saved first (resilience.save_on_signal)
         if os.environ.get("RANK", "0") == "0":
             print(_interrupted_line(args, result.stopped_by), file=sys.stderr, flush=True)

@@ -491,6 +491,17 @@ class Trainer:
             log.info(self._summary())
         return self.result
 
+    def close(self) -> None:
+        """The end of a process whose trainer started the process group itself (`megaloom train` under torchrun):
+        every rank meets on the host group before any tears down, then the group goes. gloo aborts a process
+        ("terminate called without an active exception": a chat cp2 x dp2 run of the CI, 2026-12-06, after its last
+        step) when a peer closes its connections while it still has traffic in flight. A trainer given its runtime
+        leaves the group to its owner (the test worlds meet and tear down themselves)."""
+        if self._runtime is not None or self.cfg is None or not dist.is_initialized():
+            return
+        self.host.barrier()
+        dist.destroy_process_group()
+
     def _raise_if_peer_lost(self, e: Exception) -> None:
         """A collective failed because another rank died: one line for the job naming it (said here, while a
         SIGTERM from torchrun tearing the job down is still only recorded), then PeerLost, not the backend's
