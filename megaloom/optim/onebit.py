@@ -242,14 +242,13 @@ class OnebitOptimizer:
                 self._average_trust_ratios()
             if self.steps + 1 == self.warmup:
                 self._freeze_variance()
-        elif self.refreshing():
-            for ex, ratio in zip(self.exchanges, self.refresh_variance(), strict=True):
-                if ex is not None:
-                    ex.rescale(ratio)
-            self._adam_update()
-            torch._foreach_add_([self.state[p]["step"] for p in self.params], 1.0)
-        else:
-            self._exchange_momentum()
+        else:  # the momentum exchanged in 1 bit, or (a variance step: 1-bit Adam only) all-reduced and exact
+            if self.refreshing():
+                for ex, ratio in zip(self.exchanges, self.refresh_variance(), strict=True):
+                    if ex is not None:
+                        ex.rescale(ratio)
+            else:
+                self._exchange_momentum()
             if self.kind == "adam":
                 self._adam_update()
             else:
