@@ -28,6 +28,7 @@ from megaloom.model_keys import check as check_model_keys
 from megaloom.model_keys import resolved_head_dim as resolved_head_dim
 from megaloom.model_keys.base import AUTO_BOOL, AutoBool, _f, model_rules
 from megaloom.model_keys.base import require as _require
+from megaloom.model_keys.shape import resolved_expert_ffn_dim
 
 
 def _choices(f: dataclasses.Field) -> tuple | None:
@@ -37,6 +38,11 @@ def _choices(f: dataclasses.Field) -> tuple | None:
 
 
 TRACKERS = ("tensorboard", "wandb", "mlflow")  # run.trackers (megaloom/observe/trackers/)
+
+# The run directory's two configs: the resolved one (every "auto" filled in; what the run is, read back by resume,
+# `megaloom generate` and `megaloom convert`) and the one the user gave (defaults as written, to run elsewhere).
+RUN_CONFIG = "config.yaml"
+REQUESTED_CONFIG = "requested.yaml"
 
 # The model section (ModelConfig, its sub-section LoraConfig, resolved_head_dim) is assembled from one group of keys
 # per owner in megaloom/model_keys/; the rules that need a model family are asked through `model_rules()`
@@ -287,7 +293,8 @@ class CheckpointConfig:
 
 @dataclass
 class RunConfig:
-    dir: str = _f("runs/default", "Run directory: config.yaml, metrics.jsonl, checkpoints/, TensorBoard events.")
+    dir: str = _f("runs/default", "Run directory: config.yaml (resolved), requested.yaml (as given), metrics.jsonl, "
+                                         "checkpoints/, TensorBoard events.")
     tensorboard: bool = _f(True, "Write TensorBoard event files into run.dir (with tensorboard in run.trackers; false "
                                  "turns them off whatever run.trackers says).")
     trackers: list[str] = _f(["tensorboard"], "Where the numbers of each metrics.jsonl record also go (rank 0; "
@@ -789,7 +796,7 @@ def _check_fp8_experts(m: ModelConfig, t: TrainConfig, p: ParallelConfig) -> Non
                                    "train.fp8_experts=false.")
     _require(bool(m.moe_every), "train.fp8_experts=true but this model has no MoE layers (model.moe_every=0); set "
                                 "train.fp8_experts=false.")
-    width = m.expert_ffn_dim or model_rules().mlp_width(m)
+    width = resolved_expert_ffn_dim(m)
     local = width // p.tp if width % p.tp == 0 else width  # a width tp does not divide is refused where it is split
     _require(m.d_model % 16 == 0 and local % 16 == 0,
              f"train.fp8_experts=true: the fp8 grouped GEMMs need model.d_model ({m.d_model}) and the expert width "

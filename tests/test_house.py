@@ -442,6 +442,55 @@ help = _f("auto", "cuda if available")
     assert ("example.py", 6, "torch.cuda") in found
 
 
+# ------------------------------------------------------------------------- one rule per derived size
+
+# A model size left at 0 ("auto") is filled in by one rule, in megaloom/model_keys/shape.py (issue 50, "resolve
+# once"): n_kv_heads, head_dim, ffn_dim, expert_ffn_dim. Anywhere else, code asks `resolved_kv_heads(m)` and its
+# siblings (which read the field of a resolved config): the rule written out again (``m.n_kv_heads or m.n_heads``,
+# ``m.ffn_dim or ...``, ``m.d_model // m.n_heads``, a family's ``default_ffn_dim(...)``) is how two places came
+# to disagree (a resolved head_dim written into a latent-attention run's config.yaml).
+SHAPE_RULES_HOME = "model_keys/shape.py"
+_AUTO_SIZES = ("n_kv_heads", "head_dim", "ffn_dim", "expert_ffn_dim")
+
+
+def _shape_rules(rel: str, tree: ast.Module) -> list[tuple[str, int, str]]:
+    found = []
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.BoolOp) and isinstance(node.op, ast.Or)
+                and isinstance(node.values[0], ast.Attribute) and node.values[0].attr in _AUTO_SIZES):
+            found.append((rel, node.lineno, ast.unparse(node)))
+        elif (isinstance(node, ast.BinOp) and isinstance(node.op, ast.FloorDiv)
+              and isinstance(node.left, ast.Attribute) and node.left.attr == "d_model"
+              and isinstance(node.right, ast.Attribute) and node.right.attr == "n_heads"):
+            found.append((rel, node.lineno, ast.unparse(node)))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr == "default_ffn_dim"):
+            found.append((rel, node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_each_auto_size_has_one_rule():
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel != SHAPE_RULES_HOME:
+            found += _shape_rules(rel, _tree(path))
+    assert not found, (f"a model size's 'auto' rule written outside megaloom/{SHAPE_RULES_HOME} (ask "
+                       "resolved_kv_heads / resolved_head_dim / resolved_ffn_dim / resolved_expert_ffn_dim):\n"
+                       + "\n".join(f"megaloom/{rel}:{line}: {what}" for rel, line, what in found))
+    assert _shape_rules(SHAPE_RULES_HOME, _tree(ROOT / SHAPE_RULES_HOME)), "the rules' home no longer holds them"
+
+
+def test_the_rule_check_sees_a_rule():
+    source = """
+kv = m.n_kv_heads or m.n_heads
+hd = cfg.model.head_dim or cfg.model.d_model // cfg.model.n_heads
+ffn = tr.default_ffn_dim(m.d_model)
+fine = resolved_kv_heads(m) or m.vocab_size or d_model // n_heads
+"""
+    assert sorted(line for _, line, _ in _shape_rules("example.py", ast.parse(source))) == [2, 3, 3, 4]
+
+
 # ------------------------------------------------------------------------- floors, and who may import whom
 
 # The floors of megaloom, bottom first (docs/architecture.md, "Floors", draws them). A module stands on the floor of

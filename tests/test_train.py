@@ -26,16 +26,24 @@ def test_loss_falls_and_run_dir_contract(small_corpus, tmp_path):
     assert records[-1]["eval_loss"] < records[0]["loss"]
     resolved = load_config(run / "config.yaml")
     assert resolved.model.vocab_size == 512 and resolved.train.precision == "fp32"
+    assert load_config(run / "requested.yaml") == cfg  # the config as given, beside the resolved one
+    assert cfg.train.precision == "auto" and cfg.model.vocab_size == 0  # left as written: auto
 
 
 def test_no_final_checkpoint_when_asked(small_corpus, tmp_path):
-    """(A GPU job's train.attention=fa4 rides along: on CPU the run takes PyTorch's SDPA, and config.yaml says so.)"""
+    """(A GPU job's train.attention=fa4 rides along: on CPU the run takes PyTorch's SDPA, and config.yaml says so,
+    while requested.yaml keeps fa4 as given: passed back, it trains on from the periodic checkpoint.)"""
     run = tmp_path / "run"
     res = train(load_config(None, tiny_overrides(small_corpus, run, "train.steps=6", "checkpoint.every=4",
                                                  "checkpoint.final=false", "train.attention=fa4")))
     assert res.final_step == 6
     assert [p.name for p in (run / "checkpoints").glob("step_*")] == ["step_00000004"]  # the periodic one only
     assert load_config(run / "config.yaml").train.attention == "torch"
+    requested = load_config(run / "requested.yaml", ["train.steps=8"])
+    assert requested.train.attention == "fa4" and requested.train.precision == "auto"
+    assert train(requested).final_step == 8
+    steps = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps[-1] == 8 and 5 in steps  # resumed at step 4 (steps 5 and 6 run again), not from scratch
 
 
 def test_exact_resume_after_stop(small_corpus, tmp_path):

@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields
 
 from megaloom.model_keys import decoder, llava
 from megaloom.model_keys.bert import BertKeys
-from megaloom.model_keys.decoder import DecoderKeys, resolved_head_dim
+from megaloom.model_keys.decoder import DecoderKeys
 from megaloom.model_keys.freeze import FreezeKeys
 from megaloom.model_keys.gemma import GemmaKeys
 from megaloom.model_keys.llava import LlavaKeys
@@ -27,8 +27,16 @@ from megaloom.model_keys.lora import LoraConfig, LoraKeys
 from megaloom.model_keys.mla import MlaKeys
 from megaloom.model_keys.moe import MoeKeys
 from megaloom.model_keys.mtp import MtpKeys
+from megaloom.model_keys.shape import (
+    resolved_expert_ffn_dim,
+    resolved_ffn_dim,
+    resolved_head_dim,
+    resolved_kv_heads,
+    resolved_shape,
+)
 
-__all__ = ["LoraConfig", "ModelConfig", "check", "resolved_head_dim", "shape_keys"]
+__all__ = ["LoraConfig", "ModelConfig", "check", "resolved_expert_ffn_dim", "resolved_ffn_dim", "resolved_head_dim",
+           "resolved_kv_heads", "resolved_shape", "shape_keys"]
 
 
 @dataclass

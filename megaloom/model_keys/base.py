@@ -70,10 +70,6 @@ class ModelRules(Protocol):
         """{"section.key": value} training defaults for a model of this width (empty for CPU-sized models)."""
         ...
 
-    def mlp_width(self, m: ModelConfig) -> int:
-        """The dense MLP's width: model.ffn_dim, or the family's default for model.d_model."""
-        ...
-
     def check(self, cfg: Config) -> None:
         """The model section against its family (raises ConfigError naming the key and the fix)."""
         ...

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from megaloom.model_keys.base import _f, divisors, family_names, require
+from megaloom.model_keys.shape import resolved_kv_heads
 
 if TYPE_CHECKING:
     from megaloom.model_keys import ModelConfig
@@ -66,19 +67,13 @@ class DecoderKeys:
     sliding_window: int = _f(0, "Sliding-window attention span in tokens; 0 = full causal attention.")
 
 
-def resolved_head_dim(m: ModelConfig) -> int:
-    """The attention head width: model.head_dim, or d_model / n_heads when it is 0 (every layer that sizes heads,
-    q/k/v/o, RoPE tables, KV caches, the memory plan and FLOP counts asks this, never d_model / n_heads)."""
-    return m.head_dim or m.d_model // m.n_heads
-
-
 def check_heads(m: ModelConfig) -> None:
     """The attention heads divide the width (or model.head_dim sets it), and the query heads the key/value heads."""
     require(m.head_dim >= 0, f"model.head_dim must be >= 0 (0 = d_model / n_heads), got {m.head_dim}.")
-    require(m.head_dim or m.d_model % m.n_heads == 0,
+    require(m.head_dim > 0 or m.d_model % m.n_heads == 0,
             f"model.d_model ({m.d_model}) must be divisible by model.n_heads ({m.n_heads}); "
             f"head counts that would work: {divisors(m.d_model, m.n_heads)} (or set model.head_dim).")
-    kv = m.n_kv_heads or m.n_heads
+    kv = resolved_kv_heads(m)
     require(m.n_heads % kv == 0,
             f"model.n_heads ({m.n_heads}) must be a multiple of model.n_kv_heads ({kv}); "
             f"n_kv_heads that would work: {divisors(m.n_heads)}.")

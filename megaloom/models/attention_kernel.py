@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from megaloom.accelerator import compute_precision, is_cuda
 from megaloom.config import Config
+from megaloom.model_keys.shape import resolved_kv_heads
 
 
 def attention_backend(cfg: Config, device: str, tp: int = 1) -> str:
@@ -23,7 +24,7 @@ def attention_backend(cfg: Config, device: str, tp: int = 1) -> str:
         if cfg.train.attention == "math":
             return "math"
         if compute_precision(cfg, device) == "fp32":
-            kv = m.n_kv_heads or m.n_heads
+            kv = resolved_kv_heads(m)
             return "efficient" if m.n_heads // tp == max(kv // tp, 1) else "math"
         return "flash"
     return "math" if m.dropout > 0 else "flash"  # CPU's flash kernel has no dropout

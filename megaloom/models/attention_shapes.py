@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megaloom.config import ModelConfig, resolved_head_dim
+from megaloom.config import ModelConfig
+from megaloom.model_keys.shape import resolved_head_dim, resolved_kv_heads
 
 
 def is_mla(m: ModelConfig) -> bool:
@@ -65,7 +66,7 @@ def attention_projections(m: ModelConfig, tp: int = 1) -> list[Projection]:
     d, h = m.d_model, m.n_heads // tp
     if not is_mla(m):
         hd = resolved_head_dim(m)
-        hkv = max((m.n_kv_heads or m.n_heads) // tp, 1)
+        hkv = max(resolved_kv_heads(m) // tp, 1)
         return [Projection("q_proj", h * hd, d, "heads"), Projection("k_proj", hkv * hd, d, "kv"),
                 Projection("v_proj", hkv * hd, d, "kv"), Projection("o_proj", d, h * hd, "rows")]
     qk = qk_head_dim(m)
@@ -87,7 +88,7 @@ def core_widths(m: ModelConfig, tp: int = 1) -> tuple[int, int, int]:
         w = core_head_dim(m)
         return h * w, h * w, h * w
     hd = resolved_head_dim(m)
-    hkv = max((m.n_kv_heads or m.n_heads) // tp, 1)
+    hkv = max(resolved_kv_heads(m) // tp, 1)
     return h * hd, hkv * hd, hkv * hd
 
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from megaloom.errors import ConfigError
-from megaloom.model_keys import mla, moe, resolved_head_dim
+from megaloom.model_keys import mla, moe
 from megaloom.model_keys.base import require
+from megaloom.model_keys.shape import resolved_head_dim
 from megaloom.models.lora import check_targets
 from megaloom.models.presets import PRESETS
 from megaloom.models.recipes import train_defaults
@@ -34,9 +35,6 @@ class _Rules:
 
     def size_defaults(self, m: ModelConfig) -> dict[str, Any]:
         return train_defaults(m)
-
-    def mlp_width(self, m: ModelConfig) -> int:
-        return m.ffn_dim or _family(m.arch).traits.default_ffn_dim(m.d_model)
 
     def check(self, cfg: Config) -> None:
         check_model(cfg, _family(cfg.model.arch))

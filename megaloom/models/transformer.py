@@ -19,8 +19,14 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megaloom.accelerator import CUDA
-from megaloom.config import ModelConfig, resolved_head_dim
+from megaloom.config import ModelConfig
 from megaloom.model_keys.base import model_rules
+from megaloom.model_keys.shape import (
+    resolved_expert_ffn_dim,
+    resolved_ffn_dim,
+    resolved_head_dim,
+    resolved_kv_heads,
+)
 from megaloom.models.attention import Attention, KVCache
 from megaloom.models.attention_shapes import is_mla, rope_dim
 from megaloom.models.documents import Documents
@@ -41,10 +47,6 @@ def family_of(cfg: ModelConfig) -> FamilyView:
     return model_rules().family(cfg.arch)
 
 
-def resolved_ffn_dim(cfg: ModelConfig) -> int:
-    return cfg.ffn_dim or family_of(cfg).traits.default_ffn_dim(cfg.d_model)
-
-
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int = 0, family: FamilyView | None = None):
         super().__init__()
@@ -56,15 +58,15 @@ class Block(nn.Module):
             self.attn = MLAttention(cfg)
         else:
             attention = tr.attention or Attention
-            self.attn = attention(cfg.d_model, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads, tr.bias, cfg.dropout,
+            self.attn = attention(cfg.d_model, cfg.n_heads, resolved_kv_heads(cfg), tr.bias, cfg.dropout,
                                   cfg.sliding_window, qkv_bias=tr.bias or cfg.qkv_bias, norm_eps=cfg.norm_eps,
                                   head_dim=resolved_head_dim(cfg))
         self.attn.causal = tr.causal
         if not self.parallel:  # the parallel block reads one normed input for both branches
             self.mlp_norm = make_norm(tr.norm, cfg.d_model, cfg.norm_eps)
-        ffn = cfg.ffn_dim or tr.default_ffn_dim(cfg.d_model)
+        ffn = resolved_ffn_dim(cfg)
         if is_moe_block(cfg, layer_idx):
-            self.mlp = MoE(cfg.d_model, cfg.n_experts, cfg.top_k, cfg.expert_ffn_dim or ffn,
+            self.mlp = MoE(cfg.d_model, cfg.n_experts, cfg.top_k, resolved_expert_ffn_dim(cfg),
                            n_shared_experts=cfg.n_shared_experts, score_fn=cfg.router_score,
                            normalize_weights=cfg.moe_norm_topk,
                            aux_loss_weight=cfg.aux_loss_weight, z_loss_weight=cfg.z_loss_weight,

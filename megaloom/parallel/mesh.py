@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megaloom.config import Config, ConfigError, ModelConfig
-from megaloom.models.transformer import resolved_ffn_dim
+from megaloom.model_keys.shape import resolved_ffn_dim, resolved_kv_heads
 from megaloom.parallel.comm import NullRecorder, OpRecorder
 from megaloom.parallel.groups import partition_group
 
@@ -54,7 +54,7 @@ def init_timeout(cfg: Config) -> timedelta:
 
 def tp_sizes_for_model(m: ModelConfig, limit: int = 64) -> list[int]:
     """Tensor-parallel sizes this model shape can be split into (heads, KV heads and MLP all divide)."""
-    kv = m.n_kv_heads or m.n_heads
+    kv = resolved_kv_heads(m)
     ffn = resolved_ffn_dim(m)
     return [t for t in range(1, limit + 1)
             if m.n_heads % t == 0 and (kv % t == 0 or t % kv == 0) and ffn % t == 0
@@ -65,7 +65,7 @@ def check_tp_model(m: ModelConfig, tp: int) -> None:
     """The model-shape half of `validate_layout`: can every tensor-parallel layer be split tp ways?"""
     if tp == 1:
         return
-    kv = m.n_kv_heads or m.n_heads
+    kv = resolved_kv_heads(m)
     works = f"parallel.tp values this model supports: {_fmt(tp_sizes_for_model(m))}."
     if m.n_heads % tp:
         raise ConfigError(f"parallel.tp={tp} does not divide model.n_heads={m.n_heads} (each tp rank owns "

@@ -30,7 +30,8 @@ from fnmatch import fnmatchcase
 import torch
 from torch import nn
 
-from megaloom.config import ModelConfig, resolved_head_dim
+from megaloom.config import ModelConfig
+from megaloom.model_keys.shape import resolved_head_dim, resolved_kv_heads
 from megaloom.models import plan_styles as st
 from megaloom.models.moe import MoE
 from megaloom.parallel import borders, comm
@@ -111,7 +112,7 @@ class _Context:
     @property
     def kv_rows(self) -> tuple[tuple[int, int] | None, int]:
         """(rows, replicas) of a k/v projection: this rank's single KV head when tp > n_kv_heads."""
-        n_kv = self.cfg.n_kv_heads or self.cfg.n_heads
+        n_kv = resolved_kv_heads(self.cfg)
         if self.mesh.tp <= n_kv:
             return None, 1
         reps, head_dim = self.mesh.tp // n_kv, resolved_head_dim(self.cfg)

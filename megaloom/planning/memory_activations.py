@@ -13,7 +13,13 @@ import math
 from dataclasses import dataclass
 
 from megaloom.accelerator import CUDA, compute_precision, is_cuda
-from megaloom.config import Config, ModelConfig, resolved_head_dim
+from megaloom.config import Config, ModelConfig
+from megaloom.model_keys.shape import (
+    resolved_expert_ffn_dim,
+    resolved_ffn_dim,
+    resolved_head_dim,
+    resolved_kv_heads,
+)
 from megaloom.models.attention_kernel import attention_backend
 from megaloom.planning.memory_mla import is_mla, mla_attention_bytes
 
@@ -27,11 +33,7 @@ def _traits(m: ModelConfig):
 
 def _resolved(m: ModelConfig) -> tuple[int, int, int, int]:
     """(n_kv_heads, ffn_dim, expert_ffn_dim, head_dim) with the "auto" zeros filled in."""
-    from megaloom.models.transformer import resolved_ffn_dim
-
-    kv = m.n_kv_heads or m.n_heads
-    ffn = resolved_ffn_dim(m)
-    return kv, ffn, m.expert_ffn_dim or ffn, resolved_head_dim(m)
+    return resolved_kv_heads(m), resolved_ffn_dim(m), resolved_expert_ffn_dim(m), resolved_head_dim(m)
 
 
 def is_moe_layer(m: ModelConfig, index: int) -> bool:

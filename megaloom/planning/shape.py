@@ -11,8 +11,8 @@ import copy
 import dataclasses
 import math
 
-from megaloom.config import Config, ModelConfig, resolved_head_dim
-from megaloom.models.transformer import resolved_ffn_dim
+from megaloom.config import Config, ModelConfig
+from megaloom.model_keys.shape import resolved_shape
 from megaloom.preflight import preflight_vocab
 
 
@@ -25,11 +25,7 @@ def resolved_model(m: ModelConfig, tokenizer_vocab: int, pad_multiple: int = 64)
     """A copy of `m` with the sizes left at 0 ("auto") filled in; refuses a vocabulary the tokenizer overflows."""
     preflight_vocab(m, tokenizer_vocab)
     vocab = m.vocab_size or pad_multiple * math.ceil(tokenizer_vocab / pad_multiple)
-    # Latent attention sizes its heads by qk_nope/qk_rope/v_head_dim: model.head_dim stays 0 (validation refuses
-    # any other value there, so a resolved d_model / n_heads written to config.yaml could not be read back).
-    head_dim = 0 if m.attention == "mla" else resolved_head_dim(m)
-    m = dataclasses.replace(m, vocab_size=vocab, n_kv_heads=m.n_kv_heads or m.n_heads, head_dim=head_dim)
-    return dataclasses.replace(m, ffn_dim=resolved_ffn_dim(m))
+    return dataclasses.replace(resolved_shape(m), vocab_size=vocab)
 
 
 def shaped(cfg: Config) -> Config:

@@ -4,7 +4,8 @@ evaluate and checkpoint until the last step, rolling back past runs of non-finit
     trainer = Trainer(cfg).build()
     result = trainer.fit()
 
-`self.cfg` is the resolved config: written to run.dir/config.yaml by `build`, never changed afterwards.
+`self.cfg` is the resolved config: written to run.dir/config.yaml by `build`, never changed afterwards; the config as
+given (`self.requested`) goes to run.dir/requested.yaml beside it.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch.distributed as dist
 from megaloom import accelerator
 from megaloom.checkpoint.group import CheckpointGroup
 from megaloom.checkpoint.store import remove_partial_saves
-from megaloom.config import Config, ConfigError
+from megaloom.config import REQUESTED_CONFIG, RUN_CONFIG, Config, ConfigError
 from megaloom.data.chat.identity import chat_identity
 from megaloom.data.dataset import build_datasets, source_prefixes
 from megaloom.data.identity import data_identity
@@ -232,20 +233,28 @@ class Trainer:
         return cfg
 
     def _write_run_config(self) -> None:
+        """run.dir/config.yaml: the resolved config (every "auto" filled in: what this run is, read back by resume,
+        generate and convert); run.dir/requested.yaml: the config as given, each default as the user wrote it, to
+        pass to another machine or cluster, where the "auto" choices (precision, levers, micro-batch) are made again
+        for it. Both load with `megaloom train --config`."""
         if self.rt.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-            path = self.run_dir / "config.yaml"
-            self._previous_config = path.read_text() if path.is_file() else None
-            path.write_text(self.cfg.to_yaml())
+            self._previous_configs = {}
+            for name, cfg in ((RUN_CONFIG, self.cfg), (REQUESTED_CONFIG, self.requested)):
+                path = self.run_dir / name
+                self._previous_configs[name] = path.read_text() if path.is_file() else None
+                path.write_text(cfg.to_yaml())
 
     def _restore_run_config(self) -> None:
-        """A start that failed after writing config.yaml (a checkpoint of another shape, say) puts back the one
+        """A start that failed after writing config.yaml (a checkpoint of another shape, say) puts back the files
         the run directory had: the next `megaloom train --config RUN/config.yaml` reads the run's, not the
         refused settings."""
-        previous = getattr(self, "_previous_config", None)
-        if previous is not None and self.rt.is_main:
+        if not self.rt.is_main:
+            return
+        for name, previous in getattr(self, "_previous_configs", {}).items():
             try:
-                (self.run_dir / "config.yaml").write_text(previous)
+                if previous is not None:
+                    (self.run_dir / name).write_text(previous)
             except OSError:
                 pass
 

@@ -16,6 +16,7 @@ index). The next-sentence / sentence-order head is not built (packed rows carry 
 from __future__ import annotations
 
 from megaloom.config import ConfigError, ModelConfig
+from megaloom.model_keys.shape import resolved_kv_heads
 from megaloom.models.bert.hf import HF, TYPE_VOCAB
 from megaloom.models.bert.masking import MaskedLMObjective
 from megaloom.models.bert.presets import PRESETS
@@ -34,7 +35,7 @@ PLAN = {**DECODER_PLAN, "type_emb": SequencePositions(), "emb_norm": SequencePar
 
 def validate(m: ModelConfig) -> None:
     """What the encoder does not have: grouped-query attention, the parallel block, windows, experts."""
-    kv = m.n_kv_heads or m.n_heads
+    kv = resolved_kv_heads(m)
     for key, value, ok, why in (
             ("model.n_kv_heads", kv, m.n_heads, f"BERT has multi-head attention: set it to 0 or {m.n_heads}"),
             ("model.parallel_block", m.parallel_block, False, "BERT's blocks are post-norm: set it to false"),

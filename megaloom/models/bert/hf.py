@@ -17,9 +17,9 @@ from __future__ import annotations
 
 from megaloom.config import ModelConfig
 from megaloom.errors import ConversionError
+from megaloom.model_keys.shape import resolved_ffn_dim, resolved_kv_heads
 from megaloom.models.family import HFMapping
 from megaloom.models.hf_common import HFTensors, Tensors, refuse, refuse_head_dim
-from megaloom.models.transformer import resolved_ffn_dim
 
 TYPE_VOCAB = 2
 GLOBAL = [("tok_emb.weight", "bert.embeddings.word_embeddings.weight"),
@@ -68,7 +68,7 @@ def to_hf_config(m: ModelConfig) -> dict:
         raise ConversionError("model.sentence_order=true: BertForMaskedLM has no pooler or sentence-order head (and "
                               "BertForPreTraining's next-sentence head means something else); export a run trained "
                               "with model.sentence_order=false.")
-    kv = m.n_kv_heads or m.n_heads
+    kv = resolved_kv_heads(m)
     if kv != m.n_heads:
         raise ConversionError(f"model.n_kv_heads={kv} with arch bert: BertForMaskedLM has no grouped-query "
                               f"attention; only n_kv_heads=0 or {m.n_heads} can be exported.")

@@ -13,13 +13,13 @@ attention biases, other layer patterns, bidirectional attention.
 
 from __future__ import annotations
 
-from megaloom.config import ModelConfig, resolved_head_dim
+from megaloom.config import ModelConfig
 from megaloom.errors import ConversionError
+from megaloom.model_keys.shape import resolved_ffn_dim, resolved_head_dim, resolved_kv_heads
 from megaloom.models.family import HFMapping
 from megaloom.models.gemma.model import is_local
 from megaloom.models.hf_common import HFTensors, Tensors, refuse, rope_config, rope_settings
 from megaloom.models.llama import hf as llama_hf
-from megaloom.models.transformer import resolved_ffn_dim
 
 LAYER = [("attn_norm.weight", "input_layernorm.weight"),
          ("attn.q_proj.weight", "self_attn.q_proj.weight"),
@@ -53,7 +53,7 @@ def to_hf_config(m: ModelConfig) -> dict:
                               "projections; only models trained with model.qkv_bias=false can be exported.")
     hd = resolved_head_dim(m)
     return {"hidden_size": m.d_model, "intermediate_size": resolved_ffn_dim(m), "num_attention_heads": m.n_heads,
-            "num_key_value_heads": m.n_kv_heads or m.n_heads, "num_hidden_layers": m.n_layers, "head_dim": hd,
+            "num_key_value_heads": resolved_kv_heads(m), "num_hidden_layers": m.n_layers, "head_dim": hd,
             "rms_norm_eps": m.norm_eps, **rope_config(m), "max_position_embeddings": m.max_seq_len,
             "hidden_activation": "gelu_pytorch_tanh", "attention_bias": False, "attention_dropout": 0.0,
             # without a window every layer is full_attention; transformers still builds a sliding mask (unused),

@@ -27,12 +27,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megaloom.config import ModelConfig, resolved_head_dim
+from megaloom.config import ModelConfig
+from megaloom.model_keys.shape import resolved_ffn_dim, resolved_head_dim, resolved_kv_heads
 from megaloom.models.attention import Attention, KVCache
 from megaloom.models.documents import Documents
 from megaloom.models.init import ZEROS, InitRule, draw_init_seed
 from megaloom.models.layers import MLP, norm_input
-from megaloom.models.transformer import CrossEntropyLoss, Span, Transformer, family_of, resolved_ffn_dim
+from megaloom.models.transformer import CrossEntropyLoss, Span, Transformer, family_of
 
 if TYPE_CHECKING:
     from megaloom.models.family import Family
@@ -83,7 +84,7 @@ class GemmaBlock(nn.Module):
         d, eps = cfg.d_model, cfg.norm_eps
         window = cfg.sliding_window if is_local(layer_idx) else 0
         self.attn_norm = GemmaRMSNorm(d, eps=eps)
-        self.attn = Attention(d, cfg.n_heads, cfg.n_kv_heads or cfg.n_heads, False, cfg.dropout, window,
+        self.attn = Attention(d, cfg.n_heads, resolved_kv_heads(cfg), False, cfg.dropout, window,
                               qkv_bias=cfg.qkv_bias, head_dim=resolved_head_dim(cfg))
         self.attn.softcap = cfg.attn_softcap
         if cfg.query_pre_attn_scalar:  # (FA4's causal core applies 1 / sqrt(head_dim): SDPA takes this scale)

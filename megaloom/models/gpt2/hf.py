@@ -10,9 +10,9 @@ import torch
 
 from megaloom.config import ModelConfig
 from megaloom.errors import ConversionError
+from megaloom.model_keys.shape import resolved_ffn_dim, resolved_kv_heads
 from megaloom.models.family import HFMapping
 from megaloom.models.hf_common import HFTensors, Tensors, refuse, refuse_head_dim
-from megaloom.models.transformer import resolved_ffn_dim
 
 # (megaloom, HF inside transformer.h.{i}., transposed?) for everything except the fused q/k/v.
 LAYER = [("attn_norm.weight", "ln_1.weight", False), ("attn_norm.bias", "ln_1.bias", False),
@@ -64,7 +64,7 @@ def from_hf_names(hf: HFTensors, m: ModelConfig) -> Tensors:
 
 
 def to_hf_config(m: ModelConfig) -> dict:
-    kv = m.n_kv_heads or m.n_heads
+    kv = resolved_kv_heads(m)
     if kv != m.n_heads:
         raise ConversionError(f"model.n_kv_heads={kv} with arch gpt2: GPT2LMHeadModel has no grouped-query "
                               f"attention; only n_kv_heads=0 or {m.n_heads} can be exported.")

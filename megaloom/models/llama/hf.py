@@ -7,11 +7,11 @@ is refused with the field's name.
 
 from __future__ import annotations
 
-from megaloom.config import ModelConfig, resolved_head_dim
+from megaloom.config import ModelConfig
 from megaloom.errors import ConversionError
+from megaloom.model_keys.shape import resolved_ffn_dim, resolved_head_dim, resolved_kv_heads
 from megaloom.models.family import HFMapping
 from megaloom.models.hf_common import HFTensors, Tensors, refuse, rope_config, rope_settings
-from megaloom.models.transformer import resolved_ffn_dim
 
 # (megaloom name inside layers.{i}., HF name inside model.layers.{i}.)
 LAYER = [("attn_norm.weight", "input_layernorm.weight"),
@@ -45,7 +45,7 @@ def from_hf_names(hf: HFTensors, m: ModelConfig, layer: list = LAYER) -> Tensors
 def decoder_config(m: ModelConfig) -> dict:
     """The config.json fields Llama-style decoders (Llama, Qwen3) spell alike."""
     return {"hidden_size": m.d_model, "intermediate_size": resolved_ffn_dim(m), "num_attention_heads": m.n_heads,
-            "num_key_value_heads": m.n_kv_heads or m.n_heads, "num_hidden_layers": m.n_layers,
+            "num_key_value_heads": resolved_kv_heads(m), "num_hidden_layers": m.n_layers,
             "head_dim": resolved_head_dim(m), "rms_norm_eps": m.norm_eps, **rope_config(m),
             "max_position_embeddings": m.max_seq_len, "hidden_act": "silu", "attention_bias": False,
             "attention_dropout": 0.0}

@@ -38,13 +38,13 @@ import torch
 
 from megaloom.config import ModelConfig
 from megaloom.errors import ConversionError
+from megaloom.model_keys.shape import resolved_expert_ffn_dim, resolved_ffn_dim
 from megaloom.models.family import HFMapping
 from megaloom.models.hf_common import HFTensors, Tensors, _rope_parameters, refuse, rope_config, rope_settings
 from megaloom.models.hf_moe import moe_layer_from_hf, moe_layer_to_hf
 from megaloom.models.layers import yarn_default_attention_factor
 from megaloom.models.llama import hf as llama_hf
 from megaloom.models.moe import is_moe_block
-from megaloom.models.transformer import resolved_ffn_dim
 
 EXPERTS = ("gate_proj", "up_proj", "down_proj")
 NORMS = [("attn_norm.weight", "input_layernorm.weight"), ("mlp_norm.weight", "post_attention_layernorm.weight")]
@@ -154,7 +154,7 @@ def to_hf_config(m: ModelConfig) -> dict:
         if not m.n_shared_experts:
             raise ConversionError("model.n_shared_experts=0: every MoE layer of DeepseekV3ForCausalLM has shared "
                                   "experts. Only models with model.n_shared_experts >= 1 can be exported.")
-    expert_width = m.expert_ffn_dim or resolved_ffn_dim(m)
+    expert_width = resolved_expert_ffn_dim(m)
     rope = rope_config(m)
     if m.rope_scaling == "yarn":  # DeepSeek's softmax mscale (HF's yarn_apply_mscale reads it here)
         for key in ("rope_scaling", "rope_parameters"):

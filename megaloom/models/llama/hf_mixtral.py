@@ -15,18 +15,18 @@ from __future__ import annotations
 
 from megaloom.config import ModelConfig
 from megaloom.errors import ConversionError
+from megaloom.model_keys.shape import resolved_expert_ffn_dim
 from megaloom.models.family import HFMapping
 from megaloom.models.hf_common import HFTensors, Tensors, refuse
 from megaloom.models.hf_moe import moe_layer_from_hf, moe_layer_to_hf
 from megaloom.models.llama import hf as llama_hf
-from megaloom.models.transformer import resolved_ffn_dim
 
 ATTENTION = [(ml, hf) for ml, hf in llama_hf.LAYER if not ml.startswith("mlp.")]
 EXPERTS = ("w1", "w3", "w2")  # gate, up, down
 
 
 def expert_width(m: ModelConfig) -> int:
-    return m.expert_ffn_dim or resolved_ffn_dim(m)
+    return resolved_expert_ffn_dim(m)
 
 
 def check_moe_exportable(m: ModelConfig, architecture: str) -> None:

@@ -13,6 +13,7 @@ t5 they are estimates (two stacks and cross-attention are not counted separately
 from __future__ import annotations
 
 from megaloom.config import ConfigError, ModelConfig
+from megaloom.model_keys.shape import resolved_kv_heads
 from megaloom.models.family import Family, Traits
 from megaloom.models.plan_styles import (
     Colwise,
@@ -35,7 +36,7 @@ TRAITS = Traits(norm="rmsnorm", gated_mlp=True, bias=False, positions="relative"
 
 
 def validate(m: ModelConfig) -> None:
-    kv = m.n_kv_heads or m.n_heads
+    kv = resolved_kv_heads(m)
     for key, value, ok, why in (
             ("model.n_kv_heads", kv, m.n_heads, f"T5 has multi-head attention: set it to 0 or {m.n_heads}"),
             ("model.parallel_block", m.parallel_block, False, "T5's blocks are sequential: set it to false"),

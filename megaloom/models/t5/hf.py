@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from megaloom.config import ModelConfig
 from megaloom.errors import ConversionError
+from megaloom.model_keys.shape import resolved_ffn_dim, resolved_head_dim, resolved_kv_heads
 from megaloom.models.family import HFMapping
 from megaloom.models.hf_common import HFTensors, Tensors, refuse
 from megaloom.models.t5.model import MAX_DISTANCE, NUM_BUCKETS
-from megaloom.models.transformer import resolved_ffn_dim
 
 ATTN = [(f"{p}_proj.weight", f"{p}.weight") for p in "qkvo"]
 MLP = [("mlp.gate_proj.weight", "DenseReluDense.wi_0.weight"), ("mlp.up_proj.weight", "DenseReluDense.wi_1.weight"),
@@ -66,14 +66,14 @@ def from_hf_names(hf: HFTensors, m: ModelConfig) -> Tensors:
 
 
 def to_hf_config(m: ModelConfig) -> dict:
-    kv = m.n_kv_heads or m.n_heads
+    kv = resolved_kv_heads(m)
     if kv != m.n_heads:
         raise ConversionError(f"model.n_kv_heads={kv} with arch t5: T5 has no grouped-query attention; only "
                               f"n_kv_heads=0 or {m.n_heads} can be exported.")
     if not m.tie_embeddings:
         raise ConversionError("model.tie_embeddings=false with arch t5: transformers 5's T5ForConditionalGeneration "
                               "always ties its head to the embedding; only tied t5 models can be exported.")
-    return {"d_model": m.d_model, "d_kv": m.d_model // m.n_heads, "d_ff": resolved_ffn_dim(m), "num_layers": m.n_layers,
+    return {"d_model": m.d_model, "d_kv": resolved_head_dim(m), "d_ff": resolved_ffn_dim(m), "num_layers": m.n_layers,
             "num_decoder_layers": m.n_layers, "num_heads": m.n_heads, "relative_attention_num_buckets": NUM_BUCKETS,
             "relative_attention_max_distance": MAX_DISTANCE, "dropout_rate": 0.0, "layer_norm_epsilon": m.norm_eps,
             "feed_forward_proj": "gated-gelu", "is_encoder_decoder": True, "scale_decoder_outputs": True,

@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from megaloom.config import ModelConfig
+from megaloom.model_keys.shape import resolved_ffn_dim
 from megaloom.models.attention import KVCache
 from megaloom.models.init import draw_init_seed
 from megaloom.models.lora import add_lora
@@ -137,7 +138,7 @@ class T5Block(nn.Module):
             self.cross_norm = nn.RMSNorm(d, eps=cfg.norm_eps)
             self.cross = T5Attention(d, cfg.n_heads, cfg.dropout)
         self.mlp_norm = nn.RMSNorm(d, eps=cfg.norm_eps)
-        self.mlp = T5MLP(d, cfg.ffn_dim or 4 * d, cfg.dropout)
+        self.mlp = T5MLP(d, resolved_ffn_dim(cfg), cfg.dropout)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor, enc: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), None, bias)

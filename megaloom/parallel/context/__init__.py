@@ -17,6 +17,7 @@ from __future__ import annotations
 from torch import nn
 
 from megaloom.config import Config, ConfigError
+from megaloom.model_keys.shape import resolved_kv_heads
 from megaloom.parallel.context.alltoall import alltoall_attention
 from megaloom.parallel.context.layout import SequencePositions, SequenceShard, shard_sequence
 from megaloom.parallel.context.ring import register_recorder, ring_attention
@@ -30,7 +31,7 @@ MODES = ("auto", "ring", "alltoall")
 def _local_heads(cfg: Config) -> tuple[int, int]:
     """(query heads, key/value heads) of one tensor-parallel rank."""
     m, tp = cfg.model, cfg.parallel.tp
-    kv = m.n_kv_heads or m.n_heads
+    kv = resolved_kv_heads(m)
     return m.n_heads // tp, max(kv // tp, 1)
 
 
@@ -62,7 +63,7 @@ def check_context(cfg: Config) -> None:
     if mode == "alltoall" and (h % p.cp or hkv % p.cp):
         raise ConfigError(f"parallel.cp_mode=alltoall splits heads over cp={p.cp}, but each tp rank has {h} query "
                           f"and {hkv} key/value heads (model.n_heads={m.n_heads}, model.n_kv_heads="
-                          f"{m.n_kv_heads or m.n_heads}, parallel.tp={p.tp}); use parallel.cp_mode=ring (or auto).")
+                          f"{resolved_kv_heads(m)}, parallel.tp={p.tp}); use parallel.cp_mode=ring (or auto).")
     if mode == "ring" and m.sliding_window:
         raise ConfigError(f"model.sliding_window={m.sliding_window} with parallel.cp={p.cp} needs the all-to-all "
                           "mode (ring attention here is full causal only); set parallel.cp_mode=alltoall "

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megaloom.config import Config, ConfigError, resolved_head_dim
+from megaloom.config import Config, ConfigError
+from megaloom.model_keys.shape import resolved_ffn_dim, resolved_head_dim, resolved_kv_heads
 from megaloom.models.registry import reads_images
 
 # The settings that give the first / last stage an explicit layer count (function arguments until the config
@@ -266,8 +267,8 @@ def encoder_block_equivalents(cfg: Config) -> float:
     included). Dense MLP width for MoE decoders: an estimate for balancing, not an accounting."""
     m, seq = cfg.model, cfg.train.seq_len
     hd = resolved_head_dim(m)
-    kv = m.n_kv_heads or m.n_heads
-    ffn = m.ffn_dim or 256 * -(-int(8 * m.d_model / 3) // 256)
+    kv = resolved_kv_heads(m)
+    ffn = resolved_ffn_dim(m)
     block = (seq * (m.d_model * (2 * m.n_heads + 2 * kv) * hd + 3 * m.d_model * ffn)
              + 2 * seq * seq * m.n_heads * hd)
     dv, vffn = m.vision_d_model, m.vision_ffn_dim or 4 * m.vision_d_model
