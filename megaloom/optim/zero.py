@@ -7,10 +7,10 @@ them from the reduce-scattered ``grad_shard`` and then all-gathers every bucket'
 (asynchronously; a forward pre-hook on each module waits for the buckets holding its parameters, so the
 gather overlaps the start of the next forward). megaloom keeps fp32 parameters and computes under
 autocast, so the parameters are the fp32 master weights: the shard's master weights are views of them
-and no second copy exists. Except when the all-gathers move bf16 (``param_gather_dtype``, the default when
-training in bf16: half the bytes): then every replica holds bf16-rounded weights and the optimizer keeps its
-shard's fp32 master weights apart (1/dp of the model in fp32), writes them into the parameters after each step
-and checkpoints them in place of the rounded parameters, so a resumed run continues exactly.
+and no second copy exists. Except when the all-gathers move bf16 (`parallel.data_parallel.param_gather_dtype`, the
+default when training in bf16: half the bytes): then every replica holds bf16-rounded weights and the optimizer
+keeps its shard's fp32 master weights apart (1/dp of the model in fp32), writes them into the parameters after each
+step and checkpoints them in place of the rounded parameters, so a resumed run continues exactly.
 
 The shard is cut into per-parameter segments so that weight decay skips 1-D parameters (one parameter
 group each) and LAMB can compute one trust ratio per parameter: each segment's partial squared norms are
@@ -425,8 +425,3 @@ def build_data_parallel(model: nn.Module, mesh: Mesh, zero: int = 0, bucket_mb: 
                              low_precision_params)
 
 
-def param_gather_dtype(precision: str) -> torch.dtype:
-    """The dtype ZeRO's parameter all-gathers move for a training precision: the compute dtype of bf16 (and of
-    fp8, whose other ops run in bf16); fp32 otherwise (fp16 keeps fp32 parameters: its range is too narrow
-    for weights without a scale)."""
-    return torch.bfloat16 if precision in ("bf16", "fp8") else torch.float32

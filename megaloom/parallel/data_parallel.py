@@ -85,6 +85,14 @@ DEFAULT_BUCKET_MB = 25.0
 STEP_GROUP_ELEMENTS = 1 << 22
 
 
+def param_gather_dtype(param_gather: str, precision: str) -> torch.dtype:
+    """parallel.param_gather resolved for a training precision (the one rule; the trainer, the memory plan and the
+    step-time planner ask it): at auto, the compute dtype of bf16 (and of fp8, whose other ops run in bf16), with
+    fp32 master shards kept apart; fp32 at param_gather=fp32 and under fp32 or fp16 (fp16 keeps fp32 parameters:
+    its range is too narrow for weights without a scale)."""
+    return torch.bfloat16 if param_gather == "auto" and precision in ("bf16", "fp8") else torch.float32
+
+
 def plan_buckets(numels: list[int], bucket_numel: int, world: int) -> list[tuple[list[int], list[int], int]]:
     """Group parameters (given by element count, in model order) into buckets, last parameter first.
 

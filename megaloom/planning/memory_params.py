@@ -10,10 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import torch
 from torch import nn
 
 from megaloom.accelerator import is_accelerator, is_cuda
 from megaloom.config import Config, ModelConfig
+from megaloom.parallel.data_parallel import param_gather_dtype
 from megaloom.parallel.layout import layout_of
 from megaloom.planning.memory_activations import _resolved, _traits, is_moe_layer
 from megaloom.planning.memory_mla import is_mla
@@ -234,7 +236,7 @@ class _State:
 
 def master_shards(cfg: Config, precision: str) -> bool:
     """ZeRO-1/2 gathering parameters in bf16 (parallel.param_gather=auto in bf16/fp8) keeps fp32 master shards."""
-    return cfg.parallel.param_gather == "auto" and precision in ("bf16", "fp8")
+    return param_gather_dtype(cfg.parallel.param_gather, precision) == torch.bfloat16
 
 
 def bf16_params(lay: RankLayout) -> bool:

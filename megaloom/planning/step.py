@@ -25,11 +25,12 @@ import copy
 import functools
 from dataclasses import dataclass, field
 
-from megaloom.accelerator import CUDA
+from megaloom.accelerator import CUDA, compute_precision
 from megaloom.config import Config
 from megaloom.models.attention_shapes import attention_projections, core_widths
 from megaloom.models.registry import get_family
 from megaloom.observe.flops import flops_per_token
+from megaloom.parallel.data_parallel import param_gather_dtype
 from megaloom.parallel.mesh import validate_layout
 from megaloom.planning import comm
 from megaloom.planning.compute import ChunkWork, chunk_work, optimizer_seconds
@@ -331,7 +332,7 @@ def _dp_exposed(cfg: Config, gpu: GpuKind, sizes: dict[str, int], local: int, fo
     if p.zero == 0:
         return plain
     if p.zero in (1, 2):
-        gather_bytes = 2 if cfg.parallel.param_gather == "auto" and t.precision != "fp32" else 4
+        gather_bytes = param_gather_dtype(cfg.parallel.param_gather, compute_precision(cfg, CUDA)).itemsize
         reduce = comm.reduce_scatter(4 * local, n, link)
         gather = comm.all_gather(gather_bytes * local, n, link)
         return max(0.0, reduce - last_backward) + max(0.0, gather - first_forward)

@@ -56,8 +56,9 @@ from megaloom.optim.onebit import KINDS as ONEBIT_KINDS
 from megaloom.optim.onebit import PAD_MULTIPLE as ONEBIT_PAD
 from megaloom.optim.onebit import build_onebit
 from megaloom.optim.qk_clip import install_qk_clip
-from megaloom.optim.zero import ShardedOptimizer, build_data_parallel, param_gather_dtype
+from megaloom.optim.zero import ShardedOptimizer, build_data_parallel
 from megaloom.parallel.context import SequenceShard, parallelize_context
+from megaloom.parallel.data_parallel import param_gather_dtype
 from megaloom.parallel.materialize import materialize
 from megaloom.parallel.mesh import Mesh
 from megaloom.parallel.pipeline.executor import PipelineExecutor
@@ -266,7 +267,7 @@ class Trainer:
         t0 = time.perf_counter()
         pipe = eval_pipe = None
         fsdp = stage is None and rt.world_size > 1 and cfg.parallel.zero == 3
-        gather_dtype = param_gather_dtype(self.precision) if cfg.parallel.param_gather == "auto" else torch.float32
+        gather_dtype = param_gather_dtype(cfg.parallel.param_gather, self.precision)
         # 1-bit optimizers run on the buckets (one process too: frozen variance, nothing to compress); their
         # chunks are whole bytes of sign bits.
         onebit = t.optimizer in ONEBIT_KINDS

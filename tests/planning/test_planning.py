@@ -225,3 +225,23 @@ def test_onebit_exchange_is_the_step_models_numbers() -> None:
     assert link.inter_node and onebit.exposed["dp"] == pytest.approx(
         comm.onebit_exchange(local, 4, link, slow.hbm_tbps * 1e12), rel=1e-12)
     assert onebit.exposed["dp"] < adam.exposed["dp"] / 10 and onebit.step_s < adam.step_s
+
+
+def test_zero_parameter_gathers_move_what_the_trainer_moves():
+    """ZeRO-1's parameter all-gather is priced in the dtype the trainer gathers (`param_gather_dtype`, one rule):
+    bf16 at param_gather=auto under bf16 (and auto precision, bf16 on a GPU); fp32 under fp16 (its parameters stay
+    fp32) and at param_gather=fp32. The planner once priced fp16's gathers at 2 bytes."""
+    from megaloom.planning.step import _dp_exposed
+
+    g = load_gpu("h200")
+
+    def exposed(*keys: str) -> float:
+        cfg = resolve_for_planning(load_config(None, ["model.preset=llama3-8b", "parallel.zero=1", *keys]))
+        sizes = {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "dp": 16}
+        return _dp_exposed(cfg, g, sizes, 10**9, 0.0, 0.0, 1)
+
+    bf16, fp32 = exposed("train.precision=bf16"), exposed("train.precision=fp32")
+    assert bf16 < fp32
+    assert exposed("train.precision=auto") == bf16
+    assert exposed("train.precision=fp16") == fp32
+    assert exposed("train.precision=bf16", "parallel.param_gather=fp32") == fp32
