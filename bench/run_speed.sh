@@ -113,14 +113,14 @@ dry_layout() {  # the issue-34 layouts: world, then the config overrides
   esac
 }
 if [ "$PART" = dryrun ]; then
-  D="python3 bench/bench_dry_run.py run --steps ${DRY_STEPS:-3} --results $OUT/results.jsonl --run-id $RUN_ID"
+  D="python3 bench/bench_dry_run.py run --steps ${DRY_STEPS:-4} --results $OUT/results.jsonl --run-id $RUN_ID"
   if [ -n "${DRY_OLD:-}" ]; then  # the same layout with an older megaloom (bench/.old): its own report
     name=${DRY_OLD%%:*}; rank=${DRY_OLD#*:}
     echo "=== OLD $(cat bench/.old/COMMIT 2>/dev/null) $name rank $rank" >> "$LOG"
     # shellcheck disable=SC2046
     # from inside bench/.old: `python -m` puts the working directory first on sys.path
     (cd bench/.old && timeout "${DRY_TIMEOUT:-300}" python3 -m megaloom train --dry-run --rank "$rank" \
-      --dry-run-steps "${DRY_STEPS:-3}" $(dry_layout "$name")) > /tmp/dry_old.log 2>&1
+      --dry-run-steps "${DRY_STEPS:-4}" $(dry_layout "$name")) > /tmp/dry_old.log 2>&1
     echo "old $name $rank rc=$? $(grep -o 'steps: .*s (' /tmp/dry_old.log)"
     sed -n '/^megaloom dry run/,$p' /tmp/dry_old.log >> "$LOG"
   fi
