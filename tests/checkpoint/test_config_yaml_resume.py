@@ -117,11 +117,12 @@ def test_a_failed_start_leaves_no_lock_and_a_run_keeps_its_own(small_corpus, tmp
     assert (run / ".lock").is_file()
     (run / ".lock").unlink()  # as a converted run directory is: a checkpoint, never a run's lock
     capsys.readouterr()
-    written = (run / "config.yaml").read_text()
+    written, requested = (run / "config.yaml").read_text(), (run / "requested.yaml").read_text()
     assert main(["train", "--config", str(run / "config.yaml"), "model.n_layers=3", "train.steps=2"]) != 0
     assert "checkpoint is incompatible" in capsys.readouterr().err
     assert not (run / ".lock").exists()
     assert (run / "config.yaml").read_text() == written  # the refused settings are not the run's config.yaml
+    assert (run / "requested.yaml").read_text() == requested  # nor its requested.yaml
     assert main(["train", "--config", str(run / "config.yaml"), "train.steps=2"]) == 0
     assert (run / ".lock").is_file()
     assert main(["train", "--config", str(run / "config.yaml"), "model.n_layers=3", "train.steps=3"]) != 0
