@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import signal
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 import torch
@@ -95,3 +96,29 @@ def make_loader(batches: StepBatches, num_workers: int, prefetch: int, pin_memor
         # global RNG, so a resumed run's dropout stream is exactly the uninterrupted run's.
         generator=torch.Generator().manual_seed(0),
     )
+
+
+def batches_of(loader: Iterable) -> Iterator:
+    """Iterate ``loader``, so that a data-loader worker's death reads as torch's RuntimeError naming it.
+
+    A worker killed while it hands a batch over (its shared memory's file descriptor in flight) surfaces in this
+    process as EOFError or ConnectionError from multiprocessing, before the DataLoader has seen the worker die (it
+    looks at its workers only after a failed read). One more read lets it look: it then raises "DataLoader worker
+    (pid(s) N) exited unexpectedly", which `megaloom train` turns into one line. If that read returns a batch
+    instead, the original error is raised: no batch is ever skipped."""
+    it = iter(loader)
+    while True:
+        try:
+            batch = next(it)
+        except StopIteration:
+            return
+        except (EOFError, ConnectionError) as e:
+            try:
+                next(it)
+            except RuntimeError as died:
+                if "DataLoader worker" in str(died):
+                    raise died from e
+            except Exception:  # noqa: BLE001 - the original error is the one to report
+                pass
+            raise
+        yield batch

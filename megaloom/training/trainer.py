@@ -30,7 +30,7 @@ from megaloom.data.chat.identity import chat_identity
 from megaloom.data.dataset import build_datasets, source_prefixes
 from megaloom.data.identity import data_identity
 from megaloom.data.image_text.batch import ImageTextBatch
-from megaloom.data.loader import StepBatches, make_loader
+from megaloom.data.loader import StepBatches, batches_of, make_loader
 from megaloom.data.objective import ObjectiveDataset, inputs_and_labels
 from megaloom.fa4 import check_fa4
 from megaloom.models import count_params, registry
@@ -565,8 +565,8 @@ class Trainer:
                               rank_size=self.local_batch, start_step=step + self.data_offset, n_steps=t.steps - step)
         if not self.reads_data:
             return itertools.repeat(None, t.steps - step)
-        return make_loader(batches, cfg.data.num_workers, cfg.data.prefetch,
-                           pin_memory=accelerator.pin_memory(self.device))
+        return batches_of(make_loader(batches, cfg.data.num_workers, cfg.data.prefetch,
+                                      pin_memory=accelerator.pin_memory(self.device)))
 
     def _train_one_step(self, batch: torch.Tensor | None) -> bool:
         """One optimizer step, then its metric line if due; True when the run must roll back."""

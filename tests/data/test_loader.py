@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from megaloom.data.errors import DataError
-from megaloom.data.loader import StepBatches, make_loader
+from megaloom.data.loader import StepBatches, batches_of, make_loader
 
 
 class Rows:
@@ -63,3 +63,43 @@ def test_loader_rejects_bad_settings() -> None:
         make_loader(b, num_workers=1, prefetch=0, pin_memory=False)
     with pytest.raises(DataError, match=r"data.num_workers"):
         make_loader(b, num_workers=-1, prefetch=2, pin_memory=False)
+
+
+class _Reads:
+    """A stand-in for a DataLoader's iterator: each read returns the next item, or raises it if it is an error."""
+
+    def __init__(self, *items):
+        self.items = list(items)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if not self.items:
+            raise StopIteration
+        item = self.items.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+def test_a_worker_killed_mid_handover_is_named_as_torch_names_it() -> None:
+    """A worker killed while handing a batch over: multiprocessing's EOFError (or a reset connection) comes
+    first; the next read is the DataLoader's RuntimeError naming the dead worker, raised in its place (the
+    error `megaloom train` turns into one line), chained to the first."""
+    died = RuntimeError("DataLoader worker (pid(s) 4242) exited unexpectedly")
+    for first in (EOFError(), ConnectionResetError(104, "Connection reset by peer")):
+        got = []
+        with pytest.raises(RuntimeError, match=r"DataLoader worker \(pid\(s\) 4242\)") as raised:
+            for batch in batches_of(_Reads(1, 2, first, died)):
+                got.append(batch)
+        assert got == [1, 2] and raised.value.__cause__ is first
+
+
+def test_no_batch_is_skipped_when_the_error_was_not_a_dead_worker() -> None:
+    """If the read after the error returns a batch, or fails otherwise, the original error stands: the stream
+    never silently moves on past a batch."""
+    for after in (3, RuntimeError("something else"), StopIteration()):
+        with pytest.raises(EOFError):
+            list(batches_of(_Reads(1, 2, EOFError(), after, 4)))
+    assert list(batches_of(_Reads(1, 2, 3))) == [1, 2, 3]
